@@ -1,0 +1,171 @@
+"""A deterministic EngineBackend for HTTP tests, and a helper running an app under uvicorn.
+
+The fake "model" echoes the prompt's words, cycling, one word per token (" word").
+A word `</s>` in the prompt is emitted as the special EOS token and ends generation.
+Stop sequences are matched on the generated text, as the engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
+from tpserve.errors import GenerationError, ValidationError
+from tpserve.server.backend import ModelInfo
+
+EOS = TokenInfo(id=2, text="</s>", logprob=-0.01, special=True)
+FAKE_SEED = 4242  # reported when sampling without an explicit seed
+
+
+def word_token(word: str, position: int) -> TokenInfo:
+    # Stable ids (crc32, not hash(), which is salted per process) and distinct logprobs.
+    return TokenInfo(id=3 + zlib.crc32(word.encode()) % 30000, text=" " + word,
+                     logprob=-0.1 * (position + 1))
+
+
+@dataclass
+class Call:
+    prompt: str
+    params: SamplingParams
+    truncate: int | None
+    add_special_tokens: bool
+
+
+@dataclass
+class FakeBackend:
+    info_: ModelInfo = field(
+        default_factory=lambda: ModelInfo(
+            model_id="fake/echo",
+            model_dtype="float32",
+            model_device_type="cpu",
+            tp_size=2,
+            max_input_tokens=64,
+            max_total_tokens=128,
+            max_concurrent_requests=4,
+            max_stop_sequences=3,
+            max_top_n_tokens=3,
+        )
+    )
+    is_ready: bool = True
+    # Raised by generate() itself, before any event (e.g. OverloadedError, RuntimeError).
+    raise_on_generate: BaseException | None = None
+    # Raise GenerationError after this many events were produced.
+    fail_after: int | None = None
+    token_delay: float = 0.0
+    has_chat_template: bool = True
+    calls: list[Call] = field(default_factory=list)
+    # Set (from the server thread) when a stream was closed before its final event.
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def info(self) -> ModelInfo:
+        return self.info_
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.has_chat_template:
+            raise ValidationError("this model has no chat template")
+        turns = [f"{m['role']}: {m['content']}" for m in messages]
+        return " ".join([*turns, "assistant:"])
+
+    def generate(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        truncate: int | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[GenerationEvent]:
+        self.calls.append(Call(prompt, params, truncate, add_special_tokens))
+        if self.raise_on_generate is not None:
+            raise self.raise_on_generate
+        words = prompt.split()
+        if truncate is not None:
+            words = words[-truncate:]
+        n_prompt = len(words)
+        if n_prompt > self.info_.max_input_tokens:
+            raise ValidationError(
+                f"`inputs` must have at most {self.info_.max_input_tokens} tokens (got {n_prompt})"
+            )
+        if n_prompt + params.max_new_tokens > self.info_.max_total_tokens:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {self.info_.max_total_tokens}"
+            )
+        return self._stream(words, params)
+
+    async def _stream(
+        self, words: list[str], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        seed = None if params.greedy else (params.seed if params.seed is not None else FAKE_SEED)
+        prefill = [
+            TokenInfo(id=word_token(w, 0).id, text=w, logprob=None if i == 0 else -1.0)
+            for i, w in enumerate(words)
+        ] if params.prompt_logprobs else []
+        text = ""
+        finished = False
+        try:
+            for i in range(params.max_new_tokens):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise GenerationError("fake engine failure")
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                word = words[i % len(words)]
+                tok = EOS if word == "</s>" else word_token(word, i)
+                if not tok.special:
+                    text += tok.text
+                reason = None
+                if tok.special:
+                    reason = "eos_token"
+                elif any(s in text for s in params.stop):
+                    reason = "stop_sequence"
+                elif i + 1 == params.max_new_tokens:
+                    reason = "length"
+                top = [word_token(f"alt{k}", i) for k in range(params.top_n_tokens)]
+                event = GenerationEvent(token=tok, top_tokens=top or None)
+                if reason is not None:
+                    finished = True
+                    event.finished = True
+                    event.generated_text = text
+                    event.finish_reason = reason
+                    event.generated_tokens = i + 1
+                    event.seed = seed
+                    event.prompt_tokens = len(words)
+                    event.prefill = prefill
+                yield event
+                if finished:
+                    return
+        except (GeneratorExit, asyncio.CancelledError):
+            # Closed or cancelled before the end: what the server does on disconnect.
+            self.aborted.set()
+            raise
+
+
+@contextlib.contextmanager
+def serve(app: object) -> Iterator[str]:
+    """Run `app` with uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

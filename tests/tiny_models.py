@@ -1,0 +1,129 @@
+"""Tiny random checkpoints of each supported family, built with transformers' own config
+classes and saved as safetensors, plus a byte-level BPE tokenizer trained on the spot.
+Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Tensor parallel inference splits every layer across devices.",
+    "A paged cache stores keys and values in fixed size blocks.",
+    "Hello world, this is a tiny model trained on nothing at all.",
+    "Ray actors hold one shard each and all-reduce after row parallel layers.",
+    "Once upon a time there was a server that answered every request.",
+    "Numbers like 12345 and 67890 and symbols like {} [] () are tokens too.",
+] * 20
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello world",
+    "Ray actors hold one shard each and all-reduce after row parallel layers, and a paged cache",
+    "A",
+]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def _common(vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def llama_config(**kw):
+    from transformers import LlamaConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = LlamaConfig(**args)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def mistral_config(**kw):
+    from transformers import MistralConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                sliding_window=8, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = MistralConfig(**args)
+    cfg.architectures = ["MistralForCausalLM"]
+    return cfg
+
+
+def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None) -> Path:
+    """Instantiate transformers' model for config with random weights and save it with a
+    tokenizer; returns the directory."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) \
+        else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
+    # Spread the random weights so greedy continuations are not all one token.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    tok = build_tokenizer(min(vocab_for_tokenizer or config.vocab_size, config.vocab_size))
+    tok.save_pretrained(out)
+    gen = out / "generation_config.json"
+    if gen.exists():
+        g = json.loads(gen.read_text())
+        g["eos_token_id"] = config.eos_token_id
+        gen.write_text(json.dumps(g))
+    return out
+
+
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation, float32 on the CPU: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForSeq2SeqLM if cfg.get("is_encoder_decoder") else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tok.pad_token_id,
+                                 min_new_tokens=max_new_tokens)
+        outs.append(gen[0, ids.shape[1]:].tolist() if not cfg.get("is_encoder_decoder")
+                    else gen[0, 1:].tolist())
+    return outs
+
+
+def hf_last_logits(path: Path, prompts: list[str]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    res = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            res.append(model(ids).logits[0, -1].float())
+    return res

@@ -1,0 +1,276 @@
+"""Python clients for tpserve's (and TGI's) /generate API, mirroring text_generation.Client.
+
+Parameters are validated locally with the same pydantic models the server uses, so a
+bad argument fails before any network round trip with the server's wording.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pydantic
+
+from tpserve import protocol as wire
+from tpserve.errors import (
+    GenerationError,
+    NotReadyError,
+    OverloadedError,
+    TPServeError,
+    ValidationError,
+)
+
+_ERRORS: dict[str, type[TPServeError]] = {
+    "validation": ValidationError,
+    "overloaded": OverloadedError,
+    "unhealthy": NotReadyError,
+}
+_STATUS_ERRORS: dict[int, type[TPServeError]] = {
+    422: ValidationError,
+    429: OverloadedError,
+    503: NotReadyError,
+}
+
+
+def _error_from(status: int, payload: Any, fallback_text: str = "") -> TPServeError:
+    """Turn a server error body into the matching tpserve.errors instance."""
+    if isinstance(payload, dict) and "error" in payload:
+        cls = _ERRORS.get(payload.get("error_type", ""), _STATUS_ERRORS.get(status))
+        return (cls or GenerationError)(str(payload["error"]))
+    cls = _STATUS_ERRORS.get(status, GenerationError)
+    return cls(f"HTTP {status}: {fallback_text[:500]}".rstrip(": "))
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code == 200:
+        return
+    try:
+        payload = resp.json()
+    except ValueError:
+        payload = None
+    raise _error_from(resp.status_code, payload, resp.text)
+
+
+def _parse_event(line: str) -> wire.StreamResponse | None:
+    """One SSE line -> StreamResponse; raises the server's in-band error events."""
+    if not line.startswith("data:"):
+        return None  # blank separators, comments, other SSE fields
+    payload = json.loads(line[len("data:") :])
+    if isinstance(payload, dict) and "error" in payload:
+        raise _error_from(200, payload)
+    return wire.StreamResponse.model_validate(payload)
+
+
+def _body(prompt: str, stream: bool, **params: Any) -> dict[str, Any]:
+    stop = params.pop("stop_sequences", None)
+    try:
+        request = wire.GenerateRequest(
+            inputs=prompt,
+            stream=stream,
+            parameters=wire.GenerateParameters(details=True, stop=stop or [], **params),
+        )
+    except pydantic.ValidationError as exc:
+        raise ValidationError(wire.describe_errors(exc.errors())) from None
+    # exclude_none keeps the body small and lets the server apply its own defaults.
+    return request.model_dump(mode="json", exclude_none=True)
+
+
+class _Base:
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str] | None = None,
+        cookies: dict[str, str] | None = None,
+        timeout: float = 10,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = headers
+        self.cookies = cookies
+        self.timeout = timeout
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "headers": self.headers,
+            "cookies": self.cookies,
+            "timeout": self.timeout,
+        }
+
+
+class Client(_Base):
+    """Synchronous client. Keeps one connection pool; use as a context manager or close()."""
+
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str] | None = None,
+        cookies: dict[str, str] | None = None,
+        timeout: float = 10,
+    ) -> None:
+        super().__init__(base_url, headers, cookies, timeout)
+        self._http = httpx.Client(**self._client_kwargs())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def health(self) -> bool:
+        """True when the server answers /health with 200 (model loaded)."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def info(self) -> dict[str, Any]:
+        resp = self._http.get("/info")
+        _raise_for(resp)
+        return resp.json()
+
+    def generate(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        best_of: int | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        decoder_input_details: bool = False,
+        top_n_tokens: int | None = None,
+    ) -> wire.Response:
+        """Generate a completion of `prompt`; the result always carries `details`."""
+        body = _body(prompt, False, **_params(locals()))
+        resp = self._http.post("/generate", json=body)
+        _raise_for(resp)
+        return wire.Response.model_validate(resp.json())
+
+    def generate_stream(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        top_n_tokens: int | None = None,
+    ) -> Iterator[wire.StreamResponse]:
+        """Yield one StreamResponse per token; the last has generated_text and details.
+
+        Stopping the iteration early closes the connection, which aborts the request.
+        """
+        body = _body(prompt, True, **_params(locals()))
+        with self._http.stream("POST", "/generate_stream", json=body) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                _raise_for(resp)
+            for line in resp.iter_lines():
+                event = _parse_event(line)
+                if event is not None:
+                    yield event
+
+
+class AsyncClient(_Base):
+    """Asynchronous client with the same methods as Client (awaitable / async-iterable).
+
+    Each call opens its own httpx.AsyncClient, like text_generation.AsyncClient: a pool
+    would be bound to the event loop of its first use and break under a second
+    asyncio.run().
+    """
+
+    async def health(self) -> bool:
+        try:
+            async with httpx.AsyncClient(**self._client_kwargs()) as http:
+                return (await http.get("/health")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def info(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(**self._client_kwargs()) as http:
+            resp = await http.get("/info")
+        _raise_for(resp)
+        return resp.json()
+
+    async def generate(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        best_of: int | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        decoder_input_details: bool = False,
+        top_n_tokens: int | None = None,
+    ) -> wire.Response:
+        body = _body(prompt, False, **_params(locals()))
+        async with httpx.AsyncClient(**self._client_kwargs()) as http:
+            resp = await http.post("/generate", json=body)
+        _raise_for(resp)
+        return wire.Response.model_validate(resp.json())
+
+    async def generate_stream(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        top_n_tokens: int | None = None,
+    ) -> AsyncIterator[wire.StreamResponse]:
+        body = _body(prompt, True, **_params(locals()))
+        async with (
+            httpx.AsyncClient(**self._client_kwargs()) as http,
+            http.stream("POST", "/generate_stream", json=body) as resp,
+        ):
+            if resp.status_code != 200:
+                await resp.aread()
+                _raise_for(resp)
+            async for line in resp.aiter_lines():
+                event = _parse_event(line)
+                if event is not None:
+                    yield event
+
+
+def _params(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A method's keyword arguments, minus `self` and the prompt."""
+    return {k: v for k, v in arguments.items() if k not in ("self", "prompt")}

@@ -1,0 +1,231 @@
+"""One shard of the model on one device. Runs inside a Ray actor (see worker_group.py) or
+directly in a test process; every method is a typed call and every constructor returns."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tpserve.cluster.device import dist_backend, local_device, memory_info
+from tpserve.config import EngineConfig
+from tpserve.distributed import TPInfo, reset_tp, set_tp
+from tpserve.engine.step import StepBatch, StepOutput
+from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+from tpserve.kernels.registry import select_backend
+from tpserve.layers.attention import PagedAttention
+from tpserve.layers.context import ForwardContext, forward_context
+from tpserve.layers.sampler import sample
+from tpserve.models.registry import model_class
+from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    rank: int
+    seconds: float
+    param_bytes: int
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    full_bytes: dict[str, int] = field(default_factory=dict)
+    backend: str = ""
+    passed_over: dict[str, str] = field(default_factory=dict)
+    cache_bytes_per_block: int = 0
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def build_model(cfg: EngineConfig, hf_config, device: torch.device):
+    """The model class for this checkpoint with this rank's parameter shapes (uninitialised).
+    On the meta device this costs nothing, which is how the driver checks sharding early."""
+    cls = model_class(hf_config)
+    with torch.device(device), default_dtype(getattr(torch, cfg.model.dtype)):
+        return cls(hf_config, max_positions=cfg.model.max_model_len)
+
+
+class ShardWorker:
+    def __init__(self, cfg: EngineConfig, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.tp_size = cfg.parallel.tp_size
+        if cfg.parallel.device == "cpu":
+            torch.set_num_threads(max(1, cfg.parallel.cpus_per_shard))
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.device: torch.device | None = None
+        self.model = None
+        self.backend = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.specs: list[AttentionSpec] = []
+        self.steps = 0
+
+    # --- set-up -------------------------------------------------------------------------
+    def node_ip(self) -> str:
+        try:
+            import ray
+
+            return ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray, the loopback address will do
+            return "127.0.0.1"
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def init_distributed(self, master_addr: str, master_port: int) -> str:
+        """Join the shards' process group; returns the backend name."""
+        self.device = local_device(self.cfg.parallel.device)
+        backend = dist_backend(self.cfg.parallel.device)
+        if self.tp_size > 1:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank, world_size=self.tp_size,
+                timeout=timedelta(seconds=self.cfg.parallel.dist_timeout_s))
+            set_tp(TPInfo(self.rank, self.tp_size), dist.group.WORLD)
+        else:
+            set_tp(TPInfo(0, 1))
+        return backend if self.tp_size > 1 else "none (tp=1)"
+
+    def load_weights(self) -> LoadReport:
+        t0 = time.perf_counter()
+        path = self.cfg.model.path
+        hf = load_hf_config(path)
+        self.model = build_model(self.cfg, hf, self.device)
+        stats = LoadStats()
+        desc = f"shard {self.rank}/{self.tp_size} loading weights"
+        self.model.load_weights(iter_checkpoint(_path(path), stats, self.rank == 0, desc))
+        self.model.eval()
+        self.specs = [m.spec for m in self.model.modules() if isinstance(m, PagedAttention)]
+        unique = list(dict.fromkeys(self.specs))
+        self.backend, passed = select_backend(self.cfg.kernel, self.device, self.dtype, unique)
+        params = sum(p.numel() * p.element_size()
+                     for p in dict.fromkeys(self.model.parameters()))
+        return LoadReport(self.rank, time.perf_counter() - t0, params, stats.read_bytes,
+                          stats.full_bytes, self.backend.name, passed, self._bytes_per_block())
+
+    def _bytes_per_block(self) -> int:
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        total = 0
+        for spec in self.specs:
+            shape = self.backend.kv_cache_shape(1, self._with_block(spec))
+            n = 1
+            for d in shape:
+                n *= d
+            total += 2 * n * elt
+        return total
+
+    def _with_block(self, spec: AttentionSpec) -> AttentionSpec:
+        from dataclasses import replace
+
+        return replace(spec, block_size=self.cfg.cache.block_size)
+
+    def available_blocks(self) -> int:
+        """How many KV blocks fit on this shard (the driver takes the minimum over ranks)."""
+        cache = self.cfg.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type == "cpu":
+            budget = cache.kv_cache_memory_gb * 2**30
+        else:
+            free, total = memory_info(self.device)
+            budget = free - (1 - cache.gpu_memory_utilization) * total
+        return max(0, int(budget // per_block))
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for spec in self.specs:
+            shape = self.backend.kv_cache_shape(num_blocks, self._with_block(spec))
+            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        self.specs = [self._with_block(s) for s in self.specs]
+        for m in self.model.modules():
+            if isinstance(m, PagedAttention):
+                m.spec = self._with_block(m.spec)
+
+    def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
+        """Let the backend compile its kernels for the shapes it will see; seconds taken."""
+        t0 = time.perf_counter()
+        for spec in dict.fromkeys(self.specs):
+            self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
+        return time.perf_counter() - t0
+
+    def health(self) -> dict:
+        return {"rank": self.rank, "device": str(self.device), "steps": self.steps,
+                "pid": os.getpid(), "backend": getattr(self.backend, "name", None)}
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        reset_tp()
+
+    # --- serving ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        self.steps += 1
+        dev, seqs = self.device, batch.seqs
+        bs = self.cfg.cache.block_size
+        q_lens = [len(s.token_ids) for s in seqs]
+        seq_lens = [s.seq_len for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(s.start_pos, s.seq_len) for s in seqs])
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                              dtype=torch.int32).clamp_(min=0)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(q_lens))
+        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        starts = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(q_lens).cumsum(0)
+        meta = AttentionMetadata(
+            query_start_loc=starts.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
+                                                                  device=dev),
+            block_tables=tables.to(dev), slot_mapping=slots.to(dev),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            query_lens_host=tuple(q_lens), seq_lens_host=tuple(seq_lens))
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+            hidden = self.model(ids.to(dev), positions.to(dev))
+        ends = starts[1:].tolist()
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        rows = [ends[i] - 1 for i in sampled]
+        lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
+        for i in lp_seqs:
+            rows.extend(range(ends[i] - q_lens[i], ends[i] - 1))
+        if not rows:
+            return StepOutput(batch.step_id, []) if self.rank == 0 else None
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        if self.rank != 0:
+            return None
+        tokens = sample(logits[: len(sampled)], [seqs[i] for i in sampled], self.cfg.seed)
+        out = StepOutput(batch.step_id, tokens)
+        row = len(sampled)
+        for i in lp_seqs:
+            n = q_lens[i] - 1
+            nxt = torch.tensor(seqs[i].token_ids[1:], device=logits.device)
+            lps = logits[row : row + n].log_softmax(-1).gather(1, nxt[:, None])[:, 0]
+            out.prompt_logprobs[seqs[i].seq_id] = lps.tolist()
+            row += n
+        if batch.return_logits:
+            out.logits = logits[: len(sampled)].cpu().numpy()
+        return out
+
+
+def _path(p: str):
+    from pathlib import Path
+
+    return Path(p)

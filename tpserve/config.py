@@ -1,0 +1,51 @@
+"""Frozen configuration shared by the driver and the workers (plain values; no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # resolved local directory holding config.json and *.safetensors
+    model_id: str  # what the user asked for (hub id or path), for /info
+    dtype: str = "float32"  # resolved torch dtype name
+    max_model_len: int = 2048
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+    device: str = "cpu"  # "cpu" | "cuda" | "xpu" (resolved; never "auto" here)
+    cpus_per_shard: int = 1
+    dist_timeout_s: float = 600.0
+    ray_address: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Exactly this many blocks when set; else sized from kv_cache_memory_gb (CPU) or
+    # gpu_memory_utilization (accelerators) after the weights are loaded.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_concurrent_requests: int = 128
+    max_input_tokens: int | None = None  # default: max_model_len - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: str = "auto"
+    seed: int = 0

@@ -1,0 +1,1 @@
+"""Pure-Python engine: requests, sequences, block manager, scheduler, detokenizer. No torch."""

@@ -1,0 +1,44 @@
+"""Incremental detokenization: text for each new token without re-decoding the whole output.
+
+Decoding a token alone loses context (leading spaces, multi-byte characters split over
+tokens), so each step decodes a short window ending at the new token and emits only what
+the window adds; an incomplete UTF-8 character (U+FFFD) waits for the next token.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, special_ids: frozenset[int] = frozenset()) -> None:
+        self.tok = tokenizer
+        self.special_ids = special_ids
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the text it completes (may be empty)."""
+        if token_id in self.special_ids:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += new
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """At the end of generation: whatever text is still held back."""
+        full = self._decode(self.ids)
+        if full.startswith(self.text) and len(full) > len(self.text):
+            rest = full[len(self.text) :]
+            self.text = full
+            return rest
+        return ""

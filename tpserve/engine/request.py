@@ -1,0 +1,61 @@
+"""Typed values that cross the boundary between the HTTP layer and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters (TGI's `parameters`, already validated)."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # Number of most likely alternatives reported per generated token (0: none).
+    top_n_tokens: int = 0
+    # Report log-probabilities of the prompt tokens (TGI's decoder_input_details).
+    prompt_logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the arg-max (no randomness at all)."""
+        if not self.do_sample and self.temperature is None and self.top_k is None \
+                and self.top_p is None and self.typical_p is None:
+            return True
+        return self.temperature is not None and self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+
+
+@dataclass
+class GenerationEvent:
+    """One event of a request's stream: a new token, and on the last event the final result."""
+
+    token: TokenInfo
+    top_tokens: list[TokenInfo] | None = None
+    finished: bool = False
+    # Set only when finished.
+    generated_text: str | None = None
+    finish_reason: FinishReason | None = None
+    generated_tokens: int = 0
+    seed: int | None = None
+    prompt_tokens: int = 0
+    prefill: list[TokenInfo] = field(default_factory=list)

@@ -1,0 +1,104 @@
+"""Continuous batching: every step decodes the running sequences and admits waiting ones
+(prompts, chunked to the token budget) in arrival order. When the KV cache runs out, the
+youngest running sequence is preempted and later recomputed from its tokens."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tpserve.engine.block_manager import BlockManager
+from tpserve.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens fed this step, starting at seq.num_computed
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this chunk every known token is in the cache, so a next token is sampled."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, sliding_window: int | None = None) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.sliding_window = sliding_window
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and return its blocks."""
+        seq.status = SeqStatus.FINISHED
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # Running sequences first, oldest first; make room by preempting the youngest.
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_pending, budget)
+            if n <= 0:
+                break
+            while not self.blocks.can_grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_computed + n)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        # Then admit waiting sequences in arrival order, without skipping ahead.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def after_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Record what the step computed; release blocks that left the sliding window."""
+        for s in scheduled:
+            s.seq.num_computed += s.num_new
+            if self.sliding_window and not s.seq.finished:
+                self.blocks.release_outside_window(s.seq, self.sliding_window)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one sequence of num_tokens could run alone in the whole cache."""
+        if self.sliding_window:
+            num_tokens = min(num_tokens, self.sliding_window + self.max_num_batched_tokens)
+        return -(-num_tokens // self.blocks.block_size) <= self.blocks.num_blocks

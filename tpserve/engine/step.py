@@ -1,0 +1,57 @@
+"""The per-step message from the driver to every shard, and rank 0's answer. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpserve.engine.request import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step: its new tokens and where they go in the paged cache."""
+
+    seq_id: int
+    token_ids: list[int]  # new tokens this step (a prompt chunk, or the last sampled token)
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
+    block_table: list[int]  # physical block per logical block; -1 marks a freed block
+    sample: bool  # sample the next token after this chunk (the prompt is complete)
+    params: SamplingParams | None = None
+    # Tokens seen so far (prompt + generated) when a penalty needs them, else None.
+    history: list[int] | None = None
+    num_generated: int = 0  # seeds per-token randomness: (seed, num_generated)
+    # Report the log-probability of each of token_ids[1:] (TGI's decoder_input_details).
+    prompt_logprobs: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepBatch:
+    step_id: int
+    seqs: list[SeqStep]
+    # Tests and tooling: also return the full-vocabulary logits of the sampled rows.
+    return_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # top_n alternatives
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    tokens: list[SampledToken]
+    # seq_id -> log p(token_ids[i+1] | ...) over the chunk, when prompt_logprobs was asked.
+    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
+    logits: object | None = None  # numpy [num_sampled, vocab] float32 when return_logits

@@ -1,0 +1,52 @@
+"""Errors shared by the server, the engine and the client.
+
+Each error carries the TGI `error_type` string so that the HTTP layer and the clients
+(tpserve.Client and text_generation.Client) agree on what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class TPServeError(Exception):
+    error_type = "generation"
+    status_code = 500
+
+
+class ValidationError(TPServeError):
+    """The request is invalid (HTTP 422). Nothing was queued."""
+
+    error_type = "validation"
+    status_code = 422
+
+
+class OverloadedError(TPServeError):
+    """The server is at its concurrency limit (HTTP 429). Retry later."""
+
+    error_type = "overloaded"
+    status_code = 429
+
+
+class GenerationError(TPServeError):
+    """Generation failed inside the engine (HTTP 500)."""
+
+    error_type = "generation"
+    status_code = 500
+
+
+class NotReadyError(TPServeError):
+    """The model is still loading (HTTP 503)."""
+
+    error_type = "unhealthy"
+    status_code = 503
+
+
+class ShardingError(ValueError):
+    """A checkpoint tensor cannot be split across the requested tensor-parallel size."""
+
+
+class CheckpointError(FileNotFoundError):
+    """A model could not be found or read."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """An explicitly requested attention backend cannot run here; the message says why."""

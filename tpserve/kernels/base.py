@@ -1,0 +1,122 @@
+"""The attention-backend interface: what every kernel (portable, Triton, IPEX, plugin) implements.
+
+Layout of the paged KV cache is the backend's choice (kv_cache_shape); the engine only
+deals in block ids and slots (slot = block_id * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention layer on one rank."""
+
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank (after replication when tp > kv heads)
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # a query sees keys with q_pos - window < k_pos <= q_pos
+    alibi: bool = False  # per-head slopes passed to forward()
+    softcap: float | None = None  # scores = softcap * tanh(scores / softcap)
+    block_size: int = 16
+
+    @property
+    def features(self) -> frozenset[str]:
+        f = {"prefill", "decode"}
+        if self.sliding_window:
+            f.add("sliding_window")
+        if self.alibi:
+            f.add("alibi")
+        if self.softcap:
+            f.add("softcap")
+        return frozenset(f)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout (tensors on the worker's device). Sequences are laid out
+    contiguously in the flat token dimension in the order of seq_lens."""
+
+    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 [B], context length after this step's tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks]; unused entries hold any valid id
+    slot_mapping: torch.Tensor  # int64 [T], cache slot for each new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends can plan without a device sync.
+    query_lens_host: tuple[int, ...] = ()
+    seq_lens_host: tuple[int, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention. Instances are per worker, stateless per step."""
+
+    name: str = "abstract"
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
+        """None when this backend can run `spec` here, else the reason it cannot."""
+
+    def kv_cache_shape(self, num_blocks: int, spec: AttentionSpec) -> tuple[int, ...]:
+        return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+    @abstractmethod
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        alibi_slopes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for a batch where some sequences bring several new tokens (prompt
+        chunks, possibly mixed with decodes). q: [T, heads, head_dim] -> same shape. The new
+        tokens' K/V are already in the cache; each attends to its own sequence's context."""
+
+    @abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        alibi_slopes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for a batch of one new token per sequence. q: [B, heads, head_dim]."""
+
+    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None) -> torch.Tensor:
+        if meta.decode_only:
+            return self.decode(q, k_cache, v_cache, meta, spec, alibi_slopes)
+        return self.prefill(q, k_cache, v_cache, meta, spec, alibi_slopes)
+
+    def warmup(self, device: torch.device, dtype: torch.dtype, spec: AttentionSpec,
+               batch_sizes: tuple[int, ...] = (1,)) -> None:
+        """Compile whatever this backend compiles, before serving. Default: nothing to do."""

@@ -1,0 +1,106 @@
+"""The portable reference backend: plain PyTorch ops, so it runs on CPU, CUDA and XPU alike.
+
+Decode is one vectorised gather over the block tables for the whole batch. Prefill goes
+sequence by sequence (bounded memory: scores are [heads, q_len, context] for one sequence)
+and batches any decode rows of a mixed step together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
+
+
+def attend_padded(
+    q: torch.Tensor,  # [B, Q, Hq, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    q_pos: torch.Tensor,  # [B, Q] absolute positions of the queries
+    ctx_len: torch.Tensor,  # [B] valid keys per sequence (positions 0..ctx_len-1)
+    spec: AttentionSpec,
+    alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention of padded queries over padded keys; returns [B, Q, Hq, D]."""
+    b, nq, hq, d = q.shape
+    hkv, length = k.shape[2], k.shape[1]
+    g = hq // hkv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # Query head h uses KV head h // g, as transformers' repeat_kv does.
+    qh = q.to(acc).view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    kh = k.to(acc).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    vh = v.to(acc).permute(0, 2, 1, 3)
+    scores = torch.matmul(qh, kh.unsqueeze(2).transpose(-1, -2)) * spec.scale  # [B,Hkv,G,Q,L]
+    if spec.softcap:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    k_pos = torch.arange(length, device=q.device)
+    rel = k_pos.view(1, 1, length) - q_pos.unsqueeze(-1)  # [B, Q, L], <= 0 where visible
+    if alibi_slopes is not None:
+        # A per-row shift leaves softmax unchanged, so slope * (k - q) equals the
+        # slope * k form of the original ALiBi.
+        slopes = alibi_slopes.to(acc).view(1, hkv, g, 1, 1)
+        scores = scores + slopes * rel.to(acc).unsqueeze(1).unsqueeze(1)
+    visible = (rel <= 0) & (k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1))
+    if spec.sliding_window:
+        visible &= rel > -spec.sliding_window
+    scores = scores.masked_fill(~visible.view(b, 1, 1, nq, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows see nothing
+    out = torch.matmul(probs, vh.unsqueeze(2))  # [B, Hkv, G, Q, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d).to(q.dtype)
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """[num_blocks, block, H, D] cache + [B, nb] tables -> [B, nb * block, H, D] (nb trimmed)."""
+    block = cache.shape[1]
+    nb = -(-max_len // block)
+    return cache[block_tables[:, :nb].long()].flatten(1, 2)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    @classmethod
+    def supports(cls, device, dtype, spec) -> str | None:
+        if spec.num_heads % spec.num_kv_heads:
+            return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
+        return None
+
+    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        k = gather_context(k_cache, meta.block_tables, meta.max_seq_len)
+        v = gather_context(v_cache, meta.block_tables, meta.max_seq_len)
+        seq_lens = meta.seq_lens.long()
+        out = attend_padded(q.unsqueeze(1), k, v, (seq_lens - 1).unsqueeze(1), seq_lens,
+                            spec, alibi_slopes)
+        return out.squeeze(1)
+
+    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        q_lens = meta.query_lens_host or tuple(
+            (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
+        seq_lens = meta.seq_lens_host or tuple(meta.seq_lens.tolist())
+        out = torch.empty_like(q)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+        if decode_rows:
+            idx = torch.tensor(decode_rows, device=q.device)
+            tok = torch.tensor([starts[i] for i in decode_rows], device=q.device)
+            sub = AttentionMetadata(
+                query_start_loc=meta.query_start_loc[: len(decode_rows) + 1],
+                seq_lens=meta.seq_lens[idx], block_tables=meta.block_tables[idx],
+                slot_mapping=meta.slot_mapping, max_query_len=1,
+                max_seq_len=max(seq_lens[i] for i in decode_rows))
+            out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes)
+        for i, n in enumerate(q_lens):
+            if n == 1:
+                continue
+            s, ctx = starts[i], seq_lens[i]
+            k = gather_context(k_cache, meta.block_tables[i : i + 1], ctx)
+            v = gather_context(v_cache, meta.block_tables[i : i + 1], ctx)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(0)
+            ctx_t = torch.tensor([ctx], device=q.device)
+            out[s : s + n] = attend_padded(q[s : s + n].unsqueeze(0), k, v, q_pos, ctx_t, spec,
+                                           alibi_slopes)[0]
+        return out

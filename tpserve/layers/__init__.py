@@ -1,0 +1,2 @@
+"""Tensor-parallel building blocks. Each parameter carries a weight_loader that takes its
+rank's slice of a checkpoint tensor."""

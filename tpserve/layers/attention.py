@@ -1,0 +1,37 @@
+"""The attention layer: stores this step's K/V in the paged cache, then asks the kernel
+backend chosen for this worker to attend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.kernels.base import AttentionSpec
+from tpserve.layers.context import current
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, scale=scale, sliding_window=sliding_window,
+                                  alibi=alibi_slopes is not None, softcap=softcap)
+        if alibi_slopes is not None:
+            self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
+        else:
+            self.alibi_slopes = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads * head_dim], k/v: [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
+        ctx = current()
+        s = self.spec
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
+        out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes)
+        return out.reshape(q.shape[0], -1)

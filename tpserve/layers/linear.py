@@ -1,0 +1,181 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Column-parallel layers split the output features (no communication); row-parallel layers
+split the input features and all-reduce their partial sums in forward. Pairing a column
+layer with a row layer (QKV -> o_proj, gate_up -> down) costs one all-reduce per pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.distributed import all_reduce, get_tp
+from tpserve.errors import ShardingError
+from tpserve.layers.sharding import check_shape, copy_full, copy_narrow, shard_size
+from tpserve.weights import TensorSlice
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.weight.weight_loader = copy_full
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features)
+            self.bias.weight_loader = copy_full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T, W split by output rows; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tp()
+        self.prefix = prefix
+        self.out_per_rank = shard_size(out_features, tp.size, tensor=f"{prefix}.weight",
+                                       what="output features", shape=(out_features, in_features))
+        self.weight = _param(self.out_per_rank, in_features)
+        self.weight.weight_loader = self.load_rows
+        self.bias = None
+        if bias:
+            self.bias = _param(self.out_per_rank)
+            self.bias.weight_loader = self.load_rows
+
+    def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
+        n = param.shape[0]
+        if tuple(w.shape[1:]) != tuple(param.shape[1:]):
+            check_shape(param, (n, *w.shape[1:]), w.name)
+        copy_narrow(param, w, 0, get_tp().rank * n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused into one matmul (gate and up of an MLP).
+    shard_id i is the i-th projection as it is stored on disk."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 prefix: str = "", part_names: list[str] | None = None) -> None:
+        tp = get_tp().size
+        names = part_names or [str(i) for i in range(len(out_sizes))]
+        for size, name in zip(out_sizes, names):
+            shard_size(size, tp, tensor=f"{prefix}.{name}.weight", what="output features",
+                       shape=(size, in_features))
+        self.out_sizes = list(out_sizes)
+        super().__init__(in_features, sum(out_sizes), bias, prefix)
+
+    def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
+        tp = get_tp()
+        if shard_id is None:  # stored fused on disk ([gate; up]): take each part's slice
+            if w.shape[0] != sum(self.out_sizes):
+                check_shape(param, (sum(self.out_sizes), *w.shape[1:]), w.name)
+            parts = range(len(self.out_sizes))
+        else:
+            parts = [shard_id]
+        for i in parts:
+            n = self.out_sizes[i] // tp.size
+            src = (sum(self.out_sizes[:i]) if shard_id is None else 0) + tp.rank * n
+            dst = sum(s // tp.size for s in self.out_sizes[:i])
+            copy_narrow(param, w, 0, src, n, out_offset=dst)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections split by heads. When tp exceeds the KV heads, each KV head
+    is replicated on tp / num_kv_heads ranks (rank r holds KV head r * num_kv_heads // tp)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, prefix: str = "") -> None:
+        tp = get_tp()
+        self.head_dim = head_dim
+        self.num_heads = shard_size(num_heads, tp.size, tensor=f"{prefix}.q_proj.weight",
+                                    what="attention heads", shape=(num_heads * head_dim, hidden))
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = shard_size(num_kv_heads, tp.size, tensor=f"{prefix}.k_proj.weight",
+                                           what="key/value heads",
+                                           shape=(num_kv_heads * head_dim, hidden))
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ShardingError(
+                    f"cannot shard {prefix + '.k_proj.weight'!r} (shape "
+                    f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: {num_kv_heads} "
+                    f"key/value heads can be replicated only when tp is a multiple of them")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        nn.Module.__init__(self)
+        self.prefix, self.out_per_rank = prefix, q + 2 * kv
+        self.q_size, self.kv_size = q, kv
+        self.weight = _param(q + 2 * kv, hidden)
+        self.weight.weight_loader = self.load_rows
+        self.bias = None
+        if bias:
+            self.bias = _param(q + 2 * kv)
+            self.bias.weight_loader = self.load_rows
+
+    def _rows(self, part: str) -> tuple[int, int, int]:
+        """(source row in that projection, rows, destination row in the fused weight)."""
+        d = self.head_dim
+        if part == "q":
+            return get_tp().rank * self.num_heads * d, self.q_size, 0
+        dst = self.q_size if part == "k" else self.q_size + self.kv_size
+        return self.kv_head_start * d, self.kv_size, dst
+
+    def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
+        if shard_id is not None:
+            src, n, dst = self._rows(shard_id)
+            copy_narrow(param, w, 0, src, n, out_offset=dst)
+            return
+        # Stored fused on disk as [q; k; v] (Phi-3's qkv_proj).
+        d = self.head_dim
+        offsets = {"q": 0, "k": self.total_heads * d, "v": (self.total_heads + self.total_kv_heads) * d}
+        if w.shape[0] != offsets["v"] + self.total_kv_heads * d:
+            raise ShardingError(f"fused {w.name!r} has {w.shape[0]} rows; expected "
+                                f"{offsets['v'] + self.total_kv_heads * d} for q, k and v")
+        for part, base in offsets.items():
+            src, n, dst = self._rows(part)
+            copy_narrow(param, w, 0, base + src, n, out_offset=dst)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced here, and the
+    bias is added after the reduction so it counts once, not tp times."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tp()
+        self.in_per_rank = shard_size(in_features, tp.size, tensor=f"{prefix}.weight",
+                                      what="input features", shape=(out_features, in_features))
+        self.weight = _param(out_features, self.in_per_rank)
+        self.weight.weight_loader = self.load_cols
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features)
+            self.bias.weight_loader = copy_full
+
+    def load_cols(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
+        n = param.shape[1]
+        if w.shape[0] != param.shape[0]:
+            check_shape(param, (w.shape[0], n), w.name)
+        copy_narrow(param, w, 1, get_tp().rank * n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

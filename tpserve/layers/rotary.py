@@ -1,0 +1,77 @@
+"""Rotary position embedding (the rotate-half layout transformers uses) with the rope
+scaling types of Llama 3 and friends. Tables are built once in float32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new
+    (rope_parameters) style, as one dict with at least rope_type and rope_theta."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rot_dim / 2], attention scaling applied to cos/sin)."""
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(params["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3); "
+        "the model's config.json asks for it"
+    )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, params: dict,
+                 partial_rotary_factor: float = 1.0) -> None:
+        super().__init__()
+        self.rot_dim = int(head_dim * partial_rotary_factor)
+        inv, scale = inv_frequencies(self.rot_dim, params)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rot_dim == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

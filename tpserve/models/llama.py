@@ -1,0 +1,151 @@
+"""Llama and Mistral (and the other Llama-shaped decoders that reuse these blocks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.layers.activation import GatedActivation
+from tpserve.layers.attention import PagedAttention
+from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.norm import RMSNorm
+from tpserve.layers.rotary import RotaryEmbedding, rope_parameters
+from tpserve.models.loader import load_into
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer: int, prefix: str, max_positions: int,
+                 sliding_window: int | None = None, bias: bool = False, o_bias: bool = False,
+                 softcap: float | None = None, scale: float | None = None) -> None:
+        super().__init__()
+        d = head_dim_of(config)
+        kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads, kv,
+                                          bias=bias, prefix=prefix)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
+                                        bias=o_bias,
+                                        prefix=f"{prefix}.o_proj")
+        self.rotary = RotaryEmbedding(d, max_positions, rope_parameters(config),
+                                      getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+        self.attn = PagedAttention(layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
+                                   scale if scale is not None else d**-0.5,
+                                   sliding_window=sliding_window, softcap=softcap)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        h = self.attn.spec
+        q, k = self.rotary(positions, q.view(-1, h.num_heads, h.head_dim),
+                           k.view(-1, h.num_kv_heads, h.head_dim))
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, prefix: str,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
+                                                       bias=bias, prefix=prefix,
+                                                       part_names=["gate_proj", "up_proj"])
+        self.act = GatedActivation(act)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias,
+                                           prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer: int, prefix: str, max_positions: int,
+                 sliding_window: int | None = None, norm_offset: float = 0.0,
+                 qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__()
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        cast_first = norm_offset == 0.0
+        self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
+                                        sliding_window, bias=qkv_bias, o_bias=o_bias)
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
+                            bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int, sliding_window: int | None = None,
+                 norm_offset: float = 0.0, qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, f"model.layers.{i}", max_positions, sliding_window,
+                              norm_offset, qkv_bias, o_bias)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6),
+                            norm_offset, norm_offset == 0.0)
+        self.embed_scale: float | None = None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        if self.embed_scale is not None:
+            # Gemma rounds the scale to the model dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # (fused parameter fragment, checkpoint fragment, shard id)
+    stacked_params = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+    skip_tensors = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions, self.sliding_window(config),
+                                **self.model_kwargs(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tied(config):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @staticmethod
+    def sliding_window(config) -> int | None:
+        return getattr(config, "sliding_window", None) or None
+
+    @staticmethod
+    def model_kwargs(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias}
+
+    @staticmethod
+    def tied(config) -> bool:
+        return bool(getattr(config, "tie_word_embeddings", False))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, tensors) -> None:
+        skip = self.skip_tensors + (("lm_head.",) if self.tied(self.config) else ())
+        load_into(self, tensors, self.stacked_params, skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding attention window (config.sliding_window; None disables it)."""

@@ -1,0 +1,62 @@
+"""Maps checkpoint tensors onto a model's (possibly fused) parameters and loads each rank's
+slice through the parameter's weight_loader."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+from tpserve.errors import CheckpointError
+from tpserve.weights import TensorSlice
+
+log = logging.getLogger(__name__)
+
+
+def load_into(
+    model: nn.Module,
+    tensors: Iterable[TensorSlice],
+    stacked: list[tuple[str, str, object]] = (),
+    skip: tuple[str, ...] = (),
+    rename=lambda name: name,
+) -> None:
+    """stacked: (fused param fragment, checkpoint fragment, shard id), e.g.
+    (".qkv_proj", ".q_proj", "q"). skip: substrings of checkpoint names to ignore.
+    rename: maps a checkpoint name to the model's parameter name (prefix changes)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for w in tensors:
+        if any(s in w.name for s in skip):
+            continue
+        name, shard_id = rename(w.name), None
+        for fused, part, sid in stacked:
+            if part in name:
+                name, shard_id = name.replace(part, fused), sid
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(w.name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            raise CheckpointError(f"parameter {name} has no weight_loader (a tpserve bug)")
+        if shard_id is None:
+            loader(param, w)
+        else:
+            loader(param, w, shard_id)
+        loaded.add(name)
+    if unexpected:
+        log.warning("ignored %d checkpoint tensors with no matching parameter: %s",
+                    len(unexpected), ", ".join(unexpected[:8]))
+    # Tied parameters appear under several names; one load covers them all.
+    by_id: dict[int, list[str]] = {}
+    for n, p in params.items():
+        by_id.setdefault(id(p), []).append(n)
+    missing = [names[0] for names in by_id.values() if not loaded.intersection(names)]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint has no weights for {len(missing)} parameters: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )

@@ -1,0 +1,30 @@
+"""Model classes keyed by the `architectures` name in config.json, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "tpserve.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
+}
+
+
+def register(architecture: str, target: str) -> None:
+    _MODELS[architecture] = target
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(config):
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            module, _, attr = _MODELS[arch].partition(":")
+            return getattr(importlib.import_module(module), attr)
+    raise ValueError(
+        f"unsupported model architecture {archs or '(config.json names none)'}; tpserve "
+        f"supports: {', '.join(supported_architectures())}"
+    )

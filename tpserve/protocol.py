@@ -1,0 +1,291 @@
+"""TGI wire format, shared by the HTTP server and tpserve.Client.
+
+Field names and defaults follow text-generation-inference (and the `text_generation`
+client's types), so TGI clients and tpserve clients can talk to either server.
+Rules that need the served model's limits live in `check_limits`, because pydantic
+validation alone cannot see the ModelInfo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_serializer
+
+from tpserve.engine.request import SamplingParams
+from tpserve.errors import ValidationError
+from tpserve.server.backend import ModelInfo
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+DEFAULT_MAX_NEW_TOKENS = 20
+_U64_MAX = 2**64 - 1
+
+
+class GenerateParameters(BaseModel):
+    """TGI's `parameters` object. Unknown keys are ignored, as TGI's serde does."""
+
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: Any = None
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    repetition_penalty: float | None = None
+    return_full_text: bool = False
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+    # The comparisons are written as `not (x > 0)` so that NaN is rejected too.
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"`temperature` must be strictly positive (got {v})")
+        return v
+
+    @field_validator("top_p", "typical_p")
+    @classmethod
+    def _open_unit_interval(cls, v: float | None, info: Any) -> float | None:
+        if v is not None and not 0 < v < 1:
+            raise ValueError(f"`{info.field_name}` must be > 0.0 and < 1.0 (got {v})")
+        return v
+
+    @field_validator("top_k", "truncate", "max_new_tokens")
+    @classmethod
+    def _strictly_positive_int(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"`{info.field_name}` must be strictly positive (got {v})")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"`repetition_penalty` must be strictly positive (got {v})")
+        return v
+
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _frequency_penalty(cls, v: float | None) -> float | None:
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ValueError(f"`frequency_penalty` must be >= -2.0 and <= 2.0 (got {v})")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        # TGI's seed is a u64.
+        if v is not None and not 0 <= v <= _U64_MAX:
+            raise ValueError(f"`seed` must be between 0 and 2^64-1 (got {v})")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        if v is None:
+            return v
+        if v <= 0:
+            raise ValueError(f"`best_of` must be strictly positive (got {v})")
+        if v > 1:
+            raise ValueError(
+                f"`best_of` > 1 is not supported by tpserve: it generates exactly one "
+                f"sequence per request (got {v})"
+            )
+        return v
+
+    @field_validator("top_n_tokens")
+    @classmethod
+    def _top_n_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"`top_n_tokens` must be >= 0 (got {v})")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        # An empty stop string would match before the first token.
+        if any(s == "" for s in v):
+            raise ValueError("`stop` sequences must be non-empty strings")
+        return v
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("`grammar` (constrained decoding) is not supported by tpserve")
+        return v
+
+    @field_validator("watermark")
+    @classmethod
+    def _watermark(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("`watermark` is not supported by tpserve")
+        return v
+
+    @property
+    def sampling(self) -> bool:
+        """TGI's rule: any sampling knob that is set turns sampling on."""
+        knobs = (self.temperature, self.top_k, self.top_p, self.typical_p)
+        return self.do_sample or any(k is not None for k in knobs)
+
+
+class GenerateRequest(BaseModel):
+    """Body of POST /generate, /generate_stream and / (TGI's compat route)."""
+
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, v: str) -> str:
+        if not v:
+            raise ValueError("`inputs` cannot be empty")
+        return v
+
+
+def check_limits(params: GenerateParameters, info: ModelInfo) -> None:
+    """The rules that depend on the served model; raises tpserve ValidationError."""
+    if len(params.stop) > info.max_stop_sequences:
+        raise ValidationError(
+            f"`stop` supports up to {info.max_stop_sequences} stop sequences "
+            f"(got {len(params.stop)})"
+        )
+    if params.top_n_tokens is not None and params.top_n_tokens > info.max_top_n_tokens:
+        raise ValidationError(
+            f"`top_n_tokens` must be <= {info.max_top_n_tokens} (got {params.top_n_tokens})"
+        )
+    if params.truncate is not None and params.truncate > info.max_input_tokens:
+        raise ValidationError(
+            f"`truncate` must be <= max_input_tokens ({info.max_input_tokens}) "
+            f"(got {params.truncate})"
+        )
+    max_new = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if max_new >= info.max_total_tokens:
+        raise ValidationError(
+            f"`max_new_tokens` must be < max_total_tokens ({info.max_total_tokens}), "
+            f"leaving room for the prompt (got {max_new})"
+        )
+
+
+def check_streamable(params: GenerateParameters) -> None:
+    """Extra rule for the streaming routes (TGI has the same restriction)."""
+    if params.decoder_input_details:
+        raise ValidationError(
+            "`decoder_input_details` == true is not supported when streaming tokens"
+        )
+
+
+def to_sampling_params(params: GenerateParameters) -> SamplingParams:
+    """Convert validated wire parameters into the engine's SamplingParams."""
+    return SamplingParams(
+        max_new_tokens=params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        do_sample=params.sampling,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        typical_p=params.typical_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed,
+        stop=tuple(params.stop),
+        top_n_tokens=params.top_n_tokens or 0,
+        prompt_logprobs=params.decoder_input_details,
+    )
+
+
+def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
+    """One human sentence from pydantic/FastAPI error dicts, naming field and rule."""
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        kind = err.get("type", "")
+        ctx = err.get("ctx") or {}
+        if kind == "json_invalid":
+            parts.append(f"invalid JSON body: {ctx.get('error', err.get('msg'))}")
+        elif kind == "value_error" and "error" in ctx:
+            # Our validators already phrase the whole message, field name included.
+            parts.append(str(ctx["error"]))
+        elif loc:
+            parts.append(f"`{'.'.join(loc)}`: {err.get('msg')}")
+        else:
+            parts.append(f"request body: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+class _WireModel(BaseModel):
+    """Base for responses: drops the keys TGI leaves out when they are empty."""
+
+    _omit_when_empty: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in self._omit_when_empty:
+            if data.get(key) in (None, []):
+                data.pop(key, None)
+        return data
+
+
+class Token(_WireModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+
+
+class InputToken(_WireModel):
+    id: int
+    text: str
+    # None for the first prompt token: nothing predicts it.
+    logprob: float | None = None
+
+
+class Details(_WireModel):
+    _omit_when_empty = ("top_tokens",)
+
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[InputToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = None
+
+
+class Response(_WireModel):
+    """Body of POST /generate; `details` is present only when requested."""
+
+    _omit_when_empty = ("details",)
+
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(_WireModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+
+
+class StreamResponse(_WireModel):
+    """One SSE event of /generate_stream; the last one carries generated_text (and details)."""
+
+    token: Token
+    top_tokens: list[Token] | None = None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class ErrorResponse(_WireModel):
+    error: str
+    error_type: str

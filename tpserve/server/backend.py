@@ -1,0 +1,57 @@
+"""The narrow interface the HTTP layer needs from the engine.
+
+The Driver actor implements it over the Ray workers; server tests implement it with a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tpserve.engine.request import GenerationEvent, SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What GET /info reports, and the limits validation enforces."""
+
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    tp_size: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_concurrent_requests: int
+    max_stop_sequences: int = 8
+    max_best_of: int = 1
+    max_top_n_tokens: int = 5
+    max_batch_total_tokens: int | None = None
+    attention_backend: str = "torch"
+    version: str = "0.1.0"
+    extra: dict = field(default_factory=dict)
+
+
+class EngineBackend(Protocol):
+    def ready(self) -> bool:
+        """True once every shard has loaded and warmed up."""
+
+    def info(self) -> ModelInfo: ...
+
+    def generate(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        truncate: int | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[GenerationEvent]:
+        """Queue one request and stream its events; the last one has finished=True.
+
+        Raises tpserve.errors.ValidationError (prompt too long, ...) or OverloadedError
+        before the first event. Closing the iterator early aborts the request.
+        """
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Render OpenAI-style messages to a prompt; ValidationError when the model has none."""
+
+    def count_tokens(self, text: str) -> int: ...

@@ -1,0 +1,175 @@
+"""Prometheus metrics, and the instrumented path every route takes into the backend.
+
+Each app gets its own CollectorRegistry so several apps (tests, multi-model hosts) can
+live in one process without "duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tpserve.engine.request import GenerationEvent, SamplingParams
+from tpserve.errors import GenerationError
+from tpserve.server.backend import EngineBackend
+from tpserve.server.errors import as_tpserve_error
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tpserve_http_requests", "HTTP requests by route and status", ["route", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "tpserve_http_request_duration_seconds",
+            "Time from request to the last byte of the response, streams included",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inflight = Gauge(
+            "tpserve_requests_inflight", "Generations admitted by the backend, not finished",
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "tpserve_generated_tokens", "Tokens generated and sent to clients", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "tpserve_prompt_tokens", "Prompt tokens of finished generations", registry=r
+        )
+        self.ttft = Histogram(
+            "tpserve_time_to_first_token_seconds",
+            "Time from handing a request to the backend to its first token",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+
+    async def open_stream(
+        self,
+        backend: EngineBackend,
+        prompt: str,
+        params: SamplingParams,
+        truncate: int | None = None,
+        add_special_tokens: bool = True,
+    ) -> TrackedStream:
+        """Start a generation and wait for its first event.
+
+        Waiting here, before any response byte is sent, lets validation/overload errors
+        (raised by the backend at the call or at the first event) become real HTTP
+        statuses instead of SSE error events.
+        """
+        start = time.perf_counter()
+        stream: AsyncIterator[GenerationEvent] | None = None
+        try:
+            stream = backend.generate(
+                prompt, params, truncate=truncate, add_special_tokens=add_special_tokens
+            )
+            if inspect.isawaitable(stream):  # tolerate an `async def` returning the iterator
+                stream = await stream
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise GenerationError("the engine finished the request without an event") from None
+        except Exception as exc:
+            if stream is not None:
+                await _close(stream)
+            raise as_tpserve_error(exc) from exc
+        except BaseException:  # cancelled while queued: the backend must drop the request
+            if stream is not None:
+                await _close(stream)
+            raise
+        self.ttft.observe(time.perf_counter() - start)
+        return TrackedStream(self, stream, first)
+
+
+class TrackedStream:
+    """A started generation: iterate for events (first included), always `aclose()`."""
+
+    def __init__(
+        self, metrics: Metrics, stream: AsyncIterator[GenerationEvent], first: GenerationEvent
+    ) -> None:
+        self._metrics = metrics
+        self._stream = stream
+        self._first: GenerationEvent | None = first
+        self._closed = False
+        metrics.inflight.inc()
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[GenerationEvent]:
+        event, self._first = self._first, None
+        while event is not None:
+            self._metrics.generated_tokens.inc()
+            if event.finished:
+                self._metrics.prompt_tokens.inc(event.prompt_tokens)
+                yield event
+                return
+            yield event
+            try:
+                event = await anext(self._stream)
+            except StopAsyncIteration:
+                raise GenerationError("the engine ended the stream without a final event") from None
+            except Exception as exc:
+                raise as_tpserve_error(exc) from exc
+
+    async def aclose(self) -> None:
+        """Idempotent; closing the backend iterator early is how the engine aborts."""
+        if self._closed:
+            return
+        self._closed = True
+        self._metrics.inflight.dec()
+        await _close(self._stream)
+
+
+async def _close(stream: AsyncIterator[GenerationEvent]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    # Shielded: we often get here because the request task is being cancelled, and the
+    # abort must still reach the engine.
+    with anyio.CancelScope(shield=True):
+        try:
+            await aclose()
+        except RuntimeError:  # "already running": the running owner will finish it
+            pass
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which buffers and breaks disconnects).
+
+    Counts requests by route template and status, and times them to the end of the body.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            # The router stores the matched route in the shared scope; using its template
+            # (not the raw path) keeps label cardinality bounded.
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
+            self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)

@@ -1,0 +1,145 @@
+"""Checkpoint resolution and sliced safetensors reads.
+
+Each rank opens the safetensors files itself and asks for its own slice of every tensor
+through `get_slice`, so a tp-way shard materialises about 1/tp of each sharded tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tpserve.errors import CheckpointError
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+
+def hub_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except Exception:  # noqa: BLE001 - an old hub library; fall back to its documented default
+        return os.path.expanduser("~/.cache/huggingface/hub")
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """A local directory, or a hub id found in the local cache (never downloads)."""
+    if model is None:
+        if not (DEFAULT_MODEL_DIR / "config.json").exists():
+            raise CheckpointError(
+                f"the embedded default model is missing from {DEFAULT_MODEL_DIR}; "
+                "rebuild it with `python scripts/train_default_model.py` or pass --model"
+            )
+        return DEFAULT_MODEL_DIR
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise CheckpointError(f"{local.resolve()} is a directory but has no config.json")
+        return local.resolve()
+    looked = [f"local directory {local.resolve()} (does not exist)"]
+    if model.count("/") <= 1 and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(
+                snapshot_download(
+                    model,
+                    revision=revision,
+                    local_files_only=True,
+                    allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+                )
+            )
+            if (path / "config.json").exists():
+                return path
+            looked.append(f"hub cache snapshot {path} (no config.json)")
+        except Exception as exc:  # noqa: BLE001 - any hub miss is reported the same way
+            looked.append(f"Hugging Face hub cache {hub_cache_dir()} ({type(exc).__name__})")
+    raise CheckpointError(
+        f"model {model!r} not found; looked in: " + "; ".join(looked) + ". tpserve never "
+        "downloads: pass a local directory, or fetch it first with "
+        f"`huggingface-cli download {model}` (HF_HUB_CACHE selects the cache)."
+    )
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(found)}: convert them to safetensors first)" if found else ""
+        raise CheckpointError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass
+class LoadStats:
+    """Bytes each checkpoint tensor occupies on disk and how many this rank read of it."""
+
+    full_bytes: dict[str, int] = field(default_factory=dict)
+    read_bytes: dict[str, int] = field(default_factory=dict)
+
+    def fraction(self, name: str) -> float:
+        return self.read_bytes.get(name, 0) / max(self.full_bytes[name], 1)
+
+
+class TensorSlice:
+    """A lazy checkpoint tensor: read the whole of it or only an index of it."""
+
+    def __init__(self, name: str, raw, stats: LoadStats) -> None:
+        self.name, self._raw, self._stats = name, raw, stats
+        self.shape = tuple(raw.get_shape())
+        stats.full_bytes[name] = _numel(self.shape) * _DTYPE_SIZES.get(raw.get_dtype(), 4)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        t = self._raw[index]
+        self._stats.read_bytes[self.name] = (
+            self._stats.read_bytes.get(self.name, 0) + t.numel() * t.element_size()
+        )
+        return t
+
+    def all(self) -> torch.Tensor:
+        return self[:]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self[tuple(index)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def iter_checkpoint(
+    path: Path, stats: LoadStats, show_progress: bool = True, desc: str = "loading weights"
+) -> Iterator[TensorSlice]:
+    files = safetensors_files(path)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    names = [(h, n) for h in handles for n in h.keys()]
+    for handle, name in tqdm(names, desc=desc, unit="tensor", disable=not show_progress,
+                             dynamic_ncols=True):
+        yield TensorSlice(name, handle.get_slice(name), stats)
