@@ -27,8 +27,9 @@ FAKE_SEED = 4242  # reported when sampling without an explicit seed
 
 def word_token(word: str, position: int) -> TokenInfo:
     # Stable ids (crc32, not hash(), which is salted per process) and distinct logprobs.
-    return TokenInfo(id=3 + zlib.crc32(word.encode()) % 30000, text=" " + word,
-                     logprob=-0.1 * (position + 1))
+    return TokenInfo(
+        id=3 + zlib.crc32(word.encode()) % 30000, text=" " + word, logprob=-0.1 * (position + 1)
+    )
 
 
 @dataclass
@@ -108,10 +109,14 @@ class FakeBackend:
         self, words: list[str], params: SamplingParams
     ) -> AsyncIterator[GenerationEvent]:
         seed = None if params.greedy else (params.seed if params.seed is not None else FAKE_SEED)
-        prefill = [
-            TokenInfo(id=word_token(w, 0).id, text=w, logprob=None if i == 0 else -1.0)
-            for i, w in enumerate(words)
-        ] if params.prompt_logprobs else []
+        prefill = (
+            [
+                TokenInfo(id=word_token(w, 0).id, text=w, logprob=None if i == 0 else -1.0)
+                for i, w in enumerate(words)
+            ]
+            if params.prompt_logprobs
+            else []
+        )
         text = ""
         finished = False
         try:
@@ -146,8 +151,10 @@ class FakeBackend:
                 if finished:
                     return
         except (GeneratorExit, asyncio.CancelledError):
-            # Closed or cancelled before the end: what the server does on disconnect.
-            self.aborted.set()
+            # Closed or cancelled before the final event: what the server does on
+            # disconnect. (The server also closes finished streams; that is no abort.)
+            if not finished:
+                self.aborted.set()
             raise
 
 

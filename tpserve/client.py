@@ -39,8 +39,10 @@ def _error_from(status: int, payload: Any, fallback_text: str = "") -> TPServeEr
     if isinstance(payload, dict) and "error" in payload:
         cls = _ERRORS.get(payload.get("error_type", ""), _STATUS_ERRORS.get(status))
         return (cls or GenerationError)(str(payload["error"]))
+    # Not one of ours (e.g. a proxy's HTML page): keep the start of it for the message.
+    detail = fallback_text.strip()[:500]
     cls = _STATUS_ERRORS.get(status, GenerationError)
-    return cls(f"HTTP {status}: {fallback_text[:500]}".rstrip(": "))
+    return cls(f"HTTP {status}: {detail}" if detail else f"HTTP {status}")
 
 
 def _raise_for(resp: httpx.Response) -> None:

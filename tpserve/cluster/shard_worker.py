@@ -145,7 +145,10 @@ class ShardWorker:
         else:
             free, total = memory_info(self.device)
             budget = free - (1 - cache.gpu_memory_utilization) * total
-        return max(0, int(budget // per_block))
+        # More blocks than every sequence at full length could use is wasted memory.
+        useful = self.cfg.scheduler.max_num_seqs * -(-self.cfg.model.max_model_len
+                                                     // self.cfg.cache.block_size)
+        return max(0, min(useful, int(budget // per_block)))
 
     def allocate_cache(self, num_blocks: int) -> None:
         self.kv_caches = []

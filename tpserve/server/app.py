@@ -157,7 +157,9 @@ class TGIRoutes:
         # TGI's compat route answers a list, which text_generation.Client expects.
         return JSONResponse([self.response(req, events).model_dump(mode="json")])
 
-    async def _events(self, req: wire.GenerateRequest, tracked: TrackedStream) -> AsyncIterator[str]:
+    async def _events(
+        self, req: wire.GenerateRequest, tracked: TrackedStream
+    ) -> AsyncIterator[str]:
         try:
             async for event in tracked:
                 yield sse(self.stream_event(req, event).model_dump_json())
@@ -222,6 +224,7 @@ def build_app(backend: EngineBackend) -> FastAPI:
         tgi.generate_stream,
         methods=["POST"],
         response_class=EventStreamResponse,
+        status_code=200,  # EventStreamResponse's __init__ has none for FastAPI to find
         responses={200: stream_doc},
     )
     app.add_api_route("/", tgi.compat, methods=["POST"])

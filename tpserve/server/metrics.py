@@ -28,16 +28,21 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "tpserve_http_requests", "HTTP requests by route and status", ["route", "status"],
+            "tpserve_http_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
             registry=r,
         )
         self.latency = Histogram(
             "tpserve_http_request_duration_seconds",
             "Time from request to the last byte of the response, streams included",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inflight = Gauge(
-            "tpserve_requests_inflight", "Generations admitted by the backend, not finished",
+            "tpserve_requests_inflight",
+            "Requests handed to the backend (queued or running), not finished",
             registry=r,
         )
         self.generated_tokens = Counter(
@@ -49,7 +54,8 @@ class Metrics:
         self.ttft = Histogram(
             "tpserve_time_to_first_token_seconds",
             "Time from handing a request to the backend to its first token",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
 
     async def open_stream(
@@ -68,6 +74,7 @@ class Metrics:
         """
         start = time.perf_counter()
         stream: AsyncIterator[GenerationEvent] | None = None
+        self.inflight.inc()  # queued requests count too; TrackedStream.aclose() undoes it
         try:
             stream = backend.generate(
                 prompt, params, truncate=truncate, add_special_tokens=add_special_tokens
@@ -75,15 +82,14 @@ class Metrics:
             if inspect.isawaitable(stream):  # tolerate an `async def` returning the iterator
                 stream = await stream
             first = await anext(stream)
-        except StopAsyncIteration:
-            raise GenerationError("the engine finished the request without an event") from None
-        except Exception as exc:
+        except BaseException as exc:  # includes cancellation while queued
+            self.inflight.dec()
             if stream is not None:
-                await _close(stream)
-            raise as_tpserve_error(exc) from exc
-        except BaseException:  # cancelled while queued: the backend must drop the request
-            if stream is not None:
-                await _close(stream)
+                await _close(stream)  # the backend must drop the request
+            if isinstance(exc, StopAsyncIteration):
+                raise GenerationError("the engine finished the request without an event") from None
+            if isinstance(exc, Exception):
+                raise as_tpserve_error(exc) from exc
             raise
         self.ttft.observe(time.perf_counter() - start)
         return TrackedStream(self, stream, first)
@@ -99,7 +105,6 @@ class TrackedStream:
         self._stream = stream
         self._first: GenerationEvent | None = first
         self._closed = False
-        metrics.inflight.inc()
 
     def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         return self._events()

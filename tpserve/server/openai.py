@@ -140,9 +140,7 @@ class _Sampling(BaseModel):
             "frequency_penalty": self.frequency_penalty or None,
             "repetition_penalty": self.repetition_penalty,
         }
-        temperature = (
-            OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        )
+        temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         if temperature == 0:  # OpenAI's spelling of greedy decoding; top_p is moot then
             return SamplingParams(do_sample=False, **common)
         # top_p == 1 keeps every token, which the engine spells as "no top_p".
@@ -315,7 +313,8 @@ def _usage(final: GenerationEvent) -> dict[str, int]:
 
 def _sse(payload: dict | str) -> str:
     # OpenAI writes `data: ` with a space, and ends with the literal [DONE].
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
 
 
 ChunkMaker = Callable[[str, str | None], dict]
@@ -332,36 +331,49 @@ class OpenAIRoutes:
             raise NotReadyError("the model is still loading")
         return self.backend.info()
 
-    def _fingerprint(self, info: ModelInfo) -> str:
-        return f"tpserve-{info.version}"
+    @staticmethod
+    def _envelope(id_prefix: str, obj: str, info: ModelInfo) -> dict[str, Any]:
+        """The keys every OpenAI response and chunk starts with."""
+        return {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": info.model_id,
+            "system_fingerprint": f"tpserve-{info.version}",
+        }
 
     async def models(self) -> dict:
         info = self.backend.info()
-        card = {"id": info.model_id, "object": "model", "created": self.created,
-                "owned_by": "tpserve"}
+        card = {
+            "id": info.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tpserve",
+        }
         return {"object": "list", "data": [card]}
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         tracked = await self.metrics.open_stream(self.backend, req.text, params)
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": info.model_id, "system_fingerprint": self._fingerprint(info)}
+        base = self._envelope("cmpl", "text_completion", info)
         prefix = req.text if req.echo else ""
 
         def choice(text: str, finish: str | None) -> dict:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
         if req.stream:
-            chunk = {**base, "object": "text_completion"}
-            return self._stream(req, tracked, chunk, choice, prefix)
+            return self._stream(req, tracked, base, choice, prefix)
         events = await drain(request, tracked)
         if events is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         final = events[-1]
         text = prefix + StopTrimmer(req.stop_list()).trim(final_text(events))
-        body = {**base, "object": "text_completion",
-                "choices": [choice(text, _FINISH[final.finish_reason])], "usage": _usage(final)}
+        body = {
+            **base,
+            "choices": [choice(text, _FINISH[final.finish_reason])],
+            "usage": _usage(final),
+        }
         return JSONResponse(body)
 
     async def chat(self, req: ChatRequest, request: Request) -> Response:
@@ -375,28 +387,39 @@ class OpenAIRoutes:
         tracked = await self.metrics.open_stream(
             self.backend, prompt, params, add_special_tokens=False
         )
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": info.model_id, "system_fingerprint": self._fingerprint(info)}
 
         if req.stream:
+
             def delta(text: str, finish: str | None) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
                 return {"index": 0, "delta": msg, "logprobs": None, "finish_reason": finish}
 
-            chunk = {**base, "object": "chat.completion.chunk"}
+            chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
             return self._stream(req, tracked, chunk, delta, "")
         events = await drain(request, tracked)
         if events is None:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         final = events[-1]
         text = StopTrimmer(req.stop_list()).trim(final_text(events))
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": _FINISH[final.finish_reason]}
-        body = {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(final)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": _FINISH[final.finish_reason],
+        }
+        body = {
+            **self._envelope("chatcmpl", "chat.completion", info),
+            "choices": [choice],
+            "usage": _usage(final),
+        }
         return JSONResponse(body)
 
     def _stream(
-        self, req: _Sampling, tracked: TrackedStream, chunk: dict, choice: ChunkMaker,
+        self,
+        req: _Sampling,
+        tracked: TrackedStream,
+        chunk: dict,
+        choice: ChunkMaker,
         prefix: str,
     ) -> EventStreamResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -433,4 +456,3 @@ def openai_router(backend: EngineBackend, metrics: Metrics) -> APIRouter:
     router.add_api_route("/completions", routes.completions, methods=["POST"])
     router.add_api_route("/chat/completions", routes.chat, methods=["POST"])
     return router
-

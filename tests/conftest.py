@@ -1,0 +1,41 @@
+"""Shared fixtures: a local multi-process Ray cluster and tiny checkpoints on disk."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the session: 4 logical CPUs so tp = 4 can be placed on a
+    2-core machine; shut down (no processes left) at the end."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             namespace="tpserve-tests")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(models_dir) -> Path:
+    """Llama, 4 query heads and 2 KV heads (replicated at tp = 4), vocab 301 (divisible by
+    neither 2 nor 4), untied head."""
+    from tiny_models import llama_config, save_model
+
+    return save_model(llama_config(), models_dir / "llama")

@@ -1,0 +1,200 @@
+"""tpserve.Client / AsyncClient and TGI's own text_generation client against one server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import text_generation
+from fake_backend import FakeBackend, serve
+from text_generation import errors as tgi_errors
+from text_generation.types import Message
+
+from tpserve.client import AsyncClient, Client
+from tpserve.errors import GenerationError, NotReadyError, OverloadedError, ValidationError
+from tpserve.server.app import build_app
+
+PROMPT = "the quick brown fox </s>"
+EXPECTED = " the quick brown fox"
+
+# text_generation 0.7 still calls pydantic's deprecated .dict().
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")
+
+
+@pytest.fixture(scope="module")
+def server():
+    backend = FakeBackend()
+    with serve(build_app(backend)) as url:
+        yield backend, url
+
+
+@pytest.fixture
+def backend(server) -> FakeBackend:
+    fake = server[0]
+    fake.is_ready, fake.raise_on_generate, fake.fail_after = True, None, None
+    fake.calls.clear()
+    return fake
+
+
+@pytest.fixture
+def url(server, backend) -> str:
+    return server[1]
+
+
+@pytest.fixture
+def client(url):
+    with Client(url) as c:
+        yield c
+
+
+def test_generate_returns_details(client):
+    res = client.generate(PROMPT, max_new_tokens=10)
+    assert res.generated_text == EXPECTED
+    details = res.details
+    assert details.finish_reason == "eos_token"
+    assert details.generated_tokens == 5
+    assert details.seed is None
+    tokens = details.tokens
+    assert [t.text for t in tokens] == [" the", " quick", " brown", " fox", "</s>"]
+    assert [t.special for t in tokens] == [False] * 4 + [True]
+    assert tokens[0].logprob == pytest.approx(-0.1) and isinstance(tokens[0].id, int)
+
+
+def test_generate_passes_parameters(client, backend):
+    res = client.generate(
+        "a b c",
+        max_new_tokens=3,
+        do_sample=True,
+        seed=11,
+        top_k=4,
+        stop_sequences=[" b"],
+        return_full_text=True,
+    )
+    assert res.generated_text == "a b c a b"
+    assert res.details.finish_reason == "stop_sequence" and res.details.seed == 11
+    params = backend.calls[-1].params
+    assert (params.do_sample, params.seed, params.top_k, params.stop) == (True, 11, 4, (" b",))
+
+
+def test_generate_stream(client):
+    events = list(client.generate_stream(PROMPT, max_new_tokens=10))
+    assert all(e.generated_text is None for e in events[:-1])
+    text = "".join(e.token.text for e in events if not e.token.special)
+    assert text == events[-1].generated_text == EXPECTED
+    assert events[-1].details.finish_reason == "eos_token"
+    assert events[-1].details.generated_tokens == 5
+
+
+def test_async_client_matches_sync(client, url):
+    async def run():
+        aclient = AsyncClient(url)
+        res = await aclient.generate(PROMPT, max_new_tokens=10)
+        events = [e async for e in aclient.generate_stream(PROMPT, max_new_tokens=10)]
+        return res, events, await aclient.health(), await aclient.info()
+
+    res, events, healthy, info = asyncio.run(run())
+    assert res.generated_text == client.generate(PROMPT, max_new_tokens=10).generated_text
+    assert res.details.generated_tokens == 5
+    assert events[-1].generated_text == EXPECTED
+    assert healthy and info["model_id"] == "fake/echo"
+
+
+def test_tgi_client_gets_the_same_text(client, url):
+    tgi = text_generation.Client(url)
+    res = tgi.generate(PROMPT, max_new_tokens=10)
+    ours = client.generate(PROMPT, max_new_tokens=10)
+    assert res.generated_text == ours.generated_text == EXPECTED
+    assert res.details.finish_reason.value == ours.details.finish_reason
+    assert [t.id for t in res.details.tokens] == [t.id for t in ours.details.tokens]
+    events = list(tgi.generate_stream(PROMPT, max_new_tokens=10))
+    assert events[-1].generated_text == EXPECTED
+    assert "".join(e.token.text for e in events if not e.token.special) == EXPECTED
+
+
+def test_tgi_async_client(url):
+    async def run():
+        tgi = text_generation.AsyncClient(url)
+        res = await tgi.generate(PROMPT, max_new_tokens=10)
+        events = [e async for e in tgi.generate_stream(PROMPT, max_new_tokens=10)]
+        return res, events
+
+    res, events = asyncio.run(run())
+    assert res.generated_text == events[-1].generated_text == EXPECTED
+
+
+def test_tgi_client_chat(url):
+    tgi = text_generation.Client(url)
+    res = tgi.chat([Message(role="user", content="hi")], max_tokens=2, temperature=0.0)
+    assert res.choices[0].message.content == " user: hi"
+    text = ""
+    # text_generation 0.7 cannot parse the closing `data: [DONE]` (neither from TGI 2.x),
+    # so stop at the chunk that carries finish_reason.
+    for chunk in tgi.chat([Message(role="user", content="hi")], max_tokens=2, stream=True):
+        text += chunk.choices[0].delta.content
+        if chunk.choices[0].finish_reason is not None:
+            break
+    assert text == " user: hi"
+
+
+def test_health_and_info(client, backend):
+    assert client.health() is True
+    assert client.info()["tp_size"] == 2
+    backend.is_ready = False
+    assert client.health() is False
+    with pytest.raises(NotReadyError):
+        client.generate("a")
+
+
+def test_health_is_false_when_nothing_listens():
+    assert Client("http://127.0.0.1:9", timeout=1).health() is False
+
+
+def test_client_side_validation_fails_before_the_network(client, backend):
+    with pytest.raises(ValidationError, match="`temperature` must be strictly positive"):
+        client.generate("a", temperature=0)
+    with pytest.raises(ValidationError, match="`best_of` > 1"):
+        client.generate("a", best_of=2)
+    assert backend.calls == []
+
+
+def test_server_side_errors_map_to_tpserve_errors(client, backend):
+    with pytest.raises(ValidationError, match="`stop` supports up to 3"):
+        client.generate("a", stop_sequences=["1", "2", "3", "4"])
+    with pytest.raises(ValidationError, match="at most 64 tokens"):
+        list(client.generate_stream("w " * 65))
+    backend.raise_on_generate = OverloadedError("queue is full")
+    with pytest.raises(OverloadedError, match="queue is full"):
+        client.generate("a")
+    backend.raise_on_generate = None
+    backend.fail_after = 1
+    with pytest.raises(GenerationError, match="fake engine failure"):
+        list(client.generate_stream("a b", max_new_tokens=5))
+
+
+def test_async_client_errors(url, backend):
+    backend.fail_after = 1
+
+    async def run():
+        return [e async for e in AsyncClient(url).generate_stream("a b", max_new_tokens=5)]
+
+    with pytest.raises(GenerationError, match="fake engine failure"):
+        asyncio.run(run())
+    backend.fail_after = None
+    backend.raise_on_generate = OverloadedError("busy")
+    with pytest.raises(OverloadedError):
+        asyncio.run(AsyncClient(url).generate("a"))
+
+
+def test_tgi_client_sees_tgi_errors(url, backend):
+    tgi = text_generation.Client(url)
+    with pytest.raises(tgi_errors.ValidationError, match="`stop` supports up to 3"):
+        tgi.generate("a", stop_sequences=["1", "2", "3", "4"])
+    backend.raise_on_generate = OverloadedError("busy")
+    with pytest.raises(tgi_errors.OverloadedError):
+        tgi.generate("a")
+    backend.raise_on_generate = None
+    backend.fail_after = 1
+    with pytest.raises(tgi_errors.GenerationError, match="fake engine failure"):
+        list(tgi.generate_stream("a b", max_new_tokens=5))
+    backend.fail_after = None
+    assert tgi.generate("a", max_new_tokens=1).generated_text == " a"

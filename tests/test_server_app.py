@@ -1,0 +1,509 @@
+"""The real FastAPI app under uvicorn, over the fake backend, driven with plain httpx."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+from fake_backend import FAKE_SEED, FakeBackend, serve
+
+from tpserve.errors import OverloadedError
+from tpserve.server.app import build_app
+
+
+@pytest.fixture(scope="module")
+def server():
+    backend = FakeBackend()
+    with serve(build_app(backend)) as url:
+        yield backend, url
+
+
+@pytest.fixture
+def backend(server) -> FakeBackend:
+    fake = server[0]
+    # Each test starts from a healthy, idle fake.
+    fresh = FakeBackend()
+    for name in ("is_ready", "raise_on_generate", "fail_after", "token_delay", "has_chat_template"):
+        setattr(fake, name, getattr(fresh, name))
+    fake.calls.clear()
+    fake.aborted.clear()
+    return fake
+
+
+@pytest.fixture
+def http(server, backend):
+    with httpx.Client(base_url=server[1], timeout=10) as client:
+        yield client
+
+
+def sse_payloads(text: str) -> list:
+    """Parse an SSE body, checking every event is a single `data:` line."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data:") and "\n" not in e for e in events), text
+    return [e[len("data:") :].strip() for e in events]
+
+
+def gen(http: httpx.Client, route: str = "/generate", **body) -> httpx.Response:
+    return http.post(route, json=body)
+
+
+# --- /generate -------------------------------------------------------------------------
+
+
+def test_generate_with_details(http, backend):
+    r = gen(http, inputs="hello big world", parameters={"max_new_tokens": 5, "details": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["generated_text"] == " hello big world hello big"
+    details = body["details"]
+    assert details["finish_reason"] == "length"
+    assert details["generated_tokens"] == 5
+    assert details["seed"] is None  # greedy
+    assert details["prefill"] == []
+    assert "top_tokens" not in details and "best_of_sequences" not in details
+    assert [t["text"] for t in details["tokens"]] == [" hello", " big", " world", " hello", " big"]
+    assert details["tokens"][0] == {
+        "id": details["tokens"][3]["id"],
+        "text": " hello",
+        "logprob": -0.1,
+        "special": False,
+    }
+    assert backend.calls[-1].params.greedy
+
+
+def test_generate_without_details_returns_only_text(http):
+    r = gen(http, inputs="one two", parameters={"max_new_tokens": 3})
+    assert r.status_code == 200
+    assert r.json() == {"generated_text": " one two one"}
+
+
+def test_parameters_are_optional_and_default_to_20_tokens(http, backend):
+    r = gen(http, inputs="a")
+    assert r.json() == {"generated_text": " a" * 20}
+    assert backend.calls[-1].params.max_new_tokens == 20
+
+
+def test_return_full_text_prepends_prompt(http):
+    r = gen(http, inputs="x y", parameters={"max_new_tokens": 2, "return_full_text": True})
+    assert r.json()["generated_text"] == "x y x y"
+
+
+def test_eos_and_stop_sequence_finish_reasons(http):
+    eos = gen(http, inputs="a b </s>", parameters={"max_new_tokens": 10, "details": True}).json()
+    assert eos["generated_text"] == " a b"
+    assert eos["details"]["finish_reason"] == "eos_token"
+    assert eos["details"]["tokens"][-1]["special"] is True
+    stop = gen(
+        http, inputs="a b c d", parameters={"max_new_tokens": 10, "stop": [" c"], "details": True}
+    ).json()
+    # Like TGI, the stop sequence stays in generated_text.
+    assert stop["generated_text"] == " a b c"
+    assert stop["details"]["finish_reason"] == "stop_sequence"
+
+
+def test_sampling_knobs_turn_sampling_on(http, backend):
+    r = gen(
+        http,
+        inputs="a b",
+        parameters={
+            "temperature": 0.7,
+            "top_k": 5,
+            "stop": ["zz"],
+            "details": True,
+            "max_new_tokens": 2,
+        },
+    )
+    params = backend.calls[-1].params
+    assert params.do_sample and not params.greedy
+    assert (params.temperature, params.top_k, params.stop) == (0.7, 5, ("zz",))
+    assert r.json()["details"]["seed"] == FAKE_SEED
+    gen(http, inputs="a", parameters={"seed": 7, "do_sample": True, "max_new_tokens": 1})
+    assert backend.calls[-1].params.seed == 7
+
+
+def test_truncate_top_n_tokens_and_prefill(http, backend):
+    r = gen(
+        http,
+        inputs="drop keep this",
+        parameters={
+            "truncate": 2,
+            "top_n_tokens": 2,
+            "decoder_input_details": True,
+            "details": True,
+            "max_new_tokens": 2,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert backend.calls[-1].truncate == 2
+    assert body["generated_text"] == " keep this"
+    details = body["details"]
+    assert [t["text"] for t in details["prefill"]] == ["keep", "this"]
+    assert details["prefill"][0]["logprob"] is None
+    assert [len(alts) for alts in details["top_tokens"]] == [2, 2]
+
+
+# --- /generate_stream and / ------------------------------------------------------------
+
+
+def test_generate_stream_events_concatenate_to_final_text(http):
+    r = gen(
+        http,
+        "/generate_stream",
+        inputs="red green </s>",
+        parameters={"max_new_tokens": 10, "details": True},
+    )
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(p) for p in sse_payloads(r.text)]
+    assert len(events) == 3
+    for event in events[:-1]:
+        assert event["generated_text"] is None and event["details"] is None
+    final = events[-1]
+    streamed = "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+    assert streamed == final["generated_text"] == " red green"
+    assert final["details"] == {"finish_reason": "eos_token", "generated_tokens": 3, "seed": None}
+
+
+def test_stream_details_only_when_requested(http):
+    r = gen(
+        http,
+        "/generate_stream",
+        inputs="a",
+        parameters={"max_new_tokens": 2, "return_full_text": True},
+    )
+    final = json.loads(sse_payloads(r.text)[-1])
+    assert final["generated_text"] == "a a a"
+    assert final["details"] is None
+
+
+def test_compat_route_dispatches_on_stream(http):
+    plain = gen(http, "/", inputs="p q", parameters={"max_new_tokens": 2, "details": True})
+    assert plain.status_code == 200
+    body = plain.json()
+    assert isinstance(body, list) and body[0]["generated_text"] == " p q"
+    assert body[0]["details"]["generated_tokens"] == 2
+    streamed = gen(http, "/", inputs="p q", stream=True, parameters={"max_new_tokens": 2})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert json.loads(sse_payloads(streamed.text)[-1])["generated_text"] == " p q"
+
+
+# --- errors ----------------------------------------------------------------------------
+
+INVALID = {
+    "bad_json": (b"{not json", "invalid JSON"),
+    "missing_inputs": ({"parameters": {}}, "`inputs`"),
+    "empty_inputs": ({"inputs": ""}, "`inputs` cannot be empty"),
+    "temperature_0": ({"inputs": "a", "parameters": {"temperature": 0}}, "`temperature`"),
+    "top_p_1.5": ({"inputs": "a", "parameters": {"top_p": 1.5}}, "`top_p` must be > 0.0"),
+    "top_p_1": ({"inputs": "a", "parameters": {"top_p": 1.0}}, "`top_p`"),
+    "top_k_0": ({"inputs": "a", "parameters": {"top_k": 0}}, "`top_k`"),
+    "typical_p": ({"inputs": "a", "parameters": {"typical_p": 0}}, "`typical_p`"),
+    "rep_penalty": (
+        {"inputs": "a", "parameters": {"repetition_penalty": 0}},
+        "`repetition_penalty`",
+    ),
+    "max_new_0": ({"inputs": "a", "parameters": {"max_new_tokens": 0}}, "`max_new_tokens`"),
+    "max_new_str": (
+        {"inputs": "a", "parameters": {"max_new_tokens": "many"}},
+        "`parameters.max_new_tokens`",
+    ),
+    "too_many_stops": (
+        {"inputs": "a", "parameters": {"stop": ["1", "2", "3", "4"]}},
+        "`stop` supports up to 3",
+    ),
+    "best_of_2": ({"inputs": "a", "parameters": {"best_of": 2}}, "`best_of` > 1 is not supported"),
+    "top_n_tokens": ({"inputs": "a", "parameters": {"top_n_tokens": 4}}, "`top_n_tokens`"),
+    "truncate_0": ({"inputs": "a", "parameters": {"truncate": 0}}, "`truncate`"),
+    "grammar": (
+        {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}},
+        "`grammar`",
+    ),
+    "prompt_too_long": ({"inputs": "w " * 65}, "at most 64 tokens"),  # from the backend
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_requests_get_422_with_message(http, backend, case):
+    body, fragment = INVALID[case]
+    if isinstance(body, bytes):
+        r = http.post("/generate", content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post("/generate", json=body)
+    assert r.status_code == 422
+    payload = r.json()
+    assert set(payload) == {"error", "error_type"}
+    assert payload["error_type"] == "validation"
+    assert fragment in payload["error"]
+    if case != "prompt_too_long":
+        assert backend.calls == []  # rejected before reaching the engine
+
+
+def test_stream_rejects_decoder_input_details(http):
+    r = gen(http, "/generate_stream", inputs="a", parameters={"decoder_input_details": True})
+    assert r.status_code == 422
+    assert "decoder_input_details" in r.json()["error"]
+
+
+def test_overloaded_maps_to_429(http, backend):
+    backend.raise_on_generate = OverloadedError("queue is full")
+    for route in ("/generate", "/generate_stream"):
+        r = gen(http, route, inputs="a")
+        assert r.status_code == 429
+        assert r.json() == {"error": "queue is full", "error_type": "overloaded"}
+    assert _metric(http, "tpserve_requests_inflight") == 0  # rejected requests are released
+
+
+def test_unexpected_backend_error_is_500_and_server_keeps_serving(http, backend):
+    backend.raise_on_generate = RuntimeError("boom")
+    r = gen(http, inputs="a")
+    assert r.status_code == 500
+    assert r.json()["error_type"] == "generation" and "boom" in r.json()["error"]
+    backend.raise_on_generate = None
+    assert gen(http, inputs="a", parameters={"max_new_tokens": 1}).json() == {
+        "generated_text": " a"
+    }
+
+
+def test_failure_before_first_token_of_a_stream_is_an_http_error(http, backend):
+    backend.fail_after = 0
+    r = gen(http, "/generate_stream", inputs="a")
+    assert r.status_code == 500
+    assert r.json() == {"error": "fake engine failure", "error_type": "generation"}
+
+
+def test_mid_stream_error_is_a_final_sse_event(http, backend):
+    backend.fail_after = 2
+    r = gen(http, "/generate_stream", inputs="a b c", parameters={"max_new_tokens": 10})
+    assert r.status_code == 200
+    events = [json.loads(p) for p in sse_payloads(r.text)]
+    assert [e["token"]["text"] for e in events[:2]] == [" a", " b"]
+    assert events[2:] == [{"error": "fake engine failure", "error_type": "generation"}]
+    backend.fail_after = None
+    assert gen(http, inputs="a", parameters={"max_new_tokens": 1}).status_code == 200
+
+
+def test_stream_client_disconnect_closes_backend_iterator(server, http, backend):
+    backend.token_delay = 0.02
+    body = {"inputs": "slow", "parameters": {"max_new_tokens": 100}}
+    with http.stream("POST", "/generate_stream", json=body) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data:")
+    assert backend.aborted.wait(5), "the backend stream was not closed after disconnect"
+    # The gauge is decremented just after the abort, on the server's thread.
+    deadline = time.monotonic() + 5
+    while _metric(http, "tpserve_requests_inflight") != 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _metric(http, "tpserve_requests_inflight") == 0
+
+
+def test_generate_client_disconnect_aborts_request(server, backend):
+    backend.token_delay = 0.02
+    with (
+        httpx.Client(base_url=server[1], timeout=0.3) as impatient,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        impatient.post("/generate", json={"inputs": "slow", "parameters": {"max_new_tokens": 100}})
+    assert backend.aborted.wait(5)
+
+
+# --- /health, /info, /metrics ------------------------------------------------------------
+
+
+def test_health_follows_backend_readiness(http, backend):
+    backend.is_ready = False
+    r = http.get("/health")
+    assert r.status_code == 503
+    assert r.json()["error_type"] == "unhealthy"
+    assert gen(http, inputs="a").status_code == 503
+    backend.is_ready = True
+    assert http.get("/health").status_code == 200
+
+
+def test_info(http):
+    info = http.get("/info").json()
+    assert info["model_id"] == "fake/echo"
+    assert info["tp_size"] == 2 and info["attention_backend"] == "torch"
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (64, 128)
+    assert info["max_stop_sequences"] == 3 and info["max_best_of"] == 1
+    for key in (
+        "model_dtype",
+        "model_device_type",
+        "max_concurrent_requests",
+        "max_batch_total_tokens",
+        "validation_workers",
+        "version",
+    ):
+        assert key in info
+
+
+def test_openapi_schema_renders(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/generate", "/generate_stream", "/v1/chat/completions"} <= set(paths)
+
+
+def _metric(http: httpx.Client, name: str, labels: str = "") -> float:
+    text = http.get("/metrics").text
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_count_requests_tokens_and_latency(http):
+    ok = '{route="/generate",status="200"}'
+    bad = '{route="/generate",status="422"}'
+    before = {
+        "ok": _metric(http, "tpserve_http_requests_total", ok),
+        "bad": _metric(http, "tpserve_http_requests_total", bad),
+        "tokens": _metric(http, "tpserve_generated_tokens_total"),
+        "ttft": _metric(http, "tpserve_time_to_first_token_seconds_count"),
+    }
+    gen(http, inputs="a b", parameters={"max_new_tokens": 3})
+    gen(http, inputs="a", parameters={"top_k": -1})
+    r = http.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert _metric(http, "tpserve_http_requests_total", ok) == before["ok"] + 1
+    assert _metric(http, "tpserve_http_requests_total", bad) == before["bad"] + 1
+    assert _metric(http, "tpserve_generated_tokens_total") == before["tokens"] + 3
+    assert _metric(http, "tpserve_time_to_first_token_seconds_count") == before["ttft"] + 1
+    assert _metric(http, "tpserve_http_request_duration_seconds_count", '{route="/generate"}') >= 2
+    assert _metric(http, "tpserve_requests_inflight") == 0
+
+
+# --- OpenAI ----------------------------------------------------------------------------
+
+
+def test_openai_models(http):
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["fake/echo"]
+
+
+def test_openai_completion(http, backend):
+    r = http.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": 5, "stop": " c"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "fake/echo" and isinstance(body["created"], int)
+    # OpenAI leaves the stop sequence out of the text.
+    assert body["choices"] == [
+        {"index": 0, "text": " a b", "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    params = backend.calls[-1].params
+    assert params.do_sample and params.temperature == 1.0  # OpenAI's default
+
+
+def test_openai_completion_stream_matches_non_stream(http, backend):
+    body = {
+        "prompt": ["x y z"],
+        "max_tokens": 4,
+        "stop": [" z x"],
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = http.post("/v1/completions", json=body)
+    payloads = sse_payloads(r.text)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " x y"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert backend.calls[-1].params.greedy
+    plain = http.post("/v1/completions", json={**body, "stream": False}).json()
+    assert plain["choices"][0]["text"] == " x y"
+
+
+def test_openai_chat(http, backend):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    r = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 3, "temperature": 0, "top_p": 0.5},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    call = backend.calls[-1]
+    assert call.prompt == "system: be brief user: hi assistant:"
+    assert call.add_special_tokens is False
+    assert call.params.greedy and call.params.top_p is None
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": " system: be brief"}
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+
+
+def test_openai_chat_stream(http):
+    body = {
+        "messages": [{"role": "user", "content": "yo </s>"}],
+        "max_completion_tokens": 9,
+        "stream": True,
+    }
+    payloads = sse_payloads(http.post("/v1/chat/completions", json=body).text)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == " user: yo"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("usage" not in c for c in chunks)
+
+
+OPENAI_INVALID = {
+    "n_2": ("/v1/completions", {"prompt": "a", "n": 2}, "`n` must be 1"),
+    "logprobs": ("/v1/completions", {"prompt": "a", "logprobs": 2}, "`logprobs`"),
+    "temperature_3": ("/v1/completions", {"prompt": "a", "temperature": 3}, "`temperature`"),
+    "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "`prompt`"),
+    "no_messages": ("/v1/chat/completions", {"messages": []}, "`messages`"),
+    "chat_logprobs": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "logprobs": True},
+        "`logprobs`",
+    ),
+    "stops": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "stop": ["1", "2", "3", "4"]},
+        "`stop` supports up to 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPENAI_INVALID))
+def test_openai_invalid_requests_get_422(http, backend, case):
+    route, body, fragment = OPENAI_INVALID[case]
+    r = http.post(route, json=body)
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation"
+    assert fragment in r.json()["error"]
+    assert backend.calls == []
+
+
+def test_openai_chat_without_template_is_422(http, backend):
+    backend.has_chat_template = False
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
+    assert r.status_code == 422
+    assert r.json() == {"error": "this model has no chat template", "error_type": "validation"}
+
+
+def test_openai_mid_stream_error_then_no_done(http, backend):
+    backend.fail_after = 1
+    r = http.post("/v1/completions", json={"prompt": "a b", "max_tokens": 5, "stream": True})
+    payloads = sse_payloads(r.text)
+    assert json.loads(payloads[-1]) == {"error": "fake engine failure", "error_type": "generation"}
+    assert "[DONE]" not in payloads
+
+
+def test_server_keeps_serving_after_errors(http, backend):
+    backend.raise_on_generate = RuntimeError("bad")
+    assert gen(http, inputs="a").status_code == 500
+    assert http.post("/generate", content=b"]").status_code == 422
+    backend.raise_on_generate = None
+    for _ in range(3):
+        assert gen(http, inputs="ok", parameters={"max_new_tokens": 1}).status_code == 200

@@ -1,0 +1,240 @@
+"""`tpserve` command line: launch a server, list kernels."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("tpserve")
+
+
+def _launch_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("launch", help="serve a model tensor-parallel over Ray",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Serve a model sharded over --tp devices. Without --model, "
+                       "serves the small embedded default model (offline, CPU friendly).")
+    p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
+    p.add_argument("--model", help="local directory or Hugging Face hub id already in the local "
+                   "hub cache (never downloaded); default: the embedded model")
+    p.add_argument("--revision", help="hub revision to look up in the cache")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (shards)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
+                   help="auto: CUDA, else XPU, else CPU")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, the checkpoint's dtype on accelerators")
+    p.add_argument("--kernel", default="auto",
+                   help="attention backend: auto, torch, triton, ipex or an installed plugin")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
+    p.add_argument("--address", help="Ray cluster to join (e.g. auto or HOST:6379); default: "
+                   "start a local one")
+    p.add_argument("--cpus-per-shard", type=int, default=None,
+                   help="CPU device: cores per shard (default: cores / tp, at least 1)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="prompt + generated tokens per request (default: the model's "
+                   "max_position_embeddings, capped at 8192)")
+    p.add_argument("--max-input-tokens", type=int, default=None,
+                   help="longest prompt accepted (default: max-total-tokens - 1)")
+    p.add_argument("--max-concurrent-requests", type=int, default=128,
+                   help="requests in flight before answering 429")
+    p.add_argument("--max-batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-batch-tokens", type=int, default=4096,
+                   help="tokens per step (long prompts are prefilled in chunks of this)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks per shard (default: sized from memory)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="CPU device: KV-cache memory per shard")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="accelerators: fraction of device memory for weights + KV cache")
+    p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="do not start the Ray dashboard with the local cluster")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _launch_parser(sub)
+    k = sub.add_parser("kernels", help="list attention backends and what each supports here")
+    k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"])
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    return parser
+
+
+def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse argv; values from a --config YAML preset replace the defaults, flags win."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        import yaml
+
+        preset = yaml.safe_load(args.config.read_text()) or {}
+        sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+        known = {a.dest for a in sub._actions}  # noqa: SLF001
+        unknown = sorted(set(k.replace("-", "_") for k in preset) - known)
+        if unknown:
+            parser.error(f"{args.config}: unknown keys {', '.join(unknown)}")
+        sub.set_defaults(**{k.replace("-", "_"): v for k, v in preset.items()})
+        args = parser.parse_args(argv)
+    return args
+
+
+def engine_config(args: argparse.Namespace):
+    """Resolve model, device, dtype and limits; log each choice and why."""
+    from tpserve.cluster.device import resolve_device, resolve_dtype
+    from tpserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                SchedulerConfig)
+    from tpserve.weights import load_hf_config, resolve_model
+
+    path = resolve_model(args.model, args.revision)
+    log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
+    hf = load_hf_config(path)
+    device, why = resolve_device(args.device)
+    log.info("device: %s (%s)", device, why)
+    dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
+                               or getattr(hf, "torch_dtype", None))
+    log.info("dtype: %s (%s)", dtype, why)
+    max_pos = (getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+               or 2048)
+    max_len = args.max_total_tokens or min(int(max_pos), 8192)
+    cpus = args.cpus_per_shard or max(1, (os.cpu_count() or 1) // args.tp)
+    if device == "cpu":
+        log.info("cpu: %d core(s) per shard x %d shard(s)", cpus, args.tp)
+    cfg = EngineConfig(
+        model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
+                          dtype=dtype, max_model_len=max_len, revision=args.revision),
+        parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
+                                ray_address=args.address),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
+                                  max_num_batched_tokens=args.max_batch_tokens,
+                                  max_concurrent_requests=args.max_concurrent_requests,
+                                  max_input_tokens=args.max_input_tokens),
+        kernel=args.kernel, seed=args.seed)
+    check_shardable(cfg, hf)
+    return cfg
+
+
+def check_shardable(cfg, hf) -> None:
+    """Build every rank's model on the meta device: a tp the checkpoint cannot take fails
+    here, before any actor starts, with the tensor and the rule in the message."""
+    import torch
+
+    from tpserve.cluster.shard_worker import build_model
+    from tpserve.distributed import tp_context
+
+    for rank in range(cfg.parallel.tp_size):
+        with tp_context(rank, cfg.parallel.tp_size):
+            build_model(cfg, hf, torch.device("meta"))
+
+
+def launch(args: argparse.Namespace) -> int:
+    import ray
+
+    from tpserve.cluster.driver import Driver
+
+    cfg = engine_config(args)
+    tp, device = cfg.parallel.tp_size, cfg.parallel.device
+    if args.address:
+        ray.init(address=args.address, namespace="tpserve")
+        log.info("ray: joined the cluster at %s (%s)", args.address, ray.cluster_resources())
+    else:
+        kwargs = {"include_dashboard": not args.no_dashboard, "namespace": "tpserve"}
+        if device == "cpu":
+            # Logical CPUs: enough for every shard to be placed even on a small machine.
+            kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
+        ctx = ray.init(**kwargs)
+        log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
+                 f"; dashboard at http://{ctx.dashboard_url}" if ctx.dashboard_url else "")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    driver = ray.remote(Driver).options(
+        name="driver", num_cpus=0, max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    ).remote(cfg, args.host, args.port, args.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = ray.get(driver.start.remote())
+        log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
+        summary = ray.get(driver.wait_ready.remote())
+        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, loaded in %.1fs, "
+                 "serving %s", tp, summary["backend"], summary["kv_cache_blocks"],
+                 summary["load_seconds"], url)
+        print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
+        while not stop.wait(1.0):
+            pass
+        log.info("shutting down")
+        return 0
+    except ray.exceptions.RayTaskError as exc:
+        log.error("start-up failed: %s", exc.cause if hasattr(exc, "cause") else exc)
+        return 1
+    finally:
+        try:
+            ray.get(driver.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        ray.shutdown()
+
+
+def kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from tpserve.cluster.device import resolve_device
+    from tpserve.kernels.base import AttentionSpec
+    from tpserve.kernels.registry import available_names, why_not
+
+    device, _ = resolve_device(args.device)
+    dev, dtype = torch.device(device), getattr(torch, args.dtype)
+    probes = {
+        "prefill+decode": AttentionSpec(8, 2, 128, 128**-0.5),
+        "sliding_window": AttentionSpec(8, 2, 128, 128**-0.5, sliding_window=4096),
+        "alibi": AttentionSpec(8, 8, 64, 64**-0.5, alibi=True),
+        "softcap": AttentionSpec(8, 4, 256, 256**-0.5, softcap=50.0),
+    }
+    print(f"attention backends on {device} ({args.dtype}):")
+    for name in available_names():
+        reasons = {f: why_not(name, dev, dtype, spec) for f, spec in probes.items()}
+        ok = [f for f, r in reasons.items() if r is None]
+        if ok:
+            print(f"  {name:10s} supports: {', '.join(ok)}")
+            for f, r in reasons.items():
+                if r:
+                    print(f"  {'':10s} not {f}: {r}")
+        else:
+            print(f"  {name:10s} unavailable: {next(iter(reasons.values()))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = apply_preset(parser, sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tpserve.errors import CheckpointError, KernelUnavailableError, ShardingError
+
+    try:
+        if args.command == "launch":
+            return launch(args)
+        return kernels(args)
+    except (CheckpointError, ShardingError, KernelUnavailableError, RuntimeError,
+            ValueError) as exc:
+        log.error("%s", exc)
+        print(f"tpserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The driver: owns the engine loop and serves HTTP. Runs as the Ray actor "driver" (pinned
+to the node that launched it, so the HTTP port is where the user expects), or in-process."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from tpserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class Driver:
+    def __init__(self, cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8080,
+                 log_level: str = "info") -> None:
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.cfg, self.host, self.port, self.log_level = cfg, host, port, log_level
+        self.backend = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Start the HTTP server (health answers 503 until loaded) and the model load;
+        returns the base URL once the port is bound."""
+        import uvicorn
+
+        from tpserve.cluster.async_engine import AsyncEngine
+        from tpserve.cluster.engine import Engine
+        from tpserve.server.app import build_app
+
+        cfg = self.cfg
+        self.backend = AsyncEngine(lambda: Engine(cfg), cfg.model.model_id,
+                                   cfg.scheduler.max_concurrent_requests)
+        app = build_app(self.backend)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}; "
+                               "pick another --port") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=self.log_level, access_log=False,
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="tpserve-http", daemon=True)
+        self._thread.start()
+        self.backend.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout_s: float | None = None) -> dict:
+        """Block until every shard has loaded; raises the load error if there was one."""
+        self.backend.wait_ready(timeout_s)
+        e = self.backend.engine
+        return {"kv_cache_blocks": e.num_blocks, "backend": e.load_reports[0].backend,
+                "passed_over": e.load_reports[0].passed_over,
+                "param_bytes_per_shard": [r.param_bytes for r in e.load_reports],
+                "load_seconds": max(r.seconds for r in e.load_reports),
+                "warmup_seconds": e.warmup_seconds}
+
+    def ready(self) -> bool:
+        return self.backend is not None and self.backend.ready()
+
+    def health(self) -> list[dict]:
+        return self.backend.engine.executor.health()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.backend is not None:
+            self.backend.stop()
