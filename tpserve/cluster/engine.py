@@ -8,7 +8,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tpserve.config import EngineConfig
@@ -164,8 +164,6 @@ class Engine:
         self.validate(prompt_ids, params)
         if not params.greedy and params.seed is None:
             # Report the seed actually used, as TGI does, so a sample can be replayed.
-            from dataclasses import replace
-
             params = replace(params, seed=random.getrandbits(63))
         seq = Sequence(next(self._ids), list(prompt_ids), params)
         self.requests[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.tokenizer,
@@ -251,12 +249,18 @@ class Engine:
         event = GenerationEvent(token=info, top_tokens=top, generated_tokens=len(seq.output_ids),
                                 prompt_tokens=len(seq.prompt_ids))
         if reason is not None:
+            final_text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if not special and final_text.startswith(state.detok.text):
+                # Text held back for an incomplete character goes out with the last token,
+                # so the streamed pieces add up to generated_text.
+                info = replace(info, text=info.text + final_text[len(state.detok.text):])
+                event.token = info
             self.scheduler.finish(seq)
             self.requests.pop(seq.seq_id, None)
             seq.finish_reason = reason
             event.finished = True
             event.finish_reason = reason
-            event.generated_text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            event.generated_text = final_text
             event.seed = None if p.greedy else p.seed
             event.prefill = state.prefill
         return event

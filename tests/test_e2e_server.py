@@ -1,0 +1,100 @@
+"""`tpserve launch --tp 2` in a subprocess, talked to by tpserve.Client and TGI's own client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_process import launched
+from tiny_models import hf_greedy
+from transformers import AutoTokenizer
+
+import tpserve
+
+PROMPTS = ["The quick brown fox", "Hello world, this is"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    with launched(["--model", str(llama_dir), "--tp", "2", "--num-blocks", "512"],
+                  tmp_path_factory.mktemp("logs") / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    ids = hf_greedy(llama_dir, PROMPTS, 16)
+    return [tok.decode(i, skip_special_tokens=True) for i in ids], ids
+
+
+def test_clients_match_transformers(server, expected):
+    from text_generation import Client as TGIClient
+
+    texts, ids = expected
+    ours, tgi = tpserve.Client(server, timeout=60), TGIClient(server, timeout=60)
+    for prompt, text, tok_ids in zip(PROMPTS, texts, ids, strict=True):
+        r = ours.generate(prompt, max_new_tokens=16)
+        assert r.generated_text == text
+        assert [t.id for t in r.details.tokens] == tok_ids
+        assert r.details.generated_tokens == 16
+        assert r.details.finish_reason == "length"
+        assert all(t.logprob is not None and t.logprob <= 0 for t in r.details.tokens)
+        t = tgi.generate(prompt, max_new_tokens=16)
+        assert t.generated_text == text
+        assert [x.id for x in t.details.tokens] == tok_ids
+
+
+def test_stream_concatenates_to_final_text(server, expected):
+    from text_generation import Client as TGIClient
+
+    texts, _ = expected
+    for client in (tpserve.Client(server, timeout=60), TGIClient(server, timeout=60)):
+        events = list(client.generate_stream(PROMPTS[0], max_new_tokens=16))
+        assert len(events) == 16
+        assert events[-1].generated_text == texts[0]
+        assert "".join(e.token.text for e in events if not e.token.special) == texts[0]
+        assert all(e.generated_text is None for e in events[:-1])
+
+
+def test_bad_request_gets_422_and_server_keeps_serving(server, expected):
+    from text_generation import Client as TGIClient
+    from text_generation.errors import ValidationError as TGIValidationError
+
+    r = httpx.post(server + "/generate", json={"inputs": "hi", "parameters": {"top_p": 3}})
+    assert r.status_code == 422
+    body = r.json()
+    assert body["error_type"] == "validation" and "top_p" in body["error"]
+    r = httpx.post(server + "/generate", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    # Too long for the model: the engine's own length check, through TGI's client.
+    with pytest.raises(TGIValidationError):
+        TGIClient(server, timeout=60).generate("hello " * 400, max_new_tokens=400)
+    with pytest.raises(tpserve.errors.ValidationError):
+        tpserve.Client(server, timeout=60).generate("hello " * 400, max_new_tokens=400)
+    # Still serving, with the same answer.
+    assert tpserve.Client(server, timeout=60).generate(
+        PROMPTS[1], max_new_tokens=16).generated_text == expected[0][1]
+
+
+def test_concurrent_requests_batch_and_match(server, expected):
+    import asyncio
+
+    texts, _ = expected
+
+    async def run():
+        client = tpserve.AsyncClient(server, timeout=120)
+        return await asyncio.gather(*[client.generate(p, max_new_tokens=16)
+                                      for p in PROMPTS * 3])
+
+    results = asyncio.run(run())
+    assert [r.generated_text for r in results] == texts * 3
+
+
+def test_health_and_info(server):
+    assert httpx.get(server + "/health").status_code == 200
+    info = httpx.get(server + "/info").json()
+    assert info["tp_size"] == 2 and info["model_device_type"] == "cpu"
+    assert info["max_total_tokens"] == 512
+    assert "tpserve_" in httpx.get(server + "/metrics").text or "request" in httpx.get(
+        server + "/metrics").text
