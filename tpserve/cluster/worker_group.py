@@ -38,10 +38,13 @@ class WorkerGroup:
                 f" the cluster has {ray.available_resources()}. Lower --tp, lower "
                 "--cpus-per-shard, or add nodes/devices.") from None
         gpus = 1 if device != "cpu" else 0
+        namespace = namespace or ray.get_runtime_context().namespace
+        suffix = "" if _name_free("shard-0", namespace) else f"-{uuid.uuid4().hex[:6]}"
+        self.names = [f"shard-{rank}{suffix}" for rank in range(tp)]
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
         self.actors = [
             ShardActor.options(
-                name=f"shard-{rank}", namespace=namespace or f"tpserve-{uuid.uuid4().hex[:8]}",
+                name=self.names[rank], namespace=namespace,
                 num_cpus=cpus, num_gpus=gpus, max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank),
@@ -86,3 +89,13 @@ class WorkerGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
+
+
+def _name_free(name: str, namespace: str) -> bool:
+    """Named actors must be unique per namespace: a second replica on the same cluster gets
+    suffixed names rather than a collision."""
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return False
+    except ValueError:
+        return True

@@ -30,6 +30,17 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Encoder-decoder models: the user's prompt, fed to the encoder; prompt_ids is then the
+    # decoder's prompt ([decoder_start_token_id]). None for decoder-only models.
+    encoder_ids: list[int] | None = None
+    # Blocks holding every decoder layer's cross-attention K/V of the encoder output
+    # (ceil(len(encoder_ids) / block_size) of them, allocated with the first decoder block).
+    cross_block_table: list[int] = field(default_factory=list)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The prompt as the user sent it: the encoder input, or the decoder-only prompt."""
+        return len(self.encoder_ids) if self.encoder_ids is not None else len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

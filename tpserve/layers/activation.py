@@ -1,10 +1,16 @@
-"""Gated activations over a fused [gate; up] projection."""
+"""Activations by their transformers names, and gated ones over a fused [gate; up] projection."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Bloom's tanh GELU, with its rounded constant, as transformers computes it."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
 
 _ACTS = {
     "silu": F.silu,
@@ -14,6 +20,7 @@ _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "bloom_gelu": bloom_gelu,
 }
 
 

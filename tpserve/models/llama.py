@@ -30,8 +30,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                         bias=o_bias,
                                         prefix=f"{prefix}.o_proj")
-        self.rotary = RotaryEmbedding(d, max_positions, rope_parameters(config),
-                                      getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+        rope = rope_parameters(config)
+        partial = getattr(config, "partial_rotary_factor", None) \
+            or rope.get("partial_rotary_factor") or 1.0
+        self.rotary = RotaryEmbedding(d, max_positions, rope, partial)
         self.attn = PagedAttention(layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
                                    scale if scale is not None else d**-0.5,
                                    sliding_window=sliding_window, softcap=softcap)
@@ -62,13 +64,13 @@ class GatedMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
-                 qkv_bias: bool = False, o_bias: bool = False) -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         cast_first = norm_offset == 0.0
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
                                         sliding_window, bias=qkv_bias, o_bias=o_bias)
-        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        act = act or getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
                             bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
@@ -80,14 +82,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_positions: int, sliding_window: int | None = None,
-                 norm_offset: float = 0.0, qkv_bias: bool = False, o_bias: bool = False) -> None:
+    """sliding_window: one window for every layer, or a list with one entry per layer."""
+
+    def __init__(self, config, max_positions: int,
+                 sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
+                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None) -> None:
         super().__init__()
+        n = config.num_hidden_layers
+        windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, f"model.layers.{i}", max_positions, sliding_window,
-                              norm_offset, qkv_bias, o_bias)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, f"model.layers.{i}", max_positions, windows[i],
+                              norm_offset, qkv_bias, o_bias, act)
+            for i in range(n)
         )
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6),
                             norm_offset, norm_offset == 0.0)
@@ -96,8 +103,8 @@ class LlamaModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
         if self.embed_scale is not None:
-            # Gemma rounds the scale to the model dtype before multiplying.
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+            # Gemma rounds the float32 scale to the model dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
@@ -124,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @staticmethod
-    def sliding_window(config) -> int | None:
+    def sliding_window(config) -> int | list[int | None] | None:
         return getattr(config, "sliding_window", None) or None
 
     @staticmethod

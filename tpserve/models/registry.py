@@ -7,6 +7,10 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "tpserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
+    "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
+    "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
+    "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
+    "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
 }
 
 

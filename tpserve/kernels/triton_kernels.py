@@ -1,0 +1,167 @@
+"""Paged-attention kernels in Triton (CUDA, and XPU through Intel's Triton backend).
+
+Imported only by triton_backend.py once Triton is known to be importable. Both kernels read
+the cache layout [num_blocks, block_size, kv_heads, head_dim] through strides and walk the
+block table key by key, so any block id order (holes, unused ids) works.
+
+Every integer that changes from step to step (block-table width, counts) is excluded from
+specialisation: otherwise Triton would compile a new variant when such a value crosses a
+multiple of 16, on a live request. What remains in the compile key is fixed per model:
+dtype, head_dim, GQA group, block size and the feature flags, which warmup covers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Step-varying scalars: never specialise on their value (see the module docstring).
+_RUNTIME_INTS = ["window", "stride_bt"]
+# Small integer tables, sliced by callers at any offset: no alignment specialisation.
+_TABLES = ["block_tables_ptr", "seq_lens_ptr", "alibi_ptr"]
+
+
+@triton.jit
+def _tanh(x):
+    # Built from exp so it compiles on every Triton backend and in the interpreter
+    # (libdevice is per vendor); a short series near 0 avoids the 1 - e cancellation.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    t = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    series = ax * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
+    t = tl.where(ax < 0.0625, series, t)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q [M, D] x k [N, D] -> masked fp32 scores [M, N], in the reference's order:
+    scale, softcap, ALiBi, mask."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    if HAS_ALIBI:
+        s += slopes[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=_TABLES)
+def paged_decode_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    scale, softcap, window, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (sequence, KV head): the GROUP query heads sharing that KV head are
+    the rows of one tile, so each key is read once per group (GQA / MQA)."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    heads = kvh * GROUP + rows
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)
+    slopes = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt
+    for start in range(lo, ctx, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < ctx
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        visible = k_ok[None, :] & (q_pos[:, None] >= 0)
+        if HAS_WINDOW:
+            visible &= (q_pos[:, None] - k_pos[None, :]) < window
+        s = _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
+                    HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS,
+            do_not_specialize_on_alignment=_TABLES + ["query_start_ptr"])
+def paged_prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    alibi_ptr, scale, softcap, window, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (sequence, tile of BLOCK_M new tokens, query head). The new tokens
+    are the last q_len positions of a context of seq_len (chunked prefill and decode rows of
+    a mixed batch alike); each attends causally to its own sequence's cache."""
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(seq_lens_ptr + seq)
+    kvh = head // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    q_pos = ctx - q_len + rows
+    d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes += tl.load(alibi_ptr + head).to(tl.float32)
+    hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    # Tiles past this sequence's new tokens (the grid covers the longest one) do no work.
+    hi = tl.where(tile * BLOCK_M < q_len, hi, lo)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < hi
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible &= (q_pos[:, None] - k_pos[None, :]) < window
+        s = _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
+                    HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+KERNELS = (paged_decode_kernel, paged_prefill_kernel)

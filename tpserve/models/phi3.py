@@ -1,0 +1,13 @@
+"""Phi-3: Llama-shaped, but its checkpoints store q, k, v fused as qkv_proj ([q; k; v] rows)
+and gate, up fused as gate_up_proj ([gate; up] rows). Both load through the fused-on-disk
+path of QKVParallelLinear / MergedColumnParallelLinear (shard_id None), which takes each
+part's slice for this rank. The sliding window, when set, covers every layer."""
+
+from __future__ import annotations
+
+from tpserve.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    # Checkpoint names already match the fused parameters: nothing to stack.
+    stacked_params: list = []
