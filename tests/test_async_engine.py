@@ -66,7 +66,9 @@ def test_closing_the_stream_early_aborts_the_request(backend):
 
 
 def test_too_long_prompt_is_a_validation_error_and_nothing_is_queued(backend):
+    with pytest.raises(ValidationError, match="at most 127 tokens"):
+        asyncio.run(_collect(backend, "hello " * 60, 1))
     with pytest.raises(ValidationError, match="must be <= 128"):
-        asyncio.run(_collect(backend, "hello " * 60, 100))
+        asyncio.run(_collect(backend, "Hello", 200))
     assert not backend.engine.has_work() and backend.inflight == 0
     assert len(asyncio.run(_collect(backend, "Hello", 3))) == 3

@@ -70,9 +70,64 @@ def mistral_config(**kw):
     return cfg
 
 
-def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None) -> Path:
+def gemma_config(**kw):
+    """Multi-query (one KV head) and head_dim 32 != hidden / heads = 16; tied head."""
+    from transformers import GemmaConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                max_position_embeddings=512, hidden_act="gelu_pytorch_tanh",
+                tie_word_embeddings=True, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GemmaConfig(**args)
+    cfg.architectures = ["GemmaForCausalLM"]
+    return cfg
+
+
+def bloom_config(**kw):
+    """4 heads (one per rank at tp = 4), ALiBi, tied head."""
+    from transformers import BloomConfig
+
+    args = dict(hidden_size=64, n_layer=2, n_head=4, tie_word_embeddings=True,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = BloomConfig(**args)
+    cfg.architectures = ["BloomForCausalLM"]
+    return cfg
+
+
+def qwen2_config(**kw):
+    from transformers import Qwen2Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Qwen2Config(**args)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return cfg
+
+
+def phi3_config(**kw):
+    """Fused qkv_proj / gate_up_proj on disk; GQA (4 heads, 2 KV heads); half-rotary heads
+    (partial_rotary_factor 0.5, as Phi-4-mini uses 0.75)."""
+    from transformers import Phi3Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                original_max_position_embeddings=512, partial_rotary_factor=0.5,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Phi3Config(**args)
+    cfg.architectures = ["Phi3ForCausalLM"]
+    return cfg
+
+
+def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
+               vector_std: float = 0.0) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
-    tokenizer; returns the directory."""
+    tokenizer; returns the directory. vector_std > 0 also perturbs 1-D parameters (biases,
+    norm weights), which transformers initialises to constants that would hide bugs."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
@@ -85,6 +140,8 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif vector_std:
+                p.add_(torch.randn_like(p) * vector_std)
     model.save_pretrained(out, safe_serialization=True)
     tok = build_tokenizer(min(vocab_for_tokenizer or config.vocab_size, config.vocab_size))
     tok.save_pretrained(out)

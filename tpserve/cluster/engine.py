@@ -64,6 +64,20 @@ class LocalExecutor:
         self.worker.shutdown()
 
 
+def decoder_start_token_id(path: str, hf_config) -> int:
+    """The first decoder token of an encoder-decoder model, found where transformers'
+    generate looks: the config, generation_config.json, then bos; T5 uses pad."""
+    gen = Path(path) / "generation_config.json"
+    gen_cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    for v in (getattr(hf_config, "decoder_start_token_id", None),
+              gen_cfg.get("decoder_start_token_id"), getattr(hf_config, "bos_token_id", None),
+              getattr(hf_config, "pad_token_id", None)):
+        if isinstance(v, int):
+            return v
+    raise CheckpointError(f"{path}: an encoder-decoder model needs decoder_start_token_id in "
+                          "config.json or generation_config.json")
+
+
 def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     ids: set[int] = set()
 
@@ -96,6 +110,10 @@ class Engine:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self.eos_ids = eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer)
         self.max_model_len = cfg.model.max_model_len
+        # Encoder-decoder: the prompt feeds the encoder; the decoder starts from one token.
+        self.encoder_decoder = bool(getattr(self.hf_config, "is_encoder_decoder", False))
+        self.decoder_start = (decoder_start_token_id(cfg.model.path, self.hf_config)
+                              if self.encoder_decoder else None)
         self.max_input_tokens = cfg.scheduler.max_input_tokens or self.max_model_len - 1
         if executor is None:
             from tpserve.cluster.worker_group import WorkerGroup
@@ -155,7 +173,9 @@ class Engine:
             raise ValidationError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. Given: {n} "
                 f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
-        if not self.scheduler.can_ever_fit(n + params.max_new_tokens):
+        fits = (self.scheduler.can_ever_fit(1 + params.max_new_tokens, encoder_tokens=n)
+                if self.encoder_decoder else self.scheduler.can_ever_fit(n + params.max_new_tokens))
+        if not fits:
             raise ValidationError(
                 f"a request of {n + params.max_new_tokens} tokens does not fit in this server's "
                 f"KV cache ({self.num_blocks} blocks of {self.cfg.cache.block_size} tokens)")
@@ -165,9 +185,16 @@ class Engine:
         if not params.greedy and params.seed is None:
             # Report the seed actually used, as TGI does, so a sample can be replayed.
             params = replace(params, seed=random.getrandbits(63))
-        seq = Sequence(next(self._ids), list(prompt_ids), params)
-        self.requests[seq.seq_id] = RequestState(seq, IncrementalDetokenizer(self.tokenizer,
-                                                                             self.special_ids))
+        if self.encoder_decoder:
+            seq = Sequence(next(self._ids), [self.decoder_start], params,
+                           encoder_ids=list(prompt_ids))
+        else:
+            seq = Sequence(next(self._ids), list(prompt_ids), params)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, self.special_ids))
+        if self.encoder_decoder and params.prompt_logprobs:
+            # The decoder's input is only the start token, which has no log-probability.
+            state.prefill.append(self._token_info(self.decoder_start, None))
+        self.requests[seq.seq_id] = state
         self.scheduler.add(seq)
         return seq
 
@@ -185,12 +212,19 @@ class Engine:
         start = seq.num_computed
         need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
             or bool(p.frequency_penalty)
-        return SeqStep(
+        step = SeqStep(
             seq_id=seq.seq_id, token_ids=seq.all_ids[start : start + s.num_new],
             start_pos=start, block_table=list(seq.block_table), sample=s.completes_prompt,
             params=p, history=seq.all_ids if need_history else None,
             num_generated=len(seq.output_ids),
             prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
+        if seq.encoder_ids is not None:
+            step.prompt_logprobs = False
+            step.encoder_len = len(seq.encoder_ids)
+            step.cross_block_table = list(seq.cross_block_table)
+            if start == 0:  # first step, or recompute after a preemption
+                step.encoder_ids = seq.encoder_ids
+        return step
 
     def step(self, return_logits: bool = False) -> tuple[list[tuple[int, GenerationEvent]],
                                                          StepOutput | None]:
@@ -244,10 +278,11 @@ class Engine:
             reason = "eos_token"
         elif p.stop and any(s in state.detok.text[-(len(s) + len(text) + 8):] for s in p.stop):
             reason = "stop_sequence"
-        elif len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_ids) >= p.max_new_tokens \
+                or seq.num_input_tokens + len(seq.output_ids) >= self.max_model_len:
             reason = "length"
         event = GenerationEvent(token=info, top_tokens=top, generated_tokens=len(seq.output_ids),
-                                prompt_tokens=len(seq.prompt_ids))
+                                prompt_tokens=seq.num_input_tokens)
         if reason is not None:
             final_text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
             if not special and final_text.startswith(state.detok.text):

@@ -1,4 +1,8 @@
-"""Fixed-size KV-cache blocks: a free list and per-sequence block tables."""
+"""Fixed-size KV-cache blocks: a free list and per-sequence block tables.
+
+An encoder-decoder sequence also holds cross blocks: the cross-attention K/V of its encoder
+output, computed once when its decoder starts. They come from the same pool (every decoder
+layer's cache has a slot for them), so memory is accounted in one place."""
 
 from __future__ import annotations
 
@@ -17,9 +21,16 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
+    def cross_blocks_needed(self, seq: Sequence) -> int:
+        """Blocks for the encoder output's cross K/V that seq does not hold yet."""
+        if seq.encoder_ids is None or seq.cross_block_table:
+            return 0
+        return -(-len(seq.encoder_ids) // self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks seq needs to hold num_tokens tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        """Extra blocks seq needs to hold num_tokens tokens (and its cross K/V, if any)."""
+        return (max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+                + self.cross_blocks_needed(seq))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
@@ -28,11 +39,15 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, have {len(self._free)}")
-        seq.block_table.extend(self._free.pop() for _ in range(need))
+        cross = self.cross_blocks_needed(seq)
+        seq.cross_block_table.extend(self._free.pop() for _ in range(cross))
+        seq.block_table.extend(self._free.pop() for _ in range(need - cross))
 
     def free(self, seq: Sequence) -> None:
         self._free.extend(b for b in reversed(seq.block_table) if b >= 0)
+        self._free.extend(reversed(seq.cross_block_table))
         seq.block_table = []
+        seq.cross_block_table = []
 
     def release_outside_window(self, seq: Sequence, window: int) -> int:
         """Free blocks no future query can see. The next query sits at position

@@ -87,7 +87,11 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
-            budget -= n
+            # An encoder runs whole on the step its decoder starts: charge it here, after
+            # admission, so a prompt longer than the budget still gets in (alone) rather
+            # than waiting forever.
+            budget -= n + (len(seq.encoder_ids) if seq.encoder_ids is not None
+                           and seq.num_computed == 0 else 0)
         return out
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
@@ -97,8 +101,10 @@ class Scheduler:
             if self.sliding_window and not s.seq.finished:
                 self.blocks.release_outside_window(s.seq, self.sliding_window)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether one sequence of num_tokens could run alone in the whole cache."""
+    def can_ever_fit(self, num_tokens: int, encoder_tokens: int = 0) -> bool:
+        """Whether one sequence of num_tokens (decoder) tokens, plus the cross K/V of
+        encoder_tokens encoder outputs, could run alone in the whole cache."""
         if self.sliding_window:
             num_tokens = min(num_tokens, self.sliding_window + self.max_num_batched_tokens)
-        return -(-num_tokens // self.blocks.block_size) <= self.blocks.num_blocks
+        bs = self.blocks.block_size
+        return -(-num_tokens // bs) + -(-encoder_tokens // bs) <= self.blocks.num_blocks

@@ -22,6 +22,13 @@ class SeqStep:
     num_generated: int = 0  # seeds per-token randomness: (seed, num_generated)
     # Report the log-probability of each of token_ids[1:] (TGI's decoder_input_details).
     prompt_logprobs: bool = False
+    # Encoder-decoder models only. encoder_ids is sent on the step where the decoder starts
+    # from position 0 (again after a preemption): the worker runs the encoder on it and
+    # writes each decoder layer's cross-attention K/V through cross_block_table. Later steps
+    # read those K/V back; encoder_len says how many there are.
+    encoder_ids: list[int] | None = None
+    encoder_len: int = 0
+    cross_block_table: list[int] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:

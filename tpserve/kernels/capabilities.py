@@ -1,0 +1,37 @@
+"""Shared checks for backends that implement a fixed set of AttentionSpec features.
+
+AttentionSpec grows as model families arrive (encoder-decoder, relative position bias, ...).
+A backend written before a field existed must decline a spec that uses it rather than
+compute something else silently, so the check is generic: any field the backend does not
+know that is set to a non-default value is a reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpserve.kernels.base import AttentionSpec
+
+# The fields every backend in this package understands.
+CORE_FIELDS = frozenset({"num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window",
+                         "alibi", "softcap", "block_size"})
+CORE_FEATURES = frozenset({"prefill", "decode", "sliding_window", "alibi", "softcap"})
+
+
+def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = CORE_FIELDS,
+                           known_features: frozenset[str] = CORE_FEATURES) -> str | None:
+    """Why `spec` asks for something outside `known_*`, or None."""
+    extra = sorted(set(getattr(spec, "features", frozenset())) - known_features)
+    if extra:
+        return f"features not implemented: {', '.join(extra)}"
+    if getattr(spec, "causal", True) is False:
+        return "non-causal (encoder or cross) attention is not implemented"
+    if dataclasses.is_dataclass(spec):
+        for f in dataclasses.fields(spec):
+            if f.name in known_fields:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else None
+            value = getattr(spec, f.name)
+            if value != default and f.name != "causal":
+                return f"attention spec field {f.name}={value!r} is not implemented"
+    return None
