@@ -124,7 +124,7 @@ def phi3_config(**kw):
 
 
 def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
-               vector_std: float = 0.0) -> Path:
+               vector_std: float = 0.0, std: float = 0.08) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
     tokenizer; returns the directory. vector_std > 0 also perturbs 1-D parameters (biases,
     norm weights), which transformers initialises to constants that would hide bugs."""
@@ -139,7 +139,7 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, std)
             elif vector_std:
                 p.add_(torch.randn_like(p) * vector_std)
     model.save_pretrained(out, safe_serialization=True)

@@ -127,13 +127,16 @@ class Engine:
                  time.perf_counter() - t0, r0.param_bytes / 1e6, r0.backend,
                  "".join(f"; passed over {k}: {v}" for k, v in r0.passed_over.items()))
         num_blocks = executor.available_blocks()
-        need = -(-min(self.max_model_len, cfg.scheduler.max_num_batched_tokens)
-                 // cfg.cache.block_size)
-        if num_blocks < need:
+        full = -(-self.max_model_len // cfg.cache.block_size)
+        if num_blocks == 0:
             raise RuntimeError(
-                f"the KV cache holds {num_blocks} blocks of {cfg.cache.block_size} tokens per "
-                f"shard, fewer than one full-length request needs ({need}); raise "
-                "--kv-cache-memory-gb (CPU) or --gpu-memory-utilization, or lower --max-total-tokens")
+                "no memory is left for the KV cache after loading the weights; raise "
+                "--kv-cache-memory-gb (CPU) or --gpu-memory-utilization, use more shards (--tp), "
+                "or set --num-blocks")
+        if num_blocks < full:
+            log.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of "
+                        "--max-total-tokens %d; longer requests will be refused", num_blocks,
+                        cfg.cache.block_size, self.max_model_len)
         executor.allocate_cache(num_blocks)
         self.num_blocks = num_blocks
         self.warmup_seconds = executor.warmup((1,))

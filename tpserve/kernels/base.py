@@ -2,6 +2,15 @@
 
 Layout of the paged KV cache is the backend's choice (kv_cache_shape); the engine only
 deals in block ids and slots (slot = block_id * block_size + offset).
+
+Encoder-decoder models (T5) add three things, each flagged in AttentionSpec so a backend
+that lacks one refuses the spec through supports() (check spec.features):
+- "non_causal" (spec.causal=False): every query sees all seq_lens[i] keys of its sequence.
+  Cross attention is paged attention of this kind over the encoder output's K/V.
+- "relative_bias" (spec.relative_bias): a bias table by relative position is passed as
+  rel_bias to forward/prefill/decode/attend_dense; see RelBias.
+- "dense" (spec.paged=False): no cache at all; attend_dense() over this step's own K/V,
+  sequences laid out varlen by query_start_loc (an encoder's self-attention).
 """
 
 from __future__ import annotations
@@ -10,6 +19,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+
+# rel_bias: float [num_heads on this rank, 2 * R + 1]. The score of query position qp and key
+# position kp in head h gains rel_bias[h, R + clamp(kp - qp, -R, R)]; R = (columns - 1) // 2.
+# Positions are those of the sequence (paged: query i of a chunk of n sits at
+# seq_len - n + i; dense: 0..len-1), the same convention the causal mask uses. The T5 buckets
+# saturate at max_distance, so R = max_distance makes the table exact.
+RelBias = torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -24,10 +41,17 @@ class AttentionSpec:
     alibi: bool = False  # per-head slopes passed to forward()
     softcap: float | None = None  # scores = softcap * tanh(scores / softcap)
     block_size: int = 16
+    causal: bool = True  # False: each query sees every key of its sequence (cross, encoder)
+    relative_bias: bool = False  # a rel_bias table is passed (T5's bucketed position bias)
+    paged: bool = True  # False: no KV cache; attend_dense() on the step's own K/V
 
     @property
     def features(self) -> frozenset[str]:
-        f = {"prefill", "decode"}
+        f = {"prefill", "decode"} if self.paged else {"dense"}
+        if not self.causal:
+            f.add("non_causal")
+        if self.relative_bias:
+            f.add("relative_bias")
         if self.sliding_window:
             f.add("sliding_window")
         if self.alibi:
@@ -95,10 +119,12 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         spec: AttentionSpec,
         alibi_slopes: torch.Tensor | None = None,
+        rel_bias: RelBias | None = None,
     ) -> torch.Tensor:
         """Attention for a batch where some sequences bring several new tokens (prompt
         chunks, possibly mixed with decodes). q: [T, heads, head_dim] -> same shape. The new
-        tokens' K/V are already in the cache; each attends to its own sequence's context."""
+        tokens' K/V are already in the cache; each attends to its own sequence's context.
+        rel_bias is passed only for specs with relative_bias (as a keyword)."""
 
     @abstractmethod
     def decode(
@@ -109,13 +135,34 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         spec: AttentionSpec,
         alibi_slopes: torch.Tensor | None = None,
+        rel_bias: RelBias | None = None,
     ) -> torch.Tensor:
         """Attention for a batch of one new token per sequence. q: [B, heads, head_dim]."""
 
-    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None,
+                rel_bias: RelBias | None = None) -> torch.Tensor:
+        """Dispatch to decode or prefill. rel_bias (only when spec.relative_bias) reaches
+        them as a keyword, so a backend without relative-bias support keeps its signature."""
+        extra = {} if rel_bias is None else {"rel_bias": rel_bias}
         if meta.decode_only:
-            return self.decode(q, k_cache, v_cache, meta, spec, alibi_slopes)
-        return self.prefill(q, k_cache, v_cache, meta, spec, alibi_slopes)
+            return self.decode(q, k_cache, v_cache, meta, spec, alibi_slopes, **extra)
+        return self.prefill(q, k_cache, v_cache, meta, spec, alibi_slopes, **extra)
+
+    def attend_dense(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        spec: AttentionSpec,
+        rel_bias: RelBias | None = None,
+    ) -> torch.Tensor:
+        """Attention with no cache (spec.paged=False, feature "dense"), e.g. an encoder.
+        q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim], sequences laid out by
+        meta.query_start_loc; each token attends to its own sequence's tokens only (all of
+        them when not spec.causal). Returns [T, heads, head_dim]. meta.seq_lens equals the
+        query lengths; block_tables and slot_mapping are not read here."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no dense attention")
 
     def warmup(self, device: torch.device, dtype: torch.dtype, spec: AttentionSpec,
                batch_sizes: tuple[int, ...] = (1,)) -> None:

@@ -2,14 +2,15 @@
 
 Decode is one vectorised gather over the block tables for the whole batch. Prefill goes
 sequence by sequence (bounded memory: scores are [heads, q_len, context] for one sequence)
-and batches any decode rows of a mixed step together.
+and batches any decode rows of a mixed step together. Dense (encoder) attention goes
+sequence by sequence too. Every base.py feature is supported, so this is the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec, RelBias
 
 
 def attend_padded(
@@ -20,8 +21,10 @@ def attend_padded(
     ctx_len: torch.Tensor,  # [B] valid keys per sequence (positions 0..ctx_len-1)
     spec: AttentionSpec,
     alibi_slopes: torch.Tensor | None,
+    rel_bias: RelBias | None = None,  # [Hq, 2R + 1], see kernels/base.py
 ) -> torch.Tensor:
-    """Causal attention of padded queries over padded keys; returns [B, Q, Hq, D]."""
+    """Attention of padded queries over padded keys (causal unless spec.causal is False);
+    returns [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
     hkv, length = k.shape[2], k.shape[1]
     g = hq // hkv
@@ -40,7 +43,13 @@ def attend_padded(
         # slope * k form of the original ALiBi.
         slopes = alibi_slopes.to(acc).view(1, hkv, g, 1, 1)
         scores = scores + slopes * rel.to(acc).unsqueeze(1).unsqueeze(1)
-    visible = (rel <= 0) & (k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1))
+    if rel_bias is not None:
+        r = (rel_bias.shape[1] - 1) // 2
+        bias = rel_bias.to(acc)[:, rel.clamp(-r, r) + r]  # [Hq, B, Q, L]
+        scores = scores + bias.transpose(0, 1).reshape(b, hkv, g, nq, length)
+    visible = k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1)
+    if spec.causal:
+        visible = visible & (rel <= 0)
     if spec.sliding_window:
         visible &= rel > -spec.sliding_window
     scores = scores.masked_fill(~visible.view(b, 1, 1, nq, length), float("-inf"))
@@ -67,15 +76,15 @@ class TorchAttentionBackend(AttentionBackend):
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         return None
 
-    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
         k = gather_context(k_cache, meta.block_tables, meta.max_seq_len)
         v = gather_context(v_cache, meta.block_tables, meta.max_seq_len)
         seq_lens = meta.seq_lens.long()
         out = attend_padded(q.unsqueeze(1), k, v, (seq_lens - 1).unsqueeze(1), seq_lens,
-                            spec, alibi_slopes)
+                            spec, alibi_slopes, rel_bias)
         return out.squeeze(1)
 
-    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
         q_lens = meta.query_lens_host or tuple(
             (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
         seq_lens = meta.seq_lens_host or tuple(meta.seq_lens.tolist())
@@ -92,7 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
                 seq_lens=meta.seq_lens[idx], block_tables=meta.block_tables[idx],
                 slot_mapping=meta.slot_mapping, max_query_len=1,
                 max_seq_len=max(seq_lens[i] for i in decode_rows))
-            out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes)
+            out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes, rel_bias)
         for i, n in enumerate(q_lens):
             if n == 1:
                 continue
@@ -102,5 +111,19 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(0)
             ctx_t = torch.tensor([ctx], device=q.device)
             out[s : s + n] = attend_padded(q[s : s + n].unsqueeze(0), k, v, q_pos, ctx_t, spec,
-                                           alibi_slopes)[0]
+                                           alibi_slopes, rel_bias)[0]
+        return out
+
+    def attend_dense(self, q, k, v, meta, spec, rel_bias=None):
+        lens = meta.query_lens_host or tuple(
+            (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
+        out = torch.empty_like(q)
+        s = 0
+        for n in lens:
+            pos = torch.arange(n, device=q.device).unsqueeze(0)
+            ctx_t = torch.tensor([n], device=q.device)
+            out[s : s + n] = attend_padded(q[None, s : s + n], k[None, s : s + n],
+                                           v[None, s : s + n], pos, ctx_t, spec, None,
+                                           rel_bias)[0]
+            s += n
         return out

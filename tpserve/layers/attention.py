@@ -10,22 +10,38 @@ from tpserve.kernels.base import AttentionSpec
 from tpserve.layers.context import current
 
 
-class PagedAttention(nn.Module):
+class AttentionLayer(nn.Module):
+    """Any layer that attends through the kernel backend. The worker picks a backend that
+    supports every layer's spec, and gives a paged KV cache (kv_caches[layer_index]) to
+    each layer that owns_cache; others share one (cross attention) or need none (an
+    encoder's dense attention)."""
+
+    spec: AttentionSpec
+    layer_index: int = -1
+    owns_cache: bool = False
+
+
+class PagedAttention(AttentionLayer):
+    owns_cache = True
+
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None, relative_bias: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, scale=scale, sliding_window=sliding_window,
-                                  alibi=alibi_slopes is not None, softcap=softcap)
+                                  alibi=alibi_slopes is not None, softcap=softcap,
+                                  relative_bias=relative_bias)
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
         else:
             self.alibi_slopes = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads * head_dim], k/v: [T, kv_heads * head_dim] -> [T, heads * head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rel_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, heads * head_dim], k/v: [T, kv_heads * head_dim] -> [T, heads * head_dim].
+        rel_bias: the relative-position table of a spec with relative_bias (kernels/base.py)."""
         ctx = current()
         s = self.spec
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -33,5 +49,9 @@ class PagedAttention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
-        out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes)
+        if rel_bias is None:  # the decoder-only call, unchanged for every backend
+            out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes)
+        else:
+            out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes,
+                                      rel_bias=rel_bias)
         return out.reshape(q.shape[0], -1)

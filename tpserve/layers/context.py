@@ -16,6 +16,9 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: (k, v)
     backend: AttentionBackend
+    # Encoder-decoder decoders: where cross attention finds the encoder output's K/V (the
+    # same query layout as meta; seq_lens = encoder lengths, block_tables = cross blocks).
+    cross_meta: AttentionMetadata | None = None
 
 
 _CURRENT: ForwardContext | None = None

@@ -1,0 +1,274 @@
+"""Paged attention in Triton for CUDA and XPU (Intel's Triton backend).
+
+Triton itself is imported only when a kernel is needed, after its on-disk cache has been
+pointed at ~/.cache/tpserve/triton, so a CPU-only install lists this backend as unavailable
+with a reason instead of failing to import, and a second start loads kernels from disk.
+
+Warmup launches every kernel variant the server can use (decode for every batch-size
+bucket, a mixed prefill + decode step), so no request ever waits for a compile. The compile
+key of a launch holds only per-model values (see triton_kernels.py); launches are recorded
+and one with a key warmup did not see is counted and logged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from tpserve.kernels.capabilities import unknown_feature_reason
+from tpserve.kernels.compile_cache import cached_kernel_count, configure_triton_cache
+
+log = logging.getLogger(__name__)
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
+# Triton's backend name for each torch device type.
+TRITON_TARGETS = {"cuda": "nvidia", "xpu": "intel"}
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1 runs the kernels in numpy on the CPU: slow, for debugging only."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_missing(device_type: str) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    configure_triton_cache()
+    try:
+        import triton.backends
+    except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    target = TRITON_TARGETS.get(device_type)
+    if target and target not in getattr(triton.backends, "backends", {target: None}):
+        hint = " (install Intel's triton-xpu)" if device_type == "xpu" else ""
+        return f"this triton has no {target} backend for {device_type}{hint}"
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one spec on one dtype: part of the compile key, fixed per model."""
+
+    block_m: int
+    block_n: int
+    decode_block_n: int
+    group_pad: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
+    group = spec.num_heads // spec.num_kv_heads
+    # tl.dot needs every dimension >= 16: a decode tile pads its group of heads to 16 rows.
+    group_pad = max(16, 1 << (group - 1).bit_length())
+    wide = spec.head_dim * (4 if dtype == torch.float32 else 2)  # bytes per key row
+    block_n = 64 if wide <= 256 else 32
+    block_m = 64 if spec.head_dim <= 128 else 32
+    return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=block_n,
+                        group_pad=group_pad)
+
+
+def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
+    """What Triton specialises a launch of `kind` on, given the launcher's guarantees
+    (contiguous 16-byte-aligned tensors, runtime ints not specialised)."""
+    cfg = launch_config(dtype, spec)
+    flags = (bool(spec.sliding_window), spec.alibi, bool(spec.softcap))
+    tiles = (cfg.group_pad, cfg.decode_block_n) if kind == "decode" else (cfg.block_m,
+                                                                           cfg.block_n)
+    return (kind, str(dtype), spec.num_heads // spec.num_kv_heads, spec.head_dim,
+            spec.block_size, tiles, flags)
+
+
+@dataclass(frozen=True)
+class WarmupCase:
+    kind: str  # "decode" or "prefill"
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    key: tuple
+
+
+def warmup_plan(dtype: torch.dtype, spec: AttentionSpec,
+                batch_sizes: tuple[int, ...]) -> list[WarmupCase]:
+    """The steps warmup runs: a decode batch of every bucket, and a mixed step whose prefill
+    spans several query tiles and KV blocks next to a decode row."""
+    cfg = launch_config(dtype, spec)
+    ctx = 2 * spec.block_size + 3  # crosses block boundaries
+    cases = [WarmupCase("decode", (1,) * b, (ctx,) * b, compile_key("decode", dtype, spec))
+             for b in sorted(set(batch_sizes))]
+    n = cfg.block_m + 3
+    cases.append(WarmupCase("prefill", (n, 1), (n + spec.block_size, ctx),
+                            compile_key("prefill", dtype, spec)))
+    return cases
+
+
+@dataclass
+class WarmupReport:
+    seconds: float = 0.0
+    variants: int = 0  # kernel variants built in this process (compiled or loaded from disk)
+    compiled_from_source: int = 0  # new entries in the on-disk cache
+    cases: int = 0
+    keys: list[tuple] = field(default_factory=list)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self.launched: set[tuple] = set()
+        self.warmed = False  # set after the first warmup; later specs warm up too
+        self._warming = False
+        self.unplanned_launches = 0
+        self.reports: list[WarmupReport] = []
+        self._dummy: dict[torch.device, torch.Tensor] = {}
+        self._k = None
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
+        on_cpu = device.type == "cpu" and interpreting()
+        if device.type not in TRITON_TARGETS and not on_cpu:
+            if importlib.util.find_spec("triton") is None:
+                return "triton is not installed"
+            return f"no CUDA or XPU device (this worker runs on {device.type})"
+        missing = _triton_missing("cpu" if on_cpu else device.type)
+        if missing:
+            return missing
+        if dtype not in DTYPES:
+            return f"dtype {dtype} is not supported (float16, bfloat16, float32)"
+        if spec.head_dim not in HEAD_DIMS:
+            return f"head_dim {spec.head_dim} is not supported (powers of two 16..256)"
+        if spec.num_heads % spec.num_kv_heads:
+            return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
+        if spec.num_heads // spec.num_kv_heads > MAX_GROUP:
+            return f"more than {MAX_GROUP} query heads per KV head"
+        return unknown_feature_reason(spec)
+
+    # --- launching ----------------------------------------------------------------------
+    def _kernels(self):
+        if self._k is None:
+            configure_triton_cache()
+            from tpserve.kernels import triton_kernels
+
+            self._k = triton_kernels
+        return self._k
+
+    def _record(self, key: tuple) -> None:
+        if key not in self.launched:
+            if self.warmed and not self._warming:
+                self.unplanned_launches += 1
+                log.warning("triton: launch %s was not covered by warmup and compiles now", key)
+            self.launched.add(key)
+
+    def _common(self, q, k_cache, meta, spec, alibi_slopes):
+        if q.stride(-1) != 1 or q.data_ptr() % 16:
+            q = q.contiguous() if q.stride(-1) != 1 else q.clone()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        slopes = alibi_slopes if spec.alibi else self._dummy.setdefault(
+            q.device, torch.zeros(1, dtype=torch.float32, device=q.device))
+        cfg = launch_config(q.dtype, spec)
+        flags = dict(HAS_WINDOW=bool(spec.sliding_window), HAS_ALIBI=bool(spec.alibi),
+                     HAS_SOFTCAP=bool(spec.softcap),
+                     DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        scalars = (float(spec.scale), float(spec.softcap or 0.0), int(spec.sliding_window or 0),
+                   meta.block_tables.stride(0), q.stride(0), q.stride(1), out.stride(0),
+                   out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        return q, out, slopes.float().contiguous(), cfg, flags, scalars
+
+    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+        self._record(compile_key("decode", q.dtype, spec))
+        grid = (meta.num_seqs, spec.num_kv_heads)
+        self._kernels().paged_decode_kernel[grid](
+            out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens), slopes,
+            *scalars, GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
+            HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        return out
+
+    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+        self._record(compile_key("prefill", q.dtype, spec))
+        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.block_m), spec.num_heads)
+        self._kernels().paged_prefill_kernel[grid](
+            out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+            _i32(meta.query_start_loc), slopes, *scalars,
+            GROUP=spec.num_heads // spec.num_kv_heads, HEAD_DIM=spec.head_dim,
+            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        return out
+
+    # --- compiling ----------------------------------------------------------------------
+    def compile_count(self) -> int:
+        """Kernel variants built in this process. Under the interpreter there is no compiler,
+        so the distinct launch keys stand in for it."""
+        if interpreting():
+            return len(self.launched)
+        total = 0
+        for kernel in self._kernels().KERNELS:
+            caches = getattr(kernel, "device_caches", {}) or {}
+            total += sum(len(c[0]) for c in caches.values())
+        return total
+
+    def warmup(self, device: torch.device, dtype: torch.dtype, spec: AttentionSpec,
+               batch_sizes: tuple[int, ...] = (1,)) -> None:
+        t0 = time.perf_counter()
+        cache_dir = configure_triton_cache()
+        before, on_disk = self.compile_count(), cached_kernel_count(cache_dir)
+        plan = warmup_plan(dtype, spec, batch_sizes)
+        self._warming = True
+        try:
+            for case in plan:
+                self._run_case(case, device, dtype, spec)
+        finally:
+            self._warming = False
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize(device)
+        report = WarmupReport(
+            seconds=time.perf_counter() - t0, variants=self.compile_count() - before,
+            compiled_from_source=cached_kernel_count(cache_dir) - on_disk, cases=len(plan),
+            keys=sorted({c.key for c in plan}))
+        self.reports.append(report)
+        self.warmed = True
+        log.info("triton warmup: %d kernel variant(s), %d compiled from source, the rest "
+                 "loaded from %s; %d step shapes (batch sizes %s) in %.2fs", report.variants,
+                 report.compiled_from_source, cache_dir, report.cases,
+                 ",".join(map(str, sorted(set(batch_sizes)))), report.seconds)
+
+    def _run_case(self, case: WarmupCase, device, dtype, spec: AttentionSpec) -> None:
+        bs = spec.block_size
+        nblk = [-(-s // bs) for s in case.seq_lens]
+        width = max(nblk)
+        # Reversed block ids: warmup also exercises non-contiguous tables.
+        ids = list(range(sum(nblk)))[::-1]
+        tables, at = [], 0
+        for n in nblk:
+            tables.append(ids[at : at + n] + [0] * (width - n))
+            at += n
+        shape = self.kv_cache_shape(len(ids), spec)
+        k_cache = torch.randn(shape, dtype=dtype, device=device)
+        v_cache = torch.randn(shape, dtype=dtype, device=device)
+        starts = [0]
+        for n in case.query_lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(case.seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
+            max_query_len=max(case.query_lens), max_seq_len=max(case.seq_lens),
+            query_lens_host=case.query_lens, seq_lens_host=case.seq_lens)
+        q = torch.randn(starts[-1], spec.num_heads, spec.head_dim, dtype=dtype, device=device)
+        slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
+        run = self.decode if case.kind == "decode" else self.prefill
+        run(q, k_cache, v_cache, meta, spec, slopes)
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
