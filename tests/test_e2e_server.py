@@ -98,3 +98,24 @@ def test_health_and_info(server):
     assert info["max_total_tokens"] == 512
     assert "tpserve_" in httpx.get(server + "/metrics").text or "request" in httpx.get(
         server + "/metrics").text
+
+
+def test_openai_client_completions_and_chat(server, expected, llama_dir):
+    import openai
+
+    texts, _ = expected
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    assert [m.id for m in client.models.list().data]
+    c = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=16,
+                                  temperature=0)
+    assert c.choices[0].text == texts[0]
+    assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 16
+    pieces = [ch.choices[0].text for ch in client.completions.create(
+        model="any", prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True)]
+    assert "".join(pieces) == texts[0]
+    # The tiny tokenizer has no chat template: a clear 422, not a crash.
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(model="any", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    body = info.value.response.json()
+    assert "chat template" in body["error"] and body["error_type"] == "validation"

@@ -184,3 +184,49 @@ def hf_last_logits(path: Path, prompts: list[str]) -> list[torch.Tensor]:
         with torch.no_grad():
             res.append(model(ids).logits[0, -1].float())
     return res
+
+
+def t5_config(flan: bool = True, **kw):
+    """T5ForConditionalGeneration. flan=True: v1.1/Flan style (gated-gelu, an lm_head of its
+    own, no output scaling; 4 heads, few buckets and max_distance 24 so long prompts reach
+    the saturated buckets). flan=False: original style (relu, head tied to the embedding,
+    decoder output scaled by d_model ** -0.5; 8 heads of 8 so heads * d_kv = 64 != d_model
+    = 48, and 3 encoder layers against 2 decoder layers). Save with save_t5_model."""
+    from transformers import T5Config
+
+    common = _common(kw.pop("vocab_size", 301))
+    del common["bos_token_id"]  # T5 has no bos; the decoder starts from pad
+    if flan:
+        args = dict(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2,
+                    num_heads=4, relative_attention_num_buckets=16,
+                    relative_attention_max_distance=24, feed_forward_proj="gated-gelu",
+                    tie_word_embeddings=False)
+    else:
+        args = dict(d_model=48, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2,
+                    num_heads=8, feed_forward_proj="relu")
+    args.update(common, decoder_start_token_id=common["pad_token_id"], n_positions=512,
+                dropout_rate=0.0)
+    args.update(kw)
+    cfg = T5Config(**args)
+    cfg.architectures = ["T5ForConditionalGeneration"]
+    return cfg
+
+
+def save_t5_model(config, out: Path, seed: int = 0) -> Path:
+    """save_model for a t5_config(). transformers >= 5 always ties T5's head in memory and
+    saves only `shared`; a Flan-style config then gets a random lm_head.weight of its own
+    and a config.json saying tie_word_embeddings: false, as the released Flan-T5 has."""
+    from safetensors.torch import load_file, save_file
+
+    save_model(config, out, seed=seed, vector_std=0.1)
+    if not getattr(config, "scale_decoder_outputs", True):
+        weights = load_file(out / "model.safetensors")
+        gen = torch.Generator().manual_seed(seed + 1)
+        weights["lm_head.weight"] = torch.randn(weights["shared.weight"].shape,
+                                                generator=gen) * 0.08
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        cfg.pop("scale_decoder_outputs", None)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from tpserve.cluster.device import dist_backend, local_device, memory_info
 from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
-from tpserve.engine.step import StepBatch, StepOutput
+from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.registry import select_backend
-from tpserve.layers.attention import PagedAttention
+from tpserve.layers.attention import AttentionLayer
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.layers.sampler import sample
 from tpserve.models.registry import model_class
@@ -70,7 +70,8 @@ class ShardWorker:
         self.model = None
         self.backend = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.specs: list[AttentionSpec] = []
+        self.specs: list[AttentionSpec] = []  # of the layers owning a cache, by layer_index
+        self.encoder_decoder = False
         self.steps = 0
 
     # --- set-up -------------------------------------------------------------------------
@@ -110,13 +111,23 @@ class ShardWorker:
         desc = f"shard {self.rank}/{self.tp_size} loading weights"
         self.model.load_weights(iter_checkpoint(_path(path), stats, self.rank == 0, desc))
         self.model.eval()
-        self.specs = [m.spec for m in self.model.modules() if isinstance(m, PagedAttention)]
-        unique = list(dict.fromkeys(self.specs))
+        layers = self._attention_layers()
+        owners = sorted((m for m in layers if m.owns_cache), key=lambda m: m.layer_index)
+        if [m.layer_index for m in owners] != list(range(len(owners))):
+            raise RuntimeError(f"{type(self.model).__name__}: cache-owning attention layers "
+                               "must have layer_index 0..n-1 (a tpserve bug)")
+        self.specs = [m.spec for m in owners]
+        self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
+        # Every layer's spec counts, cache or not (cross and dense attention too).
+        unique = list(dict.fromkeys(m.spec for m in layers))
         self.backend, passed = select_backend(self.cfg.kernel, self.device, self.dtype, unique)
         params = sum(p.numel() * p.element_size()
                      for p in dict.fromkeys(self.model.parameters()))
         return LoadReport(self.rank, time.perf_counter() - t0, params, stats.read_bytes,
                           stats.full_bytes, self.backend.name, passed, self._bytes_per_block())
+
+    def _attention_layers(self) -> list[AttentionLayer]:
+        return [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
 
     def _bytes_per_block(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()
@@ -157,14 +168,14 @@ class ShardWorker:
             self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
                                    torch.zeros(shape, dtype=self.dtype, device=self.device)))
         self.specs = [self._with_block(s) for s in self.specs]
-        for m in self.model.modules():
-            if isinstance(m, PagedAttention):
+        for m in self._attention_layers():
+            if m.spec.paged:
                 m.spec = self._with_block(m.spec)
 
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
         """Let the backend compile its kernels for the shapes it will see; seconds taken."""
         t0 = time.perf_counter()
-        for spec in dict.fromkeys(self.specs):
+        for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
         return time.perf_counter() - t0
 
@@ -201,7 +212,8 @@ class ShardWorker:
             block_tables=tables.to(dev), slot_mapping=slots.to(dev),
             max_query_len=max(q_lens), max_seq_len=max(seq_lens),
             query_lens_host=tuple(q_lens), seq_lens_host=tuple(seq_lens))
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+        cross = self._encode(seqs, meta) if self.encoder_decoder else None
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend, cross)):
             hidden = self.model(ids.to(dev), positions.to(dev))
         ends = starts[1:].tolist()
         sampled = [i for i, s in enumerate(seqs) if s.sample]
@@ -226,6 +238,40 @@ class ShardWorker:
         if batch.return_logits:
             out.logits = logits[: len(sampled)].cpu().numpy()
         return out
+
+
+    def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:
+        """Encoder-decoder models: run the encoder for the sequences whose decoder starts
+        this step, which stores every decoder layer's cross K/V in their cross blocks; return
+        the metadata cross attention reads all sequences' cross K/V with."""
+        dev, bs = self.device, self.cfg.cache.block_size
+        enc_lens = [s.encoder_len for s in seqs]
+        width = max(len(s.cross_block_table) for s in seqs)
+        tables = torch.tensor([s.cross_block_table + [0] * (width - len(s.cross_block_table))
+                               for s in seqs], dtype=torch.int32)
+        new = [i for i, s in enumerate(seqs) if s.encoder_ids is not None]
+        if new:
+            lens = [len(seqs[i].encoder_ids) for i in new]
+            ids = torch.tensor([t for i in new for t in seqs[i].encoder_ids], dtype=torch.long)
+            positions = torch.cat([torch.arange(n) for n in lens])
+            sub = tables[new]
+            seq_of_token = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(lens))
+            slots = sub[seq_of_token, positions // bs].long() * bs + positions % bs
+            starts = torch.zeros(len(new) + 1, dtype=torch.int32)
+            starts[1:] = torch.tensor(lens).cumsum(0)
+            enc_meta = AttentionMetadata(
+                query_start_loc=starts.to(dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                block_tables=sub.to(dev), slot_mapping=slots.to(dev), max_query_len=max(lens),
+                max_seq_len=max(lens), query_lens_host=tuple(lens), seq_lens_host=tuple(lens))
+            with forward_context(ForwardContext(enc_meta, self.kv_caches, self.backend)):
+                self.model.encode(ids.to(dev), positions.to(dev))
+        return AttentionMetadata(
+            query_start_loc=meta.query_start_loc,
+            seq_lens=torch.tensor(enc_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev), slot_mapping=meta.slot_mapping[:0],
+            max_query_len=meta.max_query_len, max_seq_len=max(enc_lens),
+            query_lens_host=meta.query_lens_host, seq_lens_host=tuple(enc_lens))
 
 
 def _path(p: str):

@@ -7,6 +7,7 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "tpserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
+    "T5ForConditionalGeneration": "tpserve.models.t5:T5ForConditionalGeneration",
     "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
     "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",

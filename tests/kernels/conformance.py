@@ -1,0 +1,240 @@
+"""The conformance suite every attention backend must pass: `run_conformance(name, device,
+dtype)`.
+
+Random shapes, random block tables with holes (unused and non-contiguous block ids, padding
+entries pointing at garbage), mixed prefill + decode steps and decode-only steps, sliding
+windows, ALiBi, GQA/MQA and softcap. The backend under test fills its own cache layout
+through its own write_kv; its output is compared with the torch reference backend run in
+float64 on the CPU over the same (dtype-rounded) inputs, so only the kernel's arithmetic
+error is measured. Cache slots no sequence owns hold large finite garbage: a kernel that
+reads the wrong slot fails loudly, and the float64 reference (whose masked probabilities are
+exactly zero) stays finite.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+from tpserve.kernels.registry import load_backend_class
+from tpserve.kernels.torch_backend import TorchAttentionBackend
+
+# Largest error allowed, relative to the largest reference value of the step.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 1e-2,
+             torch.bfloat16: 1e-2}
+GARBAGE = 1.0e4
+
+# Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
+CONFIGS = [
+    ("mha", 4, 4, None, False, None),
+    ("gqa", 8, 2, None, False, None),
+    ("mqa", 8, 1, None, False, None),
+    ("window", 4, 2, 11, False, None),
+    ("alibi", 8, 8, None, True, None),
+    ("alibi_gqa", 8, 2, None, True, None),
+    ("softcap", 4, 2, None, False, 2.0),
+    ("all", 8, 2, 7, True, 2.0),
+]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The geometric slopes of the ALiBi paper (power-of-two head counts)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / num_heads) for i in range(num_heads)])
+
+
+@dataclass
+class CaseResult:
+    name: str
+    step: str  # "mixed" or "decode"
+    max_rel_err: float
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class ConformanceResult:
+    backend: str
+    device: str
+    dtype: str
+    cases: list[CaseResult] = field(default_factory=list)
+    declined: dict[str, str] = field(default_factory=dict)  # case name -> backend's reason
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.ok]
+
+    def summary(self) -> str:
+        worst = max((c.max_rel_err for c in self.cases), default=float("nan"))
+        return (f"{self.backend} on {self.device} {self.dtype}: {len(self.cases)} steps, "
+                f"{len(self.failures)} failed, worst relative error {worst:.2e}, "
+                f"{len(self.declined)} configurations declined")
+
+
+@dataclass
+class _Step:
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+def _random_steps(rng: random.Random, block_size: int) -> list[_Step]:
+    """A mixed step (fresh prompts, chunked prefills, decodes) and a decode-only step."""
+    mixed_q, mixed_ctx = [], []
+    for kind in ["prompt", "chunk", "decode", rng.choice(["prompt", "chunk", "decode"])]:
+        ctx = rng.randint(2, 5 * block_size + 7)
+        q = {"prompt": ctx, "chunk": rng.randint(2, ctx), "decode": 1}[kind]
+        mixed_q.append(q)
+        mixed_ctx.append(ctx)
+    order = list(range(len(mixed_q)))
+    rng.shuffle(order)
+    mixed = _Step([mixed_q[i] for i in order], [mixed_ctx[i] for i in order])
+    n = rng.randint(1, 6)
+    decode = _Step([1] * n, [rng.randint(1, 6 * block_size + 3) for _ in range(n)])
+    return [mixed, decode]
+
+
+def _layout(rng: random.Random, step: _Step, block_size: int):
+    """Block tables drawn without replacement from a pool twice the size needed: holes,
+    non-contiguous ids, and padding entries that point at blocks other sequences own."""
+    need = [-(-s // block_size) for s in step.seq_lens]
+    num_blocks = 2 * sum(need) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    width = max(need) + rng.randint(0, 2)
+    tables, at = [], 0
+    for n in need:
+        row = pool[at : at + n]
+        at += n
+        tables.append(row + [rng.randrange(num_blocks) for _ in range(width - n)])
+    return num_blocks, tables
+
+
+def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: torch.Generator,
+              rng: random.Random, slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    bs = spec.block_size
+    num_blocks, tables = _layout(rng, step, bs)
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    total_ctx = sum(step.seq_lens)
+    # Inputs in float64, rounded through the tested dtype so both sides see the same values.
+    k_all = torch.randn(total_ctx, hkv, d, generator=gen, dtype=torch.float64).to(dtype)
+    v_all = torch.randn(total_ctx, hkv, d, generator=gen, dtype=torch.float64).to(dtype)
+    n_q = sum(step.query_lens)
+    q = torch.randn(n_q, hq, d, generator=gen, dtype=torch.float64).to(dtype)
+    if spec.softcap:
+        q = (q.double() * 3.0).to(dtype)  # scores large enough for the cap to bend them
+    slots = []
+    for row, ctx in zip(tables, step.seq_lens, strict=True):
+        slots.extend(row[p // bs] * bs + p % bs for p in range(ctx))
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    starts = [0]
+    for n in step.query_lens:
+        starts.append(starts[-1] + n)
+
+    def meta_on(dev):
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slot_mapping.to(dev), max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens), query_lens_host=tuple(step.query_lens),
+            seq_lens_host=tuple(step.seq_lens))
+
+    # The reference: torch backend, float64, CPU, standard layout.
+    ref_backend = TorchAttentionBackend()
+    shape = ref_backend.kv_cache_shape(num_blocks, spec)
+    kc = torch.full(shape, GARBAGE, dtype=torch.float64)
+    vc = torch.full(shape, -GARBAGE, dtype=torch.float64)
+    ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping)
+    ref = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), spec,
+                              None if slopes is None else slopes.double())
+
+    # The backend under test: its own layout and write_kv, on its device.
+    shape = backend.kv_cache_shape(num_blocks, spec)
+    kc = torch.full(shape, GARBAGE, dtype=dtype, device=device)
+    vc = torch.full(shape, -GARBAGE, dtype=dtype, device=device)
+    meta = meta_on(device)
+    backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping)
+    out = backend.forward(q.to(device), kc, vc, meta, spec,
+                          None if slopes is None else slopes.float().to(device))
+    return out.detach().cpu(), ref
+
+
+def run_conformance(backend_name: str | type, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32, *, head_dims: tuple[int, ...] = (64, 128),
+                    block_sizes: tuple[int, ...] = (4, 16), seed: int = 0,
+                    required: tuple[str, ...] = ("mha", "gqa", "mqa"),
+                    raise_on_failure: bool = True) -> ConformanceResult:
+    """Run every configuration x head_dim x block_size through `backend_name` (a registry
+    name, or an AttentionBackend class) and compare
+    with the float64 reference. A configuration the backend declines through supports() is
+    recorded with its reason; declining one named in `required` is a failure."""
+    device = torch.device(device)
+    cls = load_backend_class(backend_name) if isinstance(backend_name, str) else backend_name
+    backend = cls()
+    result = ConformanceResult(getattr(cls, "name", str(cls)), str(device), str(dtype).replace("torch.", ""))
+    tol = TOLERANCE[dtype]
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for name, hq, hkv, window, alibi, softcap in CONFIGS:
+        for d in head_dims:
+            for bs in block_sizes:
+                spec = AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                     scale=1.0 / math.sqrt(d), sliding_window=window,
+                                     alibi=alibi, softcap=softcap, block_size=bs)
+                label = f"{name} d={d} block={bs}"
+                reason = cls.supports(device, dtype, spec)
+                if reason:
+                    result.declined[label] = reason
+                    if name in required:
+                        result.cases.append(CaseResult(label, "-", math.inf, False,
+                                                       f"declined: {reason}"))
+                    continue
+                slopes = alibi_slopes(hq) if alibi else None
+                for step, kind in zip(_random_steps(rng, bs), ("mixed", "decode"), strict=True):
+                    result.cases.append(_check(backend, spec, step, kind, label, device, dtype,
+                                               gen, rng, slopes, tol))
+    if raise_on_failure:
+        bad = result.failures
+        assert not bad, result.summary() + "\n" + "\n".join(
+            f"  {c.name} [{c.step}]: {c.detail or f'relative error {c.max_rel_err:.3e}'}"
+            for c in bad)
+    return result
+
+
+def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
+           tol) -> CaseResult:
+    try:
+        out, ref = _one_step(backend, spec, step, device, dtype, gen, rng, slopes)
+    except Exception as exc:  # noqa: BLE001 - a crash is a failed case, reported with the rest
+        return CaseResult(label, kind, math.inf, False, f"{type(exc).__name__}: {exc}")
+    if out.shape != ref.shape:
+        return CaseResult(label, kind, math.inf, False, f"shape {tuple(out.shape)} != "
+                          f"{tuple(ref.shape)}")
+    if not torch.isfinite(out).all():
+        return CaseResult(label, kind, math.inf, False, "non-finite output")
+    err = (out.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+    detail = "" if err <= tol else (f"relative error {err:.3e} > {tol:g} (q_lens "
+                                    f"{step.query_lens}, seq_lens {step.seq_lens})")
+    return CaseResult(label, kind, err, err <= tol, detail)
+
+
+def as_markdown(results: list[ConformanceResult]) -> str:
+    """One table row per backend/dtype, then every declined configuration."""
+    lines = ["| backend | device | dtype | steps | failed | worst relative error | declined |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        worst = max((c.max_rel_err for c in r.cases), default=float("nan"))
+        lines.append(f"| {r.backend} | {r.device} | {r.dtype} | {len(r.cases)} | "
+                     f"{len(r.failures)} | {worst:.2e} | {len(r.declined)} |")
+    for r in results:
+        for label, reason in r.declined.items():
+            lines.append(f"\n- {r.backend} {r.dtype} declined {label}: {reason}")
+        for c in r.failures:
+            lines.append(f"\n- {r.backend} {r.dtype} FAILED {c.name} [{c.step}]: {c.detail}")
+    return "\n".join(lines)
+
+
+__all__ = ["CONFIGS", "ConformanceResult", "as_markdown", "run_conformance"]
