@@ -20,6 +20,7 @@ def rope_parameters(config) -> dict:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
     return params
 
 
@@ -42,10 +43,42 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(rot_dim, base, params)
     raise ValueError(
-        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3); "
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3, yarn); "
         "the model's config.json asks for it"
     )
+
+
+def _yarn(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, blend linearly
+    between the dimensions that rotate beta_slow and beta_fast times over the original
+    context; cos/sin are scaled by the attention factor (0.1 ln(factor) + 1 by default)."""
+    old_len = float(params["original_max_position_embeddings"])
+    factor = params.get("factor") or float(params["max_position_embeddings"]) / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = params.get("attention_factor")
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_for(rotations: float) -> float:
+        return rot_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = dim_for(params.get("beta_fast") or 32), dim_for(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rot_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    freqs = base ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency
+    return (1.0 / (factor * freqs)) * ramp + (1.0 / freqs) * keep, float(attn)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
