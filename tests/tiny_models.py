@@ -218,7 +218,9 @@ def save_t5_model(config, out: Path, seed: int = 0) -> Path:
     and a config.json saying tie_word_embeddings: false, as the released Flan-T5 has."""
     from safetensors.torch import load_file, save_file
 
-    save_model(config, out, seed=seed, vector_std=0.1)
+    # Without 1/sqrt(d) scaling the residual stream stays near the token's own embedding
+    # at small weights, and greedy decoding repeats one token; std 0.5 gives varied text.
+    save_model(config, out, seed=seed, vector_std=0.1, std=0.5)
     if not getattr(config, "scale_decoder_outputs", True):
         weights = load_file(out / "model.safetensors")
         gen = torch.Generator().manual_seed(seed + 1)

@@ -47,12 +47,12 @@ def attend_padded(
         r = (rel_bias.shape[1] - 1) // 2
         bias = rel_bias.to(acc)[:, rel.clamp(-r, r) + r]  # [Hq, B, Q, L]
         scores = scores + bias.transpose(0, 1).reshape(b, hkv, g, nq, length)
-    visible = k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1)
+    visible = k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1)  # [B, 1, L]
     if spec.causal:
-        visible = visible & (rel <= 0)
+        visible = visible & (rel <= 0)  # [B, Q, L]
     if spec.sliding_window:
-        visible &= rel > -spec.sliding_window
-    scores = scores.masked_fill(~visible.view(b, 1, 1, nq, length), float("-inf"))
+        visible = visible & (rel > -spec.sliding_window)
+    scores = scores.masked_fill(~visible.unsqueeze(1).unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows see nothing
     out = torch.matmul(probs, vh.unsqueeze(2))  # [B, Hkv, G, Q, D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d).to(q.dtype)
