@@ -98,12 +98,12 @@ def _run(sched: Scheduler, seqs: list[Sequence], check) -> None:
             return
         scheduled = sched.schedule()
         assert scheduled, "the scheduler stalled with work left"
+        sampled = [s.seq for s in scheduled if s.completes_prompt]
         sched.after_step(scheduled)
-        for s in scheduled:
-            if s.completes_prompt or s.seq.num_computed == s.seq.num_tokens:
-                s.seq.output_ids.append(0)
-                if len(s.seq.output_ids) >= s.seq.params.max_new_tokens:
-                    sched.finish(s.seq)
+        for seq in sampled:
+            seq.output_ids.append(0)
+            if len(seq.output_ids) >= seq.params.max_new_tokens:
+                sched.finish(seq)
         check()
     raise AssertionError("did not finish")
 

@@ -86,8 +86,7 @@ class IpexAttentionBackend(AttentionBackend):
         # Pass new keywords only when used, so older IPEX releases still take the call.
         extra = {}
         if spec.sliding_window:
-            # Ours counts the query itself (window keys); IPEX's left size does not.
-            extra[left_name] = spec.sliding_window - 1
+            extra[left_name] = spec.sliding_window - (left_name == "window_size_left")
         if spec.softcap:
             extra["softcap"] = float(spec.softcap)
         return extra
