@@ -45,6 +45,8 @@ class AsyncEngine:
         self.max_concurrent = max_concurrent_requests
         self.engine = None
         self.error: BaseException | None = None
+        # Set when a shard actor died: the replica cannot serve until it is rebuilt.
+        self.dead: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._inflight = 0
@@ -77,7 +79,7 @@ class AsyncEngine:
             self.engine.shutdown()
 
     def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None
+        return self._ready.is_set() and self.error is None and self.dead is None
 
     @property
     def inflight(self) -> int:
@@ -118,8 +120,9 @@ class AsyncEngine:
 
     def _require_ready(self) -> None:
         if not self.ready():
-            raise NotReadyError("the model is still loading" if self.error is None
-                                else f"the engine failed: {self.error}")
+            why = ("the model is still loading" if self.error is None and self.dead is None
+                   else f"the engine failed: {self.error or self.dead}")
+            raise NotReadyError(why)
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
@@ -205,6 +208,8 @@ class AsyncEngine:
             events, _ = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving the rest
             log.exception("step failed; failing the requests in it")
+            if type(exc).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
+                self.dead = f"a shard actor died: {exc}"
             err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
             for seq_id in list(self._sinks):
                 self.engine.abort(seq_id)

@@ -68,6 +68,12 @@ class IpexAttentionBackend(AttentionBackend):
             return f"intel_extension_for_pytorch {ipex.__version__} has no sliding window"
         if spec.softcap and not ("softcap" in varlen and "softcap" in single):
             return f"intel_extension_for_pytorch {ipex.__version__} has no softcap"
+        if device.type == "cpu":
+            # Limits its CPU kernels raise at run time (seen with IPEX 2.8.0, docs/kernels.md).
+            if spec.alibi:
+                return "IPEX's CPU flash_attn_varlen_func has no ALiBi (prefill would fail)"
+            if spec.sliding_window and spec.softcap:
+                return "IPEX's CPU decode kernel cannot combine a sliding window with softcap"
         return unknown_feature_reason(spec)
 
     @property
