@@ -90,8 +90,13 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
     from tpserve.cluster.device import resolve_device, resolve_dtype
-    from tpserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                SchedulerConfig)
+    from tpserve.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
     from tpserve.weights import load_hf_config, resolve_model
 
     path = resolve_model(args.model, args.revision)
@@ -102,8 +107,9 @@ def engine_config(args: argparse.Namespace):
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
                                or getattr(hf, "torch_dtype", None))
     log.info("dtype: %s (%s)", dtype, why)
+    # T5's positions are relative (no hard limit); its n_positions, else 512, is the default.
     max_pos = (getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
-               or 2048)
+               or (512 if getattr(hf, "is_encoder_decoder", False) else 2048))
     max_len = args.max_total_tokens or min(int(max_pos), 8192)
     cpus = args.cpus_per_shard or max(1, (os.cpu_count() or 1) // args.tp)
     if device == "cpu":

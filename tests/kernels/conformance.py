@@ -229,12 +229,11 @@ def as_markdown(results: list[ConformanceResult]) -> str:
         worst = max((c.max_rel_err for c in r.cases), default=float("nan"))
         lines.append(f"| {r.backend} | {r.device} | {r.dtype} | {len(r.cases)} | "
                      f"{len(r.failures)} | {worst:.2e} | {len(r.declined)} |")
-    for r in results:
-        for label, reason in r.declined.items():
-            lines.append(f"\n- {r.backend} {r.dtype} declined {label}: {reason}")
-        for c in r.failures:
-            lines.append(f"\n- {r.backend} {r.dtype} FAILED {c.name} [{c.step}]: {c.detail}")
-    return "\n".join(lines)
+    notes = [f"- {r.backend} {r.dtype} declined {label}: {reason}"
+             for r in results for label, reason in r.declined.items()]
+    notes += [f"- {r.backend} {r.dtype} FAILED {c.name} [{c.step}]: {c.detail}"
+              for r in results for c in r.failures]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 __all__ = ["CONFIGS", "ConformanceResult", "as_markdown", "run_conformance"]

@@ -19,6 +19,7 @@ from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, ValidationError
+from tpserve.kernels.compile_cache import warmup_batch_sizes
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,10 @@ class Engine:
                         cfg.cache.block_size, self.max_model_len)
         executor.allocate_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.warmup_seconds = executor.warmup((1,))
+        buckets = warmup_batch_sizes(cfg.scheduler.max_num_seqs)
+        self.warmup_seconds = executor.warmup(buckets)
+        log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
+                 self.warmup_seconds, ",".join(map(str, buckets)))
         log.info("KV cache: %d blocks x %d tokens per shard", num_blocks, cfg.cache.block_size)
         window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
         self.scheduler = Scheduler(BlockManager(num_blocks, cfg.cache.block_size),

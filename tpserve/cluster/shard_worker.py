@@ -19,6 +19,7 @@ from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
 from tpserve.layers.context import ForwardContext, forward_context
@@ -73,6 +74,7 @@ class ShardWorker:
         self.specs: list[AttentionSpec] = []  # of the layers owning a cache, by layer_index
         self.encoder_decoder = False
         self.steps = 0
+        self.compiles_at_warmup: int | None = None
 
     # --- set-up -------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -177,11 +179,15 @@ class ShardWorker:
         t0 = time.perf_counter()
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
+        # Baseline for health()'s compiles_since_warmup: serving must never compile.
+        self.compiles_at_warmup = compile_count(self.backend)
         return time.perf_counter() - t0
 
     def health(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "steps": self.steps,
-                "pid": os.getpid(), "backend": getattr(self.backend, "name", None)}
+                "pid": os.getpid(), "backend": getattr(self.backend, "name", None),
+                "compiles_since_warmup": (compile_count(self.backend) - self.compiles_at_warmup
+                                          if self.compiles_at_warmup is not None else None)}
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # rel_bias: float [num_heads on this rank, 2 * R + 1]. The score of query position qp and key
 # position kp in head h gains rel_bias[h, R + clamp(kp - qp, -R, R)]; R = (columns - 1) // 2.
 # Positions are those of the sequence (paged: query i of a chunk of n sits at

@@ -14,8 +14,12 @@ from tpserve.layers.activation import GatedActivation, get_activation
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.encoder_decoder import DenseAttention, PagedCrossAttention
-from tpserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                   QKVParallelLinear, RowParallelLinear)
+from tpserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.relative_position import RelativePositionBias
 from tpserve.models.loader import load_into
