@@ -196,32 +196,56 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def kernels(args: argparse.Namespace) -> int:
+    """Print every backend (built-in and plugin), what it supports on this machine's device
+    and dtype, its KV-cache layout, and which one --kernel auto would pick."""
+    import dataclasses
+
     import torch
 
     from tpserve.cluster.device import resolve_device
+    from tpserve.errors import KernelUnavailableError
+    from tpserve.kernels import registry
     from tpserve.kernels.base import AttentionSpec
-    from tpserve.kernels.registry import available_names, why_not
 
     device, _ = resolve_device(args.device)
     dev, dtype = torch.device(device), getattr(torch, args.dtype)
-    probes = {
-        "prefill+decode": AttentionSpec(8, 2, 128, 128**-0.5),
-        "sliding_window": AttentionSpec(8, 2, 128, 128**-0.5, sliding_window=4096),
-        "alibi": AttentionSpec(8, 8, 64, 64**-0.5, alibi=True),
-        "softcap": AttentionSpec(8, 4, 256, 256**-0.5, softcap=50.0),
-    }
-    print(f"attention backends on {device} ({args.dtype}):")
-    for name in available_names():
-        reasons = {f: why_not(name, dev, dtype, spec) for f, spec in probes.items()}
+    base = AttentionSpec(8, 2, 128, 128**-0.5)
+    fields = {f.name for f in dataclasses.fields(AttentionSpec)}
+    variants = {"prefill+decode": {}, "sliding_window": {"sliding_window": 4096},
+                "alibi": {"alibi": True}, "softcap": {"softcap": 50.0},
+                "head_dim 96": {"head_dim": 96, "scale": 96**-0.5},
+                # Encoder-decoder features, probed only where AttentionSpec has them.
+                "non_causal": {"causal": False}, "relative_bias": {"relative_bias": True},
+                "dense": {"paged": False}}
+    probes = {k: dataclasses.replace(base, **v) for k, v in variants.items() if set(v) <= fields}
+    try:
+        chosen = registry.select_backend("auto", dev, dtype, [base])[0].name
+    except KernelUnavailableError as exc:
+        chosen = f"none ({exc})"
+    print(f"attention backends on {device} ({args.dtype}); --kernel auto picks: {chosen}")
+    for name in registry.available_names():
+        reasons = {f: registry.why_not(name, dev, dtype, spec) for f, spec in probes.items()}
         ok = [f for f, r in reasons.items() if r is None]
-        if ok:
-            print(f"  {name:10s} supports: {', '.join(ok)}")
-            for f, r in reasons.items():
-                if r:
-                    print(f"  {'':10s} not {f}: {r}")
-        else:
-            print(f"  {name:10s} unavailable: {next(iter(reasons.values()))}")
+        print(f"  {name} ({registry.origin(name)})")
+        if not ok:
+            print(f"      unavailable: {reasons['prefill+decode']}")
+            continue
+        print(f"      supports: {', '.join(ok)}")
+        for f, r in reasons.items():
+            if r:
+                print(f"      not {f}: {r}")
+        print(f"      KV cache layout: {_layout(registry.load_backend_class(name)(), base)}")
     return 0
+
+
+def _layout(backend, spec) -> str:
+    """The backend's cache shape with dimension names, from distinct probe sizes."""
+    import dataclasses
+
+    probe = dataclasses.replace(spec, num_kv_heads=2, block_size=5)
+    names = {3: "num_blocks", 5: "block_size", 2: "kv_heads", probe.head_dim: "head_dim"}
+    shape = backend.kv_cache_shape(3, probe)
+    return "[" + ", ".join(names.get(d, str(d)) for d in shape) + "]"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,14 @@ def available_names() -> list[str]:
     return list(BUILTIN) + [n for n in _plugins() if n not in BUILTIN]
 
 
+def origin(name: str) -> str:
+    """Where a backend comes from: "built-in" or the plugin's entry point."""
+    if name in BUILTIN:
+        return "built-in"
+    ep = _plugins().get(name)
+    return f"plugin {ep.value}" if ep is not None else "unknown"
+
+
 def load_backend_class(name: str) -> type[AttentionBackend]:
     """Import one backend class; raises KernelUnavailableError naming what failed."""
     try:
