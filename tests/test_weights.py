@@ -58,9 +58,8 @@ def test_sharded_model_reassembles_the_checkpoint(llama_dir):
 
 
 def test_heads_not_divisible_fail_at_load_naming_the_tensor(models_dir, ray_cluster):
-    from tiny_models import llama_config, save_model
-
     from engine_utils import make_engine
+    from tiny_models import llama_config, save_model
 
     path = save_model(llama_config(num_attention_heads=6, num_key_value_heads=6,
                                    hidden_size=48), models_dir / "llama6")

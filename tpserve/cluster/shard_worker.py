@@ -174,6 +174,7 @@ class ShardWorker:
             if m.spec.paged:
                 m.spec = self._with_block(m.spec)
 
+    @torch.inference_mode()  # as in execute(): compiled code guards on the grad mode
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
         """Let the backend compile its kernels for the shapes it will see; seconds taken."""
         t0 = time.perf_counter()
@@ -244,7 +245,6 @@ class ShardWorker:
         if batch.return_logits:
             out.logits = logits[: len(sampled)].cpu().numpy()
         return out
-
 
     def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:
         """Encoder-decoder models: run the encoder for the sequences whose decoder starts

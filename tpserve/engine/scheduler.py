@@ -87,9 +87,9 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
-            # An encoder runs whole on the step its decoder starts: charge it here, after
-            # admission, so a prompt longer than the budget still gets in (alone) rather
-            # than waiting forever.
+            # An encoder runs whole on the step its decoder starts. Charged after admission,
+            # so an encoder input longer than the whole budget still gets in (it leaves no
+            # budget for later admissions) instead of waiting forever.
             budget -= n + (len(seq.encoder_ids) if seq.encoder_ids is not None
                            and seq.num_computed == 0 else 0)
         return out

@@ -96,20 +96,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     is replicated on tp / num_kv_heads ranks (rank r holds KV head r * num_kv_heads // tp)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, prefix: str = "") -> None:
+                 bias: bool = False, prefix: str = "",
+                 part_names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> None:
         tp = get_tp()
         self.head_dim = head_dim
-        self.num_heads = shard_size(num_heads, tp.size, tensor=f"{prefix}.q_proj.weight",
+        qn, kn, _ = part_names
+        self.num_heads = shard_size(num_heads, tp.size, tensor=f"{prefix}.{qn}.weight",
                                     what="attention heads", shape=(num_heads * head_dim, hidden))
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = shard_size(num_kv_heads, tp.size, tensor=f"{prefix}.k_proj.weight",
+            self.num_kv_heads = shard_size(num_kv_heads, tp.size, tensor=f"{prefix}.{kn}.weight",
                                            what="key/value heads",
                                            shape=(num_kv_heads * head_dim, hidden))
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
             if tp.size % num_kv_heads:
                 raise ShardingError(
-                    f"cannot shard {prefix + '.k_proj.weight'!r} (shape "
+                    f"cannot shard {f'{prefix}.{kn}.weight'!r} (shape "
                     f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: {num_kv_heads} "
                     f"key/value heads can be replicated only when tp is a multiple of them")
             self.num_kv_heads = 1

@@ -42,7 +42,8 @@ class T5SelfAttention(nn.Module):
         super().__init__()
         d, heads = config.d_kv, config.num_heads
         decoder = layer is not None
-        self.qkv = QKVParallelLinear(config.d_model, d, heads, heads, prefix=prefix)
+        self.qkv = QKVParallelLinear(config.d_model, d, heads, heads, prefix=prefix,
+                                     part_names=("q", "k", "v"))
         self.o = RowParallelLinear(heads * d, config.d_model, prefix=f"{prefix}.o")
         n = self.qkv.num_heads
         self.attn = (PagedAttention(layer, n, n, d, 1.0, relative_bias=True) if decoder
