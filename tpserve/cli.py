@@ -22,6 +22,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", help="local directory or Hugging Face hub id already in the local "
                    "hub cache (never downloaded); default: the embedded model")
     p.add_argument("--revision", help="hub revision to look up in the cache")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights of the checkpoint's shapes (benchmarks; needs "
+                   "only config.json and a tokenizer)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (shards)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
                    help="auto: CUDA, else XPU, else CPU")
@@ -116,7 +119,8 @@ def engine_config(args: argparse.Namespace):
         log.info("cpu: %d core(s) per shard x %d shard(s)", cpus, args.tp)
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
-                          dtype=dtype, max_model_len=max_len, revision=args.revision),
+                          dtype=dtype, max_model_len=max_len, revision=args.revision,
+                          load_format=args.load_format),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,

@@ -12,6 +12,9 @@ class ModelConfig:
     dtype: str = "float32"  # resolved torch dtype name
     max_model_len: int = 2048
     revision: str | None = None
+    # "safetensors": read the checkpoint; "dummy": random weights of the right shapes, for
+    # benchmarks of a model shape without its checkpoint (config.json + tokenizer only).
+    load_format: str = "safetensors"
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,18 @@ def build_model(cfg: EngineConfig, hf_config, device: torch.device):
         return cls(hf_config, max_positions=cfg.model.max_model_len)
 
 
+@torch.no_grad()
+def fill_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Small random weights (norm weights 1) so activations stay finite at any depth."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.uniform_(-0.02, 0.02, generator=g)
+
+
 class ShardWorker:
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
@@ -111,7 +123,10 @@ class ShardWorker:
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()
         desc = f"shard {self.rank}/{self.tp_size} loading weights"
-        self.model.load_weights(iter_checkpoint(_path(path), stats, self.rank == 0, desc))
+        if self.cfg.model.load_format == "dummy":
+            fill_dummy(self.model, seed=self.cfg.seed + self.rank)
+        else:
+            self.model.load_weights(iter_checkpoint(_path(path), stats, self.rank == 0, desc))
         self.model.eval()
         layers = self._attention_layers()
         owners = sorted((m for m in layers if m.owns_cache), key=lambda m: m.layer_index)
