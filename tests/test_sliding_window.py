@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 from engine_utils import assert_close_rel, greedy, make_engine, prefill_logits
-from tiny_models import PROMPTS, hf_greedy, hf_last_logits, mistral_config, save_model
+from tiny_models import (
+    PROMPTS,
+    hf_greedy,
+    hf_last_logits,
+    mistral_config,
+    qwen2_config,
+    save_model,
+)
 
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.request import SamplingParams
@@ -85,6 +92,36 @@ def test_windowed_cache_stays_bounded_and_matches(mistral_dir):
         assert seq.output_ids == ref
         assert blocks.num_free == blocks.num_blocks
         assert seq.num_preemptions == 0
+    finally:
+        engine.shutdown()
+
+
+def test_qwen2_window_on_some_layers_matches_transformers(models_dir):
+    """Qwen2 with use_sliding_window: layers from max_window_layers on slide (here layer 1
+    of 2), the others see everything. Each layer gets its own window; no block may leave
+    the cache, since layer 0 still reads it. Checked at tp = 1 in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = qwen2_config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    path = save_model(cfg, models_dir / "qwen2-window", vector_std=0.1)
+    ref = hf_greedy(path, WINDOW_PROMPTS, 32)
+    # Guard: without the window transformers continues differently.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.config.layer_types = ["full_attention"] * 2
+    ids = AutoTokenizer.from_pretrained(path)(WINDOW_PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                              eos_token_id=None, pad_token_id=2)
+    assert full[0, ids.shape[1]:].tolist() != ref[0]
+    engine = make_engine(path, 1, block_size=BLOCK, local=True)
+    try:
+        windows = [layer.self_attn.attn.spec.sliding_window
+                   for layer in engine.executor.worker.model.model.layers]
+        assert windows == [None, WINDOW]
+        assert engine.scheduler.sliding_window is None
+        assert greedy(engine, WINDOW_PROMPTS, 32) == ref
     finally:
         engine.shutdown()
 

@@ -7,49 +7,44 @@ Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
 from __future__ import annotations
 
-import pytest
-from engine_utils import assert_close_rel, greedy, make_engine, prefill_logits
-from tiny_models import (
-    PROMPTS,
-    bloom_config,
-    gemma_config,
-    hf_greedy,
-    hf_last_logits,
-    phi3_config,
-    qwen2_config,
-    save_model,
-)
+from pathlib import Path
+from types import SimpleNamespace
 
-# family -> (config, save_model kwargs). Larger weights than the default keep the tied-head
-# families' greedy continuations from collapsing onto one token; vector_std perturbs the
-# biases and norm weights so that e.g. a bias added tp times, or Gemma's (1 + w), shows.
-FAMILIES = {
-    "gemma": (gemma_config, {"std": 0.3, "vector_std": 0.1}),
-    "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
-    "qwen2": (qwen2_config, {"vector_std": 0.1}),
-    "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),
-                   {"std": 0.3, "vector_std": 0.1}),
-    "phi3": (phi3_config, {}),
-}
+import pytest
+import torch
+from engine_utils import assert_close_rel, greedy, make_engine, prefill_logits
+from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
+
+from tpserve.cluster.shard_worker import build_model
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+from tpserve.distributed import tp_context
+from tpserve.errors import ShardingError
+from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+
 CASES = [(f, tp) for f in ("gemma", "bloom", "qwen2", "phi3") for tp in (1, 2, 4)]
 CASES.append(("qwen2-tied", 2))
 
-_cache: dict[str, tuple] = {}
+_refs: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
-def family(models_dir):
+def checkpoint(models_dir):
+    """family name -> checkpoint directory, saved once per session."""
+    return lambda name: family_checkpoint(models_dir, name)
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint):
     """family name -> (checkpoint dir, reference tokens, reference logits), built once."""
 
     def get(name: str):
-        if name not in _cache:
-            config, kwargs = FAMILIES[name]
-            path = save_model(config(), models_dir / name, **kwargs)
-            _cache[name] = (path, hf_greedy(path, PROMPTS, 32), hf_last_logits(path, PROMPTS))
-        return _cache[name]
+        if name not in _refs:
+            path = checkpoint(name)
+            _refs[name] = (path, hf_greedy(path, PROMPTS, 32), hf_last_logits(path, PROMPTS))
+        return _refs[name]
 
     yield get
-    _cache.clear()
+    _refs.clear()
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{f}-tp{tp}" for f, tp in CASES])
@@ -65,9 +60,119 @@ def test_family_matches_transformers(ray_cluster, family, name, tp):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FAMILY_CHECKPOINTS))
 def test_continuations_are_not_degenerate(family, name):
     """Guards the oracle: continuations that repeat one token would make equality easy."""
     _, ref_tokens, _ = family(name)
     assert all(len(set(t)) > 3 for t in ref_tokens)
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
+
+
+def _load_rank(path: Path, rank: int, tp: int):
+    """This rank's model loaded on the CPU without a process group (loading needs none)."""
+    cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    stats = LoadStats()
+    with tp_context(rank, tp):
+        model = build_model(cfg, load_hf_config(path), torch.device("cpu"))
+        model.load_weights(iter_checkpoint(path, stats, show_progress=False))
+    return model, stats
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bloom_rank_reads_its_heads_of_query_key_value(checkpoint, tp):
+    """Rows of query_key_value are [head, (q, k, v), head_dim]: rank r gets the q, k and v
+    of heads [r n, (r + 1) n) and reads exactly 1/tp of every sharded tensor."""
+    from safetensors.torch import load_file
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    path = checkpoint("bloom")
+    full = load_file(str(path / "model.safetensors"))
+    heads, d = 4, 16
+    w = full["transformer.h.0.self_attention.query_key_value.weight"].view(heads, 3, d, -1)
+    for rank in range(tp):
+        model, stats = _load_rank(path, rank, tp)
+        n = heads // tp
+        attn = model.transformer.h[0].self_attention
+        got = attn.query_key_value.weight.view(n, 3, d, -1)
+        torch.testing.assert_close(got, w[rank * n : (rank + 1) * n], rtol=0, atol=0)
+        torch.testing.assert_close(attn.attn.alibi_slopes,
+                                   _get_alibi_slopes(heads, "cpu")[rank * n : (rank + 1) * n])
+        for name in stats.full_bytes:
+            if name.endswith(("query_key_value.weight", "query_key_value.bias",
+                              "dense_h_to_4h.weight", "dense.weight",
+                              "dense_4h_to_h.weight")):
+                assert stats.fraction(name) == pytest.approx(1 / tp), name
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_phi3_rank_reads_its_slice_of_the_fused_tensors(checkpoint, tp):
+    """qkv_proj ([q; k; v] rows, 4 heads, 2 KV heads of 16) and gate_up_proj ([gate; up])
+    stored fused: each rank takes its q heads, its KV head (replicated at tp = 4) and its
+    gate and up rows, reading no more than that."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("phi3")
+    full = load_file(str(path / "model.safetensors"))
+    d, inter = 16, 128
+    qkv = full["model.layers.0.self_attn.qkv_proj.weight"]
+    q, k, v = qkv[:64], qkv[64:96], qkv[96:]
+    gate_up = full["model.layers.0.mlp.gate_up_proj.weight"]
+    for rank in range(tp):
+        model, stats = _load_rank(path, rank, tp)
+        layer = model.model.layers[0]
+        nq, nkv, kv0 = 4 // tp, max(1, 2 // tp), rank * 2 // tp
+        kv_rows = slice(kv0 * d, (kv0 + nkv) * d)
+        want = torch.cat([q[rank * nq * d : (rank + 1) * nq * d], k[kv_rows], v[kv_rows]])
+        torch.testing.assert_close(layer.self_attn.qkv_proj.weight, want, rtol=0, atol=0)
+        name = "model.layers.0.self_attn.qkv_proj.weight"
+        assert stats.fraction(name) == pytest.approx(want.shape[0] / qkv.shape[0])
+        m = inter // tp
+        want = torch.cat([gate_up[rank * m : (rank + 1) * m],
+                          gate_up[inter + rank * m : inter + (rank + 1) * m]])
+        torch.testing.assert_close(layer.mlp.gate_up_proj.weight, want, rtol=0, atol=0)
+        assert stats.fraction("model.layers.0.mlp.gate_up_proj.weight") == pytest.approx(1 / tp)
+
+
+def test_bloom_loads_names_without_the_transformer_prefix(checkpoint, tmp_path):
+    """bigscience's own Bloom files name tensors "h.0...", "word_embeddings.weight" (no
+    "transformer." prefix): the same weights load either way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint("bloom")
+    bare = tmp_path / "bloom-bare"
+    shutil.copytree(path, bare)
+    tensors = load_file(str(path / "model.safetensors"))
+    assert all(n.startswith("transformer.") for n in tensors)
+    save_file({n.removeprefix("transformer."): t for n, t in tensors.items()},
+              str(bare / "model.safetensors"), metadata={"format": "pt"})
+    want, _ = _load_rank(path, 1, 2)
+    got, _ = _load_rank(bare, 1, 2)
+    for (name, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4, 6, 12, 16, 24, 40, 64, 112])
+def test_alibi_slopes_match_transformers(heads):
+    """Powers of two and the interleaved extra slopes of other head counts (bloom-176b: 112)."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    from tpserve.layers.alibi import alibi_slopes
+
+    torch.testing.assert_close(alibi_slopes(heads), _get_alibi_slopes(heads, "cpu"),
+                               rtol=0, atol=0)
+
+
+def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
+    from tpserve.models.bloom import BloomQKVLinear
+
+    with tp_context(1, 2), torch.device("meta"):
+        layer = BloomQKVLinear(64, 4, "transformer.h.0.self_attention.query_key_value")
+    bad = SimpleNamespace(name="transformer.h.0.self_attention.query_key_value.weight",
+                          shape=(3 * 96, 64))
+    with tp_context(1, 2), pytest.raises(ShardingError) as err:
+        layer.load_rows(layer.weight, bad)
+    msg = str(err.value)
+    assert "query_key_value.weight" in msg and "[288, 64]" in msg and "[192, 64]" in msg

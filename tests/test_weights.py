@@ -167,3 +167,17 @@ def test_dummy_load_format_needs_no_weights(tmp_path, llama_dir):
     ev = engine.generate(["Hello"], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert ev.generated_tokens == 5
     assert engine.load_reports[0].read_bytes == {}
+
+
+def test_checkpoint_tensor_of_wrong_shape_fails_naming_it(tmp_path, llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    full = load_file(str(llama_dir / "model.safetensors"))
+    w = full["model.layers.0.mlp.up_proj.weight"]
+    full["model.layers.0.mlp.up_proj.weight"] = torch.cat([w, w[:4]])  # 4 rows too many
+    for f in llama_dir.iterdir():
+        if f.suffix == ".json":
+            (tmp_path / f.name).write_text(f.read_text())
+    save_file(full, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ShardingError, match=r"up_proj.weight' has shape \[132, 64\]"):
+        _load_rank(tmp_path, 0, 2)

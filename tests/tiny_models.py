@@ -153,6 +153,30 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
     return out
 
 
+# Checkpoints of the families added after Llama: name -> (config builder, save_model kwargs).
+# Larger weights than the default keep the tied-head families' greedy continuations from
+# collapsing onto one token; vector_std perturbs biases and norm weights so that, e.g., a
+# bias added tp times or Gemma's (1 + w) norm would show.
+FAMILY_CHECKPOINTS = {
+    "gemma": (gemma_config, {"std": 0.3, "vector_std": 0.1}),
+    "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
+    "qwen2": (qwen2_config, {"vector_std": 0.1}),
+    "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),
+                   {"std": 0.3, "vector_std": 0.1}),
+    "phi3": (phi3_config, {}),
+}
+
+
+def family_checkpoint(models_dir: Path, name: str) -> Path:
+    """The tiny checkpoint of a family under models_dir, saved on first use (test modules
+    of one session share it)."""
+    out = models_dir / name
+    if not (out / "config.json").exists():
+        config, kwargs = FAMILY_CHECKPOINTS[name]
+        save_model(config(), out, **kwargs)
+    return out
+
+
 def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy continuation, float32 on the CPU: the oracle."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer

@@ -13,7 +13,7 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.errors import ShardingError
-from tpserve.layers.sharding import check_shape, copy_full, copy_narrow, shard_size
+from tpserve.layers.sharding import copy_full, copy_narrow, expect_shape, shard_size
 from tpserve.weights import TensorSlice
 
 
@@ -54,8 +54,7 @@ class ColumnParallelLinear(nn.Module):
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         n = param.shape[0]
-        if tuple(w.shape[1:]) != tuple(param.shape[1:]):
-            check_shape(param, (n, *w.shape[1:]), w.name)
+        expect_shape(w, (n * get_tp().size, *param.shape[1:]))
         copy_narrow(param, w, 0, get_tp().rank * n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,10 +78,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         tp = get_tp()
         if shard_id is None:  # stored fused on disk ([gate; up]): take each part's slice
-            if w.shape[0] != sum(self.out_sizes):
-                check_shape(param, (sum(self.out_sizes), *w.shape[1:]), w.name)
+            expect_shape(w, (sum(self.out_sizes), *param.shape[1:]))
             parts = range(len(self.out_sizes))
         else:
+            expect_shape(w, (self.out_sizes[shard_id], *param.shape[1:]))
             parts = [shard_id]
         for i in parts:
             n = self.out_sizes[i] // tp.size
@@ -137,16 +136,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.kv_head_start * d, self.kv_size, dst
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
+        d, rest = self.head_dim, tuple(param.shape[1:])
         if shard_id is not None:
+            heads = self.total_heads if shard_id == "q" else self.total_kv_heads
+            expect_shape(w, (heads * d, *rest))
             src, n, dst = self._rows(shard_id)
             copy_narrow(param, w, 0, src, n, out_offset=dst)
             return
         # Stored fused on disk as [q; k; v] (Phi-3's qkv_proj).
-        d = self.head_dim
         offsets = {"q": 0, "k": self.total_heads * d, "v": (self.total_heads + self.total_kv_heads) * d}
-        if w.shape[0] != offsets["v"] + self.total_kv_heads * d:
-            raise ShardingError(f"fused {w.name!r} has {w.shape[0]} rows; expected "
-                                f"{offsets['v'] + self.total_kv_heads * d} for q, k and v")
+        expect_shape(w, (offsets["v"] + self.total_kv_heads * d, *rest))
         for part, base in offsets.items():
             src, n, dst = self._rows(part)
             copy_narrow(param, w, 0, base + src, n, out_offset=dst)
@@ -174,8 +173,7 @@ class RowParallelLinear(nn.Module):
 
     def load_cols(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         n = param.shape[1]
-        if w.shape[0] != param.shape[0]:
-            check_shape(param, (w.shape[0], n), w.name)
+        expect_shape(w, (param.shape[0], n * get_tp().size))
         copy_narrow(param, w, 1, get_tp().rank * n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,3 +43,13 @@ def copy_narrow(param: torch.Tensor, w: TensorSlice, dim: int, start: int, lengt
         )
     part = w.narrow(dim, start, length)
     param.data.narrow(dim, out_offset, length).copy_(part)
+
+
+def expect_shape(w: TensorSlice, expected: tuple) -> None:
+    """The full checkpoint tensor must have exactly the shape config.json implies, so a
+    mismatched checkpoint fails at load instead of being partly loaded."""
+    if tuple(w.shape) != tuple(expected):
+        raise ShardingError(
+            f"checkpoint tensor {w.name!r} has shape {list(w.shape)} but the model's "
+            f"config.json implies {list(expected)}: the checkpoint does not match its config"
+        )

@@ -1,0 +1,174 @@
+"""Every rank's model for the real configs in tests/data/configs, built on the meta device
+(no weights, no memory): the per-rank parameters add back up to transformers' own parameter
+count for tp = 1, 2, 4, 8, once the copies tensor parallelism makes on purpose are counted
+(replicated norms and row-parallel biases, vocabulary padding, replicated KV heads). A tp a
+model cannot take is refused with a ShardingError naming the tensor, its shape, tp and rule."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpserve.cli import check_shardable
+from tpserve.cluster.shard_worker import build_model
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+from tpserve.distributed import tp_context
+from tpserve.errors import ShardingError
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+DECODERS = ["gemma-7b", "gemma-2b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
+            "Meta-Llama-3-8B", "Llama-3.1-8B"]
+
+
+def hf_config(name: str, **overrides):
+    from transformers import CONFIG_MAPPING
+
+    d = json.loads((CONFIGS / f"{name}.json").read_text())
+    d.update(overrides)
+    return CONFIG_MAPPING[d["model_type"]].from_dict(d)
+
+
+def engine_cfg(tp: int) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                        parallel=ParallelConfig(tp_size=tp))
+
+
+def numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied parameters count once
+
+
+# Parameters every rank holds whole: norms and the biases of row-parallel layers (added
+# once, after the all-reduce).
+REPLICATED = ("norm", "ln_f", "o_proj.bias", "down_proj.bias", "dense.bias",
+              "dense_4h_to_h.bias")
+
+
+@functools.cache
+def transformers_counts(name: str) -> tuple[int, int]:
+    """The oracle, transformers' own model on the meta device: (all parameters, those
+    every rank replicates), counted by transformers' parameter names."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(name))
+    replicated = sum(p.numel() for n, p in model.named_parameters()
+                     if any(r in n for r in REPLICATED))
+    return numel(model), replicated
+
+
+def expected_rank_sum(name: str, hf, tp: int) -> int:
+    hidden, vocab = hf.hidden_size, hf.vocab_size
+    layers = hf.num_hidden_layers
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    full, replicated = transformers_counts(name)
+    total = full + (tp - 1) * replicated
+    # Vocabulary rows are padded to a multiple of tp (zero rows, logits cut off).
+    total += ((-vocab) % tp) * hidden * (1 if tied else 2)
+    # With fewer KV heads than ranks, each rank holds one whole KV head (k and v).
+    kv = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if kv < tp:
+        head_dim = getattr(hf, "head_dim", None) or hidden // hf.num_attention_heads
+        bias = 1 if getattr(hf, "attention_bias", False) else 0
+        total += layers * (tp - kv) * 2 * head_dim * (hidden + bias)
+    return total
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", DECODERS)
+def test_rank_shapes_add_up_to_the_full_model(name, tp):
+    hf = hf_config(name)
+    shapes, total = [], 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            model = build_model(engine_cfg(tp), hf, torch.device("meta"))
+        shapes.append({n: tuple(p.shape) for n, p in model.named_parameters()})
+        total += numel(model)
+    assert all(s == shapes[0] for s in shapes), "every rank should hold equal shapes"
+    assert total == expected_rank_sum(name, hf, tp)
+
+
+def test_kv_replication_is_counted_for_multi_query_gemma():
+    """gemma-2b has one KV head: at tp = 8 each rank holds a copy (8 heads, 1 per rank)."""
+    hf = hf_config("gemma-2b")
+    with tp_context(3, 8):
+        model = build_model(engine_cfg(8), hf, torch.device("meta"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_head_start) == (1, 1, 0)
+    assert tuple(qkv.weight.shape) == (3 * 256, 2048)
+
+
+REFUSED = [
+    # (config, overrides, tp, what the message must name)
+    ("gemma-7b", {}, 3,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 3072]", "tp=3",
+      "attention heads = 16 is not divisible by 3"]),
+    ("gemma-2b", {}, 16,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[2048, 2048]", "tp=16",
+      "attention heads = 8 is not divisible by 16"]),
+    ("bloom-560m", {}, 32,
+     ["'transformer.h.0.self_attention.query_key_value.weight'", "[3072, 1024]", "tp=32",
+      "attention heads = 16 is not divisible by 32"]),
+    ("OpenHermes-2.5-Mistral-7B", {}, 64,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 4096]", "tp=64",
+      "attention heads = 32 is not divisible by 64"]),
+    ("Meta-Llama-3-8B", {}, 6,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 4096]", "tp=6",
+      "attention heads = 32 is not divisible by 6"]),
+    # Synthetic head counts (24 heads, 6 KV heads) for the two KV-head rules.
+    ("gemma-7b", {"num_attention_heads": 24, "num_key_value_heads": 6}, 4,
+     ["'model.layers.0.self_attn.k_proj.weight'", "[1536, 3072]", "tp=4",
+      "key/value heads = 6 is not divisible by 4"]),
+    ("gemma-7b", {"num_attention_heads": 24, "num_key_value_heads": 6}, 8,
+     ["'model.layers.0.self_attn.k_proj.weight'", "[1536, 3072]", "tp=8",
+      "6 key/value heads can be replicated only when tp is a multiple of them"]),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "tp", "needles"), REFUSED,
+                         ids=[f"{r[0]}-tp{r[2]}" + ("-synthetic" if r[1] else "")
+                              for r in REFUSED])
+def test_impossible_tp_is_refused_with_the_tensor_and_rule(name, overrides, tp, needles):
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(tp), hf_config(name, **overrides))
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_launch_refuses_a_checkpoint_whose_heads_do_not_divide(tmp_path, capsys):
+    """`tpserve launch --tp 4` on a 6-head Bloom checkpoint stops before any shard starts,
+    with the tensor, its shape, tp and the rule on stderr (exit status 2)."""
+    from tiny_models import bloom_config, save_model
+
+    from tpserve.cli import main
+
+    path = save_model(bloom_config(hidden_size=96, n_head=6), tmp_path / "bloom6")
+    assert main(["launch", "--model", str(path), "--tp", "4", "--device", "cpu",
+                 "--no-dashboard"]) == 2
+    err = capsys.readouterr().err
+    for needle in ["'transformer.h.0.self_attention.query_key_value.weight'", "[288, 96]",
+                   "tp=4", "attention heads = 6 is not divisible by 4"]:
+        assert needle in err
+
+
+@pytest.mark.parametrize(("name", "kind"), [("Llama-3.1-8B", "llama3"),
+                                            ("Meta-Llama-3-8B", "default")])
+def test_rope_of_the_real_llama3_configs_matches_transformers(name, kind):
+    """Meta-Llama-3-8B has no rope scaling (theta 500000); Llama 3.1 brings the llama3 type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tpserve.layers.rotary import inv_frequencies, rope_parameters
+
+    hf = hf_config(name)
+    params = rope_parameters(hf)
+    assert params["rope_type"] == kind and params["rope_theta"] == 500000.0
+    got, scale = inv_frequencies(128, params)
+    if kind == "default":
+        want = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert scale == 1.0
