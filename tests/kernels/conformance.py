@@ -237,3 +237,43 @@ def as_markdown(results: list[ConformanceResult]) -> str:
 
 
 __all__ = ["CONFIGS", "ConformanceResult", "as_markdown", "run_conformance"]
+
+
+def main() -> int:
+    """python tests/kernels/conformance.py --device cuda --backends torch,triton ... --out f.md"""
+    import argparse
+    import datetime
+    import platform
+
+    ap = argparse.ArgumentParser(description="attention backend conformance suite")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backends", default="torch")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--block-sizes", default="4,16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results = []
+    for name in args.backends.split(","):
+        for dt in args.dtypes.split(","):
+            r = run_conformance(name, args.device, getattr(torch, dt),
+                                head_dims=tuple(int(x) for x in args.head_dims.split(",")),
+                                block_sizes=tuple(int(x) for x in args.block_sizes.split(",")),
+                                raise_on_failure=False)
+            print(r.summary(), flush=True)
+            results.append(r)
+    dev = torch.device(args.device)
+    machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+               else platform.processor() or platform.machine())
+    header = (f"{datetime.date.today()}, {machine}, torch {torch.__version__}; head_dims "
+              f"{args.head_dims}, block sizes {args.block_sizes}\n\n")
+    text = header + as_markdown(results) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 1 if any(r.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

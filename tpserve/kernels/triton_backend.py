@@ -170,8 +170,12 @@ class TritonAttentionBackend(AttentionBackend):
         if q.stride(-1) != 1 or q.data_ptr() % 16:
             q = q.contiguous() if q.stride(-1) != 1 else q.clone()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        slopes = alibi_slopes if spec.alibi else self._dummy.setdefault(
-            q.device, torch.zeros(1, dtype=torch.float32, device=q.device))
+        if spec.alibi:
+            slopes = alibi_slopes
+        else:  # never read; a float32 tensor keeps the kernel signature the same
+            slopes = self._dummy.get(q.device)
+            if slopes is None:
+                slopes = self._dummy[q.device] = torch.zeros(1, device=q.device)
         cfg = launch_config(q.dtype, spec)
         flags = dict(HAS_WINDOW=bool(spec.sliding_window), HAS_ALIBI=bool(spec.alibi),
                      HAS_SOFTCAP=bool(spec.softcap),
@@ -236,10 +240,14 @@ class TritonAttentionBackend(AttentionBackend):
             keys=sorted({c.key for c in plan}))
         self.reports.append(report)
         self.warmed = True
+        sizes = ",".join(map(str, sorted(set(batch_sizes))))
+        if interpreting():
+            log.info("triton warmup under the interpreter (nothing to compile): %d step shapes "
+                     "(batch sizes %s) in %.2fs", report.cases, sizes, report.seconds)
+            return
         log.info("triton warmup: %d kernel variant(s), %d compiled from source, the rest "
                  "loaded from %s; %d step shapes (batch sizes %s) in %.2fs", report.variants,
-                 report.compiled_from_source, cache_dir, report.cases,
-                 ",".join(map(str, sorted(set(batch_sizes)))), report.seconds)
+                 report.compiled_from_source, cache_dir, report.cases, sizes, report.seconds)
 
     def _run_case(self, case: WarmupCase, device, dtype, spec: AttentionSpec) -> None:
         bs = spec.block_size
