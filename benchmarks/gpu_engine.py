@@ -31,8 +31,6 @@ def make_model_dir(out: Path) -> Path:
 
 
 def run_one(model_dir: str, kernel: str) -> dict:
-    import torch
-
     from tpserve.cluster.engine import Engine, LocalExecutor
     from tpserve.config import (
         CacheConfig,
@@ -41,7 +39,6 @@ def run_one(model_dir: str, kernel: str) -> dict:
         ParallelConfig,
         SchedulerConfig,
     )
-    from tpserve.engine.request import SamplingParams
 
     cfg = EngineConfig(
         model=ModelConfig(path=model_dir, model_id="llama-3-8b-shape", dtype="bfloat16",
@@ -51,10 +48,20 @@ def run_one(model_dir: str, kernel: str) -> dict:
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel)
     t0 = time.perf_counter()
     engine = Engine(cfg, LocalExecutor(cfg))
-    startup = time.perf_counter() - t0
-    weights = engine.load_reports[0].param_bytes
+    res = measure(engine, time.perf_counter() - t0)
+    engine.shutdown()
+    return res
+
+
+def measure(engine, startup: float) -> dict:
+    """Batch-1 and batch-32 decode, and a 256-request continuous-batching run."""
+    import torch
+
+    from tpserve.engine.request import SamplingParams
+
+    weights = sum(r.param_bytes for r in engine.load_reports)
     res = {"kernel": engine.load_reports[0].backend, "startup_s": startup,
-           "weights_gb": weights / 1e9}
+           "weights_gb": weights / 1e9, "tp": len(engine.load_reports)}
 
     def timed_decode(batch: int, prompt: int, new: int) -> float:
         """Mean seconds per decode step once every sequence is past its prefill."""
@@ -83,7 +90,6 @@ def run_one(model_dir: str, kernel: str) -> dict:
     torch.cuda.synchronize()
     res["cb256_tok_s"] = 256 * 256 / (time.perf_counter() - t)
     res["kv_blocks"] = engine.num_blocks
-    engine.shutdown()
     return res
 
 
