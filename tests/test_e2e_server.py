@@ -119,3 +119,26 @@ def test_openai_client_completions_and_chat(server, expected, llama_dir):
                                        messages=[{"role": "user", "content": "hi"}])
     body = info.value.response.json()
     assert "chat template" in body["error"] and body["error_type"] == "validation"
+
+
+def test_load_mixed_streams_lose_nothing(server, expected):
+    """48 concurrent requests, half streamed: every one completes with the greedy text."""
+    import asyncio
+
+    texts, _ = expected
+
+    async def one(client, i):
+        prompt = PROMPTS[i % 2]
+        if i % 4 < 2:
+            return prompt, (await client.generate(prompt, max_new_tokens=16)).generated_text
+        events = [e async for e in client.generate_stream(prompt, max_new_tokens=16)]
+        return prompt, events[-1].generated_text
+
+    async def run():
+        client = tpserve.AsyncClient(server, timeout=300)
+        return await asyncio.gather(*[one(client, i) for i in range(48)])
+
+    results = asyncio.run(run())
+    assert len(results) == 48
+    want = dict(zip(PROMPTS, texts, strict=True))
+    assert all(text == want[p] for p, text in results)

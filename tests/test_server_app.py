@@ -507,3 +507,9 @@ def test_server_keeps_serving_after_errors(http, backend):
     backend.raise_on_generate = None
     for _ in range(3):
         assert gen(http, inputs="ok", parameters={"max_new_tokens": 1}).status_code == 200
+
+
+def test_null_parameters_mean_defaults(http, backend):
+    r = http.post("/generate", json={"inputs": "one two", "parameters": None})
+    assert r.status_code == 200
+    assert backend.calls[-1].params.max_new_tokens == 20

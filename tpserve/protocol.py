@@ -153,6 +153,12 @@ class GenerateRequest(BaseModel):
             raise ValueError("`inputs` cannot be empty")
         return v
 
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _parameters(cls, v):
+        # Clients that build the body from optional fields send "parameters": null.
+        return {} if v is None else v
+
 
 def check_limits(params: GenerateParameters, info: ModelInfo) -> None:
     """The rules that depend on the served model; raises tpserve ValidationError."""
