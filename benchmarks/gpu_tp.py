@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def engine_for(path: str, tp: int, dtype: str, kernel: str, dummy: bool, max_len: int = 2048):
+def engine_for(path: str, tp: int, dtype: str, kernel: str, dummy: bool, max_len: int = 2048,
+               graphs: bool = True):
     from tpserve.cluster.engine import Engine
     from tpserve.config import (
         CacheConfig,
@@ -35,7 +36,8 @@ def engine_for(path: str, tp: int, dtype: str, kernel: str, dummy: bool, max_len
                           load_format="dummy" if dummy else "safetensors"),
         parallel=ParallelConfig(tp_size=tp, device="cuda"),
         cache=CacheConfig(block_size=16, gpu_memory_utilization=0.85),
-        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel)
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel,
+        cuda_graphs=graphs)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     return engine, time.perf_counter() - t0
@@ -63,23 +65,27 @@ def main() -> None:
             engine, _ = engine_for(str(tiny), tp, "float32", args.kernel, False, 256)
             same = greedy(engine, PROMPTS, 32) == ref
             backend = engine.load_reports[0].backend
+            graphs = engine.executor.health()[0]["decode_graphs"]
             engine.shutdown()
-            lines.append(f"- tiny Llama, float32, tp = {tp}, backend {backend}: greedy 32-token "
-                         f"continuations of {len(PROMPTS)} prompts identical to transformers "
-                         f"(CPU): **{same}**")
+            lines.append(f"- tiny Llama, float32, tp = {tp}, backend {backend}, decode graphs "
+                         f"{graphs or 'off'}: greedy 32-token continuations of {len(PROMPTS)} "
+                         f"prompts identical to transformers (CPU): **{same}**")
         big = make_model_dir(Path(d) / "big")
         rows = []
-        for tp in (1, 2):
-            engine, startup = engine_for(str(big), tp, "bfloat16", args.kernel, True)
-            rows.append(measure(engine, startup))
+        for tp, graphs in ((1, False), (1, True), (2, True)):
+            engine, startup = engine_for(str(big), tp, "bfloat16", args.kernel, True,
+                                         graphs=graphs)
+            rows.append({**measure(engine, startup), "graphs": graphs})
             engine.shutdown()
             torch.cuda.empty_cache()
     lines.append("\nLlama-3-8B shape, random bf16 weights, backend "
                  f"{rows[0]['kernel']}, both tp in the same run:\n")
-    lines.append("| tp | weights per GPU GB | start-up s | batch 1 ms/step | batch 32 tok/s | "
-                 "256 req x 256/256 tok/s |\n| --- | --- | --- | --- | --- | --- |")
+    lines.append("| tp | decode graphs | weights per GPU GB | start-up s | batch 1 ms/step | "
+                 "batch 32 tok/s | 256 req x 256/256 tok/s |\n"
+                 "| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        lines.append(f"| {r['tp']} | {r['weights_gb'] / r['tp']:.2f} | {r['startup_s']:.1f} | "
+        lines.append(f"| {r['tp']} | {'on' if r['graphs'] else 'off'} | "
+                     f"{r['weights_gb'] / r['tp']:.2f} | {r['startup_s']:.1f} | "
                      f"{r['b1_ms']:.2f} | {r['b32_tok_s']:.0f} | {r['cb256_tok_s']:.0f} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -56,6 +56,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="accelerators: fraction of device memory for weights + KV cache")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not start the Ray dashboard with the local cluster")
     p.add_argument("--log-level", default="info",
@@ -130,7 +132,7 @@ def engine_config(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_batch_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
-        kernel=args.kernel, seed=args.seed)
+        kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
     check_shardable(cfg, hf)
     return cfg
 

@@ -52,3 +52,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernel: str = "auto"
     seed: int = 0
+    # Capture decode steps as CUDA graphs in warmup (CUDA with a graph-safe backend only).
+    cuda_graphs: bool = True

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.cluster.device import dist_backend, local_device, memory_info
+from tpserve.cluster.graphs import DecodeGraphs, graphs_supported
 from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
@@ -86,6 +87,8 @@ class ShardWorker:
         self.specs: list[AttentionSpec] = []  # of the layers owning a cache, by layer_index
         self.encoder_decoder = False
         self.steps = 0
+        self.graphs = None  # DecodeGraphs once captured (CUDA, a graph-safe backend)
+        self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
 
     # --- set-up -------------------------------------------------------------------------
@@ -179,9 +182,12 @@ class ShardWorker:
         return max(0, min(useful, int(budget // per_block)))
 
     def allocate_cache(self, num_blocks: int) -> None:
+        """num_blocks for the engine, plus one scratch block (id num_blocks) that no sequence
+        owns: padded rows of a captured decode graph write there."""
         self.kv_caches = []
+        self.num_blocks = num_blocks
         for spec in self.specs:
-            shape = self.backend.kv_cache_shape(num_blocks, self._with_block(spec))
+            shape = self.backend.kv_cache_shape(num_blocks + 1, self._with_block(spec))
             self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
                                    torch.zeros(shape, dtype=self.dtype, device=self.device)))
         self.specs = [self._with_block(s) for s in self.specs]
@@ -195,15 +201,33 @@ class ShardWorker:
         t0 = time.perf_counter()
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
+        self._capture_graphs(batch_sizes)
         # Baseline for health()'s compiles_since_warmup: serving must never compile.
         self.compiles_at_warmup = compile_count(self.backend)
         return time.perf_counter() - t0
+
+    def _capture_graphs(self, batch_sizes: tuple[int, ...]) -> None:
+        if not self.cfg.cuda_graphs:
+            return
+        why = graphs_supported(self.device, self.backend, self.encoder_decoder)
+        if why:
+            if self.device.type == "cuda":
+                log.info("decode runs eagerly: %s", why)
+            return
+        bs = self.cfg.cache.block_size
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.device,
+                                   batch_sizes, -(-self.cfg.model.max_model_len // bs), bs,
+                                   scratch_block=self.num_blocks)
+        seconds = self.graphs.capture()
+        log.info("captured decode graphs for batch sizes %s in %.2fs",
+                 ",".join(map(str, self.graphs.buckets)), seconds)
 
     def health(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "steps": self.steps,
                 "pid": os.getpid(), "backend": getattr(self.backend, "name", None),
                 "compiles_since_warmup": (compile_count(self.backend) - self.compiles_at_warmup
-                                          if self.compiles_at_warmup is not None else None)}
+                                          if self.compiles_at_warmup is not None else None),
+                "decode_graphs": list(self.graphs.buckets) if self.graphs else []}
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -216,6 +240,8 @@ class ShardWorker:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""
         self.steps += 1
         dev, seqs = self.device, batch.seqs
+        if self.graphs is not None and self.graphs.fits(seqs):
+            return self._finish(batch, self.graphs.run(seqs).float())
         bs = self.cfg.cache.block_size
         q_lens = [len(s.token_ids) for s in seqs]
         seq_lens = [s.seq_len for s in seqs]
@@ -259,6 +285,15 @@ class ShardWorker:
             row += n
         if batch.return_logits:
             out.logits = logits[: len(sampled)].cpu().numpy()
+        return out
+
+    def _finish(self, batch: StepBatch, logits: torch.Tensor) -> StepOutput | None:
+        """Sample a decode-only step whose logits (every row samples) came from a graph."""
+        if self.rank != 0:
+            return None
+        out = StepOutput(batch.step_id, sample(logits, batch.seqs, self.cfg.seed))
+        if batch.return_logits:
+            out.logits = logits.cpu().numpy()
         return out
 
     def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:

@@ -120,6 +120,9 @@ class WarmupReport:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # Decode reads sequence lengths and block tables from device memory and its grid
+    # depends only on the batch size, so a captured launch replays correctly.
+    cuda_graph_safe = True
 
     def __init__(self) -> None:
         self.launched: set[tuple] = set()

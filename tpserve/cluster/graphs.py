@@ -1,0 +1,111 @@
+"""Decode steps captured as CUDA graphs, one per batch-size bucket, during warmup.
+
+A decode step launches a few hundred small kernels from Python; replaying a captured graph
+launches them in one call, which is what makes small batches approach the memory roofline.
+Only decode-only steps are captured (prefill shapes vary too much); the model, the
+all-reduces and the LM head run inside the graph, sampling outside it. Rows of a bucket that
+the step does not fill point at a scratch KV block that no sequence owns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tpserve.engine.step import SeqStep
+from tpserve.kernels.base import AttentionMetadata
+from tpserve.layers.context import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+
+def graphs_supported(device: torch.device, backend, encoder_decoder: bool) -> str | None:
+    """None when decode graphs can be captured here, else why not."""
+    if device.type != "cuda":
+        return f"graphs are captured on CUDA only (device is {device.type})"
+    if not getattr(backend, "cuda_graph_safe", False):
+        return f"the {backend.name} backend is not marked cuda_graph_safe"
+    if encoder_decoder:
+        return "encoder-decoder models run eagerly"
+    return None
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, backend, device: torch.device, buckets: tuple[int, ...],
+                 max_blocks: int, block_size: int, scratch_block: int) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_blocks, self.block_size, self.scratch = max_blocks, block_size, scratch_block
+        n = self.buckets[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.zeros(n, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.starts[: b + 1], seq_lens=self.seq_lens[:b],
+            block_tables=self.tables[:b], slot_mapping=self.slots[:b], max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size, query_lens_host=(1,) * b)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ctx = ForwardContext(self._meta(b), self.kv_caches, self.backend)
+        with forward_context(ctx):
+            hidden = self.model(self.ids[:b], self.positions[:b])
+        return self.model.compute_logits(hidden)
+
+    def _fill_padding(self) -> None:
+        self.ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(self.scratch * self.block_size)
+        self.tables.fill_(self.scratch)
+        self.seq_lens.fill_(1)
+
+    def capture(self) -> float:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool.
+        Every rank captures the same buckets in the same order, so their collectives pair."""
+        t0 = time.perf_counter()
+        self._fill_padding()
+        pool = None
+        for b in reversed(self.buckets):
+            self._forward(b)  # lazy initialisations (cuBLAS workspaces, NCCL) happen outside
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def fits(self, seqs: list[SeqStep]) -> bool:
+        return (len(seqs) <= self.buckets[-1]
+                and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
+                        and len(s.block_table) <= self.max_blocks for s in seqs))
+
+    def run(self, seqs: list[SeqStep]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode step, replayed from the smallest bucket
+        that holds the batch."""
+        b = len(seqs)
+        bucket = next(x for x in self.buckets if x >= b)
+        self._fill_padding()
+        pos = [s.start_pos for s in seqs]
+        rows = [[x if x >= 0 else self.scratch for x in s.block_table]
+                + [self.scratch] * (self.max_blocks - len(s.block_table)) for s in seqs]
+        tables = torch.tensor(rows, dtype=torch.int32)
+        slots = [rows[i][p // self.block_size] * self.block_size + p % self.block_size
+                 for i, p in enumerate(pos)]
+        self.ids[:b].copy_(torch.tensor([s.token_ids[0] for s in seqs]), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
+        self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
+        self.tables[:b].copy_(tables, non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32),
+                                non_blocking=True)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[:b]
