@@ -65,7 +65,8 @@ def bench_tpserve(path: Path, ps: list[str], new: int, tp: int) -> float:
     from tpserve.engine.request import SamplingParams
 
     engine = make_engine(path, tp, local=tp == 1, block_size=16, num_blocks=2048,
-                         max_model_len=1024, max_batch_tokens=2048)
+                         max_model_len=1024, max_batch_tokens=2048,
+                         cpus_per_shard=max(1, (os.cpu_count() or 1) // tp))
     try:
         engine.generate(ps[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm
         t0 = time.perf_counter()
