@@ -32,3 +32,21 @@ def test_dead_shard_fails_requests_and_health(ray_cluster, llama_dir):
             asyncio.run(ask(4))
     finally:
         backend.stop()
+
+
+def test_failed_start_leaves_no_actors_or_reservations(ray_cluster, llama_dir):
+    """An engine whose shards fail to start (no Triton on the CPU) releases its placement
+    group and actors, so the cluster's CPUs are free for the next replica."""
+    import time
+
+    from tpserve.errors import KernelUnavailableError
+
+    before = ray.available_resources().get("CPU", 0)
+    with pytest.raises(Exception) as info:
+        make_engine(llama_dir, 2, kernel="triton")
+    assert isinstance(info.value, KernelUnavailableError) or "triton" in str(info.value)
+    for _ in range(50):  # resource release is asynchronous in Ray
+        if ray.available_resources().get("CPU", 0) >= before:
+            break
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= before

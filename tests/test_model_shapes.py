@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpserve.cli import check_shardable
-from tpserve.cluster.shard_worker import build_model
+from tpserve.cluster.shard_worker import build_model, check_shardable
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError

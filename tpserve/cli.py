@@ -133,21 +133,10 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+    from tpserve.cluster.shard_worker import check_shardable
+
     check_shardable(cfg, hf)
     return cfg
-
-
-def check_shardable(cfg, hf) -> None:
-    """Build every rank's model on the meta device: a tp the checkpoint cannot take fails
-    here, before any actor starts, with the tensor and the rule in the message."""
-    import torch
-
-    from tpserve.cluster.shard_worker import build_model
-    from tpserve.distributed import tp_context
-
-    for rank in range(cfg.parallel.tp_size):
-        with tp_context(rank, cfg.parallel.tp_size):
-            build_model(cfg, hf, torch.device("meta"))
 
 
 def launch(args: argparse.Namespace) -> int:

@@ -117,10 +117,27 @@ class Engine:
                               if self.encoder_decoder else None)
         self.max_input_tokens = cfg.scheduler.max_input_tokens or self.max_model_len - 1
         if executor is None:
+            from tpserve.cluster.shard_worker import check_shardable
             from tpserve.cluster.worker_group import WorkerGroup
 
+            check_shardable(cfg, self.hf_config)  # fail before placing any actor
             executor = WorkerGroup(cfg)
         self.executor = executor
+        try:
+            self._start_executor(cfg)
+        except BaseException:
+            executor.shutdown()  # no shard actors or placement groups left behind
+            raise
+        window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
+        self.scheduler = Scheduler(BlockManager(self.num_blocks, cfg.cache.block_size),
+                                   cfg.scheduler.max_num_seqs,
+                                   cfg.scheduler.max_num_batched_tokens, window)
+        self.requests: dict[int, RequestState] = {}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    def _start_executor(self, cfg: EngineConfig) -> None:
+        executor = self.executor
         t0 = time.perf_counter()
         self.load_reports = executor.start()
         r0 = self.load_reports[0]
@@ -145,13 +162,6 @@ class Engine:
         log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
                  self.warmup_seconds, ",".join(map(str, buckets)))
         log.info("KV cache: %d blocks x %d tokens per shard", num_blocks, cfg.cache.block_size)
-        window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
-        self.scheduler = Scheduler(BlockManager(num_blocks, cfg.cache.block_size),
-                                   cfg.scheduler.max_num_seqs,
-                                   cfg.scheduler.max_num_batched_tokens, window)
-        self.requests: dict[int, RequestState] = {}
-        self._ids = itertools.count()
-        self._steps = itertools.count()
 
     def _windowed(self) -> bool:
         """Blocks can leave the cache only when every layer uses the same window."""

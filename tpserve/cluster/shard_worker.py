@@ -73,6 +73,16 @@ def fill_dummy(model: torch.nn.Module, seed: int) -> None:
         p.uniform_(-0.02, 0.02, generator=g)
 
 
+def check_shardable(cfg: EngineConfig, hf_config) -> None:
+    """Build every rank's model on the meta device: a tp the checkpoint cannot take fails
+    here, before any actor starts, with the tensor and the rule in the message."""
+    from tpserve.distributed import tp_context
+
+    for rank in range(cfg.parallel.tp_size):
+        with tp_context(rank, cfg.parallel.tp_size):
+            build_model(cfg, hf_config, torch.device("meta"))
+
+
 class ShardWorker:
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
