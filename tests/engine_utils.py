@@ -54,3 +54,28 @@ def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
     err = (a - b).abs().max().item()
     scale = b.abs().max().item()
     assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} x max |ref| {scale:.3g}"
+
+
+def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: list[list[int]],
+                             ref_logits: list[torch.Tensor], rel: float = 1e-4) -> None:
+    """Prefill logits within rel of the reference, then greedy tokens identical."""
+    for got, ref in zip(prefill_logits(engine, prompts), ref_logits, strict=True):
+        assert got.shape == ref.shape
+        assert_close_rel(got, ref, rel)
+    assert greedy(engine, prompts, len(ref_tokens[0])) == ref_tokens
+
+
+def load_rank(path: Path, rank: int, tp: int):
+    """One rank's model loaded on the CPU without a process group (loading needs none);
+    returns (model, LoadStats) so tests can see what the rank read."""
+    from tpserve.cluster.shard_worker import build_model
+    from tpserve.distributed import tp_context
+    from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+
+    cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    stats = LoadStats()
+    with tp_context(rank, tp):
+        model = build_model(cfg, load_hf_config(path), torch.device("cpu"))
+        model.load_weights(iter_checkpoint(path, stats, show_progress=False))
+    return model, stats

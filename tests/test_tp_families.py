@@ -7,19 +7,15 @@ Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_utils import assert_close_rel, greedy, make_engine, prefill_logits
+from engine_utils import assert_matches_reference, load_rank, make_engine
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
 
-from tpserve.cluster.shard_worker import build_model
-from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
-from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
 
 CASES = [(f, tp) for f in ("gemma", "bloom", "qwen2", "phi3") for tp in (1, 2, 4)]
 CASES.append(("qwen2-tied", 2))
@@ -52,10 +48,7 @@ def test_family_matches_transformers(ray_cluster, family, name, tp):
     path, ref_tokens, ref_logits = family(name)
     engine = make_engine(path, tp)
     try:
-        for got, ref in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
-            assert got.shape == ref.shape == (301,)
-            assert_close_rel(got, ref, 1e-4)
-        assert greedy(engine, PROMPTS, 32) == ref_tokens
+        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
     finally:
         engine.shutdown()
 
@@ -66,17 +59,6 @@ def test_continuations_are_not_degenerate(family, name):
     _, ref_tokens, _ = family(name)
     assert all(len(set(t)) > 3 for t in ref_tokens)
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
-
-
-def _load_rank(path: Path, rank: int, tp: int):
-    """This rank's model loaded on the CPU without a process group (loading needs none)."""
-    cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=64),
-                       parallel=ParallelConfig(tp_size=tp))
-    stats = LoadStats()
-    with tp_context(rank, tp):
-        model = build_model(cfg, load_hf_config(path), torch.device("cpu"))
-        model.load_weights(iter_checkpoint(path, stats, show_progress=False))
-    return model, stats
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -91,7 +73,7 @@ def test_bloom_rank_reads_its_heads_of_query_key_value(checkpoint, tp):
     heads, d = 4, 16
     w = full["transformer.h.0.self_attention.query_key_value.weight"].view(heads, 3, d, -1)
     for rank in range(tp):
-        model, stats = _load_rank(path, rank, tp)
+        model, stats = load_rank(path, rank, tp)
         n = heads // tp
         attn = model.transformer.h[0].self_attention
         got = attn.query_key_value.weight.view(n, 3, d, -1)
@@ -119,7 +101,7 @@ def test_phi3_rank_reads_its_slice_of_the_fused_tensors(checkpoint, tp):
     q, k, v = qkv[:64], qkv[64:96], qkv[96:]
     gate_up = full["model.layers.0.mlp.gate_up_proj.weight"]
     for rank in range(tp):
-        model, stats = _load_rank(path, rank, tp)
+        model, stats = load_rank(path, rank, tp)
         layer = model.model.layers[0]
         nq, nkv, kv0 = 4 // tp, max(1, 2 // tp), rank * 2 // tp
         kv_rows = slice(kv0 * d, (kv0 + nkv) * d)
@@ -148,8 +130,8 @@ def test_bloom_loads_names_without_the_transformer_prefix(checkpoint, tmp_path):
     assert all(n.startswith("transformer.") for n in tensors)
     save_file({n.removeprefix("transformer."): t for n, t in tensors.items()},
               str(bare / "model.safetensors"), metadata={"format": "pt"})
-    want, _ = _load_rank(path, 1, 2)
-    got, _ = _load_rank(bare, 1, 2)
+    want, _ = load_rank(path, 1, 2)
+    got, _ = load_rank(bare, 1, 2)
     for (name, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 

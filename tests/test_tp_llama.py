@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_utils import assert_close_rel, greedy, make_engine, prefill_logits
+from engine_utils import assert_matches_reference, make_engine
 from tiny_models import PROMPTS, hf_greedy, hf_last_logits
 
 
@@ -17,10 +17,7 @@ def test_llama_matches_transformers(ray_cluster, llama_dir, reference, tp):
     ref_tokens, ref_logits = reference
     engine = make_engine(llama_dir, tp)
     try:
-        for got, ref in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
-            assert got.shape == ref.shape == (301,)
-            assert_close_rel(got, ref, 1e-4)
-        assert greedy(engine, PROMPTS, 32) == ref_tokens
+        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
     finally:
         engine.shutdown()
 

@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import load_rank
 
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import CheckpointError, ShardingError
-from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, resolve_model
-
-
-def _load_rank(path, rank: int, tp: int):
-    from tpserve.cluster.shard_worker import build_model
-
-    cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=64))
-    stats = LoadStats()
-    with tp_context(rank, tp):
-        model = build_model(cfg, load_hf_config(path), torch.device("cpu"))
-        model.load_weights(iter_checkpoint(path, stats, show_progress=False))
-    return model, stats
+from tpserve.weights import LoadStats, iter_checkpoint, resolve_model
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_each_rank_reads_about_one_tp_of_sharded_tensors(llama_dir, tp):
     for rank in range(tp):
-        _, stats = _load_rank(llama_dir, rank, tp)
+        _, stats = load_rank(llama_dir, rank, tp)
         for name, full in stats.full_bytes.items():
             frac = stats.read_bytes.get(name, 0) / full
             if "norm" in name:  # replicated: read whole
@@ -47,7 +37,7 @@ def test_sharded_model_reassembles_the_checkpoint(llama_dir):
     from safetensors.torch import load_file
 
     full = load_file(str(llama_dir / "model.safetensors"))
-    ranks = [_load_rank(llama_dir, r, 2)[0] for r in range(2)]
+    ranks = [load_rank(llama_dir, r, 2)[0] for r in range(2)]
     qkv = [m.model.layers[0].self_attn.qkv_proj for m in ranks]
     q = torch.cat([m.weight[: m.q_size] for m in qkv])
     k = torch.cat([m.weight[m.q_size : m.q_size + m.kv_size] for m in qkv])
@@ -130,7 +120,7 @@ def test_missing_weights_are_an_error(tmp_path, llama_dir):
             (tmp_path / f.name).write_text(f.read_text())
     save_file(full, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="model.layers.1.mlp.down_proj.weight"):
-        _load_rank(tmp_path, 0, 1)
+        load_rank(tmp_path, 0, 1)
 
 
 def test_no_safetensors_is_a_clear_error(tmp_path):
@@ -180,4 +170,4 @@ def test_checkpoint_tensor_of_wrong_shape_fails_naming_it(tmp_path, llama_dir):
             (tmp_path / f.name).write_text(f.read_text())
     save_file(full, str(tmp_path / "model.safetensors"))
     with pytest.raises(ShardingError, match=r"up_proj.weight' has shape \[132, 64\]"):
-        _load_rank(tmp_path, 0, 2)
+        load_rank(tmp_path, 0, 2)
