@@ -30,7 +30,9 @@ def make_model_dir(out: Path) -> Path:
     return out
 
 
-def run_one(model_dir: str, kernel: str) -> dict:
+def bench_engine(path: str, tp: int, dtype: str, kernel: str, dummy: bool,
+                 max_len: int = 2048, graphs: bool = True):
+    """(Engine, start-up seconds) on CUDA: in-process at tp = 1 without Ray, else Ray actors."""
     from tpserve.cluster.engine import Engine, LocalExecutor
     from tpserve.config import (
         CacheConfig,
@@ -41,14 +43,29 @@ def run_one(model_dir: str, kernel: str) -> dict:
     )
 
     cfg = EngineConfig(
-        model=ModelConfig(path=model_dir, model_id="llama-3-8b-shape", dtype="bfloat16",
-                          max_model_len=2048, load_format="dummy"),
-        parallel=ParallelConfig(tp_size=1, device="cuda"),
-        cache=CacheConfig(block_size=16, gpu_memory_utilization=0.9),
-        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel)
+        model=ModelConfig(path=path, model_id=path, dtype=dtype, max_model_len=max_len,
+                          load_format="dummy" if dummy else "safetensors"),
+        parallel=ParallelConfig(tp_size=tp, device="cuda"),
+        cache=CacheConfig(block_size=16, gpu_memory_utilization=0.85),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel,
+        cuda_graphs=graphs)
     t0 = time.perf_counter()
-    engine = Engine(cfg, LocalExecutor(cfg))
-    res = measure(engine, time.perf_counter() - t0)
+    engine = Engine(cfg, LocalExecutor(cfg) if tp == 1 and _no_ray() else None)
+    return engine, time.perf_counter() - t0
+
+
+def _no_ray() -> bool:
+    try:
+        import ray
+
+        return not ray.is_initialized()
+    except ImportError:
+        return True
+
+
+def run_one(model_dir: str, kernel: str) -> dict:
+    engine, startup = bench_engine(model_dir, 1, "bfloat16", kernel, True)
+    res = measure(engine, startup)
     engine.shutdown()
     return res
 

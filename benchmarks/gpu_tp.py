@@ -12,7 +12,6 @@ import argparse
 import datetime
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,34 +19,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def engine_for(path: str, tp: int, dtype: str, kernel: str, dummy: bool, max_len: int = 2048,
-               graphs: bool = True):
-    from tpserve.cluster.engine import Engine
-    from tpserve.config import (
-        CacheConfig,
-        EngineConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-    )
-
-    cfg = EngineConfig(
-        model=ModelConfig(path=path, model_id=path, dtype=dtype, max_model_len=max_len,
-                          load_format="dummy" if dummy else "safetensors"),
-        parallel=ParallelConfig(tp_size=tp, device="cuda"),
-        cache=CacheConfig(block_size=16, gpu_memory_utilization=0.85),
-        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel,
-        cuda_graphs=graphs)
-    t0 = time.perf_counter()
-    engine = Engine(cfg)
-    return engine, time.perf_counter() - t0
-
-
 def main() -> None:
     import ray
     import torch
     from engine_utils import greedy
-    from gpu_engine import make_model_dir, measure
+    from gpu_engine import bench_engine, make_model_dir, measure
     from tiny_models import PROMPTS, hf_greedy, llama_config, save_model
 
     ap = argparse.ArgumentParser()
@@ -62,7 +38,7 @@ def main() -> None:
         tiny = save_model(llama_config(), Path(d) / "tiny")
         ref = hf_greedy(tiny, PROMPTS, 32)
         for tp in (1, 2):
-            engine, _ = engine_for(str(tiny), tp, "float32", args.kernel, False, 256)
+            engine, _ = bench_engine(str(tiny), tp, "float32", args.kernel, False, 256)
             same = greedy(engine, PROMPTS, 32) == ref
             backend = engine.load_reports[0].backend
             graphs = engine.executor.health()[0]["decode_graphs"]
@@ -73,7 +49,7 @@ def main() -> None:
         big = make_model_dir(Path(d) / "big")
         rows = []
         for tp, graphs in ((1, False), (1, True), (2, True)):
-            engine, startup = engine_for(str(big), tp, "bfloat16", args.kernel, True,
+            engine, startup = bench_engine(str(big), tp, "bfloat16", args.kernel, True,
                                          graphs=graphs)
             rows.append({**measure(engine, startup), "graphs": graphs})
             engine.shutdown()
