@@ -22,6 +22,7 @@ def attend_padded(
     spec: AttentionSpec,
     alibi_slopes: torch.Tensor | None,
     rel_bias: RelBias | None = None,  # [Hq, 2R + 1], see kernels/base.py
+    k_start: torch.Tensor | None = None,  # [B] position of k[:, 0] (default 0)
 ) -> torch.Tensor:
     """Attention of padded queries over padded keys (causal unless spec.causal is False);
     returns [B, Q, Hq, D]."""
@@ -36,8 +37,10 @@ def attend_padded(
     scores = torch.matmul(qh, kh.unsqueeze(2).transpose(-1, -2)) * spec.scale  # [B,Hkv,G,Q,L]
     if spec.softcap:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    k_pos = torch.arange(length, device=q.device)
-    rel = k_pos.view(1, 1, length) - q_pos.unsqueeze(-1)  # [B, Q, L], <= 0 where visible
+    k_pos = torch.arange(length, device=q.device).view(1, 1, length)
+    if k_start is not None:
+        k_pos = k_pos + k_start.view(b, 1, 1)  # [B, 1, L]
+    rel = k_pos - q_pos.unsqueeze(-1)  # [B, Q, L], <= 0 where visible
     if alibi_slopes is not None:
         # A per-row shift leaves softmax unchanged, so slope * (k - q) equals the
         # slope * k form of the original ALiBi.
@@ -47,7 +50,7 @@ def attend_padded(
         r = (rel_bias.shape[1] - 1) // 2
         bias = rel_bias.to(acc)[:, rel.clamp(-r, r) + r]  # [Hq, B, Q, L]
         scores = scores + bias.transpose(0, 1).reshape(b, hkv, g, nq, length)
-    visible = k_pos.view(1, 1, length) < ctx_len.view(b, 1, 1)  # [B, 1, L]
+    visible = k_pos < ctx_len.view(b, 1, 1)  # [B, 1, L]
     if spec.causal:
         visible = visible & (rel <= 0)  # [B, Q, L]
     if spec.sliding_window:
@@ -77,11 +80,23 @@ class TorchAttentionBackend(AttentionBackend):
         return None
 
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
-        k = gather_context(k_cache, meta.block_tables, meta.max_seq_len)
-        v = gather_context(v_cache, meta.block_tables, meta.max_seq_len)
         seq_lens = meta.seq_lens.long()
+        tables, length, k_start = meta.block_tables, meta.max_seq_len, None
+        block = k_cache.shape[1]
+        if spec.sliding_window and spec.causal:
+            # Only the blocks holding the last `window` positions can be seen: gather those
+            # rather than the whole context, so a windowed step costs O(window).
+            span = -(-spec.sliding_window // block) + 1
+            if span < -(-length // block):
+                first = (seq_lens - spec.sliding_window).clamp(min=0) // block  # [B]
+                idx = first[:, None] + torch.arange(span, device=q.device)[None]
+                # Past the table's end the positions are >= seq_len, so they are masked.
+                tables = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))
+                length, k_start = span * block, first * block
+        k = gather_context(k_cache, tables, length)
+        v = gather_context(v_cache, tables, length)
         out = attend_padded(q.unsqueeze(1), k, v, (seq_lens - 1).unsqueeze(1), seq_lens,
-                            spec, alibi_slopes, rel_bias)
+                            spec, alibi_slopes, rel_bias, k_start)
         return out.squeeze(1)
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
