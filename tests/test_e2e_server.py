@@ -96,8 +96,10 @@ def test_health_and_info(server):
     info = httpx.get(server + "/info").json()
     assert info["tp_size"] == 2 and info["model_device_type"] == "cpu"
     assert info["max_total_tokens"] == 512
-    assert "tpserve_" in httpx.get(server + "/metrics").text or "request" in httpx.get(
-        server + "/metrics").text
+    text = httpx.get(server + "/metrics").text
+    assert 'tpserve_engine{stat="kv_blocks_total"} 512.0' in text
+    assert 'tpserve_engine{stat="ready"} 1.0' in text
+    assert "tpserve_http_requests_total" in text
 
 
 def test_openai_client_completions_and_chat(server, expected, llama_dir):

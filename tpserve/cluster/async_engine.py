@@ -54,6 +54,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
+        self.steps = 0
+        self.last_step_seconds = 0.0
+        self._ray_metrics = RayMetrics()
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -100,6 +103,19 @@ class AsyncEngine:
             attention_backend=e.load_reports[0].backend,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
                    "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
+
+    def stats(self) -> dict[str, float]:
+        """Engine gauges for /metrics and the Ray dashboard (read without locking: each is
+        a single length or counter read)."""
+        e = self.engine
+        if e is None:
+            return {"ready": 0.0}
+        s = e.scheduler
+        return {"ready": float(self.ready()), "running_sequences": len(s.running),
+                "waiting_sequences": len(s.waiting), "kv_blocks_free": s.blocks.num_free,
+                "kv_blocks_total": s.blocks.num_blocks, "steps": float(self.steps),
+                "requests_inflight": float(self._inflight),
+                "last_step_seconds": self.last_step_seconds}
 
     def count_tokens(self, text: str) -> int:
         self._require_ready()
@@ -225,6 +241,36 @@ class AsyncEngine:
             if ev.finished:
                 self._sinks.pop(seq_id, None)
         self.last_step_seconds = time.perf_counter() - t0
+        self.steps += 1
+        self._ray_metrics.maybe_report(self)
+
+
+class RayMetrics:
+    """The engine gauges as Ray metrics, so the Ray dashboard (and its Prometheus export)
+    shows them next to the actors. Reported at most twice a second; a no-op outside Ray."""
+
+    def __init__(self) -> None:
+        self._gauge = None
+        self._next = 0.0
+
+    def maybe_report(self, backend: AsyncEngine) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + 0.5
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return
+            if self._gauge is None:
+                from ray.util.metrics import Gauge
+
+                self._gauge = Gauge("tpserve_engine", "tpserve engine state", tag_keys=("stat",))
+            for name, value in backend.stats().items():
+                self._gauge.set(float(value), tags={"stat": name})
+        except Exception:  # noqa: BLE001 - metrics must never take serving down
+            log.debug("ray metrics report failed", exc_info=True)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

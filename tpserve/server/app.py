@@ -245,6 +245,9 @@ def build_app(backend: EngineBackend) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        stats = getattr(backend, "stats", None)
+        if stats is not None:  # engine gauges are read at scrape time
+            metrics.set_engine_stats(stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics))

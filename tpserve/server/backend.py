@@ -55,3 +55,6 @@ class EngineBackend(Protocol):
         """Render OpenAI-style messages to a prompt; ValidationError when the model has none."""
 
     def count_tokens(self, text: str) -> int: ...
+
+    # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
+    # (running_sequences, waiting_sequences, kv_blocks_free, ...).

@@ -58,6 +58,17 @@ class Metrics:
             registry=r,
         )
 
+        self.engine = Gauge(
+            "tpserve_engine",
+            "Engine state at scrape time: running/waiting sequences, KV blocks, steps",
+            ["stat"],
+            registry=r,
+        )
+
+    def set_engine_stats(self, stats: dict[str, float]) -> None:
+        for name, value in stats.items():
+            self.engine.labels(stat=name).set(value)
+
     async def open_stream(
         self,
         backend: EngineBackend,
