@@ -81,6 +81,15 @@ def synchronize(dev: torch.device) -> None:
         getattr(torch, dev.type).synchronize(dev)
 
 
+def graph_api(dev: torch.device):
+    """(graph class, capture context manager) where whole-step graphs can be captured on
+    this device, else None. Only CUDA graphs are used (and were run); XPU graphs exist in
+    recent PyTorch but have not been tried."""
+    if dev.type == "cuda":
+        return torch.cuda.CUDAGraph, torch.cuda.graph
+    return None
+
+
 def resolve_dtype(requested: str, device: str, checkpoint_dtype) -> tuple[str, str]:
     """(dtype name, why). auto: the checkpoint's dtype on accelerators; float32 on the CPU,
     where half precision matmuls are slow and the reference is float32."""

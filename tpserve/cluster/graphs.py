@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from tpserve.cluster.device import graph_api, synchronize
 from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def graphs_supported(device: torch.device, backend, encoder_decoder: bool) -> str | None:
     """None when decode graphs can be captured here, else why not."""
-    if device.type != "cuda":
+    if graph_api(device) is None:
         return f"graphs are captured on CUDA only (device is {device.type})"
     if not getattr(backend, "cuda_graph_safe", False):
         return f"the {backend.name} backend is not marked cuda_graph_safe"
@@ -45,7 +46,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.device = device
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -70,17 +72,18 @@ class DecodeGraphs:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool.
         Every rank captures the same buckets in the same order, so their collectives pair."""
         t0 = time.perf_counter()
+        graph_cls, capturing = graph_api(self.device)
         self._fill_padding()
         pool = None
         for b in reversed(self.buckets):
             self._forward(b)  # lazy initialisations (cuBLAS workspaces, NCCL) happen outside
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            synchronize(self.device)
+            graph = graph_cls()
+            with capturing(graph, pool=pool):
                 out = self._forward(b)
             pool = graph.pool()
             self.graphs[b] = (graph, out)
-        torch.cuda.synchronize()
+        synchronize(self.device)
         return time.perf_counter() - t0
 
     def fits(self, seqs: list[SeqStep]) -> bool:

@@ -221,7 +221,7 @@ class ShardWorker:
             return
         why = graphs_supported(self.device, self.backend, self.encoder_decoder)
         if why:
-            if self.device.type == "cuda":
+            if self.device.type != "cpu":
                 log.info("decode runs eagerly: %s", why)
             return
         bs = self.cfg.cache.block_size
