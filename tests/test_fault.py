@@ -50,3 +50,13 @@ def test_failed_start_leaves_no_actors_or_reservations(ray_cluster, llama_dir):
             break
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) >= before
+
+
+def test_too_few_resources_fail_at_once_with_what_is_missing(ray_cluster, llama_dir):
+    """4 CPUs in the test cluster; 2 shards of 3 CPUs can never be placed."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"--tp 2 needs 6 CPU \(the cluster has 4\)"):
+        make_engine(llama_dir, 2, cpus_per_shard=3)
+    assert time.monotonic() - t0 < 30

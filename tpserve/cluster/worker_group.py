@@ -27,6 +27,14 @@ class WorkerGroup:
         self.cfg = cfg
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         bundle = ray_bundle(device, cfg.parallel.cpus_per_shard)
+        try:
+            check_capacity(bundle, tp)
+        except RuntimeError as exc:
+            if not cfg.parallel.ray_address:
+                raise
+            # A joined cluster may autoscale: wait for the placement group instead.
+            log.warning("%s Waiting up to %.0fs in case the cluster scales up.", exc,
+                        placement_timeout_s)
         self.pg = placement_group([bundle] * tp, strategy="PACK",
                                   name=f"tpserve-{uuid.uuid4().hex[:8]}")
         try:
@@ -89,6 +97,18 @@ class WorkerGroup:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
+
+
+def check_capacity(bundle: dict[str, float], tp: int) -> None:
+    """Refuse at once when the whole cluster could never hold tp shards (rather than wait
+    for a placement group that cannot be placed)."""
+    total = ray.cluster_resources()
+    short = {k: (v * tp, total.get(k, 0.0)) for k, v in bundle.items() if total.get(k, 0.0) < v * tp}
+    if short:
+        need = ", ".join(f"{need:g} {k} (the cluster has {have:g})" for k, (need, have) in short.items())
+        raise RuntimeError(
+            f"--tp {tp} needs {need}: one shard takes {bundle}. Lower --tp or "
+            "--cpus-per-shard, add nodes, or join a bigger cluster with --address.")
 
 
 def _name_free(name: str, namespace: str) -> bool:
