@@ -116,6 +116,10 @@ def engine_config(args: argparse.Namespace):
     max_pos = (getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
                or (512 if getattr(hf, "is_encoder_decoder", False) else 2048))
     max_len = args.max_total_tokens or min(int(max_pos), 8192)
+    log.info("max total tokens per request: %d (%s)", max_len,
+             "--max-total-tokens" if args.max_total_tokens else
+             f"the model's {max_pos} positions" + (", capped at 8192; raise it with "
+                                                  "--max-total-tokens" if max_pos > 8192 else ""))
     cpus = args.cpus_per_shard or max(1, (os.cpu_count() or 1) // args.tp)
     if device == "cpu":
         log.info("cpu: %d core(s) per shard x %d shard(s)", cpus, args.tp)
