@@ -125,3 +125,17 @@ def test_detokenizer_holds_back_split_characters():
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # the first byte of a two-byte character emitted nothing
+
+
+def test_detokenizer_native_stream_matches_full_decode():
+    """Fast tokenizers use tokenizers' DecodeStream; pieces add up to decode(all)."""
+    from tiny_models import build_tokenizer
+
+    from tpserve.engine.detokenizer import IncrementalDetokenizer
+
+    tok = build_tokenizer(300)
+    text = "Hello world, héllo → wörld and   spaces\n  indented 漢字"
+    ids = tok(text, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tok, frozenset(tok.all_special_ids))
+    assert d._stream is not None
+    assert "".join(d.add(i) for i in ids) == tok.decode(ids, skip_special_tokens=True)

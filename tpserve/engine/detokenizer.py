@@ -8,6 +8,19 @@ the window adds; an incomplete UTF-8 character (U+FFFD) waits for the next token
 from __future__ import annotations
 
 
+def _native_stream(tokenizer):
+    """The tokenizers library's own incremental decoder for a fast tokenizer (Rust, several
+    times cheaper per token than two Python-level decodes), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return None
+    return backend, DecodeStream(skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, special_ids: frozenset[int] = frozenset()) -> None:
         self.tok = tokenizer
@@ -16,6 +29,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self._stream = _native_stream(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -25,6 +39,11 @@ class IncrementalDetokenizer:
         if token_id in self.special_ids:
             return ""
         self.ids.append(token_id)
+        if self._stream is not None:
+            backend, stream = self._stream
+            new = stream.step(backend, token_id) or ""
+            self.text += new
+            return new
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
