@@ -7,6 +7,7 @@ through `get_slice`, so a tp-way shard materialises about 1/tp of each sharded t
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class TensorSlice:
     def __init__(self, name: str, raw, stats: LoadStats) -> None:
         self.name, self._raw, self._stats = name, raw, stats
         self.shape = tuple(raw.get_shape())
-        stats.full_bytes[name] = _numel(self.shape) * _DTYPE_SIZES.get(raw.get_dtype(), 4)
+        stats.full_bytes[name] = math.prod(self.shape) * _DTYPE_SIZES.get(raw.get_dtype(), 4)
 
     def __getitem__(self, index) -> torch.Tensor:
         t = self._raw[index]
@@ -125,13 +126,6 @@ class TensorSlice:
         index = [slice(None)] * len(self.shape)
         index[dim] = slice(start, start + length)
         return self[tuple(index)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def iter_checkpoint(

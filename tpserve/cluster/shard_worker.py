@@ -4,12 +4,14 @@ directly in a test process; every method is a typed call and every constructor r
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -139,7 +141,7 @@ class ShardWorker:
         if self.cfg.model.load_format == "dummy":
             fill_dummy(self.model, seed=self.cfg.seed + self.rank)
         else:
-            self.model.load_weights(iter_checkpoint(_path(path), stats, self.rank == 0, desc))
+            self.model.load_weights(iter_checkpoint(Path(path), stats, self.rank == 0, desc))
         self.model.eval()
         layers = self._attention_layers()
         owners = sorted((m for m in layers if m.owns_cache), key=lambda m: m.layer_index)
@@ -161,18 +163,10 @@ class ShardWorker:
 
     def _bytes_per_block(self) -> int:
         elt = torch.tensor([], dtype=self.dtype).element_size()
-        total = 0
-        for spec in self.specs:
-            shape = self.backend.kv_cache_shape(1, self._with_block(spec))
-            n = 1
-            for d in shape:
-                n *= d
-            total += 2 * n * elt
-        return total
+        return sum(2 * elt * math.prod(self.backend.kv_cache_shape(1, self._with_block(spec)))
+                   for spec in self.specs)
 
     def _with_block(self, spec: AttentionSpec) -> AttentionSpec:
-        from dataclasses import replace
-
         return replace(spec, block_size=self.cfg.cache.block_size)
 
     def available_blocks(self) -> int:
@@ -339,8 +333,3 @@ class ShardWorker:
             max_query_len=meta.max_query_len, max_seq_len=max(enc_lens),
             query_lens_host=meta.query_lens_host, seq_lens_host=tuple(enc_lens))
 
-
-def _path(p: str):
-    from pathlib import Path
-
-    return Path(p)
