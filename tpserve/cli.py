@@ -55,6 +55,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="CPU device: KV-cache memory per shard")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="accelerators: fraction of device memory for weights + KV cache")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompt prefixes shared across requests "
+                   "(decoder-only models without a sliding window)")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
@@ -131,7 +134,8 @@ def engine_config(args: argparse.Namespace):
                                 ray_address=args.address),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          prefix_caching=args.prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_batch_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,

@@ -34,6 +34,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     gpu_memory_utilization: float = 0.9
+    # Reuse the KV blocks of a shared prompt prefix across requests (prefix_cache.py).
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from tpserve.config import EngineConfig
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.detokenizer import IncrementalDetokenizer
+from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
@@ -129,7 +130,7 @@ class Engine:
             executor.shutdown()  # no shard actors or placement groups left behind
             raise
         window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
-        self.scheduler = Scheduler(BlockManager(self.num_blocks, cfg.cache.block_size),
+        self.scheduler = Scheduler(self._block_manager(window),
                                    cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens, window)
         self.requests: dict[int, RequestState] = {}
@@ -162,6 +163,16 @@ class Engine:
         log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
                  self.warmup_seconds, ",".join(map(str, buckets)))
         log.info("KV cache: %d blocks x %d tokens per shard", num_blocks, cfg.cache.block_size)
+
+    def _block_manager(self, window: int | None) -> BlockManager:
+        if not self.cfg.cache.prefix_caching:
+            return BlockManager(self.num_blocks, self.cfg.cache.block_size)
+        if self.encoder_decoder or window or getattr(self.hf_config, "sliding_window", None):
+            log.warning("--prefix-caching is off for this model: it covers decoder-only "
+                        "models without a sliding window")
+            return BlockManager(self.num_blocks, self.cfg.cache.block_size)
+        log.info("prefix caching on: full KV blocks are shared across requests")
+        return PrefixCachingBlockManager(self.num_blocks, self.cfg.cache.block_size)
 
     def _windowed(self) -> bool:
         """Blocks can leave the cache only when every layer uses the same window."""

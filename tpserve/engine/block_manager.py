@@ -40,14 +40,29 @@ class BlockManager:
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, have {len(self._free)}")
         cross = self.cross_blocks_needed(seq)
-        seq.cross_block_table.extend(self._free.pop() for _ in range(cross))
-        seq.block_table.extend(self._free.pop() for _ in range(need - cross))
+        seq.cross_block_table.extend(self._take() for _ in range(cross))
+        seq.block_table.extend(self._take() for _ in range(need - cross))
+
+    def _take(self) -> int:
+        return self._free.pop()
+
+    def _release(self, block: int) -> None:
+        self._free.append(block)
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(b for b in reversed(seq.block_table) if b >= 0)
-        self._free.extend(reversed(seq.cross_block_table))
+        for b in reversed(seq.block_table):
+            if b >= 0:
+                self._release(b)
+        for b in reversed(seq.cross_block_table):
+            self._release(b)
         seq.block_table = []
         seq.cross_block_table = []
+
+    def reuse_prefix(self, seq: Sequence) -> None:
+        """Hook for prefix caching (prefix_cache.py); plain blocks share nothing."""
+
+    def after_compute(self, seq: Sequence) -> None:
+        """Hook called once seq.num_computed has advanced."""
 
     def release_outside_window(self, seq: Sequence, window: int) -> int:
         """Free blocks no future query can see. The next query sits at position
@@ -57,7 +72,7 @@ class BlockManager:
         last_dead = (seq.num_computed - window + 1) // self.block_size  # blocks [0, last_dead)
         for i in range(min(last_dead, len(seq.block_table))):
             if seq.block_table[i] >= 0:
-                self._free.append(seq.block_table[i])
+                self._release(seq.block_table[i])
                 seq.block_table[i] = -1
                 freed += 1
         return freed

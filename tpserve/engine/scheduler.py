@@ -79,8 +79,14 @@ class Scheduler:
         # Then admit waiting sequences in arrival order, without skipping ahead.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            fresh = seq.num_computed == 0
+            if fresh:
+                self.blocks.reuse_prefix(seq)  # cached blocks count as computed
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq, seq.num_computed + n):
+                if fresh:  # hand back what reuse_prefix attached: a waiting sequence
+                    self.blocks.free(seq)  # holding blocks could starve the running ones
+                    seq.num_computed = 0
                 break
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed + n)
@@ -98,6 +104,7 @@ class Scheduler:
         """Record what the step computed; release blocks that left the sliding window."""
         for s in scheduled:
             s.seq.num_computed += s.num_new
+            self.blocks.after_compute(s.seq)
             if self.sliding_window and not s.seq.finished:
                 self.blocks.release_outside_window(s.seq, self.sliding_window)
 

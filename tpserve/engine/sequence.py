@@ -30,6 +30,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prefix caching: hash of each full block's token chain, filled lazily.
+    block_hashes: list[int] = field(default_factory=list)
     # Encoder-decoder models: the user's prompt, fed to the encoder; prompt_ids is then the
     # decoder's prompt ([decoder_start_token_id]). None for decoder-only models.
     encoder_ids: list[int] | None = None
