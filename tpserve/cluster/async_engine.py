@@ -115,7 +115,8 @@ class AsyncEngine:
                 "waiting_sequences": len(s.waiting), "kv_blocks_free": s.blocks.num_free,
                 "kv_blocks_total": s.blocks.num_blocks, "steps": float(self.steps),
                 "requests_inflight": float(self._inflight),
-                "last_step_seconds": self.last_step_seconds}
+                "last_step_seconds": self.last_step_seconds,
+                "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0))}
 
     def count_tokens(self, text: str) -> int:
         self._require_ready()
