@@ -77,7 +77,7 @@ def sample(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int = 0) -> 
                 seed = p.seed if p.seed is not None else default_seed + s.seq_id
                 g = _generator(seed, s.num_generated, logits.device)
                 token = int(torch.multinomial(probs, 1, generator=g))
-                lp = (x / 1.0).log_softmax(-1)
+                lp = x.log_softmax(-1)  # the distribution the token was drawn from
         top = []
         if p.top_n_tokens:
             vals, ids = torch.topk(lp, p.top_n_tokens)
