@@ -66,6 +66,16 @@ class FakeBackend:
     # Set (from the server thread) when a stream was closed before its final event.
     aborted: threading.Event = field(default_factory=threading.Event)
 
+    def reset(self) -> FakeBackend:
+        """Back to a healthy, idle fake (module-scoped servers share one instance)."""
+        fresh = FakeBackend()
+        for name in ("is_ready", "raise_on_generate", "fail_after", "token_delay",
+                     "has_chat_template"):
+            setattr(self, name, getattr(fresh, name))
+        self.calls.clear()
+        self.aborted.clear()
+        return self
+
     def ready(self) -> bool:
         return self.is_ready
 

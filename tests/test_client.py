@@ -30,10 +30,7 @@ def server():
 
 @pytest.fixture
 def backend(server) -> FakeBackend:
-    fake = server[0]
-    fake.is_ready, fake.raise_on_generate, fake.fail_after = True, None, None
-    fake.calls.clear()
-    return fake
+    return server[0].reset()
 
 
 @pytest.fixture

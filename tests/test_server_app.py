@@ -23,14 +23,7 @@ def server():
 
 @pytest.fixture
 def backend(server) -> FakeBackend:
-    fake = server[0]
-    # Each test starts from a healthy, idle fake.
-    fresh = FakeBackend()
-    for name in ("is_ready", "raise_on_generate", "fail_after", "token_delay", "has_chat_template"):
-        setattr(fake, name, getattr(fresh, name))
-    fake.calls.clear()
-    fake.aborted.clear()
-    return fake
+    return server[0].reset()  # each test starts from a healthy, idle fake
 
 
 @pytest.fixture
