@@ -33,7 +33,6 @@ def make_model_dir(out: Path) -> Path:
 def bench_engine(path: str, tp: int, dtype: str, kernel: str, dummy: bool,
                  max_len: int = 2048, graphs: bool = True):
     """(Engine, start-up seconds) on CUDA: in-process at tp = 1 without Ray, else Ray actors."""
-    from tpserve.cluster.engine import Engine, LocalExecutor
     from tpserve.config import (
         CacheConfig,
         EngineConfig,
@@ -41,6 +40,8 @@ def bench_engine(path: str, tp: int, dtype: str, kernel: str, dummy: bool,
         ParallelConfig,
         SchedulerConfig,
     )
+    from tpserve.engine.engine import Engine
+    from tpserve.executor.factory import build_executor
 
     cfg = EngineConfig(
         model=ModelConfig(path=path, model_id=path, dtype=dtype, max_model_len=max_len,
@@ -50,7 +51,7 @@ def bench_engine(path: str, tp: int, dtype: str, kernel: str, dummy: bool,
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192), kernel=kernel,
         cuda_graphs=graphs)
     t0 = time.perf_counter()
-    engine = Engine(cfg, LocalExecutor(cfg) if tp == 1 and _no_ray() else None)
+    engine = Engine(cfg, build_executor(cfg, in_process=tp == 1 and _no_ray()))
     return engine, time.perf_counter() - t0
 
 

@@ -5,11 +5,11 @@ times of the triton and torch backends side by side.
 
 Start-up runs in fresh processes (so Triton's in-memory cache is empty) against one fresh
 TRITON_CACHE_DIR: the first start compiles every kernel, the second loads them from disk.
-Each start builds an in-process (tp = 1, LocalExecutor) engine on a random Llama (hidden
+Each start builds an in-process (tp = 1, InProcessExecutor) engine on a random Llama (hidden
 1024, 4 layers, 8 query / 2 KV heads of 128, bf16) and generates a few tokens.
 
 Decode steps are timed two ways, for batch 1/8/32 and context 512/2048: the attention
-kernel alone (one layer, CUDA events) and one whole engine step (ShardWorker.execute: the
+kernel alone (one layer, CUDA events) and one whole engine step (Worker.execute: the
 4-layer model, sampling and the host-side batch preparation).
 """
 
@@ -67,11 +67,12 @@ def start_once(path: Path, kernel: str) -> dict:
     """One start-up in this process: engine construction (load, cache, warmup) timed."""
     from engine_utils import greedy
 
-    from tpserve.cluster.engine import Engine, LocalExecutor
+    from tpserve.engine.engine import Engine
+    from tpserve.executor.inprocess import InProcessExecutor
 
     t0 = time.perf_counter()
     cfg = engine_config(path, kernel, 512)
-    engine = Engine(cfg, LocalExecutor(cfg))
+    engine = Engine(cfg, InProcessExecutor(cfg))
     started = time.perf_counter() - t0
     tokens = greedy(engine, ["The quick brown fox", "Hello"], 8)
     backend = engine.executor.worker.backend
@@ -142,16 +143,16 @@ def attention_only(batch: int, ctx: int) -> dict:
 
 
 def engine_steps(path: Path) -> dict:
-    """Whole decode steps through ShardWorker.execute, for both backends."""
-    from tpserve.cluster.engine import LocalExecutor
+    """Whole decode steps through Worker.execute, for both backends."""
     from tpserve.engine.request import SamplingParams
     from tpserve.engine.step import SeqStep, StepBatch
+    from tpserve.executor.inprocess import InProcessExecutor
     from tpserve.kernels.compile_cache import warmup_batch_sizes
 
     need = max(BATCHES) * max(CONTEXTS) // BLOCK
     out: dict = {}
     for kernel in STEP_KERNELS:
-        ex = LocalExecutor(engine_config(path, kernel, need))
+        ex = InProcessExecutor(engine_config(path, kernel, need))
         ex.start()
         ex.allocate_cache(need)
         ex.warmup(warmup_batch_sizes(32))
@@ -162,11 +163,11 @@ def engine_steps(path: Path) -> dict:
                 batch = StepBatch(0, [SeqStep(i, [5], c - 1, list(range(i * nb, (i + 1) * nb)),
                                               True, params) for i in range(b)])
                 for _ in range(3):
-                    ex.execute(batch)
+                    ex.execute_step(batch)
                 t0 = time.perf_counter()
                 n = 20
                 for _ in range(n):
-                    ex.execute(batch)  # returns host tokens: each step ends synchronised
+                    ex.execute_step(batch)  # returns host tokens: each step ends synchronised
                 out[f"{kernel} b={b} ctx={c}"] = (time.perf_counter() - t0) / n * 1e3
         out[f"{kernel} compiles_since_warmup"] = ex.health()[0]["compiles_since_warmup"]
         ex.shutdown()
@@ -191,7 +192,7 @@ def markdown(start: list[dict], attn: dict, steps: dict) -> str:
     for (b, c), r in attn.items():
         lines.append(f"| {b} | {c} | {r['torch']:.3f} | {r['triton']:.3f} | "
                      f"{r['torch'] / r['triton']:.1f}x | {r['kv_bytes'] / r['triton'] / 1e6:.0f} |")
-    lines += ["", "Whole decode step (4-layer model, ShardWorker.execute incl. host-side "
+    lines += ["", "Whole decode step (4-layer model, Worker.execute incl. host-side "
               "preparation and sampling), mean of 20:", "",
               "| batch | context | torch (ms) | triton (ms) |", "| --- | --- | --- | --- |"]
     for b in BATCHES:

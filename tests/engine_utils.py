@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from tpserve.cluster.engine import Engine
 from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tpserve.engine.engine import Engine
 from tpserve.engine.request import SamplingParams
 
 
@@ -22,12 +22,9 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                           prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_batch_tokens),
         kernel=kernel)
-    executor = None
-    if local:
-        from tpserve.cluster.engine import LocalExecutor
+    from tpserve.executor.factory import build_executor
 
-        executor = LocalExecutor(cfg)
-    return Engine(cfg, executor)
+    return Engine(cfg, build_executor(cfg, in_process=local))
 
 
 def greedy(engine: Engine, prompts: list[str], n: int) -> list[list[int]]:
@@ -70,9 +67,9 @@ def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: lis
 def load_rank(path: Path, rank: int, tp: int):
     """One rank's model loaded on the CPU without a process group (loading needs none);
     returns (model, LoadStats) so tests can see what the rank read."""
-    from tpserve.cluster.shard_worker import build_model
     from tpserve.distributed import tp_context
     from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+    from tpserve.worker.build import build_model
 
     cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=64),
                        parallel=ParallelConfig(tp_size=tp))

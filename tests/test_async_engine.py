@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from engine_utils import make_engine
 
-from tpserve.cluster.async_engine import AsyncEngine
+from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import OverloadedError, ValidationError
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 from engine_utils import make_engine
 
-from tpserve.cluster.async_engine import AsyncEngine
+from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import GenerationError, NotReadyError
 

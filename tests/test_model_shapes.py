@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpserve.cluster.shard_worker import build_model, check_shardable
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
+from tpserve.worker.build import build_model, check_shardable
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DECODERS = ["gemma-7b", "gemma-2b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",

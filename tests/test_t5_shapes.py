@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpserve.cluster.shard_worker import build_model
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.models.t5 import T5ForConditionalGeneration
+from tpserve.worker.build import build_model
 
 CONFIG = Path(__file__).parent / "data" / "configs" / "flan-t5-xxl.json"
 # Published sizes; the config file must agree (it is what the checks below build from).

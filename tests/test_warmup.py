@@ -19,8 +19,9 @@ import pytest
 import torch
 from engine_utils import greedy
 
-from tpserve.cluster.engine import Engine, LocalExecutor
 from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tpserve.engine.engine import Engine
+from tpserve.executor.inprocess import InProcessExecutor
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import (
     compile_count,
@@ -43,7 +44,7 @@ def engine_config(path, max_num_seqs: int = 8, kernel: str = "torch") -> EngineC
         kernel=kernel)
 
 
-class RecordingExecutor(LocalExecutor):
+class RecordingExecutor(InProcessExecutor):
     def warmup(self, batch_sizes) -> float:
         self.buckets = tuple(batch_sizes)
         return super().warmup(batch_sizes)
@@ -88,7 +89,7 @@ def test_engine_warms_every_bucket_and_serving_compiles_nothing(llama_dir):
 
 def test_a_compile_during_serving_is_counted(llama_dir):
     """The same check fails when a backend compiles for a batch size warmup skipped."""
-    engine = Engine(engine_config(llama_dir), LocalExecutor(engine_config(llama_dir)))
+    engine = Engine(engine_config(llama_dir), InProcessExecutor(engine_config(llama_dir)))
     try:
         worker = engine.executor.worker
         worker.backend = CompilesPerBatchSize()

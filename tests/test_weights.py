@@ -132,7 +132,7 @@ def test_no_safetensors_is_a_clear_error(tmp_path):
 def test_sharding_error_type_is_raised_on_meta(llama_dir):
     from tiny_models import llama_config
 
-    from tpserve.cluster.shard_worker import build_model
+    from tpserve.worker.build import build_model
 
     cfg = EngineConfig(model=ModelConfig(path=str(llama_dir), model_id="t", max_model_len=64))
     with tp_context(0, 3), pytest.raises(ShardingError, match="tp=3"):
@@ -143,9 +143,10 @@ def test_dummy_load_format_needs_no_weights(tmp_path, llama_dir):
     """--load-format dummy: the checkpoint's shapes with random weights, no safetensors read."""
     import shutil
 
-    from tpserve.cluster.engine import Engine, LocalExecutor
     from tpserve.config import CacheConfig
+    from tpserve.engine.engine import Engine
     from tpserve.engine.request import SamplingParams
+    from tpserve.executor.inprocess import InProcessExecutor
 
     for f in llama_dir.iterdir():
         if f.suffix == ".json":
@@ -153,7 +154,7 @@ def test_dummy_load_format_needs_no_weights(tmp_path, llama_dir):
     cfg = EngineConfig(model=ModelConfig(path=str(tmp_path), model_id="t", max_model_len=64,
                                          load_format="dummy"),
                        cache=CacheConfig(num_blocks=32, block_size=4))
-    engine = Engine(cfg, LocalExecutor(cfg))
+    engine = Engine(cfg, InProcessExecutor(cfg))
     ev = engine.generate(["Hello"], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert ev.generated_tokens == 5
     assert engine.load_reports[0].read_bytes == {}

@@ -141,7 +141,7 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
-    from tpserve.cluster.shard_worker import check_shardable
+    from tpserve.worker.build import check_shardable
 
     check_shardable(cfg, hf)
     return cfg

@@ -28,12 +28,11 @@ class Driver:
         returns the base URL once the port is bound."""
         import uvicorn
 
-        from tpserve.cluster.async_engine import AsyncEngine
-        from tpserve.cluster.engine import Engine
+        from tpserve.engine.async_engine import AsyncEngine
         from tpserve.server.app import build_app
 
         cfg = self.cfg
-        self.backend = AsyncEngine(lambda: Engine(cfg), cfg.model.model_id,
+        self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
                                    cfg.scheduler.max_concurrent_requests)
         app = build_app(self.backend)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
@@ -79,3 +78,12 @@ class Driver:
             self._thread.join(timeout=10)
         if self.backend is not None:
             self.backend.stop()
+
+
+def launch_engine(cfg: EngineConfig):
+    """The engine over Ray shard actors: the driver builds the executor, the engine only
+    uses it."""
+    from tpserve.engine.engine import Engine
+    from tpserve.executor.factory import build_executor
+
+    return Engine(cfg, build_executor(cfg))

@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import GenerationError, NotReadyError, OverloadedError, TPServeError
-from tpserve.server.backend import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ class AsyncEngine:
             events, _ = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving the rest
             log.exception("step failed; failing the requests in it")
-            if type(exc).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
+            if getattr(exc, "replica_dead", False) or type(exc).__name__ in (
+                    "ActorDiedError", "RayActorError", "ActorUnavailableError"):
                 self.dead = f"a shard actor died: {exc}"
             err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
             for seq_id in list(self._sinks):

@@ -18,6 +18,7 @@ from tpserve.cluster.device import graph_api, synchronize
 from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
+from tpserve.worker.metadata import make_metadata
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,8 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.starts[: b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.tables[:b], slot_mapping=self.slots[:b], max_query_len=1,
-            max_seq_len=self.max_blocks * self.block_size, query_lens_host=(1,) * b)
+        return make_metadata(self.starts[: b + 1], self.seq_lens[:b], self.tables[:b],
+                             self.slots[:b], (1,) * b, (), self.max_blocks * self.block_size)
 
     def _forward(self, b: int) -> torch.Tensor:
         ctx = ForwardContext(self._meta(b), self.kv_caches, self.backend)
@@ -91,7 +90,7 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
                         and len(s.block_table) <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: list[SeqStep]) -> torch.Tensor:
+    def run(self, seqs: list[SeqStep]) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of one decode step, replayed from the smallest bucket
         that holds the batch."""
         b = len(seqs)
@@ -111,4 +110,4 @@ class DecodeGraphs:
                                 non_blocking=True)
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[:b]
+        return None if out is None else out[:b]  # None: logits gathered to rank 0 only

@@ -1,5 +1,6 @@
-"""The engine loop the driver runs: admission, scheduling, one step on every shard, then
-stop conditions and incremental text. Synchronous; the async bridge is async_engine.py."""
+"""The engine: admission, scheduling, one step through the Executor, then stop conditions
+and incremental text. Synchronous and torch-free; the async bridge is async_engine.py. The
+executor is built by whoever launches the engine (tpserve/cluster/driver.py, tests)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpserve.config import EngineConfig
 from tpserve.engine.block_manager import BlockManager
@@ -20,7 +22,9 @@ from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, ValidationError
-from tpserve.kernels.compile_cache import warmup_batch_sizes
+
+if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
+    from tpserve.executor.base import Executor
 
 log = logging.getLogger(__name__)
 
@@ -31,39 +35,6 @@ class RequestState:
     detok: IncrementalDetokenizer
     prefill: list[TokenInfo] = field(default_factory=list)
     first_token_at: float | None = None
-
-
-class LocalExecutor:
-    """tp = 1 in this process (no Ray): the same ShardWorker, called directly."""
-
-    def __init__(self, cfg: EngineConfig) -> None:
-        from tpserve.cluster.shard_worker import ShardWorker
-
-        if cfg.parallel.tp_size != 1:
-            raise ValueError("LocalExecutor runs tp = 1 only; use WorkerGroup for more")
-        self.worker = ShardWorker(cfg, 0)
-
-    def start(self):
-        self.worker.init_distributed("127.0.0.1", 0)
-        return [self.worker.load_weights()]
-
-    def available_blocks(self) -> int:
-        return self.worker.available_blocks()
-
-    def allocate_cache(self, n: int) -> None:
-        self.worker.allocate_cache(n)
-
-    def warmup(self, batch_sizes) -> float:
-        return self.worker.warmup(batch_sizes)
-
-    def execute(self, batch: StepBatch) -> StepOutput:
-        return self.worker.execute(batch)
-
-    def health(self, timeout_s: float = 10.0) -> list[dict]:
-        return [self.worker.health()]
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
 
 
 def decoder_start_token_id(path: str, hf_config) -> int:
@@ -98,13 +69,22 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, executor=None, hf_config=None) -> None:
-        from transformers import AutoTokenizer
-
-        from tpserve.weights import load_hf_config
-
+    def __init__(self, cfg: EngineConfig, executor: Executor, hf_config=None) -> None:
         self.cfg = cfg
-        self.hf_config = hf_config or load_hf_config(Path(cfg.model.path))
+        self.executor = executor
+        try:
+            self._setup(cfg, hf_config)
+        except BaseException:
+            executor.shutdown()  # no shard actors or placement groups left behind
+            raise
+        self.requests: dict[int, RequestState] = {}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    def _setup(self, cfg: EngineConfig, hf_config) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.hf_config = hf_config or AutoConfig.from_pretrained(cfg.model.path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing, not a traceback
@@ -117,25 +97,11 @@ class Engine:
         self.decoder_start = (decoder_start_token_id(cfg.model.path, self.hf_config)
                               if self.encoder_decoder else None)
         self.max_input_tokens = cfg.scheduler.max_input_tokens or self.max_model_len - 1
-        if executor is None:
-            from tpserve.cluster.shard_worker import check_shardable
-            from tpserve.cluster.worker_group import WorkerGroup
-
-            check_shardable(cfg, self.hf_config)  # fail before placing any actor
-            executor = WorkerGroup(cfg)
-        self.executor = executor
-        try:
-            self._start_executor(cfg)
-        except BaseException:
-            executor.shutdown()  # no shard actors or placement groups left behind
-            raise
+        self._start_executor(cfg)
         window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
         self.scheduler = Scheduler(self._block_manager(window),
                                    cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens, window)
-        self.requests: dict[int, RequestState] = {}
-        self._ids = itertools.count()
-        self._steps = itertools.count()
 
     def _start_executor(self, cfg: EngineConfig) -> None:
         executor = self.executor
@@ -158,6 +124,9 @@ class Engine:
                         cfg.cache.block_size, self.max_model_len)
         executor.allocate_cache(num_blocks)
         self.num_blocks = num_blocks
+        # Imported here: tpserve.kernels pulls in torch, which the engine module must not.
+        from tpserve.kernels.compile_cache import warmup_batch_sizes
+
         buckets = warmup_batch_sizes(cfg.scheduler.max_num_seqs)
         self.warmup_seconds = executor.warmup(buckets)
         log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
@@ -262,7 +231,7 @@ class Engine:
             return [], None
         batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
                           return_logits)
-        out = self.executor.execute(batch)
+        out = self.executor.execute_step(batch)
         self.scheduler.after_step(scheduled)
         for seq_id, lps in out.prompt_logprobs.items():
             self._record_prefill(seq_id, lps)

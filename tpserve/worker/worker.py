@@ -1,5 +1,6 @@
-"""One shard of the model on one device. Runs inside a Ray actor (see worker_group.py) or
-directly in a test process; every method is a typed call and every constructor returns."""
+"""One shard of the model on one device. Runs inside a Ray actor (tpserve/executor/
+ray_executor.py) or directly in a test process (in-process executor); every method is a typed
+call and every constructor returns."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import os
 import socket
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 
 from tpserve.cluster.device import dist_backend, local_device, memory_info
-from tpserve.cluster.graphs import DecodeGraphs, graphs_supported
 from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
-from tpserve.engine.step import SeqStep, StepBatch, StepOutput
-from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+from tpserve.engine.step import StepBatch, StepOutput
+from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
-from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.layers.sampler import sample
-from tpserve.models.registry import model_class
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+from tpserve.worker.build import build_model, fill_dummy
+from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
+from tpserve.worker.graphs import DecodeGraphs, graphs_supported
+from tpserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -45,47 +45,10 @@ class LoadReport:
     cache_bytes_per_block: int = 0
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
+class Worker:
+    """Set-up of one shard: process group, weights, KV-cache sizing and allocation, warmup
+    and graph capture; steps go to its ModelRunner."""
 
-
-def build_model(cfg: EngineConfig, hf_config, device: torch.device):
-    """The model class for this checkpoint with this rank's parameter shapes (uninitialised).
-    On the meta device this costs nothing, which is how the driver checks sharding early."""
-    cls = model_class(hf_config)
-    with torch.device(device), default_dtype(getattr(torch, cfg.model.dtype)):
-        return cls(hf_config, max_positions=cfg.model.max_model_len)
-
-
-@torch.no_grad()
-def fill_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Small random weights (norm weights 1) so activations stay finite at any depth."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
-        if p.dim() == 1:
-            p.fill_(0.0 if name.endswith("bias") else 1.0)
-            continue
-        g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        p.uniform_(-0.02, 0.02, generator=g)
-
-
-def check_shardable(cfg: EngineConfig, hf_config) -> None:
-    """Build every rank's model on the meta device: a tp the checkpoint cannot take fails
-    here, before any actor starts, with the tensor and the rule in the message."""
-    from tpserve.distributed import tp_context
-
-    for rank in range(cfg.parallel.tp_size):
-        with tp_context(rank, cfg.parallel.tp_size):
-            build_model(cfg, hf_config, torch.device("meta"))
-
-
-class ShardWorker:
     def __init__(self, cfg: EngineConfig, rank: int) -> None:
         self.cfg, self.rank = cfg, rank
         self.tp_size = cfg.parallel.tp_size
@@ -102,6 +65,8 @@ class ShardWorker:
         self.graphs = None  # DecodeGraphs once captured (CUDA, a graph-safe backend)
         self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
+        self.runner: ModelRunner | None = None  # once the cache is allocated
+        self.control: ControlChannel | None = None  # tp > 1: rank 0 -> other ranks, per step
 
     # --- set-up -------------------------------------------------------------------------
     def node_ip(self) -> str:
@@ -127,6 +92,7 @@ class ShardWorker:
                 rank=self.rank, world_size=self.tp_size,
                 timeout=timedelta(seconds=self.cfg.parallel.dist_timeout_s))
             set_tp(TPInfo(self.rank, self.tp_size), dist.group.WORLD)
+            self.control = ControlChannel(self.tp_size, self.cfg.parallel.dist_timeout_s)
         else:
             set_tp(TPInfo(0, 1))
         return backend if self.tp_size > 1 else "none (tp=1)"
@@ -198,11 +164,15 @@ class ShardWorker:
         for m in self._attention_layers():
             if m.spec.paged:
                 m.spec = self._with_block(m.spec)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.backend, self.device,
+                                  self.rank, self.cfg.cache.block_size, self.cfg.seed)
 
     @torch.inference_mode()  # as in execute(): compiled code guards on the grad mode
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
         """Let the backend compile its kernels for the shapes it will see; seconds taken."""
         t0 = time.perf_counter()
+        if self.runner is not None:  # the backend may be swapped before warmup (tests)
+            self.runner.backend = self.backend
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
         self._capture_graphs(batch_sizes)
@@ -223,6 +193,7 @@ class ShardWorker:
                                    batch_sizes, -(-self.cfg.model.max_model_len // bs), bs,
                                    scratch_block=self.num_blocks)
         seconds = self.graphs.capture()
+        self.runner.graphs = self.graphs
         log.info("captured decode graphs for batch sizes %s in %.2fs",
                  ",".join(map(str, self.graphs.buckets)), seconds)
 
@@ -233,103 +204,41 @@ class ShardWorker:
                                           if self.compiles_at_warmup is not None else None),
                 "decode_graphs": list(self.graphs.buckets) if self.graphs else []}
 
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' follow() loops (they return their step counts)."""
+        if self.rank == 0 and self.control is not None:
+            self.control.send_stop()
+
     def shutdown(self) -> None:
+        self.control = None
         if dist.is_initialized():
             dist.destroy_process_group()
         reset_tp()
 
     # --- serving ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        if self.runner is None:
+            raise RuntimeError("execute() before allocate_cache(): the engine sizes and "
+                               "allocates the KV cache first")
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} runs steps in follow(); only rank 0 takes "
+                               "execute() calls")
         self.steps += 1
-        dev, seqs = self.device, batch.seqs
-        if self.graphs is not None and self.graphs.fits(seqs):
-            return self._finish(batch, self.graphs.run(seqs).float())
-        bs = self.cfg.cache.block_size
-        q_lens = [len(s.token_ids) for s in seqs]
-        seq_lens = [s.seq_len for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(s.start_pos, s.seq_len) for s in seqs])
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32).clamp_(min=0)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(q_lens))
-        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        starts = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        starts[1:] = torch.tensor(q_lens).cumsum(0)
-        meta = AttentionMetadata(
-            query_start_loc=starts.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
-                                                                  device=dev),
-            block_tables=tables.to(dev), slot_mapping=slots.to(dev),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            query_lens_host=tuple(q_lens), seq_lens_host=tuple(seq_lens))
-        cross = self._encode(seqs, meta) if self.encoder_decoder else None
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend, cross)):
-            hidden = self.model(ids.to(dev), positions.to(dev))
-        ends = starts[1:].tolist()
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
-        rows = [ends[i] - 1 for i in sampled]
-        lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
-        for i in lp_seqs:
-            rows.extend(range(ends[i] - q_lens[i], ends[i] - 1))
-        if not rows:
-            return StepOutput(batch.step_id, []) if self.rank == 0 else None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
-        if self.rank != 0:
-            return None
-        tokens = sample(logits[: len(sampled)], [seqs[i] for i in sampled], self.cfg.seed)
-        out = StepOutput(batch.step_id, tokens)
-        row = len(sampled)
-        for i in lp_seqs:
-            n = q_lens[i] - 1
-            nxt = torch.tensor(seqs[i].token_ids[1:], device=logits.device)
-            lps = logits[row : row + n].log_softmax(-1).gather(1, nxt[:, None])[:, 0]
-            out.prompt_logprobs[seqs[i].seq_id] = lps.tolist()
-            row += n
-        if batch.return_logits:
-            out.logits = logits[: len(sampled)].cpu().numpy()
-        return out
+        if self.control is not None:
+            self.control.send(encode_step(batch))
+        return self.runner.execute(batch)
 
-    def _finish(self, batch: StepBatch, logits: torch.Tensor) -> StepOutput | None:
-        """Sample a decode-only step whose logits (every row samples) came from a graph."""
-        if self.rank != 0:
-            return None
-        out = StepOutput(batch.step_id, sample(logits, batch.seqs, self.cfg.seed))
-        if batch.return_logits:
-            out.logits = logits.cpu().numpy()
-        return out
-
-    def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:
-        """Encoder-decoder models: run the encoder for the sequences whose decoder starts
-        this step, which stores every decoder layer's cross K/V in their cross blocks; return
-        the metadata cross attention reads all sequences' cross K/V with."""
-        dev, bs = self.device, self.cfg.cache.block_size
-        enc_lens = [s.encoder_len for s in seqs]
-        width = max(len(s.cross_block_table) for s in seqs)
-        tables = torch.tensor([s.cross_block_table + [0] * (width - len(s.cross_block_table))
-                               for s in seqs], dtype=torch.int32)
-        new = [i for i, s in enumerate(seqs) if s.encoder_ids is not None]
-        if new:
-            lens = [len(seqs[i].encoder_ids) for i in new]
-            ids = torch.tensor([t for i in new for t in seqs[i].encoder_ids], dtype=torch.long)
-            positions = torch.cat([torch.arange(n) for n in lens])
-            sub = tables[new]
-            seq_of_token = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(lens))
-            slots = sub[seq_of_token, positions // bs].long() * bs + positions % bs
-            starts = torch.zeros(len(new) + 1, dtype=torch.int32)
-            starts[1:] = torch.tensor(lens).cumsum(0)
-            enc_meta = AttentionMetadata(
-                query_start_loc=starts.to(dev),
-                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                block_tables=sub.to(dev), slot_mapping=slots.to(dev), max_query_len=max(lens),
-                max_seq_len=max(lens), query_lens_host=tuple(lens), seq_lens_host=tuple(lens))
-            with forward_context(ForwardContext(enc_meta, self.kv_caches, self.backend)):
-                self.model.encode(ids.to(dev), positions.to(dev))
-        return AttentionMetadata(
-            query_start_loc=meta.query_start_loc,
-            seq_lens=torch.tensor(enc_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev), slot_mapping=meta.slot_mapping[:0],
-            max_query_len=meta.max_query_len, max_seq_len=max(enc_lens),
-            query_lens_host=meta.query_lens_host, seq_lens_host=tuple(enc_lens))
-
+    def follow(self) -> int:
+        """Ranks 1..tp-1: run every step rank 0 broadcasts until it sends STOP; returns the
+        number of steps run. Started once after warmup; a failure here (a dead peer, the
+        group's timeout) raises, which the executor sees through this call's result."""
+        if self.rank == 0 or self.control is None or self.runner is None:
+            raise RuntimeError("follow() runs on ranks > 0 of a tp > 1 group after "
+                               "allocate_cache()")
+        while True:
+            msg = self.control.recv()
+            if int(msg[0]) == STOP:
+                return self.steps
+            self.steps += 1
+            self.runner.execute(decode_step(msg))

@@ -1,0 +1,167 @@
+"""One decode step of the in-process engine (tp = 1, no Ray, no HTTP): ms per step at a few
+batch sizes, and a torch.profiler split of where a step's time goes (GPU kernel time vs wall,
+device-to-host syncs per step). Appends a markdown table to --out.
+
+On the GPU machine (Llama-3-8B shape, random bf16 weights, nothing downloaded):
+    python benchmarks/engine_step.py --out docs/engine_step.md
+On the CPU with a tiny model directory (checks the script itself):
+    python benchmarks/engine_step.py --device cpu --model DIR --batches 1 4 --context 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def llama3_dir(out: Path) -> Path:
+    from tiny_models import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "tests" / "data" / "configs" / "Meta-Llama-3-8B.json", out / "config.json")
+    build_tokenizer(300).save_pretrained(out)
+    return out
+
+
+def build_engine(args, model: Path):
+    from tpserve.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from tpserve.engine.engine import Engine
+    from tpserve.executor.inprocess import InProcessExecutor
+
+    max_batch = max(args.batches)
+    blocks_per_seq = -(-(args.context + args.steps + 8) // 16)
+    cfg = EngineConfig(
+        model=ModelConfig(path=str(model), model_id=str(model), dtype=args.dtype,
+                          max_model_len=args.context + args.steps + 64,
+                          load_format="dummy" if args.dummy else "safetensors"),
+        parallel=ParallelConfig(tp_size=1, device=args.device,
+                                cpus_per_shard=args.cpus),
+        cache=CacheConfig(block_size=16, num_blocks=max_batch * blocks_per_seq + 8),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch,
+                                  max_num_batched_tokens=max(8192, args.context * 4)),
+        kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
+    return Engine(cfg, InProcessExecutor(cfg))
+
+
+def fill(engine, batch: int, context: int, new_tokens: int) -> list:
+    """`batch` sequences prefilled to `context` tokens; returns them, ready to decode."""
+    from tpserve.engine.request import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    vocab = min(engine.tokenizer.vocab_size, 250)
+    seqs = [engine.add_request([(7 * i + j) % vocab + 3 for j in range(context)], params)
+            for i in range(batch)]
+    while any(s.num_computed < len(s.prompt_ids) for s in seqs):
+        engine.step()
+    return seqs
+
+
+def timed_steps(engine, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def profile_steps(engine, n: int, device: str) -> dict:
+    """GPU kernel time and device-to-host syncs per step, from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            engine.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n * 1e3
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events
+                 if getattr(e, "device_type", None) is not None
+                 and str(e.device_type).endswith("CUDA"))
+    # A device-to-host copy (Memcpy DtoH) or an explicit synchronize is one host sync.
+    syncs = sum(e.count for e in events
+                if "DtoH" in e.key or e.key in ("cudaDeviceSynchronize", "cudaStreamSynchronize"))
+    return {"wall_ms": wall, "gpu_ms": gpu_us / 1e3 / n, "syncs": syncs / n}
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                       text=True).strip()
+    except Exception:  # noqa: BLE001 - outside a checkout
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="model directory (default: Llama-3-8B shape, "
+                    "random weights)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu", "xpu"])
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, else "
+                    "float32")
+    ap.add_argument("--kernel", default="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--context", type=int, default=300, help="tokens in each sequence")
+    ap.add_argument("--steps", type=int, default=50, help="timed decode steps per batch")
+    ap.add_argument("--cpus", type=int, default=1, help="CPU device: threads")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--out", type=Path, help="append the table to this markdown file")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.dummy = args.model is None or not any(args.model.glob("*.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or llama3_dir(Path(tmp) / "llama3-8b")
+        engine = build_engine(args, model)
+        rows = []
+        try:
+            for b in args.batches:
+                # Room for warmup, timing and profiling steps after the prefill.
+                seqs = fill(engine, b, args.context, 3 * args.steps + 10)
+                timed_steps(engine, 5)  # warm
+                ms = timed_steps(engine, args.steps)
+                prof = profile_steps(engine, min(args.steps, 20), args.device)
+                for s in seqs:
+                    engine.abort(s.seq_id)
+                rows.append((b, ms, prof))
+                print(f"batch {b:4d}: {ms:7.2f} ms/step ({b / ms * 1e3:8.0f} tokens/s); "
+                      f"profiled wall {prof['wall_ms']:.2f} ms, GPU kernels "
+                      f"{prof['gpu_ms']:.2f} ms, {prof['syncs']:.1f} syncs/step", flush=True)
+        finally:
+            engine.shutdown()
+    lines = [f"\n### engine_step.py, {datetime.date.today()}, commit {commit()}", "",
+             f"{model if args.model else 'Llama-3-8B shape, random weights'}, {args.device}, "
+             f"{args.dtype}, kernel {args.kernel}, context ~{args.context}, graphs "
+             f"{'off' if args.no_cuda_graphs else 'on'}", "",
+             "| batch | ms/step | tokens/s | profiled wall ms | GPU kernel ms | host share | "
+             "D2H syncs/step |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for b, ms, p in rows:
+        share = 1 - p["gpu_ms"] / p["wall_ms"] if p["wall_ms"] and p["gpu_ms"] else float("nan")
+        lines.append(f"| {b} | {ms:.2f} | {b / ms * 1e3:.0f} | {p['wall_ms']:.2f} | "
+                     f"{p['gpu_ms']:.2f} | {share:.0%} | {p['syncs']:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

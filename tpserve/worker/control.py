@@ -1,0 +1,80 @@
+"""The per-step control channel from rank 0 to ranks 1..tp-1.
+
+Rank 0 runs the step the engine sends it and broadcasts what the other ranks need to run the
+same step (they meet in the all-reduces) over a CPU (gloo) process group created next to the
+tensor-parallel group, so it works across nodes and carries its own timeout. The message is
+one int64 array, not a pickled dataclass: the other ranks need positions, tokens and block
+tables, never sampling parameters (only rank 0 samples).
+
+Layout: [STEP, step_id, n] then n rows of FIELDS, then every sequence's token_ids, block
+table, encoder_ids and cross block table, in that order. [STOP] ends the follower loop.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tpserve.engine.step import SeqStep, StepBatch
+
+STEP, STOP = 1, 2
+FIELDS = 8  # start_pos, n_tokens, n_blocks, sample, prompt_logprobs, n_encoder, encoder_len, n_cross
+
+
+def encode_step(batch: StepBatch) -> np.ndarray:
+    rows = np.empty((len(batch.seqs), FIELDS), dtype=np.int64)
+    tail: list[list[int]] = []
+    for i, s in enumerate(batch.seqs):
+        enc = s.encoder_ids or []
+        rows[i] = (s.start_pos, len(s.token_ids), len(s.block_table), s.sample,
+                   s.prompt_logprobs, len(enc), s.encoder_len, len(s.cross_block_table))
+        tail += [s.token_ids, s.block_table, enc, s.cross_block_table]
+    flat = np.fromiter((x for part in tail for x in part), dtype=np.int64)
+    return np.concatenate([np.array([STEP, batch.step_id, len(batch.seqs)], dtype=np.int64),
+                           rows.reshape(-1), flat])
+
+
+def decode_step(msg: np.ndarray) -> StepBatch:
+    step_id, n = int(msg[1]), int(msg[2])
+    rows = msg[3 : 3 + n * FIELDS].reshape(n, FIELDS).tolist()
+    flat = msg[3 + n * FIELDS :].tolist()
+    at, seqs = 0, []
+
+    def take(k: int) -> list[int]:
+        nonlocal at
+        at += k
+        return flat[at - k : at]
+
+    for i, (start, n_tok, n_blocks, sample, plp, n_enc, enc_len, n_cross) in enumerate(rows):
+        token_ids, table, enc, cross = take(n_tok), take(n_blocks), take(n_enc), take(n_cross)
+        seqs.append(SeqStep(seq_id=i, token_ids=token_ids, start_pos=start, block_table=table,
+                            sample=bool(sample), prompt_logprobs=bool(plp),
+                            encoder_ids=enc if n_enc else None, encoder_len=enc_len,
+                            cross_block_table=cross))
+    return StepBatch(step_id, seqs)
+
+
+class ControlChannel:
+    """Broadcast of one int64 array per step from rank 0 (length first, then the data)."""
+
+    def __init__(self, tp_size: int, timeout_s: float) -> None:
+        self.group = dist.new_group(list(range(tp_size)), backend="gloo",
+                                    timeout=timedelta(seconds=timeout_s))
+        self._len = torch.zeros(1, dtype=torch.int64)
+
+    def send(self, msg: np.ndarray) -> None:
+        self._len[0] = msg.size
+        dist.broadcast(self._len, src=0, group=self.group)
+        dist.broadcast(torch.from_numpy(msg), src=0, group=self.group)
+
+    def recv(self) -> np.ndarray:
+        dist.broadcast(self._len, src=0, group=self.group)
+        buf = torch.empty(int(self._len[0]), dtype=torch.int64)
+        dist.broadcast(buf, src=0, group=self.group)
+        return buf.numpy()
+
+    def send_stop(self) -> None:
+        self.send(np.array([STOP], dtype=np.int64))

@@ -1,0 +1,76 @@
+"""Step inputs: the one place AttentionMetadata is built (eager steps, the encoder, cross
+attention and the decode graphs all come through make_metadata).
+
+Host-side inputs are built with numpy and reach the device in ONE copy: every integer array
+of a step is packed into one int64 buffer (pinned when the device is an accelerator), copied
+with non_blocking=True and split into views on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpserve.kernels.base import AttentionMetadata
+
+
+def make_metadata(starts: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+                  slots: torch.Tensor, query_lens: tuple[int, ...],
+                  seq_lens_host: tuple[int, ...], max_seq_len: int | None = None
+                  ) -> AttentionMetadata:
+    """Device tensors plus their host shapes; max_seq_len defaults to max(seq_lens_host)."""
+    if max_seq_len is None:
+        max_seq_len = max(seq_lens_host)
+    return AttentionMetadata(
+        query_start_loc=starts, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+        max_query_len=max(query_lens), max_seq_len=max_seq_len,
+        query_lens_host=tuple(query_lens), seq_lens_host=tuple(seq_lens_host))
+
+
+@dataclass
+class PagedInputs:
+    ids: torch.Tensor  # int64 [T] on the device
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+
+
+def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
+    """[B, widest] int64; freed (-1) and missing entries point at `fill`, a valid block."""
+    width = max(1, max(len(t) for t in tables))
+    out = np.full((len(tables), width), fill, dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    out[out < 0] = fill
+    return out
+
+
+def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
+                       tables: list[list[int]], block_size: int,
+                       device: torch.device) -> PagedInputs:
+    """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns tables[i]."""
+    q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
+    start = np.asarray(starts_pos, dtype=np.int64)
+    seq_lens = start + q_lens
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][seq_of_token] + start[seq_of_token]
+    tab = padded_tables(tables)
+    slots = tab[seq_of_token, positions // block_size] * block_size + positions % block_size
+    ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(cu[-1]))
+    ids_d, pos_d, slots_d, cu_d, lens_d, tab_d = to_device(
+        [ids, positions, slots, cu, seq_lens, tab.reshape(-1)], device)
+    meta = make_metadata(cu_d.int(), lens_d.int(), tab_d.view(tab.shape).int(), slots_d,
+                         tuple(q_lens.tolist()), tuple(seq_lens.tolist()))
+    return PagedInputs(ids_d, pos_d, meta)
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays -> device tensors through one packed (pinned) host buffer and one copy."""
+    sizes = [a.size for a in arrays]
+    packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
+    if device.type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return list(packed.split(sizes))
