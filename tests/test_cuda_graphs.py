@@ -16,8 +16,10 @@ class EagerReplay:
 
     def __init__(self, graphs: DecodeGraphs, bucket: int, out: torch.Tensor) -> None:
         self.graphs, self.bucket, self.out = graphs, bucket, out
+        self.replays = 0
 
     def replay(self) -> None:
+        self.replays += 1
         self.out.copy_(self.graphs._forward(self.bucket))
 
 
@@ -30,12 +32,26 @@ def test_static_buffer_decode_path_matches_transformers(llama_dir):
     for b in graphs.buckets:
         out = graphs._forward(b)
         graphs.graphs[b] = (EagerReplay(graphs, b, out), out)
-    worker.graphs = graphs
+    worker.graphs = worker.runner.graphs = graphs  # the model runner replays them
     # 4 sequences: bucket 8 with 4 padded rows writing only to the scratch block.
     assert greedy(engine, PROMPTS, 24) == hf_greedy(llama_dir, PROMPTS, 24)
     # One sequence: bucket 1.
     assert greedy(engine, PROMPTS[:1], 24) == hf_greedy(llama_dir, PROMPTS[:1], 24)
     assert worker.steps > 0
+    assert graphs.graphs[8][0].replays > 0 and graphs.graphs[1][0].replays > 0
+
+
+def test_graph_buckets_are_finer_than_powers_of_two():
+    from tpserve.worker.graphs import graph_buckets
+
+    assert graph_buckets(256) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192,
+                                  224, 256)
+    assert graph_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert graph_buckets(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(512)[-3:] == (384, 448, 512)
+    # 129 sequences replay the 160 bucket, not 256.
+    assert min(b for b in graph_buckets(256) if b >= 129) == 160
 
 
 def test_graphs_are_declined_with_a_reason_on_cpu(llama_dir):

@@ -23,6 +23,18 @@ from tpserve.worker.metadata import make_metadata
 log = logging.getLogger(__name__)
 
 
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes to capture: powers of two up to 8, then steps of 8 to 32, 16 to 128, 32 to
+    256 and 64 beyond, and max_batch itself. 129 sequences replay the 160 graph, not 256;
+    about 17 graphs up to 256 keep capture time bounded."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b += b if b < 16 else 8 if b < 32 else 16 if b < 128 else 32 if b < 256 else 64
+    sizes.append(max(1, max_batch))
+    return tuple(sizes)
+
+
 def graphs_supported(device: torch.device, backend, encoder_decoder: bool) -> str | None:
     """None when decode graphs can be captured here, else why not."""
     if graph_api(device) is None:

@@ -27,7 +27,7 @@ from tpserve.layers.attention import AttentionLayer
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
-from tpserve.worker.graphs import DecodeGraphs, graphs_supported
+from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
 from tpserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class Worker:
             return
         bs = self.cfg.cache.block_size
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.device,
-                                   batch_sizes, -(-self.cfg.model.max_model_len // bs), bs,
+                                   graph_buckets(max(batch_sizes)), -(-self.cfg.model.max_model_len // bs), bs,
                                    scratch_block=self.num_blocks)
         seconds = self.graphs.capture()
         self.runner.graphs = self.graphs
