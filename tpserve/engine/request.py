@@ -27,6 +27,9 @@ class SamplingParams:
     top_n_tokens: int = 0
     # Report log-probabilities of the prompt tokens (TGI's decoder_input_details).
     prompt_logprobs: bool = False
+    # Whether generated_text (and the stream) keeps a stop string that ended generation:
+    # True for TGI's routes, False for OpenAI's (tpserve/engine/output_processor.py).
+    include_stop_str_in_output: bool = True
 
     @property
     def greedy(self) -> bool:

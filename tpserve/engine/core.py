@@ -1,0 +1,274 @@
+"""The engine core: admission, scheduling, one step through the Executor, and the stop rules
+that free KV blocks (EOS and length). Token ids in, token ids out: no tokenizer and no text
+(the output processor owns those and every stop-string rule). Synchronous and torch-free;
+the executor is built by whoever launches the engine (tpserve/cluster/driver.py, tests)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tpserve.config import EngineConfig
+from tpserve.engine.block_manager import BlockManager
+from tpserve.engine.outputs import TokenOutput
+from tpserve.engine.prefix_cache import PrefixCachingBlockManager
+from tpserve.engine.request import SamplingParams
+from tpserve.engine.scheduler import ScheduledSeq, Scheduler
+from tpserve.engine.sequence import Sequence
+from tpserve.engine.step import SeqStep, StepBatch, StepOutput
+from tpserve.errors import CheckpointError, ValidationError
+
+if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
+    from tpserve.executor.base import Executor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreRequest:
+    seq: Sequence
+    # (token id, log p) of each prompt token when prompt_logprobs was asked.
+    prefill: list[tuple[int, float | None]] = field(default_factory=list)
+    prefill_sent: bool = False
+
+
+def decoder_start_token_id(path: str, hf_config) -> int:
+    """The first decoder token of an encoder-decoder model, found where transformers'
+    generate looks: the config, generation_config.json, then bos; T5 uses pad."""
+    gen = Path(path) / "generation_config.json"
+    gen_cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    for v in (getattr(hf_config, "decoder_start_token_id", None),
+              gen_cfg.get("decoder_start_token_id"), getattr(hf_config, "bos_token_id", None),
+              getattr(hf_config, "pad_token_id", None)):
+        if isinstance(v, int):
+            return v
+    raise CheckpointError(f"{path}: an encoder-decoder model needs decoder_start_token_id in "
+                          "config.json or generation_config.json")
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, executor: Executor, hf_config,
+                 eos_ids: set[int]) -> None:
+        """hf_config: the checkpoint's transformers config; eos_ids: the token ids that end
+        a sequence (eos_token_ids() gathers them from the checkpoint and the tokenizer)."""
+        self.cfg = cfg
+        self.executor = executor
+        try:
+            self._setup(cfg, hf_config, eos_ids)
+        except BaseException:
+            executor.shutdown()  # no shard actors or placement groups left behind
+            raise
+        self.requests: dict[int, CoreRequest] = {}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+
+    def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
+        self.hf_config = hf_config
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len = cfg.model.max_model_len
+        # Encoder-decoder: the prompt feeds the encoder; the decoder starts from one token.
+        self.encoder_decoder = bool(getattr(self.hf_config, "is_encoder_decoder", False))
+        self.decoder_start = (decoder_start_token_id(cfg.model.path, self.hf_config)
+                              if self.encoder_decoder else None)
+        self.max_input_tokens = cfg.scheduler.max_input_tokens or self.max_model_len - 1
+        self._start_executor(cfg)
+        window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
+        self.scheduler = Scheduler(self._block_manager(window),
+                                   cfg.scheduler.max_num_seqs,
+                                   cfg.scheduler.max_num_batched_tokens, window)
+
+    def _start_executor(self, cfg: EngineConfig) -> None:
+        executor = self.executor
+        t0 = time.perf_counter()
+        self.load_reports = executor.start()
+        r0 = self.load_reports[0]
+        log.info("weights loaded in %.1fs: %.1f MB per shard; attention backend %s%s",
+                 time.perf_counter() - t0, r0.param_bytes / 1e6, r0.backend,
+                 "".join(f"; passed over {k}: {v}" for k, v in r0.passed_over.items()))
+        num_blocks = executor.available_blocks()
+        full = -(-self.max_model_len // cfg.cache.block_size)
+        if num_blocks == 0:
+            raise RuntimeError(
+                "no memory is left for the KV cache after loading the weights; raise "
+                "--kv-cache-memory-gb (CPU) or --gpu-memory-utilization, use more shards (--tp), "
+                "or set --num-blocks")
+        if num_blocks < full:
+            log.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of "
+                        "--max-total-tokens %d; longer requests will be refused", num_blocks,
+                        cfg.cache.block_size, self.max_model_len)
+        executor.allocate_cache(num_blocks)
+        self.num_blocks = num_blocks
+        # Imported here: tpserve.kernels pulls in torch, which the engine module must not.
+        from tpserve.kernels.compile_cache import warmup_batch_sizes
+
+        buckets = warmup_batch_sizes(cfg.scheduler.max_num_seqs)
+        self.warmup_seconds = executor.warmup(buckets)
+        log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
+                 self.warmup_seconds, ",".join(map(str, buckets)))
+        log.info("KV cache: %d blocks x %d tokens per shard", num_blocks, cfg.cache.block_size)
+
+    def _block_manager(self, window: int | None) -> BlockManager:
+        if not self.cfg.cache.prefix_caching:
+            return BlockManager(self.num_blocks, self.cfg.cache.block_size)
+        if self.encoder_decoder or window or getattr(self.hf_config, "sliding_window", None):
+            log.warning("--prefix-caching is off for this model: it covers decoder-only "
+                        "models without a sliding window")
+            return BlockManager(self.num_blocks, self.cfg.cache.block_size)
+        log.info("prefix caching on: full KV blocks are shared across requests")
+        return PrefixCachingBlockManager(self.num_blocks, self.cfg.cache.block_size)
+
+    def _windowed(self) -> bool:
+        """Blocks can leave the cache only when every layer uses the same window."""
+        w = getattr(self.hf_config, "sliding_window", None)
+        layer_types = getattr(self.hf_config, "layer_types", None)
+        if layer_types and any(t != "sliding_attention" for t in layer_types):
+            return False
+        return bool(w) and getattr(self.hf_config, "use_sliding_window", True) is not False
+
+    # --- requests -----------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValidationError("`inputs` tokenizes to zero tokens; send a non-empty prompt")
+        if n > self.max_input_tokens:
+            raise ValidationError(f"`inputs` must have at most {self.max_input_tokens} tokens. "
+                                  f"Given: {n}. Shorten the prompt or set `truncate`.")
+        if n + params.max_new_tokens > self.max_model_len:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. Given: {n} "
+                f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+        fits = (self.scheduler.can_ever_fit(1 + params.max_new_tokens, encoder_tokens=n)
+                if self.encoder_decoder else self.scheduler.can_ever_fit(n + params.max_new_tokens))
+        if not fits:
+            raise ValidationError(
+                f"a request of {n + params.max_new_tokens} tokens does not fit in this server's "
+                f"KV cache ({self.num_blocks} blocks of {self.cfg.cache.block_size} tokens)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_ids, params)
+        if not params.greedy and params.seed is None:
+            # Report the seed actually used, as TGI does, so a sample can be replayed.
+            params = replace(params, seed=random.getrandbits(63))
+        if self.encoder_decoder:
+            seq = Sequence(next(self._ids), [self.decoder_start], params,
+                           encoder_ids=list(prompt_ids))
+        else:
+            seq = Sequence(next(self._ids), list(prompt_ids), params)
+        state = CoreRequest(seq)
+        if self.encoder_decoder and params.prompt_logprobs:
+            # The decoder's input is only the start token, which has no log-probability.
+            state.prefill.append((self.decoder_start, None))
+        self.requests[seq.seq_id] = state
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        state = self.requests.pop(seq_id, None)
+        if state is not None:
+            self.scheduler.finish(state.seq)
+
+    def has_work(self) -> bool:
+        return len(self.scheduler) > 0
+
+    # --- one step -----------------------------------------------------------------------
+    def _seq_step(self, s: ScheduledSeq) -> SeqStep:
+        seq, p = s.seq, s.seq.params
+        start = seq.num_computed
+        need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
+            or bool(p.frequency_penalty)
+        step = SeqStep(
+            seq_id=seq.seq_id, token_ids=seq.all_ids[start : start + s.num_new],
+            start_pos=start, block_table=list(seq.block_table), sample=s.completes_prompt,
+            params=p, history=seq.all_ids if need_history else None,
+            num_generated=len(seq.output_ids),
+            prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
+        if seq.encoder_ids is not None:
+            step.prompt_logprobs = False
+            step.encoder_len = len(seq.encoder_ids)
+            step.cross_block_table = list(seq.cross_block_table)
+            if start == 0:  # first step, or recompute after a preemption
+                step.encoder_ids = seq.encoder_ids
+        return step
+
+    def step(self, return_logits: bool = False) -> tuple[list[TokenOutput], StepOutput | None]:
+        """Run one step. Returns a TokenOutput for every token produced, and the raw output."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return [], None
+        batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
+                          return_logits)
+        out = self.executor.execute_step(batch)
+        self.scheduler.after_step(scheduled)
+        for seq_id, lps in out.prompt_logprobs.items():
+            self._record_prefill(seq_id, lps)
+        outputs = []
+        for tok in out.tokens:
+            state = self.requests.get(tok.seq_id)
+            if state is not None:
+                outputs.append(self._append(state, tok))
+        return outputs, out
+
+    def _record_prefill(self, seq_id: int, lps: list[float]) -> None:
+        state = self.requests.get(seq_id)
+        if state is None:
+            return
+        ids = state.seq.prompt_ids
+        if not state.prefill:
+            state.prefill.append((ids[0], None))
+        start = len(state.prefill)
+        for i, lp in enumerate(lps):
+            if start + i < len(ids):
+                state.prefill.append((ids[start + i], lp))
+
+    def _append(self, state: CoreRequest, tok) -> TokenOutput:
+        seq, p = state.seq, state.seq.params
+        seq.output_ids.append(tok.token_id)
+        seq.output_logprobs.append(tok.logprob)
+        out = TokenOutput(tok.seq_id, tok.token_id, tok.logprob, tok.top, len(seq.output_ids),
+                          seq.num_input_tokens)
+        if p.prompt_logprobs and not state.prefill_sent:
+            # Every prompt log-probability is known once the first token is sampled.
+            out.prefill, state.prefill_sent = state.prefill, True
+        reason = None
+        if tok.token_id in self.eos_ids and not p.ignore_eos:
+            reason = "eos_token"
+        elif len(seq.output_ids) >= p.max_new_tokens \
+                or seq.num_input_tokens + len(seq.output_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(seq.seq_id, reason)
+            out.finish_reason = reason
+        return out
+
+    def finish(self, seq_id: int, reason: str) -> None:
+        """End a sequence for `reason` (the output processor's stop strings come here too)."""
+        state = self.requests.pop(seq_id, None)
+        if state is not None:
+            self.scheduler.finish(state.seq)
+            state.seq.finish_reason = reason
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(x for x in v if isinstance(x, int))
+
+    gen = Path(path) / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,138 @@
+"""Token ids to text, and every stop-string rule, in one place.
+
+The engine core decides EOS and length (they free KV blocks where they happen); stop strings
+need text, so they are found here, after incremental detokenization. A request that hits a
+stop string is returned in `stopped` so the caller finishes it in the core; tokens the core
+produced for it after that are dropped, so the output is the same as if it had stopped at once.
+
+include_stop (SamplingParams.include_stop_str_in_output) serves both conventions: TGI returns
+the stop string as part of the text (True, the default), OpenAI returns the text before it
+(False). With False, streamed text that could be the start of a stop string is held back
+until it is known not to be one, so the streamed pieces always add up to generated_text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tpserve.engine.detokenizer import IncrementalDetokenizer
+from tpserve.engine.outputs import TokenOutput
+from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    ids: list[int] = field(default_factory=list)
+    prefill: list[TokenInfo] = field(default_factory=list)
+    emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, special_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.special_ids = special_ids
+        self.requests: dict[int, _Request] = {}
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        self.requests[seq_id] = _Request(params, IncrementalDetokenizer(self.tokenizer,
+                                                                        self.special_ids))
+
+    def remove(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)
+
+    def process(self, outputs: list[TokenOutput]
+                ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
+        """Events for the outputs of known requests, and the ids that hit a stop string
+        (finish them in the engine core)."""
+        events, stopped = [], []
+        for out in outputs:
+            req = self.requests.get(out.seq_id)
+            if req is None:  # finished or aborted: a late token is dropped
+                continue
+            ev = self._event(req, out)
+            if ev.finished:
+                self.requests.pop(out.seq_id, None)
+                if ev.finish_reason == "stop_sequence" and out.finish_reason is None:
+                    stopped.append(out.seq_id)
+            events.append((out.seq_id, ev))
+        return events, stopped
+
+    def token_info(self, tid: int, logprob: float | None) -> TokenInfo:
+        text = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return TokenInfo(tid, text, logprob, tid in self.special_ids)
+
+    def _event(self, req: _Request, out: TokenOutput) -> GenerationEvent:
+        p, tid = req.params, out.token_id
+        req.ids.append(tid)
+        if out.prefill is not None:
+            req.prefill = [self.token_info(t, lp) for t, lp in out.prefill]
+        special = tid in self.special_ids
+        text = req.detok.add(tid)
+        if special:
+            text = self.tokenizer.decode([tid], skip_special_tokens=False)
+        reason = out.finish_reason
+        # A stop string outranks length (as it did when one loop checked both), not EOS.
+        if reason != "eos_token" and p.stop and _find_stop(req.detok.text, p.stop, len(text)) >= 0:
+            reason = "stop_sequence"
+        include = p.include_stop_str_in_output
+        streamed = req.emitted
+        if not include and not special:
+            text = self._held_back(req, reason is not None)
+        info = TokenInfo(tid, text, out.logprob, special)
+        top = [self.token_info(t, lp) for t, lp in out.top] if p.top_n_tokens else None
+        event = GenerationEvent(token=info, top_tokens=top,
+                                generated_tokens=out.generated_tokens,
+                                prompt_tokens=out.prompt_tokens)
+        if reason is None:
+            return event
+        final_text = self.tokenizer.decode(req.ids, skip_special_tokens=True)
+        if not include:
+            cut = _find_stop(final_text, p.stop, len(final_text)) if p.stop else -1
+            if cut >= 0:
+                final_text = final_text[:cut]
+            if not special and final_text.startswith(req.detok.text[:streamed]):
+                # The last token carries everything up to the cut, so the streamed pieces
+                # add up to generated_text.
+                info = replace(info, text=final_text[streamed:])
+        elif not special and final_text.startswith(req.detok.text):
+            # Text held back for an incomplete character goes out with the last token,
+            # so the streamed pieces add up to generated_text.
+            info = replace(info, text=info.text + final_text[len(req.detok.text):])
+        event.token = info
+        event.finished = True
+        event.finish_reason = reason
+        event.generated_text = final_text
+        event.seed = None if p.greedy else p.seed
+        event.prefill = req.prefill
+        return event
+
+    def _held_back(self, req: _Request, finishing: bool) -> str:
+        """include_stop=False: the new text that cannot be part of a stop string."""
+        seen = req.detok.text
+        hold = 0 if finishing else max(_overlap(seen, s) for s in req.params.stop) \
+            if req.params.stop else 0
+        end = max(req.emitted, len(seen) - hold)
+        text, req.emitted = seen[req.emitted:end], end
+        return text
+
+
+def _find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> int:
+    """Start of the earliest stop string in `text` that could involve the last new_chars
+    characters (earlier text was checked before), or -1."""
+    longest = max(len(s) for s in stops)
+    start = max(0, len(text) - new_chars - longest - 8)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Characters at the end of `text` that may begin `stop` (all from a full match on)."""
+    at = text.find(stop)
+    if at >= 0:
+        return len(text) - at
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
