@@ -75,7 +75,8 @@ def test_engine_core_in_rank0_matches_transformers(ray_cluster, llama_dir, tp):
         backend.stop()
 
 
-@pytest.mark.parametrize("served", [False, True], ids=["engine-in-driver", "core-in-rank0"])
+@pytest.mark.parametrize("served", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["engine-in-driver", "core-in-rank0"])
 def test_killing_a_shard_mid_request_fails_it_without_a_hang(ray_cluster, llama_dir, served):
     """Rank 1 dies while its step loop serves an in-flight request: the request fails with
     a clear error well within the collective timeout, and the replica reports dead."""

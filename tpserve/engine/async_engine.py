@@ -110,7 +110,8 @@ class AsyncEngine:
         e = self.engine
         if e is None:
             return {"ready": 0.0}
-        return {"ready": float(self.ready()), **e.stats(), "steps": float(self.steps),
+        # The engine's own step count when it has one (its core may run elsewhere).
+        return {"ready": float(self.ready()), "steps": float(self.steps), **e.stats(),
                 "requests_inflight": float(self._inflight),
                 "last_step_seconds": self.last_step_seconds}
 

@@ -67,6 +67,7 @@ class EngineCore:
         self.requests: dict[int, CoreRequest] = {}
         self._ids = itertools.count()
         self._steps = itertools.count()
+        self.steps_run = 0
 
     def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
         self.hf_config = hf_config
@@ -181,7 +182,8 @@ class EngineCore:
         s = self.scheduler
         return {"running_sequences": len(s.running), "waiting_sequences": len(s.waiting),
                 "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
-                "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0))}
+                "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0)),
+                "steps": float(self.steps_run)}
 
     # --- one step -----------------------------------------------------------------------
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:
@@ -211,6 +213,7 @@ class EngineCore:
         batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
                           return_logits)
         out = self.executor.execute_step(batch)
+        self.steps_run += 1
         self.scheduler.after_step(scheduled)
         for seq_id, lps in out.prompt_logprobs.items():
             self._record_prefill(seq_id, lps)
