@@ -192,7 +192,7 @@ class EngineCore:
         need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
             or bool(p.frequency_penalty)
         step = SeqStep(
-            seq_id=seq.seq_id, token_ids=seq.all_ids[start : start + s.num_new],
+            seq_id=seq.seq_id, token_ids=_tokens(seq, start, s.num_new),
             start_pos=start, block_table=list(seq.block_table), sample=s.completes_prompt,
             params=p, history=seq.all_ids if need_history else None,
             num_generated=len(seq.output_ids),
@@ -282,3 +282,13 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     add(getattr(hf_config, "eos_token_id", None))
     add(tokenizer.eos_token_id)
     return ids
+
+
+def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.all_ids[start:start + n] without building all_ids (O(n), not O(context))."""
+    p = len(seq.prompt_ids)
+    if start >= p:
+        return seq.output_ids[start - p : start - p + n]
+    if start + n <= p:
+        return seq.prompt_ids[start : start + n]
+    return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]
