@@ -36,6 +36,10 @@ class CoreRequest:
     # (token id, log p) of each prompt token when prompt_logprobs was asked.
     prefill: list[tuple[int, float | None]] = field(default_factory=list)
     prefill_sent: bool = False
+    # The block table the workers hold for this sequence (the list object, which the block
+    # manager replaces when it frees a sequence) and how many of its blocks they have.
+    sent_table: list[int] | None = None
+    sent_blocks: int = 0
 
 
 def decoder_start_token_id(path: str, hf_config) -> int:
@@ -68,6 +72,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self.steps_run = 0
+        self._released: list[int] = []  # finished since the last step: workers drop tables
 
     def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
         self.hf_config = hf_config
@@ -173,6 +178,7 @@ class EngineCore:
         state = self.requests.pop(seq_id, None)
         if state is not None:
             self.scheduler.finish(state.seq)
+            self._released.append(seq_id)
 
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
@@ -191,9 +197,16 @@ class EngineCore:
         start = seq.num_computed
         need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
             or bool(p.frequency_penalty)
+        # Workers keep tables between steps: send a new (or, after preemption, replaced)
+        # table whole, later only the blocks appended since.
+        state = self.requests[seq.seq_id]
+        if state.sent_table is not seq.block_table:
+            state.sent_table, state.sent_blocks = seq.block_table, 0
+        blocks_from, state.sent_blocks = state.sent_blocks, len(seq.block_table)
         step = SeqStep(
             seq_id=seq.seq_id, token_ids=_tokens(seq, start, s.num_new),
-            start_pos=start, block_table=list(seq.block_table), sample=s.completes_prompt,
+            start_pos=start, block_table=seq.block_table[blocks_from:],
+            blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if need_history else None,
             num_generated=len(seq.output_ids),
             prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
@@ -211,7 +224,8 @@ class EngineCore:
         if not scheduled:
             return [], None
         batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
-                          return_logits)
+                          return_logits, released=self._released)
+        self._released = []
         out = self.executor.execute_step(batch)
         self.steps_run += 1
         self.scheduler.after_step(scheduled)
@@ -262,6 +276,7 @@ class EngineCore:
         if state is not None:
             self.scheduler.finish(state.seq)
             state.seq.finish_reason = reason
+            self._released.append(seq_id)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

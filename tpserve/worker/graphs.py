@@ -102,11 +102,11 @@ class DecodeGraphs:
     def fits(self, seqs: list[SeqStep]) -> bool:
         return (len(seqs) <= self.buckets[-1]
                 and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
-                        and len(s.block_table) <= self.max_blocks for s in seqs))
+                        and s.num_blocks <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: list[SeqStep]) -> torch.Tensor | None:
+    def run(self, seqs: list[SeqStep], seq_tables: np.ndarray) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of one decode step, replayed from the smallest bucket
-        that holds the batch."""
+        that holds the batch; seq_tables: [len(seqs), max_blocks] block ids."""
         b = len(seqs)
         bucket = next(x for x in self.buckets if x >= b)
         # The whole bucket goes over in one copy, padding rows included: they point at the
@@ -117,9 +117,7 @@ class DecodeGraphs:
         ids = np.zeros(bucket, dtype=np.int64)
         ids[:b] = [s.token_ids[0] for s in seqs]
         tables = np.full((bucket, self.max_blocks), self.scratch, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        tables[tables < 0] = self.scratch
+        tables[:b] = seq_tables
         slots = tables[np.arange(bucket), pos // bs] * bs + pos % bs
         ids_d, pos_d, slots_d, lens_d, tab_d = self.staging.to_device(
             [ids, pos, slots, pos + 1, tables])

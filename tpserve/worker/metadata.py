@@ -47,9 +47,9 @@ def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
 
 
 def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
-                       tables: list[list[int]], block_size: int,
-                       staging: HostStaging) -> PagedInputs:
-    """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns tables[i]."""
+                       tab: np.ndarray, block_size: int, staging: HostStaging) -> PagedInputs:
+    """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns the blocks of
+    tab[i] (int64 [B, width], every entry a valid block id)."""
     q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
     start = np.asarray(starts_pos, dtype=np.int64)
     seq_lens = start + q_lens
@@ -57,7 +57,6 @@ def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
     np.cumsum(q_lens, out=cu[1:])
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][seq_of_token] + start[seq_of_token]
-    tab = padded_tables(tables)
     slots = tab[seq_of_token, positions // block_size] * block_size + positions % block_size
     ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(cu[-1]))
     ids_d, pos_d, slots_d, cu_d, lens_d, tab_d = staging.to_device(
