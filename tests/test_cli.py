@@ -97,7 +97,7 @@ def test_no_help_line_carries_two_defaults(tmp_path):
     r = _run("launch", "--help", home=tmp_path)
     assert r.returncode == 0
     # argparse wraps a flag's help over several lines: join each flag's entry first.
-    entries = re.split(r"\n(?=  -)", r.stdout.split("options:", 1)[1])
+    entries = [e for e in re.split(r"\n(?=  -)", r.stdout.split("options:", 1)[1]) if e.strip()]
     assert len(entries) == len(_launch_actions()) + 1  # + --help
     doubled = [e for e in entries if e.count("default") > 1]
     assert not doubled, doubled
@@ -166,3 +166,25 @@ def test_not_found_hint_names_the_current_hub_command(tmp_path):
     r = _run("launch", "--model", "acme/not-in-cache", home=tmp_path)
     assert "`hf download acme/not-in-cache`" in r.stderr
     assert "huggingface-cli" not in r.stderr
+
+
+def test_ray_colour_codes_are_dropped_when_output_is_not_a_terminal(tmp_path):
+    # Ray's own printer of shard logs, before and after the CLI's stream set-up; stdout is a
+    # pipe here, as under a service manager or `> log`.
+    code = (
+        "import sys\n"
+        "from ray._private.worker import print_worker_logs\n"
+        "from tpserve.cli import _plain_text_when_not_a_terminal\n"
+        "batch = {'pid': 7, 'actor_name': 'shard-0', 'ip': 'h', 'localhost': 'h',"
+        " 'lines': ['weights loaded']}\n"
+        "print_worker_logs(batch, sys.stdout)\n"
+        "_plain_text_when_not_a_terminal()\n"
+        "print_worker_logs(batch, sys.stdout)\n"
+        "print('\\x1b[1m\\x1b[32mhttp://127.0.0.1:8265 \\x1b[39m\\x1b[22m')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    before, after, url = r.stdout.splitlines()
+    assert "\x1b[" in before  # Ray colours it by itself: the test can fail
+    assert after == "(shard-0 pid=7) weights loaded"
+    assert url == "http://127.0.0.1:8265 "
