@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         _plain_text_when_not_a_terminal()
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tpserve.errors import CheckpointError, KernelUnavailableError, ShardingError
+    from tpserve.errors import KernelUnavailableError, ShardingError
 
     try:
         if args.command == "launch":
