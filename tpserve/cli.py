@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
+from importlib import metadata
 from pathlib import Path
 
+from tpserve import __version__
+from tpserve.errors import CheckpointError
+
 log = logging.getLogger("tpserve")
+
+# Any one of these is enough for AutoTokenizer (tokenizer_config.json alone: byte-level
+# tokenizers such as ByT5's have no vocabulary file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "vocab.json", "vocab.txt")
+
+
+class _OneDefaultFormatter(argparse.HelpFormatter):
+    """Append "(default: X)" once, and only where the help text does not already say what the
+    default is (flags whose default is computed say so in their own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _launch_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="serve a model tensor-parallel over Ray",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=_OneDefaultFormatter,
                        description="Serve a model sharded over --tp devices. Without --model, "
                        "serves the small embedded default model (offline, CPU friendly).")
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
@@ -64,17 +88,37 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not start the Ray dashboard with the local cluster")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="log verbosity of tpserve, its driver and its shards")
     return p
 
 
+def version_string() -> str:
+    """tpserve's version and the versions a bug report needs (read without importing them)."""
+    parts = []
+    for dist in ("torch", "ray", "transformers"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    python = ".".join(str(v) for v in sys.version_info[:3])
+    return f"tpserve {__version__} ({', '.join(parts)}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
+    # Raw: the version line is not wrapped at the terminal's width.
+    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_string(),
+                        help="print the versions of tpserve, torch, ray and transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     _launch_parser(sub)
-    k = sub.add_parser("kernels", help="list attention backends and what each supports here")
-    k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"])
-    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    k = sub.add_parser("kernels", help="list attention backends and what each supports here",
+                       formatter_class=_OneDefaultFormatter)
+    k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
+                   help="device to probe (auto: CUDA, else XPU, else CPU)")
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype to probe")
     return parser
 
 
@@ -95,8 +139,69 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return args
 
 
+def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
+    """Refuse a checkpoint tpserve cannot serve before Ray or the HTTP server start: a
+    config.json, safetensors weights (unless --load-format dummy) and tokenizer files."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: pass the directory of a Hugging Face "
+                              "checkpoint (config.json, *.safetensors, tokenizer files)")
+    if load_format == "safetensors":
+        _check_weights(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) \
+            and not any(path.glob("*.model")):
+        raise CheckpointError(
+            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "tokenizer files of the original model into it, e.g. "
+            "`AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR)`")
+
+
+def _check_weights(path: Path) -> None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({exc!r})") from None
+        missing = sorted(f for f in files if not (path / f).is_file())
+        if missing:
+            raise CheckpointError(
+                f"{index.name} in {path} lists weight files that are not there: "
+                f"{', '.join(missing)}; download the checkpoint again (`hf download ID`)")
+        return
+    if any(path.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = f" (found {', '.join(pickled)}: pickle files, which tpserve does not load)" \
+        if pickled else ""
+    raise CheckpointError(
+        f"no *.safetensors weights in {path}{found}. Convert the checkpoint once, e.g. "
+        "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (transformers writes "
+        "safetensors) and copy the tokenizer files into OUT, or fetch the safetensors "
+        "revision with `hf download ID`.")
+
+
+def _load_config(path: Path):
+    """The checkpoint's transformers config; a config that needs remote code is refused
+    (tpserve implements each family itself and never runs code shipped with a checkpoint)."""
+    from tpserve.weights import load_hf_config
+
+    try:
+        return load_hf_config(path)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc) and "does not recognize" not in str(exc):
+            raise
+        raise CheckpointError(
+            f"{path}: the config needs code that is not part of transformers (auto_map or an "
+            "unknown model_type); tpserve does not run code shipped with checkpoints and has "
+            "no --trust-remote-code. It serves the families listed in docs/models.md.") from None
+
+
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
+    if args.model and Path(args.model).expanduser().is_dir():
+        # A local checkpoint is checked before torch is even imported (seconds on a small
+        # machine), so a checkpoint tpserve cannot serve is refused at once.
+        check_checkpoint(Path(args.model).expanduser().resolve(), args.load_format)
     from tpserve.cluster.device import resolve_device, resolve_dtype
     from tpserve.config import (
         CacheConfig,
@@ -105,11 +210,12 @@ def engine_config(args: argparse.Namespace):
         ParallelConfig,
         SchedulerConfig,
     )
-    from tpserve.weights import load_hf_config, resolve_model
+    from tpserve.weights import resolve_model
 
     path = resolve_model(args.model, args.revision)
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
-    hf = load_hf_config(path)
+    check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
+    hf = _load_config(path)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
@@ -147,12 +253,26 @@ def engine_config(args: argparse.Namespace):
     return cfg
 
 
+def _dashboard_token_note() -> str:
+    """Where the Ray dashboard's token is, when Ray's token authentication is on (ray.init
+    sets RAY_AUTH_MODE=token in this process when it turns it on by default)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ""
+    where = ("$RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
+             os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
+    return (f" (Ray token auth is on: the dashboard asks for the token in {where}, which "
+            "`ray get-auth-token` prints; RAY_AUTH_MODE=disabled turns it off; see "
+            "docs/troubleshooting.md)")
+
+
 def launch(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
+
     import ray
 
     from tpserve.cluster.driver import Driver
 
-    cfg = engine_config(args)
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
     if args.address:
         ray.init(address=args.address, namespace="tpserve")
@@ -164,7 +284,8 @@ def launch(args: argparse.Namespace) -> int:
             kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
         ctx = ray.init(**kwargs)
         log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
-                 f"; dashboard at http://{ctx.dashboard_url}" if ctx.dashboard_url else "")
+                 f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
+                 if ctx.dashboard_url else "")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
@@ -179,16 +300,21 @@ def launch(args: argparse.Namespace) -> int:
         url = ray.get(driver.start.remote())
         log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
         summary = ray.get(driver.wait_ready.remote())
-        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, loaded in %.1fs, "
-                 "serving %s", tp, summary["backend"], summary["kv_cache_blocks"],
-                 summary["load_seconds"], url)
+        # The weights' load time is logged once, by the engine ("weights loaded in"); this
+        # line gives the whole start-up as a user waits for it.
+        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, warmup %.1fs, "
+                 "ready %.1fs after launch, serving %s", tp, summary["backend"],
+                 summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
+                 time.perf_counter() - t0, url)
         print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
         while not stop.wait(1.0):
             pass
         log.info("shutting down")
         return 0
     except ray.exceptions.RayTaskError as exc:
-        log.error("start-up failed: %s", exc.cause if hasattr(exc, "cause") else exc)
+        cause = exc.cause if hasattr(exc, "cause") else exc
+        log.error("start-up failed: %s", cause)
+        print(f"tpserve: error: start-up failed: {cause}", file=sys.stderr)
         return 1
     finally:
         try:
@@ -251,12 +377,45 @@ def _layout(backend, spec) -> str:
     return "[" + ", ".join(names.get(d, str(d)) for d in shape) + "]"
 
 
+class _PlainText:
+    """A text stream that drops terminal escape sequences (colours, cursor moves) on the way
+    to the stream it wraps; everything else is the wrapped stream's."""
+
+    _ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._ESCAPES.sub("", text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _plain_text_when_not_a_terminal() -> None:
+    """Keep colour codes out of logs written to files and pipes: Ray colours its dashboard
+    line, its worker-log prefixes and its repeated-line notes whatever the output is. Runs
+    before logging.basicConfig, whose handler keeps the stream it is given."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not stream.isatty() and not isinstance(stream, _PlainText):
+            setattr(sys, name, _PlainText(stream))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = apply_preset(parser, sys.argv[1:] if argv is None else argv)
+    if argv is None:  # the command line itself, not a caller in the same process
+        _plain_text_when_not_a_terminal()
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tpserve.errors import CheckpointError, KernelUnavailableError, ShardingError
+    from tpserve.errors import KernelUnavailableError, ShardingError
 
     try:
         if args.command == "launch":

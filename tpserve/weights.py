@@ -66,7 +66,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     raise CheckpointError(
         f"model {model!r} not found; looked in: " + "; ".join(looked) + ". tpserve never "
         "downloads: pass a local directory, or fetch it first with "
-        f"`huggingface-cli download {model}` (HF_HUB_CACHE selects the cache)."
+        f"`hf download {model}` (HF_HUB_CACHE selects the cache)."
     )
 
 
