@@ -27,8 +27,12 @@ class SoakReport:
         self.slowest_s = max(self.slowest_s, seconds)
 
 
-def _request(rng: random.Random, prompt: str, max_new: int) -> tuple[str, dict, bool]:
-    kind = rng.choice(["tgi", "tgi_stream", "openai", "openai_stream", "chat_stream"])
+KINDS = ("tgi", "tgi_stream", "openai", "openai_stream", "chat_stream")
+
+
+def _request(rng: random.Random, prompt: str, max_new: int,
+             kinds: tuple[str, ...] = KINDS) -> tuple[str, dict, bool]:
+    kind = rng.choice(kinds)
     sampling = rng.random() < 0.5
     if kind.startswith("tgi"):
         params = {"max_new_tokens": max_new, "details": True}
@@ -45,8 +49,9 @@ def _request(rng: random.Random, prompt: str, max_new: int) -> tuple[str, dict, 
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, prompt: str, max_new: int,
-               vanish: float, deadline_s: float, report: SoakReport) -> None:
-    route, body, stream = _request(rng, prompt, max_new)
+               vanish: float, deadline_s: float, report: SoakReport,
+               kinds: tuple[str, ...]) -> None:
+    route, body, stream = _request(rng, prompt, max_new, kinds)
     start = time.monotonic()
     outcome = "unknown"
     try:
@@ -95,8 +100,9 @@ async def _stream(client: httpx.AsyncClient, route: str, body: dict, vanish: boo
 
 async def soak(url: str, rounds: int, clients: int, prompts: list[str], max_new: int,
                vanish: float = 0.3, deadline_s: float = 60.0, seed: int = 0,
-               headers: dict | None = None) -> SoakReport:
-    """`rounds` waves of `clients` concurrent requests; returns the outcome counts."""
+               headers: dict | None = None, kinds: tuple[str, ...] = KINDS) -> SoakReport:
+    """`rounds` waves of `clients` concurrent requests; returns the outcome counts.
+    `kinds`: which of KINDS to mix (chat needs a model with a chat template)."""
     rng = random.Random(seed)
     report = SoakReport()
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
@@ -105,7 +111,7 @@ async def soak(url: str, rounds: int, clients: int, prompts: list[str], max_new:
         for _ in range(rounds):
             await asyncio.gather(*(
                 _one(client, random.Random(rng.random()), rng.choice(prompts), max_new, vanish,
-                     deadline_s, report) for _ in range(clients)))
+                     deadline_s, report, kinds) for _ in range(clients)))
     return report
 
 

@@ -8,6 +8,7 @@ cannot express (bytes that are not JSON, wrong methods and content types).
 
 from __future__ import annotations
 
+import collections
 import json
 
 import httpx
@@ -50,7 +51,13 @@ def baseline(http) -> dict:
     return r.json()
 
 
+# (status, error_type) of every answer, printed at the end (run with -s) for reliability.md.
+ANSWERS: collections.Counter = collections.Counter()
+
+
 def check_answer(r: httpx.Response) -> None:
+    error_type = r.json().get("error_type") if r.status_code >= 400 else None
+    ANSWERS[(r.status_code, error_type)] += 1
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         body = r.json()
@@ -182,6 +189,7 @@ def test_unknown_paths_are_404(http, path):
 def test_server_unchanged_after_the_barrage(http, baseline):
     assert http.post("/generate", json=NORMAL).json() == baseline
     assert _inflight(http) == 0
+    print("FUZZ ANSWERS", sum(ANSWERS.values()), sorted(ANSWERS.items(), key=str))
 
 
 def _inflight(http: httpx.Client) -> float:

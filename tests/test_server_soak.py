@@ -50,6 +50,7 @@ def test_soak_with_disconnects_leaks_nothing(fake_server):
     assert report.outcomes["completed"] > report.requests // 2
     assert report.outcomes["vanished"] > 0 and report.outcomes["gave_up"] > 0
     assert report.slowest_s < 20
+    print("FAKE SOAK", report.requests, dict(report.outcomes), round(report.slowest_s, 2))
     wait_idle(backend, url)
     results = asyncio.run(all_succeed(url, 64, {"inputs": "p q", "parameters": {
         "max_new_tokens": 4}}))
