@@ -44,8 +44,9 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
     if depth > 6:
         return scalars
     shaped = _shaped(schema, components, depth)
-    # Mostly well-formed (to get past the outer layers), sometimes anything at all.
-    return st.one_of(shaped, shaped, shaped, hostile_json)
+    # Mostly well-formed (so that many bodies pass validation and reach the backend, and
+    # the rest fail deep inside), sometimes anything at all.
+    return st.one_of(*[shaped] * 7, hostile_json)
 
 
 def _shaped(schema: dict, components: dict, depth: int) -> st.SearchStrategy[Any]:
@@ -61,23 +62,37 @@ def _shaped(schema: dict, components: dict, depth: int) -> st.SearchStrategy[Any
         props = schema.get("properties", {})
         required = set(schema.get("required", []))
         fields = {k: from_schema(v, components, depth + 1) for k, v in props.items()}
-        return st.fixed_dictionaries(
-            {k: v for k, v in fields.items() if k in required},
-            optional={k: v for k, v in fields.items() if k not in required},
-        )
+        optional = sorted(k for k in fields if k not in required)
+
+        @st.composite
+        def objects(draw: st.DrawFn) -> dict:
+            # A few optional fields at a time: a body with all of them is almost never valid.
+            keys = [k for k in fields if k in required]
+            keys += draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)
+                         if optional else st.just([]))
+            return {k: draw(fields[k]) for k in keys}
+
+        return objects()
     if kind == "array":
         item = from_schema(schema.get("items", {}), components, depth + 1)
         return st.lists(item, max_size=8)
     if kind == "string":
-        return st.one_of(st.text(max_size=60), st.sampled_from(EDGE_STRINGS))
+        words = st.lists(st.sampled_from(["a", "b", "</s>", "é", "x y"]), min_size=1,
+                         max_size=8).map(" ".join)
+        return st.one_of(words, words, st.text(max_size=60), st.sampled_from(EDGE_STRINGS))
     if kind == "integer":
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        near = [v for v in (lo, hi) if v is not None]
-        near += [v + d for v in near for d in (-1, 1)]
-        return st.one_of(st.integers(min_value=-5, max_value=300),
-                         st.sampled_from(near or [0]), st.sampled_from(EDGE_NUMBERS))
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -5))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 300))
+        near = [lo - 1, lo, lo + 1, hi - 1, hi, hi + 1]
+        in_range = st.integers(min_value=lo, max_value=max(lo, min(hi, lo + 40)))
+        return st.one_of(in_range, in_range, st.sampled_from(near), st.sampled_from(EDGE_NUMBERS))
     if kind == "number":
-        return st.one_of(st.floats(min_value=-3, max_value=3), st.sampled_from(EDGE_NUMBERS))
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -3.0))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 3.0))
+        in_range = st.floats(min_value=lo, max_value=max(lo, min(hi, lo + 3.0)),
+                             exclude_min="exclusiveMinimum" in schema,
+                             exclude_max="exclusiveMaximum" in schema)
+        return st.one_of(in_range, in_range, st.sampled_from(EDGE_NUMBERS))
     if kind == "boolean":
         return st.booleans()
     return hostile_json

@@ -133,11 +133,24 @@ def to_sampling_params(params: GenerateParameters) -> SamplingParams:
     )
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part: Any) -> bool:
+    """True for the parts of a pydantic error location that a client wrote (field names,
+    list indices), False for "body" and the tags pydantic adds inside unions and validators
+    (`function-after[...]`, `constrained-str`, `list[str]`)."""
+    if isinstance(part, int):
+        return True
+    return (part != "body" and part not in _UNION_TAGS
+            and part.replace("_", "a").isalnum() and part.isascii())
+
+
 def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
     """One human sentence from pydantic/FastAPI error dicts, naming field and rule."""
     parts = []
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if _is_field(p)]
         kind = err.get("type", "")
         ctx = err.get("ctx") or {}
         if kind == "json_invalid":
