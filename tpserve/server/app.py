@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,7 +25,6 @@ from tpserve.server.streaming import (
     sse,
 )
 
-log = logging.getLogger("tpserve.server")
 
 def token(info: TokenInfo) -> wire.Token:
     return wire.Token(id=info.id, text=info.text, logprob=info.logprob, special=info.special)

@@ -29,7 +29,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 class Metrics:
     """The app's Prometheus metrics; `open_stream` is every route's way into the backend,
-    where the per-request deadline (`request_timeout_s`, from arrival) is enforced."""
+    where the per-request deadline (`request_timeout_s`, counted from the hand-over to the
+    backend, queueing included) is enforced."""
 
     def __init__(self, request_timeout_s: float | None = None) -> None:
         self.request_timeout_s = request_timeout_s
@@ -160,7 +161,8 @@ class TrackedStream:
 
 
 class Deadline:
-    """A request's time limit from its arrival; `run` awaits within what is left of it."""
+    """A request's time limit, started when it is handed to the backend; `run` awaits within
+    what is left of it."""
 
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
