@@ -5,6 +5,7 @@ Pure ASGI (not BaseHTTPMiddleware) so that nothing buffers bodies or hides disco
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -28,12 +29,17 @@ async def send_error(send: Send, status: int, message: str, error_type: str,
     await send({"type": "http.response.body", "body": body})
 
 
-def key_matches(given: str, keys: tuple[bytes, ...]) -> bool:
-    """Constant-time against every key (no early exit reveals which, or how much, matched)."""
-    candidate = given.encode("utf-8", "surrogateescape")
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def key_matches(given: str, digests: tuple[bytes, ...]) -> bool:
+    """Constant time against every key: digests have one length whatever the keys' lengths,
+    and no early exit reveals which key, or how much of one, matched."""
+    candidate = key_digest(given)
     found = False
-    for key in keys:
-        found |= hmac.compare_digest(candidate, key)
+    for digest in digests:
+        found |= hmac.compare_digest(candidate, digest)
     return found
 
 
@@ -42,7 +48,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...], public: frozenset[str]) -> None:
         self.app = app
-        self.keys = tuple(k.encode() for k in keys)
+        self.keys = tuple(key_digest(k) for k in keys)
         self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
