@@ -188,3 +188,42 @@ def test_ray_colour_codes_are_dropped_when_output_is_not_a_terminal(tmp_path):
     assert "\x1b[" in before  # Ray colours it by itself: the test can fail
     assert after == "(shard-0 pid=7) weights loaded"
     assert url == "http://127.0.0.1:8265 "
+
+
+def _server_args(*argv: str):
+    return apply_preset(build_parser(), ["launch", *argv])
+
+
+def test_server_flags_and_env_keys(monkeypatch, caplog):
+    from tpserve.cli import server_config
+
+    monkeypatch.setenv("TPSERVE_API_KEY", "env-a, env-b")
+    cfg = server_config(_server_args("--api-key", "flag-k", "--max-body-bytes", "1000",
+                                     "--request-timeout", "2.5", "--metrics-public"))
+    assert cfg.api_keys == ("flag-k", "env-a", "env-b")
+    assert (cfg.max_body_bytes, cfg.request_timeout_s, cfg.metrics_public) == (1000, 2.5, True)
+    assert "without an API key" not in caplog.text
+
+
+def test_open_address_without_key_warns(monkeypatch, caplog):
+    from tpserve.cli import server_config
+
+    monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
+    server_config(_server_args("--host", "127.0.0.1"))
+    assert "without an API key" not in caplog.text
+    server_config(_server_args("--host", "0.0.0.0"))
+    assert "serving on 0.0.0.0 without an API key" in caplog.text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ssl-certfile", "c.pem"], "--ssl-keyfile"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--api-key", ""], "--api-key"),
+])
+def test_bad_server_flags_are_refused(monkeypatch, argv, message):
+    from tpserve.cli import server_config
+
+    monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=message):
+        server_config(_server_args(*argv))

@@ -87,6 +87,20 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not start the Ray dashboard with the local cluster")
+    sec = p.add_argument_group("security and limits (docs/reliability.md)")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on every route but /health "
+                     "(repeat for several keys; also TPSERVE_API_KEY, comma-separated, which "
+                     "keeps keys out of the process list)")
+    sec.add_argument("--metrics-public", action="store_true",
+                     help="serve /metrics without an API key (for a Prometheus scraper)")
+    sec.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                     help="larger request bodies are answered 413 before being read")
+    sec.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="abort a request (504, or an error event when streaming) that has "
+                     "not finished this long after it was handed to the engine; default: none")
+    sec.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate")
+    sec.add_argument("--ssl-keyfile", help="private key of --ssl-certfile")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log verbosity of tpserve, its driver and its shards")
@@ -265,9 +279,39 @@ def _dashboard_token_note() -> str:
             "docs/troubleshooting.md)")
 
 
+def server_config(args: argparse.Namespace):
+    """The HTTP front end's settings; warns when a non-loopback address is open to anyone."""
+    import ipaddress
+
+    from tpserve.config import ServerConfig
+
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get("TPSERVE_API_KEY", "").split(",") if k.strip()]
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key cannot be empty")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not keys and not loopback:
+        log.warning("serving on %s without an API key: anyone who can reach this address can "
+                    "use the model; set TPSERVE_API_KEY or --api-key", args.host)
+    return ServerConfig(api_keys=tuple(keys), metrics_public=args.metrics_public,
+                        max_body_bytes=args.max_body_bytes,
+                        request_timeout_s=args.request_timeout,
+                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+
+
 def launch(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
+    server = server_config(args)
 
     import ray
 
@@ -292,7 +336,7 @@ def launch(args: argparse.Namespace) -> int:
     driver = ray.remote(Driver).options(
         name="driver", num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(cfg, args.host, args.port, args.log_level)
+    ).remote(cfg, args.host, args.port, args.log_level, server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -56,3 +56,19 @@ class EngineConfig:
     seed: int = 0
     # Capture decode steps as CUDA graphs in warmup (CUDA with a graph-safe backend only).
     cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end's security and reliability settings (never sent to the shards)."""
+
+    # Bearer keys accepted on every route but /health (and /metrics when metrics_public).
+    # Empty: no authentication (cli.py warns when the bind address is not loopback).
+    api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False
+    # Larger request bodies get 413 before they are read whole.
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Per-request deadline from arrival to the last token, queueing included (None: none).
+    request_timeout_s: float | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None

@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import GenerationError, NotReadyError, OverloadedError, TPServeError
-from tpserve.server.backend import ModelInfo
 
 log = logging.getLogger(__name__)
 

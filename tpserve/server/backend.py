@@ -6,30 +6,12 @@ The Driver actor implements it over the Ray workers; server tests implement it w
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What GET /info reports, and the limits validation enforces."""
-
-    model_id: str
-    model_dtype: str
-    model_device_type: str
-    tp_size: int
-    max_input_tokens: int
-    max_total_tokens: int
-    max_concurrent_requests: int
-    max_stop_sequences: int = 8
-    max_best_of: int = 1
-    max_top_n_tokens: int = 5
-    max_batch_total_tokens: int | None = None
-    attention_backend: str = "torch"
-    version: str = "0.1.0"
-    extra: dict = field(default_factory=dict)
+__all__ = ["EngineBackend", "ModelInfo"]  # ModelInfo lives in tpserve.engine.info
 
 
 class EngineBackend(Protocol):
