@@ -230,6 +230,18 @@ def test_lone_surrogates_are_422_naming_the_field(url, backend, route, body, fie
     assert backend.calls == []
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body", [b'{"inputs": "\xff\xfe", "prompt": "\xc3"}', b"[" * 50_000],
+                         ids=["invalid-utf8", "deep-nesting"])
+def test_undecodable_bodies_are_422_validation(url, backend, route, body):
+    r = httpx.post(url + route, content=body, headers={**auth(), "content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation" and "not valid JSON" in r.json()["error"]
+    assert backend.calls == []
+    ok = httpx.post(url + "/generate", json={"inputs": "a b"}, headers=auth())
+    assert ok.status_code == 200
+
+
 # --- error bodies ------------------------------------------------------------------------
 
 LEAKS = re.compile(

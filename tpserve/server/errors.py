@@ -105,7 +105,17 @@ async def _on_tpserve_error(_: Request, exc: TPServeError) -> JSONResponse:
     return error_response(exc)
 
 
+# FastAPI answers 400 with this detail when the body cannot be decoded at all (bytes that are
+# not UTF-8, JSON nested past the parser's depth): malformed input, so a 422 like the others.
+_UNPARSEABLE = "There was an error parsing the body"
+
+
 async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.detail == _UNPARSEABLE:
+        return JSONResponse(
+            {"error": "the request body is not valid JSON: it must be UTF-8 and nested at "
+                      "most a few hundred levels deep", "error_type": "validation"},
+            status_code=422)
     # 413 (body limit) is the client's input, like the 422s.
     error_type = "validation" if exc.status_code == 413 else "http"
     return JSONResponse(
