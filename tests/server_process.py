@@ -21,12 +21,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def launched(args: list[str], log_path: Path, ready_timeout: float = 240.0):
+def launched(args: list[str], log_path: Path, ready_timeout: float = 240.0,
+             env: dict[str, str] | None = None):
     """Start `tpserve launch ARGS --port P`, wait for GET /health == 200, yield the URL;
     on exit send SIGINT, then SIGKILL if it lingers (Ray's processes go with it)."""
     port = free_port()
+    extra_env = env
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
+    env.update(extra_env or {})
     cmd = [sys.executable, "-m", "tpserve.cli", "launch", *args, "--port", str(port),
            "--no-dashboard", "--cpus-per-shard", "1", "--log-level", "warning"]
     log = open(log_path, "w")

@@ -47,6 +47,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # Set when a shard actor died: the replica cannot serve until it is rebuilt.
         self.dead: str | None = None
+        # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
+        self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._inflight = 0
@@ -78,11 +80,30 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
+        # rather than a connection that never answers.
+        err = GenerationError("the server shut down before this request finished "
+                              "(--shutdown-timeout ran out)")
+        for sink, loop in list(self._sinks.values()):
+            loop.call_soon_threadsafe(sink.put_nowait, err)
+        self._sinks.clear()
         if self.engine is not None:
             self.engine.shutdown()
 
+    def begin_drain(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests (503 with `reason`); in-flight ones carry on."""
+        self.draining = reason
+
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return self.draining
+        if self.error is not None or self.dead is not None:
+            return f"the engine failed: {self.error or self.dead}"
+        return "the model is still loading"
+
     def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None and self.dead is None
+        return (self._ready.is_set() and self.error is None and self.dead is None
+                and self.draining is None)
 
     @property
     def inflight(self) -> int:
@@ -102,6 +123,7 @@ class AsyncEngine:
             max_batch_total_tokens=e.num_blocks * c.cache.block_size,
             attention_backend=e.load_reports[0].backend,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
+                   "placement": c.parallel.placement,  # rayops hook: --placement
                    "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
 
     def stats(self) -> dict[str, float]:
@@ -137,9 +159,7 @@ class AsyncEngine:
 
     def _require_ready(self) -> None:
         if not self.ready():
-            why = ("the model is still loading" if self.error is None and self.dead is None
-                   else f"the engine failed: {self.error or self.dead}")
-            raise NotReadyError(why)
+            raise NotReadyError(self.not_ready_reason())
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:

@@ -28,7 +28,7 @@ from tpserve.layers.attention import AttentionLayer
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.layers.sampler import sample
 from tpserve.models.registry import model_class
-from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class ShardWorker:
 
     def load_weights(self) -> LoadReport:
         t0 = time.perf_counter()
-        path = self.cfg.model.path
+        m = self.cfg.model
+        path = str(node_model_path(m.path, m.model_id, m.revision))  # rayops hook: per node
         hf = load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from tpserve import protocol as wire
 from tpserve.engine.request import GenerationEvent, TokenInfo
 from tpserve.errors import NotReadyError
-from tpserve.server.backend import EngineBackend, ModelInfo
+from tpserve.server.backend import EngineBackend, ModelInfo, not_ready_message
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 
@@ -127,7 +127,7 @@ class TGIRoutes:
 
     async def start(self, req: wire.GenerateRequest, stream: bool) -> TrackedStream:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         wire.check_limits(req.parameters, self.backend.info())
         if stream:
             wire.check_streamable(req.parameters)

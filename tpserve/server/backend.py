@@ -58,3 +58,10 @@ class EngineBackend(Protocol):
 
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
+
+
+def not_ready_message(backend: EngineBackend) -> str:
+    """Why the backend does not take requests: its own `not_ready_reason()` when it has one
+    (shutting down, engine failed), else the usual cause."""
+    reason = getattr(backend, "not_ready_reason", None)
+    return reason() if reason is not None else "the model is still loading"

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, field_validator
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.server.app import CLIENT_CLOSED_STATUS, EventStreamResponse, drain, final_text
-from tpserve.server.backend import EngineBackend, ModelInfo
+from tpserve.server.backend import EngineBackend, ModelInfo, not_ready_message
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 
@@ -328,7 +328,7 @@ class OpenAIRoutes:
 
     def _info(self) -> ModelInfo:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         return self.backend.info()
 
     @staticmethod
