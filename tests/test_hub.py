@@ -31,10 +31,11 @@ def hub_env(tmp_path: Path, hub: FakeHub | None, offline: bool = False) -> dict[
     return env
 
 
-def resolve_in_subprocess(env: dict[str, str], model: str, revision: str | None = None):
-    """resolve_model in a fresh interpreter: huggingface_hub reads HF_* at import."""
-    code = ("import sys; from tpserve.weights import resolve_model; "
-            f"print(resolve_model({model!r}, {revision!r}))")
+def resolve_in_subprocess(env: dict[str, str], model: str, revision: str | None = None,
+                          via: str = "tpserve.weights.resolve_model"):
+    """Resolve in a fresh interpreter: huggingface_hub reads HF_* at import."""
+    module, func = via.rsplit(".", 1)
+    code = f"from {module} import {func}; print({func}({model!r}, {revision!r}))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -70,11 +71,13 @@ def test_download_from_hub_then_generate(tmp_path, llama_dir):
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
     with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
         env = hub_env(tmp_path, hub)
-        out = resolve_in_subprocess(env, "acme/tiny", "c" * 40)
+        hub_only = "tpserve.hub.ensure_model"  # no torch import: a faster subprocess
+        out = resolve_in_subprocess(env, "acme/tiny", "c" * 40, hub_only)
         assert out.returncode == 0, out.stderr
-        bad_rev = resolve_in_subprocess(env, "acme/tiny", "v9")
+        assert (Path(out.stdout.strip()) / "model.safetensors").exists()
+        bad_rev = resolve_in_subprocess(env, "acme/tiny", "v9", hub_only)
         assert bad_rev.returncode != 0 and "has no revision 'v9'" in bad_rev.stderr
-        missing = resolve_in_subprocess(env, "acme/nope")
+        missing = resolve_in_subprocess(env, "acme/nope", None, hub_only)
         assert missing.returncode != 0
         assert "acme/nope was not found on " + hub.url in missing.stderr
         assert "HF_TOKEN" in missing.stderr
