@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tpserve.cluster.ray_metrics import EngineMetrics
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import GenerationError, NotReadyError, OverloadedError, TPServeError
 from tpserve.server.backend import ModelInfo
@@ -58,11 +59,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self.steps = 0
         self.last_step_seconds = 0.0
-        self._ray_metrics = RayMetrics()
+        # rayops hook (metrics): published from its own thread through ray.util.metrics.
+        self._ray_metrics = EngineMetrics(self.stats, model_id)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._ray_metrics.start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until loaded; re-raise the load error, if any."""
@@ -80,6 +83,7 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self._ray_metrics.stop()
         # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
         # rather than a connection that never answers.
         err = GenerationError("the server shut down before this request finished "
@@ -227,6 +231,7 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             self.engine.abort(item.seq_id)
             self._sinks.pop(item.seq_id, None)
+            self._ray_metrics.request_ended(item.seq_id)
             return
         try:
             seq = self.engine.add_request(item.prompt_ids, item.params)
@@ -237,6 +242,7 @@ class AsyncEngine:
             self.engine.abort(seq.seq_id)
             return
         self._sinks[seq.seq_id] = (item.sink, item.loop)
+        self._ray_metrics.request_arrived(seq.seq_id)
         item.loop.call_soon_threadsafe(_set_result, item.accepted, seq.seq_id)
 
     def _step(self) -> None:
@@ -252,6 +258,7 @@ class AsyncEngine:
                 self.engine.abort(seq_id)
                 sink, loop = self._sinks.pop(seq_id)
                 loop.call_soon_threadsafe(sink.put_nowait, err)
+                self._ray_metrics.request_ended(seq_id)
             return
         for seq_id, ev in events:
             target = self._sinks.get(seq_id)
@@ -263,35 +270,7 @@ class AsyncEngine:
                 self._sinks.pop(seq_id, None)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
-        self._ray_metrics.maybe_report(self)
-
-
-class RayMetrics:
-    """The engine gauges as Ray metrics, so the Ray dashboard (and its Prometheus export)
-    shows them next to the actors. Reported at most twice a second; a no-op outside Ray."""
-
-    def __init__(self) -> None:
-        self._gauge = None
-        self._next = 0.0
-
-    def maybe_report(self, backend: AsyncEngine) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + 0.5
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            if self._gauge is None:
-                from ray.util.metrics import Gauge
-
-                self._gauge = Gauge("tpserve_engine", "tpserve engine state", tag_keys=("stat",))
-            for name, value in backend.stats().items():
-                self._gauge.set(float(value), tags={"stat": name})
-        except Exception:  # noqa: BLE001 - metrics must never take serving down
-            log.debug("ray metrics report failed", exc_info=True)
+        self._ray_metrics.step_done(events, self.last_step_seconds)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
