@@ -160,6 +160,7 @@ def engine_config(args: argparse.Namespace):
 def launch(args: argparse.Namespace) -> int:
     import ray
 
+    from tpserve.cluster.device import local_cluster_gpus
     from tpserve.cluster.driver import Driver
 
     cfg = engine_config(args)
@@ -172,6 +173,9 @@ def launch(args: argparse.Namespace) -> int:
         if device == "cpu":
             # Logical CPUs: enough for every shard to be placed even on a small machine.
             kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
+        gpus = local_cluster_gpus(device)
+        if gpus is not None:
+            kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
         ctx = ray.init(**kwargs)
         log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
                  f"; dashboard at http://{ctx.dashboard_url}" if ctx.dashboard_url else "")
