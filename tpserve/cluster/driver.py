@@ -23,6 +23,10 @@ class Driver:
         self._server = None
         self._thread: threading.Thread | None = None
 
+    def __repr__(self) -> str:
+        # rayops hook: shown in the Ray dashboard's actors view.
+        return f"Driver({self.cfg.model.model_id}, http://{self.host}:{self.port})"
+
     def start(self) -> str:
         """Start the HTTP server (health answers 503 until loaded) and the model load;
         returns the base URL once the port is bound."""

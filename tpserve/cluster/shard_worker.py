@@ -103,6 +103,11 @@ class ShardWorker:
         self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
 
+    def __repr__(self) -> str:
+        # rayops hook: the Ray dashboard's actors view shows this (rank and device).
+        return (f"ShardWorker(rank {self.rank}/{self.tp_size}, "
+                f"{self.device or self.cfg.parallel.device}, {self.cfg.model.model_id})")
+
     # --- set-up -------------------------------------------------------------------------
     def node_ip(self) -> str:
         try:
