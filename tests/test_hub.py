@@ -43,10 +43,21 @@ def resolve_in_subprocess(env: dict[str, str], model: str, revision: str | None 
 def test_download_from_hub_then_generate(tmp_path, llama_dir):
     with FakeHub.from_dir("acme/tiny", llama_dir, DECOYS) as hub:
         env = hub_env(tmp_path, hub)
-        out = resolve_in_subprocess(env, "acme/tiny")
-        assert out.returncode == 0, out.stderr
-        path = Path(out.stdout.strip().splitlines()[-1])
+        # Two shards of one node resolving at once: the file lock lets one download.
+        # (tpserve.hub alone, without torch: a fast interpreter; the CLI test below goes
+        # through tpserve.weights.resolve_model.)
+        code = "from tpserve.hub import ensure_model; print(ensure_model('acme/tiny'))"
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+        paths = {Path(out.strip().splitlines()[-1]) for out, _ in outs}
+        assert len(paths) == 1
+        path = paths.pop()
         assert path.is_relative_to(tmp_path / "hub-cache")
+        gets = [r for r in hub.requests if r.startswith("GET ") and "/resolve/" in r]
+        assert len(gets) == len(set(gets)), f"a file was downloaded twice: {sorted(gets)}"
         got = hub.downloaded()
         assert "model.safetensors" in got and "config.json" in got
         assert {"tokenizer.json", "tokenizer_config.json"} <= got
@@ -54,7 +65,8 @@ def test_download_from_hub_then_generate(tmp_path, llama_dir):
         assert "Bearer hf_test_token" in hub.auth
         # A second resolution, offline now, finds the snapshot without the network.
         before = len(hub.requests)
-        again = resolve_in_subprocess(hub_env(tmp_path, hub, offline=True), "acme/tiny")
+        again = resolve_in_subprocess(hub_env(tmp_path, hub, offline=True), "acme/tiny", None,
+                                      "tpserve.hub.ensure_model")
         assert again.returncode == 0, again.stderr
         assert Path(again.stdout.strip().splitlines()[-1]) == path
         assert len(hub.requests) == before
@@ -81,6 +93,33 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
         assert missing.returncode != 0
         assert "acme/nope was not found on " + hub.url in missing.stderr
         assert "HF_TOKEN" in missing.stderr
+
+
+def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        code = ("from tpserve.hub import ensure_model; "
+                "print(ensure_model('acme/tiny', None, weights=False))")
+        out = subprocess.run([sys.executable, "-c", code], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "config.json" in hub.downloaded()
+        assert not any(f.endswith(".safetensors") for f in hub.downloaded())
+
+
+def test_a_node_without_the_directory_resolves_the_hub_id(tmp_path, monkeypatch, llama_dir):
+    from tpserve import hub
+    from tpserve.errors import CheckpointError
+    from tpserve.weights import node_model_path
+
+    asked = []
+    monkeypatch.setattr(hub, "ensure_model", lambda *a: asked.append(a) or llama_dir)
+    assert node_model_path(str(llama_dir), "acme/tiny") == llama_dir  # shared path: used
+    assert asked == []
+    gone = str(tmp_path / "on-the-head-node-only")
+    assert node_model_path(gone, "acme/tiny", "v1", False) == llama_dir
+    assert asked == [("acme/tiny", "v1", False)]
+    with pytest.raises(CheckpointError, match="file system every node mounts"):
+        node_model_path(gone, "/data/models/tiny")
 
 
 def test_offline_with_empty_cache_says_what_to_do(tmp_path):

@@ -117,7 +117,7 @@ def engine_config(args: argparse.Namespace):
     )
     from tpserve.weights import load_hf_config, resolve_model
 
-    path = resolve_model(args.model, args.revision)
+    path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
     hf = load_hf_config(path)
     device, why = resolve_device(args.device)

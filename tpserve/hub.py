@@ -50,23 +50,29 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
+def _patterns(weights: bool) -> list[str]:
+    return ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
+
+
+def cached_snapshot(model_id: str, revision: str | None = None,
+                    weights: bool = True) -> Path | None:
     """The cached snapshot holding config.json, or None (never touches the network)."""
     from huggingface_hub import snapshot_download
 
     try:
         path = Path(snapshot_download(model_id, revision=revision, local_files_only=True,
-                                      allow_patterns=ALLOW_PATTERNS,
+                                      allow_patterns=_patterns(weights),
                                       ignore_patterns=IGNORE_PATTERNS))
     except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
         return None
     return path if (path / "config.json").exists() else None
 
 
-def ensure_model(model_id: str, revision: str | None = None) -> Path:
-    """The local snapshot directory of `model_id` at `revision`, downloaded if missing."""
-    found = cached_snapshot(model_id, revision)
-    if found is not None and _has_weights(found):
+def ensure_model(model_id: str, revision: str | None = None, weights: bool = True) -> Path:
+    """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
+    weights=False (--load-format dummy) fetches only the config and tokenizer files."""
+    found = cached_snapshot(model_id, revision, weights)
+    if found is not None and (not weights or _has_weights(found)):
         return found
     if offline():
         raise CheckpointError(
@@ -77,13 +83,13 @@ def ensure_model(model_id: str, revision: str | None = None) -> Path:
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
     with _node_lock(model_id, revision):
         # Another process on this node may have finished the download while we waited.
-        found = cached_snapshot(model_id, revision)
-        if found is not None and _has_weights(found):
+        found = cached_snapshot(model_id, revision, weights)
+        if found is not None and (not weights or _has_weights(found)):
             return found
-        return _download(model_id, revision)
+        return _download(model_id, revision, weights)
 
 
-def _download(model_id: str, revision: str | None) -> Path:
+def _download(model_id: str, revision: str | None, weights: bool) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -95,7 +101,7 @@ def _download(model_id: str, revision: str | None) -> Path:
              constants.ENDPOINT, cache_dir())
     try:
         path = Path(snapshot_download(model_id, revision=revision,
-                                      allow_patterns=ALLOW_PATTERNS,
+                                      allow_patterns=_patterns(weights),
                                       ignore_patterns=IGNORE_PATTERNS))
     except GatedRepoError as exc:
         raise CheckpointError(
@@ -116,7 +122,7 @@ def _download(model_id: str, revision: str | None) -> Path:
     if not (path / "config.json").exists():
         raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
                               "transformers model tpserve can serve")
-    if not _has_weights(path):
+    if weights and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{_at(revision)} has no *.safetensors weights (tpserve never downloads "
             "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
@@ -136,7 +142,7 @@ def _node_lock(model_id: str, revision: str | None):
     """A lock file in the cache, so that the shards of one node download once."""
     from filelock import FileLock
 
-    key = hashlib.sha1(f"{model_id}@{revision}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{model_id}@{revision}".encode()).hexdigest()[:16]  # one per model
     locks = Path(cache_dir()) / ".locks" / "tpserve"
     locks.mkdir(parents=True, exist_ok=True)
     return FileLock(str(locks / f"{key}.lock"))

@@ -31,9 +31,10 @@ def hub_cache_dir() -> str:
         return os.path.expanduser("~/.cache/huggingface/hub")
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> Path:
+def resolve_model(model: str | None, revision: str | None = None, weights: bool = True) -> Path:
     """A local directory, or a hub id: from the local hub cache, else downloaded into it
-    (tpserve/hub.py; HF_HUB_OFFLINE=1 forbids the download)."""
+    (tpserve/hub.py; HF_HUB_OFFLINE=1 forbids the download). weights=False: a hub id needs
+    only its config and tokenizer (--load-format dummy)."""
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise CheckpointError(
@@ -52,10 +53,11 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         raise CheckpointError(
             f"model {model!r} not found: {local.resolve()} does not exist (a path; a hub id "
             "looks like org/name)")
-    return hub.ensure_model(model, revision)
+    return hub.ensure_model(model, revision, weights)
 
 
-def node_model_path(path: str, model_id: str, revision: str | None = None) -> Path:
+def node_model_path(path: str, model_id: str, revision: str | None = None,
+                    weights: bool = True) -> Path:
     """The checkpoint directory on this node. The launching node resolved `path`; a shard on
     another node without that directory (no shared file system) resolves the hub id itself,
     downloading into its own node's cache."""
@@ -65,7 +67,7 @@ def node_model_path(path: str, model_id: str, revision: str | None = None) -> Pa
     from tpserve import hub
 
     if hub.is_hub_id(model_id):
-        return hub.ensure_model(model_id, revision)
+        return hub.ensure_model(model_id, revision, weights)
     raise CheckpointError(
         f"{path} does not exist on this node: put the checkpoint on a file system every node "
         "mounts at the same path, or copy it to that path on every node")

@@ -139,7 +139,8 @@ class ShardWorker:
     def load_weights(self) -> LoadReport:
         t0 = time.perf_counter()
         m = self.cfg.model
-        path = str(node_model_path(m.path, m.model_id, m.revision))  # rayops hook: per node
+        # rayops hook: a node without the launching node's directory resolves the hub id.
+        path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
         hf = load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()
