@@ -67,6 +67,8 @@ def node_model_path(path: str, model_id: str, revision: str | None = None,
     from tpserve import hub
 
     if hub.is_hub_id(model_id):
+        if p.parent.name == "snapshots":  # pin the commit the launching node resolved, so
+            revision = p.name             # every shard reads the same weights
         return hub.ensure_model(model_id, revision, weights)
     raise CheckpointError(
         f"{path} does not exist on this node: put the checkpoint on a file system every node "
