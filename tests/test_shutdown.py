@@ -3,6 +3,7 @@ completes, the process exits 0, and no Ray process of the cluster it started is 
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 import threading
@@ -71,3 +72,4 @@ def test_sigterm_drains_then_exits_leaving_no_ray_processes(tmp_path):
         assert proc.wait(timeout=60) == 0
     time.sleep(1)  # the last workers exit right after the raylet that owns them
     assert ray_processes(ray_tmp) == []
+    shutil.rmtree(ray_tmp, ignore_errors=True)
