@@ -63,7 +63,10 @@ def _run(*argv: str, home: Path) -> subprocess.CompletedProcess:
 def test_unknown_model_exits_2_naming_where_it_looked(tmp_path):
     r = _run("launch", "--model", "acme/not-in-cache", "--no-dashboard", home=tmp_path)
     assert r.returncode == 2
-    assert "acme/not-in-cache" in r.stderr and "looked in" in r.stderr
+    assert "acme/not-in-cache" in r.stderr and str(tmp_path / "hub") in r.stderr
+    assert "HF_HUB_OFFLINE" in r.stderr  # offline: says why it did not download
+    r = _run("launch", "--model", "./no/such/dir", "--no-dashboard", home=tmp_path)
+    assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 def test_unshardable_tp_exits_2_before_starting_ray(llama_dir, tmp_path):

@@ -86,7 +86,7 @@ def test_engine_soak_with_disconnects(llama_dir, tmp_path):
     args = ["--model", str(llama_dir), "--tp", "2", "--num-blocks", "1024",
             "--max-concurrent-requests", "256", "--request-timeout", "300"]
     with launched_process(args, tmp_path / "server.log", env={"TPSERVE_API_KEY": KEY}) as (
-            url, proc):
+            proc, url):
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + "/generate", json={"inputs": "hi"}).status_code == 401
         big = b'{"inputs": "' + b"a " * (32 * 2**20) + b'"}'

@@ -43,9 +43,11 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                        description="Serve a model sharded over --tp devices. Without --model, "
                        "serves the small embedded default model (offline, CPU friendly).")
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
-    p.add_argument("--model", help="local directory or Hugging Face hub id already in the local "
-                   "hub cache (never downloaded); default: the embedded model")
-    p.add_argument("--revision", help="hub revision to look up in the cache")
+    p.add_argument("--model", help="local directory or Hugging Face hub id (org/name), taken "
+                   "from the hub cache or downloaded into it (safetensors, config and tokenizer "
+                   "files only; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
+                   "default: the embedded model")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (benchmarks; needs "
                    "only config.json and a tokenizer)")
@@ -60,6 +62,11 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
     p.add_argument("--address", help="Ray cluster to join (e.g. auto or HOST:6379); default: "
                    "start a local one")
+    p.add_argument("--placement", default="pack",
+                   choices=["pack", "spread", "strict-pack", "strict-spread"],
+                   help="where the shards go on a Ray cluster (placement-group strategy): pack "
+                   "onto few nodes, spread one per node (best effort), strict-pack on one node, "
+                   "strict-spread each on its own node")
     p.add_argument("--cpus-per-shard", type=int, default=None,
                    help="CPU device: cores per shard (default: cores / tp, at least 1)")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -85,6 +92,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM: seconds to let in-flight requests finish (new ones "
+                   "get 503) before stopping")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not start the Ray dashboard with the local cluster")
     sec = p.add_argument_group("security and limits (docs/reliability.md)")
@@ -226,7 +236,7 @@ def engine_config(args: argparse.Namespace):
     )
     from tpserve.weights import resolve_model
 
-    path = resolve_model(args.model, args.revision)
+    path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
     check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
     hf = _load_config(path)
@@ -251,7 +261,7 @@ def engine_config(args: argparse.Namespace):
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
                           load_format=args.load_format),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
-                                ray_address=args.address),
+                                ray_address=args.address, placement=args.placement),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -315,6 +325,7 @@ def launch(args: argparse.Namespace) -> int:
 
     import ray
 
+    from tpserve.cluster.device import local_cluster_gpus
     from tpserve.cluster.driver import Driver
 
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
@@ -326,6 +337,9 @@ def launch(args: argparse.Namespace) -> int:
         if device == "cpu":
             # Logical CPUs: enough for every shard to be placed even on a small machine.
             kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
+        gpus = local_cluster_gpus(device)
+        if gpus is not None:
+            kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
         ctx = ray.init(**kwargs)
         log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
                  f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
@@ -337,23 +351,38 @@ def launch(args: argparse.Namespace) -> int:
         name="driver", num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(cfg, args.host, args.port, args.log_level, server)
-    stop = threading.Event()
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(_signum, _frame) -> None:
+        # No logging here: a handler may interrupt a log call holding the logging lock.
+        if stop.is_set():  # a second Ctrl-C skips the drain
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         url = ray.get(driver.start.remote())
         log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
-        summary = ray.get(driver.wait_ready.remote())
+        summary = _wait(driver.wait_ready.remote(), stop)
+        if summary is None:
+            log.info("stopped before the model was ready")
+            return 0
         # The weights' load time is logged once, by the engine ("weights loaded in"); this
         # line gives the whole start-up as a user waits for it.
         log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, warmup %.1fs, "
-                 "ready %.1fs after launch, serving %s", tp, summary["backend"],
+                 "ready %.1fs after launch, serving %s (placement %s)", tp, summary["backend"],
                  summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
-                 time.perf_counter() - t0, url)
+                 time.perf_counter() - t0, url, cfg.parallel.placement)
         print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
         while not stop.wait(1.0):
             pass
-        log.info("shutting down")
+        log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
+                 "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
+        left = _wait(driver.drain.remote(args.shutdown_timeout), force)
+        if left:
+            log.warning("%d request(s) still running after --shutdown-timeout; ending them",
+                        left)
         return 0
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if hasattr(exc, "cause") else exc
@@ -365,7 +394,22 @@ def launch(args: argparse.Namespace) -> int:
             ray.get(driver.stop.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
+        ray.kill(driver)
+        # Stops the raylet, GCS and workers of a local cluster this process started; a
+        # joined cluster (--address) keeps running, only this job's actors are gone.
         ray.shutdown()
+        log.info("stopped")
+
+
+def _wait(ref, cancel: threading.Event):
+    """ray.get that gives up (returns None) once `cancel` is set, so signals are heard."""
+    import ray
+
+    while not cancel.is_set():
+        done, _ = ray.wait([ref], timeout=0.5)
+        if done:
+            return ray.get(ref)
+    return None
 
 
 def kernels(args: argparse.Namespace) -> int:

@@ -24,6 +24,9 @@ class ParallelConfig:
     cpus_per_shard: int = 1
     dist_timeout_s: float = 600.0
     ray_address: str | None = None
+    # Ray placement-group strategy of the shards: pack | spread | strict-pack | strict-spread
+    # (tpserve/cluster/placement.py).
+    placement: str = "pack"
 
 
 @dataclass(frozen=True)

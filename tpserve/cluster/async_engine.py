@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tpserve.cluster.ray_metrics import EngineMetrics
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import GenerationError, NotReadyError, OverloadedError, TPServeError
@@ -47,6 +48,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # Set when a shard actor died: the replica cannot serve until it is rebuilt.
         self.dead: str | None = None
+        # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
+        self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._inflight = 0
@@ -56,11 +59,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self.steps = 0
         self.last_step_seconds = 0.0
-        self._ray_metrics = RayMetrics()
+        # rayops hook (metrics): published from its own thread through ray.util.metrics.
+        self._ray_metrics = EngineMetrics(self.stats, model_id)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._ray_metrics.start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until loaded; re-raise the load error, if any."""
@@ -78,11 +83,31 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self._ray_metrics.stop()
+        # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
+        # rather than a connection that never answers.
+        err = GenerationError("the server shut down before this request finished "
+                              "(--shutdown-timeout ran out)")
+        for sink, loop in list(self._sinks.values()):
+            loop.call_soon_threadsafe(sink.put_nowait, err)
+        self._sinks.clear()
         if self.engine is not None:
             self.engine.shutdown()
 
+    def begin_drain(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests (503 with `reason`); in-flight ones carry on."""
+        self.draining = reason
+
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return self.draining
+        if self.error is not None or self.dead is not None:
+            return f"the engine failed: {self.error or self.dead}"
+        return "the model is still loading"
+
     def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None and self.dead is None
+        return (self._ready.is_set() and self.error is None and self.dead is None
+                and self.draining is None)
 
     @property
     def inflight(self) -> int:
@@ -102,6 +127,7 @@ class AsyncEngine:
             max_batch_total_tokens=e.num_blocks * c.cache.block_size,
             attention_backend=e.load_reports[0].backend,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
+                   "placement": c.parallel.placement,  # rayops hook: --placement
                    "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
 
     def stats(self) -> dict[str, float]:
@@ -137,9 +163,7 @@ class AsyncEngine:
 
     def _require_ready(self) -> None:
         if not self.ready():
-            why = ("the model is still loading" if self.error is None and self.dead is None
-                   else f"the engine failed: {self.error or self.dead}")
-            raise NotReadyError(why)
+            raise NotReadyError(self.not_ready_reason())
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
@@ -207,6 +231,7 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             self.engine.abort(item.seq_id)
             self._sinks.pop(item.seq_id, None)
+            self._ray_metrics.request_ended(item.seq_id)
             return
         try:
             seq = self.engine.add_request(item.prompt_ids, item.params)
@@ -217,6 +242,7 @@ class AsyncEngine:
             self.engine.abort(seq.seq_id)
             return
         self._sinks[seq.seq_id] = (item.sink, item.loop)
+        self._ray_metrics.request_arrived(seq.seq_id)
         item.loop.call_soon_threadsafe(_set_result, item.accepted, seq.seq_id)
 
     def _step(self) -> None:
@@ -232,6 +258,7 @@ class AsyncEngine:
                 self.engine.abort(seq_id)
                 sink, loop = self._sinks.pop(seq_id)
                 loop.call_soon_threadsafe(sink.put_nowait, err)
+                self._ray_metrics.request_ended(seq_id)
             return
         for seq_id, ev in events:
             target = self._sinks.get(seq_id)
@@ -243,35 +270,7 @@ class AsyncEngine:
                 self._sinks.pop(seq_id, None)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
-        self._ray_metrics.maybe_report(self)
-
-
-class RayMetrics:
-    """The engine gauges as Ray metrics, so the Ray dashboard (and its Prometheus export)
-    shows them next to the actors. Reported at most twice a second; a no-op outside Ray."""
-
-    def __init__(self) -> None:
-        self._gauge = None
-        self._next = 0.0
-
-    def maybe_report(self, backend: AsyncEngine) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + 0.5
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            if self._gauge is None:
-                from ray.util.metrics import Gauge
-
-                self._gauge = Gauge("tpserve_engine", "tpserve engine state", tag_keys=("stat",))
-            for name, value in backend.stats().items():
-                self._gauge.set(float(value), tags={"stat": name})
-        except Exception:  # noqa: BLE001 - metrics must never take serving down
-            log.debug("ray metrics report failed", exc_info=True)
+        self._ray_metrics.step_done(events, self.last_step_seconds)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

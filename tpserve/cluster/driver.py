@@ -24,6 +24,10 @@ class Driver:
         self._server = None
         self._thread: threading.Thread | None = None
 
+    def __repr__(self) -> str:
+        # rayops hook: shown in the Ray dashboard's actors view.
+        return f"Driver({self.cfg.model.model_id}, http://{self.host}:{self.port})"
+
     def start(self) -> str:
         """Start the HTTP server (health answers 503 until loaded) and the model load;
         returns the base URL once the port is bound."""
@@ -75,6 +79,17 @@ class Driver:
 
     def health(self) -> list[dict]:
         return self.backend.engine.executor.health()
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop accepting requests (they get 503) and wait up to `timeout_s` for the ones in
+        flight to finish; returns how many were still running (rayops: shutdown)."""
+        if self.backend is None:
+            return 0
+        self.backend.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.backend.inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.backend.inflight
 
     def stop(self) -> None:
         if self._server is not None:

@@ -28,7 +28,7 @@ from tpserve.layers.attention import AttentionLayer
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.layers.sampler import sample
 from tpserve.models.registry import model_class
-from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,11 @@ class ShardWorker:
         self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
 
+    def __repr__(self) -> str:
+        # rayops hook: the Ray dashboard's actors view shows this (rank and device).
+        return (f"ShardWorker(rank {self.rank}/{self.tp_size}, "
+                f"{self.device or self.cfg.parallel.device}, {self.cfg.model.model_id})")
+
     # --- set-up -------------------------------------------------------------------------
     def node_ip(self) -> str:
         try:
@@ -133,7 +138,9 @@ class ShardWorker:
 
     def load_weights(self) -> LoadReport:
         t0 = time.perf_counter()
-        path = self.cfg.model.path
+        m = self.cfg.model
+        # rayops hook: a node without the launching node's directory resolves the hub id.
+        path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
         hf = load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()

@@ -12,6 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpserve.cluster.device import ray_bundle
+from tpserve.cluster.placement import check_placement, cluster_nodes, ray_strategy
 from tpserve.cluster.shard_worker import LoadReport, ShardWorker
 from tpserve.config import EngineConfig
 from tpserve.engine.step import StepBatch, StepOutput
@@ -29,13 +30,14 @@ class WorkerGroup:
         bundle = ray_bundle(device, cfg.parallel.cpus_per_shard)
         try:
             check_capacity(bundle, tp)
+            check_placement(cfg.parallel.placement, bundle, tp, cluster_nodes())
         except RuntimeError as exc:
             if not cfg.parallel.ray_address:
                 raise
             # A joined cluster may autoscale: wait for the placement group instead.
             log.warning("%s Waiting up to %.0fs in case the cluster scales up.", exc,
                         placement_timeout_s)
-        self.pg = placement_group([bundle] * tp, strategy="PACK",
+        self.pg = placement_group([bundle] * tp, strategy=ray_strategy(cfg.parallel.placement),
                                   name=f"tpserve-{uuid.uuid4().hex[:8]}")
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_s)

@@ -13,7 +13,7 @@ from tpserve.config import ServerConfig
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, TokenInfo
 from tpserve.errors import NotReadyError
-from tpserve.server.backend import EngineBackend
+from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
@@ -62,7 +62,7 @@ class TGIRoutes:
 
     async def start(self, req: wire.GenerateRequest, stream: bool) -> TrackedStream:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         wire.check_limits(req.parameters, self.backend.info())
         if stream:
             wire.check_streamable(req.parameters)

@@ -32,7 +32,7 @@ from tpserve.fields import (
     TokenCount,
     unsupported,
 )
-from tpserve.server.backend import EngineBackend
+from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.streaming import EventStreamResponse, collect_or_abort, final_text, sse
@@ -223,7 +223,7 @@ class OpenAIRoutes:
 
     def _info(self) -> ModelInfo:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         return self.backend.info()
 
     @staticmethod
