@@ -23,6 +23,7 @@ import torch
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import unknown_feature_reason
 from tpserve.kernels.compile_cache import cached_kernel_count, configure_triton_cache
+from tpserve.kernels.fused_ops import rotary_write_kv_triton
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +212,23 @@ class TritonAttentionBackend(AttentionBackend):
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         return out
 
+    def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        """One launch for rotary on q and k plus the K/V cache write (fused_ops.py)."""
+        self._record(("rotary", str(q.dtype), q.shape[1], k.shape[1], q.shape[2],
+                      cos.shape[-1]))
+        return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
     # --- compiling ----------------------------------------------------------------------
     def compile_count(self) -> int:
-        """Kernel variants built in this process. Under the interpreter there is no compiler,
-        so the distinct launch keys stand in for it."""
+        """Kernel variants built in this process, the fused layer kernels included (they
+        compile in warmup's graph capture or first forward). Under the interpreter there is
+        no compiler, so the distinct launch keys stand in for it."""
         if interpreting():
             return len(self.launched)
+        from tpserve.kernels import triton_fused
+
         total = 0
-        for kernel in self._kernels().KERNELS:
+        for kernel in self._kernels().KERNELS + triton_fused.KERNELS:
             caches = getattr(kernel, "device_caches", {}) or {}
             total += sum(len(c[0]) for c in caches.values())
         return total
@@ -279,6 +289,11 @@ class TritonAttentionBackend(AttentionBackend):
         slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
         run = self.decode if case.kind == "decode" else self.prefill
         run(q, k_cache, v_cache, meta, spec, slopes)
+        if case.kind == "prefill":  # the fused rotary + cache write, full-width rotary
+            t = q.shape[0]
+            kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+            cs = torch.randn(t, spec.head_dim, dtype=dtype, device=device)
+            self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
