@@ -25,6 +25,7 @@ def test_cpu_tensors_take_the_torch_path():
     assert not fo.use_triton(torch.zeros(1))
 
 
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores
 def test_triton_fused_kernels_under_the_interpreter():
     """TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
     try:

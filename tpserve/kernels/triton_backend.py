@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
+MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
 # Triton's backend name for each torch device type.
 TRITON_TARGETS = {"cuda": "nvidia", "xpu": "intel"}
 
@@ -52,6 +53,18 @@ def _triton_missing(device_type: str) -> str | None:
         hint = " (install Intel's triton-xpu)" if device_type == "xpu" else ""
         return f"this triton has no {target} backend for {device_type}{hint}"
     return None
+
+
+def compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) or Xe cores (XPU) of `device`; under the CPU
+    interpreter a small stand-in, so tests still cut contexts into several splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        props = torch.xpu.get_device_properties(device)
+        return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units",
+                                                                       64))
+    return 8
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.unplanned_launches = 0
         self.reports: list[WarmupReport] = []
         self._dummy: dict[torch.device, torch.Tensor] = {}
+        self._cores: dict[torch.device, int] = {}
         self._k = None
 
     @classmethod
@@ -189,15 +203,39 @@ class TritonAttentionBackend(AttentionBackend):
                    out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         return q, out, slopes.float().contiguous(), cfg, flags, scalars
 
+    def num_splits(self, device: torch.device, batch: int, spec: AttentionSpec) -> int:
+        """Context splits of a decode step (flash-decoding): enough (sequence, KV head, split)
+        programs for two waves over the GPU's cores. A function of the batch size only, so a
+        captured graph bucket keeps its split count for any context length; contexts too
+        short for all splits leave the extra programs empty."""
+        forced = os.environ.get("TPSERVE_DECODE_SPLITS")
+        if forced:
+            return max(1, min(MAX_SPLITS, int(forced)))
+        cores = self._cores.get(device)
+        if cores is None:
+            cores = self._cores[device] = compute_units(device)
+        return max(1, min(MAX_SPLITS, -(-2 * cores // (batch * spec.num_kv_heads))))
+
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
         self._record(compile_key("decode", q.dtype, spec))
-        grid = (meta.num_seqs, spec.num_kv_heads)
-        self._kernels().paged_decode_kernel[grid](
-            out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens), slopes,
-            *scalars, GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
-            HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        b, heads, d = q.shape
+        splits = self.num_splits(q.device, b, spec)
+        if splits > 1:
+            part = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
+            ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=q.device)
+        else:  # never read: one program per (sequence, KV head) writes out directly
+            part = ml = slopes
+        self._kernels().paged_decode_kernel[(b, spec.num_kv_heads, splits)](
+            out, part, ml, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+            slopes, *scalars, splits, heads * splits * d, splits * d,
+            GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
+            HEAD_DIM=d, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT=splits > 1, **flags)
+        if splits > 1:
+            self._kernels().paged_decode_reduce_kernel[(b, heads)](
+                out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
+                out.stride(1), HEAD_DIM=d, num_warps=1 if d <= 64 else 2)
         return out
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):

@@ -47,19 +47,29 @@ def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=_TABLES)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_splits", "stride_pt", "stride_ph"],
+            do_not_specialize_on_alignment=_TABLES)
 def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
-    scale, softcap, window, stride_bt,
+    out_ptr, part_ptr, ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    alibi_ptr, scale, softcap, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    num_splits, stride_pt, stride_ph,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One program per (sequence, KV head): the GROUP query heads sharing that KV head are
-    the rows of one tile, so each key is read once per group (GQA / MQA)."""
+    """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
+    are the rows of one tile, so each key is read once per group (GQA / MQA).
+
+    SPLIT (flash-decoding): the visible context is cut into num_splits runs of whole BLOCK_N
+    tiles, one per program, so a small batch still fills the GPU; each program writes its
+    normalised partial output [num_splits, HEAD_DIM] and (max score, sum of exponentials) per
+    head to part/ml (fp32), and paged_decode_reduce_kernel combines them. A split with no
+    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -74,13 +84,18 @@ def paged_decode_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N
+    hi = ctx
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), num_splits) * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(ctx, lo + per_split)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
-    for start in range(lo, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < ctx
+        k_ok = k_pos < hi
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
@@ -97,8 +112,44 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        part = seq.to(tl.int64) * stride_pt + heads * stride_ph + split * HEAD_DIM
+        tl.store(part_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        ml = (seq.to(tl.int64) * stride_pt + heads * stride_ph) // HEAD_DIM * 2 + split * 2
+        tl.store(ml_ptr + ml, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml + 1, l_i, mask=row_ok)
+    else:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ot",
+                               "stride_oh"])
+def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt, stride_ph,
+                               stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    """One program per (sequence, query head): the splits' partial outputs weighed by
+    exp(max_s - max) * sum_s, as a running (online-softmax) combination."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    base = seq * stride_pt + head * stride_ph
+    ml_base = base // HEAD_DIM * 2
+    # Vectors rather than scalars: loop-carried values keep one type from the first pass.
+    m = tl.full([HEAD_DIM], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(ml_ptr + ml_base + 2 * s)
+        l_s = tl.load(ml_ptr + ml_base + 2 * s + 1)
+        o_s = tl.load(part_ptr + base + s * HEAD_DIM + d)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_s - m_new) * l_s
+        acc = acc * a + o_s * b
+        total = total * a + b
+        m = m_new
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS,
@@ -164,4 +215,4 @@ def paged_prefill_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-KERNELS = (paged_decode_kernel, paged_prefill_kernel)
+KERNELS = (paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel)
