@@ -188,3 +188,22 @@ def test_seq_step_adapter_reads_back_tokens_logprobs_and_top_n():
     same = sample(logits[1:2], [SampleRow(SamplingParams(do_sample=True), 13, 2)])
     assert out[1].token_id == int(same.token_ids)
     assert out[1].logprob == pytest.approx(float(same.logprobs))
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_never_syncs_and_matches_the_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    logits = _logits(len(MIXED) + len(POISON), vocab=VOCAB, seed=5)
+    rows = _rows(MIXED + POISON, step=2)
+    cpu = sample(logits, rows)
+    gpu_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync raises
+    try:
+        res = sample(gpu_logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert res.token_ids.is_cuda
+    assert res.token_ids.tolist() == cpu.token_ids.tolist()
+    torch.testing.assert_close(res.logprobs.cpu(), cpu.logprobs, atol=1e-4, rtol=0)

@@ -146,6 +146,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.reports: list[WarmupReport] = []
         self._dummy: dict[torch.device, torch.Tensor] = {}
         self._cores: dict[torch.device, int] = {}
+        # TPSERVE_DECODE_SPLITS=N fixes the split count (1: no split-K), for measurements.
+        self.forced_splits = int(os.environ.get("TPSERVE_DECODE_SPLITS") or 0)
         self._k = None
 
     @classmethod
@@ -208,9 +210,8 @@ class TritonAttentionBackend(AttentionBackend):
         programs for two waves over the GPU's cores. A function of the batch size only, so a
         captured graph bucket keeps its split count for any context length; contexts too
         short for all splits leave the extra programs empty."""
-        forced = os.environ.get("TPSERVE_DECODE_SPLITS")
-        if forced:
-            return max(1, min(MAX_SPLITS, int(forced)))
+        if self.forced_splits:
+            return max(1, min(MAX_SPLITS, self.forced_splits))
         cores = self._cores.get(device)
         if cores is None:
             cores = self._cores[device] = compute_units(device)

@@ -136,16 +136,18 @@ def _penalise(x: torch.Tensor, d: torch.Tensor, fl: torch.Tensor, nh: int, ng: i
               ) -> torch.Tensor:
     n, vocab = x.shape
     tail = d[n * (_FLOATS + _INTS):]
+    # Flat scatters (row * vocab + id): unlike index_put with accumulate, they never sync.
     if nh:
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=x.device)
-        seen[tail[nh:2 * nh], tail[:nh]] = True
+        flat = tail[nh:2 * nh] * vocab + tail[:nh]
+        seen = torch.zeros(n * vocab, dtype=torch.bool, device=x.device)
+        seen = seen.scatter(0, flat, True).view(n, vocab)
         rp = fl[:, 3:4]
         x = torch.where(seen, torch.where(x < 0, x * rp, x / rp), x)
     if ng:
-        ids, rows = tail[2 * nh:2 * nh + ng], tail[2 * nh + ng:]
-        counts = torch.zeros(n, vocab, dtype=x.dtype, device=x.device)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=x.dtype), accumulate=True)
-        x = x - fl[:, 4:5] * counts
+        flat = tail[2 * nh + ng:] * vocab + tail[2 * nh:2 * nh + ng]
+        counts = torch.zeros(n * vocab, dtype=x.dtype, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones(ng, dtype=x.dtype, device=x.device))
+        x = x - fl[:, 4:5] * counts.view(n, vocab)
     return x.clamp(max=_BIG)
 
 
