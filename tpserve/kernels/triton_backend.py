@@ -75,6 +75,7 @@ class LaunchConfig:
     block_n: int
     decode_block_n: int
     group_pad: int
+    prefill_tokens: int  # new tokens per prefill tile (block_m rows = tokens x group)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -85,9 +86,10 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     group_pad = max(16, 1 << (group - 1).bit_length())
     wide = spec.head_dim * (4 if dtype == torch.float32 else 2)  # bytes per key row
     block_n = 64 if wide <= 256 else 32
-    block_m = 64 if spec.head_dim <= 128 else 32
+    # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
+    block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
     return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=block_n,
-                        group_pad=group_pad)
+                        group_pad=group_pad, prefill_tokens=block_m // group)
 
 
 def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
@@ -117,7 +119,7 @@ def warmup_plan(dtype: torch.dtype, spec: AttentionSpec,
     ctx = 2 * spec.block_size + 3  # crosses block boundaries
     cases = [WarmupCase("decode", (1,) * b, (ctx,) * b, compile_key("decode", dtype, spec))
              for b in sorted(set(batch_sizes))]
-    n = cfg.block_m + 3
+    n = 2 * cfg.block_m + 3  # at least two query tiles, whatever the group
     cases.append(WarmupCase("prefill", (n, 1), (n + spec.block_size, ctx),
                             compile_key("prefill", dtype, spec)))
     return cases
@@ -242,12 +244,13 @@ class TritonAttentionBackend(AttentionBackend):
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
         self._record(compile_key("prefill", q.dtype, spec))
-        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.block_m), spec.num_heads)
+        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.prefill_tokens), spec.num_kv_heads)
         self._kernels().paged_prefill_kernel[grid](
             out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
             _i32(meta.query_start_loc), slopes, *scalars,
             GROUP=spec.num_heads // spec.num_kv_heads, HEAD_DIM=spec.head_dim,
-            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, TOKENS=cfg.prefill_tokens,
+            BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         return out
 

@@ -159,35 +159,39 @@ def paged_prefill_kernel(
     alibi_ptr, scale, softcap, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (sequence, tile of BLOCK_M new tokens, query head). The new tokens
-    are the last q_len positions of a context of seq_len (chunked prefill and decode rows of
-    a mixed batch alike); each attends causally to its own sequence's cache."""
+    """One program per (sequence, tile of TOKENS new tokens, KV head). The BLOCK_M rows of a
+    tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
+    r // GROUP, head r % GROUP), so each key tile is read once for the whole group (GQA /
+    MQA), and a short chunk or a decode row still fills the tile. The new tokens are the
+    last q_len positions of a context of seq_len (chunked prefill and decode rows of a mixed
+    batch alike); each attends causally to its own sequence's cache."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)
-    kvh = head // GROUP
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    r = tl.arange(0, BLOCK_M)
+    rows = tile * TOKENS + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (rows < q_len)
     q_pos = ctx - q_len + rows
     d = tl.arange(0, HEAD_DIM)
     tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
-        slopes += tl.load(alibi_ptr + head).to(tl.float32)
-    hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
+        slopes += tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * TOKENS)
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(ctx - q_len + tile * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
     # Tiles past this sequence's new tokens (the grid covers the longest one) do no work.
-    hi = tl.where(tile * BLOCK_M < q_len, hi, lo)
+    hi = tl.where(tile * TOKENS < q_len, hi, lo)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -211,7 +215,7 @@ def paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
