@@ -4,6 +4,10 @@ and poison-value checks."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -207,3 +211,31 @@ def test_sampling_on_cuda_never_syncs_and_matches_the_cpu():
     assert res.token_ids.is_cuda
     assert res.token_ids.tolist() == cpu.token_ids.tolist()
     torch.testing.assert_close(res.logprobs.cpu(), cpu.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # Triton's interpreter in a fresh process
+def test_triton_gumbel_argmax_draws_what_the_torch_path_draws():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    script = textwrap.dedent("""
+        import torch
+        from tpserve.kernels.triton_sampling import gumbel_argmax_kernel
+        from tpserve.layers.sampler import gumbel_noise, row_key
+        g = torch.Generator().manual_seed(0)
+        f = torch.randn(64, 3000, generator=g)
+        f[5] = float("-inf")           # fully masked: index 0, as torch's argmax
+        f[6, 1000:] = float("-inf")    # masked tail
+        f[7] = 0.0                     # all equal: the noise alone decides
+        keys = torch.tensor([row_key(s, 3) for s in range(64)])
+        ref = (f + gumbel_noise(keys, 3000)).argmax(-1)
+        out = torch.empty(64, dtype=torch.int64)
+        gumbel_argmax_kernel[(64,)](f, keys, out, 3000, f.stride(0), BLOCK=1024)
+        print("same", out.tolist() == ref.tolist(), int(out[5]), int(out[6]) < 1000)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "same True 0 True" in proc.stdout, proc.stdout

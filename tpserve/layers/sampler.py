@@ -20,6 +20,7 @@ import torch
 
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SampledToken, SeqStep
+from tpserve.kernels.fused_ops import use_triton
 
 # Temperatures below this already make the draw an arg-max for any real logit gap, and
 # dividing by them keeps float32 finite; above the upper one every row is uniform anyway.
@@ -78,13 +79,29 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] standard Gumbel noise, a pure function of each row's key and the token id."""
+    """[n, vocab] standard Gumbel noise (float32), a pure function of each row's key and the
+    token id; kernels/triton_sampling.py computes the same values."""
     idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
     h = _mix32(_mix32(keys[:, None] ^ _mul32(idx, 0x9E3779B1)[None, :]))
-    # w is uniform on (0, 1) with fine resolution near 0, where -log1p(-w) (the exponential
-    # draw) is small and the Gumbel value large: the end that decides the arg-max.
-    w = ((h.float() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
-    return -torch.log(-torch.log1p(-w))
+    # w is uniform on (0, 1) with fine resolution near 0, where the exponential draw
+    # -log(1 - w) is small and the Gumbel value large: the end that decides the arg-max.
+    # float64, and a series below 1e-6, keep that end exact to float32.
+    w = ((h.double() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+    e = torch.where(w < 1e-6, w + 0.5 * w * w, -torch.log(1.0 - w))
+    return (-torch.log(e)).float()
+
+
+def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax(f + gumbel_noise(keys)) per row: one Triton pass on CUDA/XPU, else torch."""
+    if use_triton(f):
+        from tpserve.kernels.triton_sampling import gumbel_argmax_kernel
+
+        f = f.contiguous()
+        out = torch.empty(f.shape[0], dtype=torch.int64, device=f.device)
+        gumbel_argmax_kernel[(f.shape[0],)](f, keys, out, f.shape[1], f.stride(0), BLOCK=1024,
+                                            num_warps=4)
+        return out
+    return (f + gumbel_noise(keys, f.shape[1])).argmax(-1)
 
 
 def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
@@ -207,7 +224,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         f = _filter(x, fl, top_k, any(p.top_k for p in ps),
                     any(p.top_p is not None and p.top_p < 1.0 for p in ps),
                     any(p.typical_p is not None and p.typical_p < 1.0 for p in ps))
-        drawn = (f + gumbel_noise(keys, vocab)).argmax(-1)
+        drawn = gumbel_argmax(f, keys)
         is_greedy = greedy.bool()
         dist = torch.where(is_greedy[:, None], x, f)
         token = torch.where(is_greedy, x.argmax(-1), drawn)
