@@ -77,3 +77,13 @@ def test_fused_kernels_on_cuda():
                                   head_dims=(64, 128, 256))
     bad = [c for c in cases if not c.ok]
     assert not bad, bad
+
+
+def test_layers_plan_their_fused_variants_for_warmup():
+    from tpserve.layers.activation import GatedActivation
+    from tpserve.layers.norm import RMSNorm
+
+    RMSNorm(96, 1e-6, offset=1.0, cast_before_weight=False)
+    GatedActivation("gelu_pytorch_tanh")
+    assert (96, 1.0, False) in fo._PLANNED_NORMS and True in fo._PLANNED_ACTS
+    assert fo.warmup(torch.device("cpu"), torch.float32) == 0  # the CPU serves on torch

@@ -40,6 +40,55 @@ def _kernels():
     return triton_fused
 
 
+# Variants the layers built in this process will launch (norm: hidden, offset, cast_first;
+# act: tanh GELU or not), so warmup can compile them before the first request.
+_PLANNED_NORMS: set[tuple[int, float, bool]] = set()
+_PLANNED_ACTS: set[bool] = set()
+
+
+def plan_norm(hidden: int, offset: float, cast_first: bool) -> None:
+    _PLANNED_NORMS.add((hidden, float(offset), bool(cast_first)))
+
+
+def plan_act(name: str) -> None:
+    if name in GATED_ACTS:
+        _PLANNED_ACTS.add(GATED_ACTS[name])
+
+
+def warmup(device: torch.device, dtype: torch.dtype) -> int:
+    """Launch every planned fused variant once on `device` (compiling it, or loading it from
+    Triton's disk cache); the launches a forward makes then compile nothing. Returns how
+    many were launched (0 where the torch path serves)."""
+    if not use_triton(torch.empty(0, device=device)):
+        return 0
+    n = 0
+    for hidden, offset, cast_first in sorted(_PLANNED_NORMS):
+        x = torch.zeros(1, hidden, dtype=dtype, device=device)
+        w = torch.ones(hidden, dtype=dtype, device=device)
+        for res in (None, x):
+            add_rms_norm_triton(x, res, w, 1e-6, offset, cast_first)
+            n += 1
+    for gelu in sorted(_PLANNED_ACTS):
+        gated_act_triton(torch.zeros(1, 32, dtype=dtype, device=device), gelu)
+        n += 1
+    gumbel_argmax_triton(torch.zeros(2, 8, device=device),
+                         torch.zeros(2, dtype=torch.int64, device=device))
+    return n + 1
+
+
+def gumbel_argmax_triton(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The sampler's Gumbel-max draw (layers/sampler.py) in one pass: f [n, vocab] float32
+    filtered logits, keys [n] int64 row keys."""
+    from tpserve.kernels.triton_sampling import gumbel_argmax_kernel
+
+    f, keys = f.contiguous(), keys.contiguous()
+    out = torch.empty(f.shape[0], dtype=torch.int64, device=f.device)
+    if f.shape[0]:
+        gumbel_argmax_kernel[(f.shape[0],)](f, keys, out, f.shape[1], f.stride(0), BLOCK=1024,
+                                            num_warps=4)
+    return out
+
+
 # --- residual add + RMSNorm ---------------------------------------------------------------
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float, offset: float = 0.0, cast_first: bool = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpserve.kernels import fused_ops
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import unknown_feature_reason
 from tpserve.kernels.compile_cache import cached_kernel_count, configure_triton_cache
@@ -262,15 +263,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     # --- compiling ----------------------------------------------------------------------
     def compile_count(self) -> int:
-        """Kernel variants built in this process, the fused layer kernels included (they
-        compile in warmup's graph capture or first forward). Under the interpreter there is
+        """Kernel variants built in this process, the fused layer and sampling kernels
+        included (warmup launches them too). Under the interpreter there is
         no compiler, so the distinct launch keys stand in for it."""
         if interpreting():
             return len(self.launched)
-        from tpserve.kernels import triton_fused
+        from tpserve.kernels import triton_fused, triton_sampling
 
         total = 0
-        for kernel in self._kernels().KERNELS + triton_fused.KERNELS:
+        for kernel in self._kernels().KERNELS + triton_fused.KERNELS + triton_sampling.KERNELS:
             caches = getattr(kernel, "device_caches", {}) or {}
             total += sum(len(c[0]) for c in caches.values())
         return total
@@ -285,6 +286,8 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             for case in plan:
                 self._run_case(case, device, dtype, spec)
+            # The fused norm / activation kernels of the layers built in this process.
+            fused_ops.warmup(device, dtype)
         finally:
             self._warming = False
         if device.type != "cpu":

@@ -21,7 +21,7 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit(do_not_specialize=["vocab", "stride_f"])
+@triton.jit(do_not_specialize=["vocab", "stride_f"], do_not_specialize_on_alignment=["keys_ptr"])
 def gumbel_argmax_kernel(f_ptr, keys_ptr, out_ptr, vocab, stride_f, BLOCK: tl.constexpr):
     """out[row] = argmax_i f[row, i] + Gumbel(key[row], i), the first index on ties."""
     row = tl.program_id(0).to(tl.int64)
@@ -44,3 +44,6 @@ def gumbel_argmax_kernel(f_ptr, keys_ptr, out_ptr, vocab, stride_f, BLOCK: tl.co
     top = tl.max(best, axis=0)
     pick = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
     tl.store(out_ptr + row, tl.where(top == float("-inf"), 0, pick).to(tl.int64))
+
+
+KERNELS = (gumbel_argmax_kernel,)

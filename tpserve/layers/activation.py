@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.kernels.fused_ops import gated_act
+from tpserve.kernels.fused_ops import gated_act, plan_act
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,7 @@ class GatedActivation(nn.Module):
     def __init__(self, act: str) -> None:
         super().__init__()
         self.name, self.act = act, get_activation(act)
+        plan_act(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One kernel for silu and the tanh GELU where the device has it, else torch.

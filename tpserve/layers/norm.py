@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.kernels.fused_ops import add_rms_norm
+from tpserve.kernels.fused_ops import add_rms_norm, plan_norm
 from tpserve.layers.sharding import copy_full
 
 
@@ -20,6 +20,7 @@ class RMSNorm(nn.Module):
         self.cast_before_weight = cast_before_weight
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
         self.weight.weight_loader = copy_full
+        plan_norm(hidden, offset, cast_before_weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with a residual, (rmsnorm(x + residual), x + residual) in one kernel

@@ -20,7 +20,7 @@ import torch
 
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SampledToken, SeqStep
-from tpserve.kernels.fused_ops import use_triton
+from tpserve.kernels.fused_ops import gumbel_argmax_triton, use_triton
 
 # Temperatures below this already make the draw an arg-max for any real logit gap, and
 # dividing by them keeps float32 finite; above the upper one every row is uniform anyway.
@@ -94,13 +94,7 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax(f + gumbel_noise(keys)) per row: one Triton pass on CUDA/XPU, else torch."""
     if use_triton(f):
-        from tpserve.kernels.triton_sampling import gumbel_argmax_kernel
-
-        f = f.contiguous()
-        out = torch.empty(f.shape[0], dtype=torch.int64, device=f.device)
-        gumbel_argmax_kernel[(f.shape[0],)](f, keys, out, f.shape[1], f.stride(0), BLOCK=1024,
-                                            num_warps=4)
-        return out
+        return gumbel_argmax_triton(f, keys)
     return (f + gumbel_noise(keys, f.shape[1])).argmax(-1)
 
 
