@@ -149,6 +149,7 @@ def attention_only(batch: int, ctx: int) -> dict:
 L3_HEADS, L3_KV, L3_D, L3_HIDDEN, L3_INTER = 32, 8, 128, 4096, 14336
 SPLIT_BATCHES, SPLIT_CONTEXTS = (1, 32), (512, 2048, 8192)
 FUSED_TOKENS = (1, 32, 256)
+TABLE_DEVICE = "cuda"  # a dry run of the table code may set "cpu" (TRITON_INTERPRET=1)
 
 
 def time_loop(fn, n: int = 100) -> float:
@@ -168,7 +169,7 @@ def time_loop(fn, n: int = 100) -> float:
 def _split_row(split, single, spec, batch: int, ctx: int) -> dict:
     from tpserve.kernels.base import AttentionMetadata
 
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dev, dtype = torch.device(TABLE_DEVICE), torch.bfloat16
     nb = ctx // BLOCK
     perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
     meta = AttentionMetadata(
@@ -215,7 +216,7 @@ def _fused_rows(t: int) -> list[dict]:
     from tpserve.kernels import fused_ops as fo
     from tpserve.kernels.torch_backend import TorchAttentionBackend
 
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    dev, dtype = torch.device(TABLE_DEVICE), torch.bfloat16
     torch_backend = TorchAttentionBackend()
     w = torch.randn(L3_HIDDEN, dtype=dtype, device=dev)
     kc, vc = (torch.zeros(4096, BLOCK, L3_KV, L3_D, dtype=dtype, device=dev) for _ in range(2))
