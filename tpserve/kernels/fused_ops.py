@@ -27,9 +27,12 @@ def _triton_reason(device_type: str) -> str | None:
     return _triton_missing(device_type)
 
 
+_DISABLED = os.environ.get("TPSERVE_FUSED") == "0"  # read once: checked per layer call
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when `t`'s device runs the Triton kernels here (never on the CPU)."""
-    if t.device.type not in _TRITON_DEVICES or os.environ.get("TPSERVE_FUSED") == "0":
+    if _DISABLED or t.device.type not in _TRITON_DEVICES:
         return False
     return _triton_reason(t.device.type) is None
 

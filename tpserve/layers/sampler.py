@@ -14,6 +14,7 @@ greedy on its raw logits, with NaN and infinities replaced by large finite value
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ _MAX_FREQ_PENALTY = 1e20
 _BIG = 1e30  # stand-in for +inf: large, but sums of a few stay finite in float32
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
-_FLOATS, _INTS = 5, 3  # packed columns per row: see _pack
+_FLOATS, _INTS = 5, 5  # packed columns per row: see _pack
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,32 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.lru_cache(maxsize=65536)
+def _seed_mix(seed: int) -> int:
+    # Seeds repeat on every step of a request: hash each once on the host.
+    return _splitmix64(seed & _M64)
+
+
+def _key32(lo, hi, step):
+    """The 32-bit key of one draw from the seed's hash halves and the step (ints or int64
+    tensors): the same arithmetic on the host (row_key) and on the device."""
+    if isinstance(lo, int):
+        return _mix32_int(_mix32_int(lo ^ (step * 0x9E3779B1 & _M32)) ^ hi)
+    return _mix32(_mix32(lo ^ _mul32(step, 0x9E3779B1)) ^ hi)
+
+
 def row_key(seed: int, step: int) -> int:
-    """32-bit key of one draw, a hash of (seed, step) computed on the host."""
-    return _splitmix64(_splitmix64(seed & _M64) ^ (step & _M64)) & _M32
+    """32-bit key of the draw of (seed, step): what the sampler computes on the device."""
+    mixed = _seed_mix(seed)
+    return _key32(mixed & _M32, mixed >> 32, step & _M32)
+
+
+def _mix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & _M32
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & _M32
+    return h ^ (h >> 16)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -117,8 +141,9 @@ def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
                    1.0 if p.typical_p is None or greedy else p.typical_p,
                    min(max(rp, _MIN_REP_PENALTY), _MAX_REP_PENALTY),
                    min(max(fp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY)]
-        ints += [int(greedy), 0 if p.top_k is None or greedy else p.top_k,
-                 row_key(r.seed, r.step)]
+        mixed = _seed_mix(r.seed)
+        ints += [int(greedy), 0 if p.top_k is None or greedy else p.top_k, mixed & _M32,
+                 mixed >> 32, r.step & _M32]
         if r.history and rp != 1.0:
             uniq = set(r.history)
             hist_ids += uniq
@@ -210,7 +235,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         d = _to_device(buf, logits.device)
         head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
         fl = head[:, :_FLOATS].view(torch.float64).float()
-        greedy, top_k, keys = (head[:, _FLOATS + j] for j in range(_INTS))
+        greedy, top_k, lo, hi, step = (head[:, _FLOATS + j] for j in range(_INTS))
+        keys = _key32(lo, hi, step)
         if nh or ng:
             x = _penalise(x, d, fl, nh, ng)
     if any(sampled):
