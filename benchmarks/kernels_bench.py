@@ -10,7 +10,8 @@ Each start builds an in-process (tp = 1, LocalExecutor) engine on a random Llama
 
 Kernel tables first (kernel_tables.md, also alone with --part kernels): split-K decode
 attention GB/s at batch 1 and 32 for contexts 512/2k/8k against one program per KV head, and
-each fused layer kernel against the unfused torch path, at Llama-3-8B shapes.
+each fused layer kernel against the unfused torch path, and prefill attention of a 2k and an
+8k prompt, at Llama-3-8B shapes.
 
 Decode steps are timed two ways, for batch 1/8/32 and context 512/2048: the attention
 kernel alone (one layer, CUDA events) and one whole engine step (ShardWorker.execute: the
@@ -149,6 +150,7 @@ def attention_only(batch: int, ctx: int) -> dict:
 L3_HEADS, L3_KV, L3_D, L3_HIDDEN, L3_INTER = 32, 8, 128, 4096, 14336
 SPLIT_BATCHES, SPLIT_CONTEXTS = (1, 32), (512, 2048, 8192)
 FUSED_TOKENS = (1, 32, 256)
+PREFILL_TOKENS = (2048, 8192)
 TABLE_DEVICE = "cuda"  # a dry run of the table code may set "cpu" (TRITON_INTERPRET=1)
 
 
@@ -210,6 +212,34 @@ def split_k_table() -> list[dict]:
     return rows
 
 
+def prefill_table() -> list[dict]:
+    """One long prompt through the prefill kernel, Llama-3-8B heads (GQA 4:1, each key tile
+    read once per group): milliseconds and TFLOP/s of the causal attention arithmetic."""
+    from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+    from tpserve.kernels.triton_backend import TritonAttentionBackend
+
+    dev, dtype = torch.device(TABLE_DEVICE), torch.bfloat16
+    spec = AttentionSpec(L3_HEADS, L3_KV, L3_D, L3_D**-0.5, block_size=BLOCK)
+    backend = TritonAttentionBackend()
+    rows = []
+    for t in PREFILL_TOKENS:
+        nb = t // BLOCK
+        meta = AttentionMetadata(
+            torch.tensor([0, t], dtype=torch.int32, device=dev),
+            torch.tensor([t], dtype=torch.int32, device=dev),
+            torch.randperm(nb, device=dev, dtype=torch.int32).view(1, nb),
+            torch.zeros(t, dtype=torch.long, device=dev), t, t, (t,), (t,))
+        q = torch.randn(t, L3_HEADS, L3_D, dtype=dtype, device=dev)
+        kc, vc = (torch.randn(backend.kv_cache_shape(nb, spec), dtype=dtype, device=dev)
+                  for _ in range(2))
+        ms = time_cuda(lambda q=q, kc=kc, vc=vc, meta=meta: backend.prefill(q, kc, vc, meta,
+                                                                            spec), iters=10)
+        flops = 4 * (t * t / 2) * L3_D * L3_HEADS  # QK^T and PV over the causal half
+        rows.append({"tokens": t, "ms": ms, "tflops": flops / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def _fused_rows(t: int) -> list[dict]:
     import torch.nn.functional as F
 
@@ -254,7 +284,8 @@ def fused_table() -> list[dict]:
     return rows
 
 
-def kernel_tables_md(split_rows: list[dict], fused_rows: list[dict]) -> str:
+def kernel_tables_md(split_rows: list[dict], fused_rows: list[dict],
+                     prefill_rows: list[dict]) -> str:
     dev = torch.cuda.get_device_name()
     lines = [f"Machine: 1x {dev}, torch {torch.__version__}, triton "
              f"{__import__('triton').__version__}; {datetime.date.today()}.", "",
@@ -275,6 +306,11 @@ def kernel_tables_md(split_rows: list[dict], fused_rows: list[dict]) -> str:
     for r in fused_rows:
         lines.append(f"| {r['kernel']} | {r['tokens']} | {r['fused_ms']:.4f} | "
                      f"{r['torch_ms']:.4f} | {r['torch_ms'] / r['fused_ms']:.1f}x |")
+    lines += ["", "Prefill attention of one prompt, one layer (same heads, GQA 4:1), median of "
+              "10; TFLOP/s of the causal QK^T and PV arithmetic:", "",
+              "| prompt tokens | ms | TFLOP/s |", "| --- | --- | --- |"]
+    for r in prefill_rows:
+        lines.append(f"| {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
     return "\n".join(lines)
 
 
@@ -356,10 +392,10 @@ def main() -> int:
         print("kernels_bench needs a CUDA device", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    split_rows, fused_rows = split_k_table(), fused_table()
+    split_rows, fused_rows, prefill_rows = split_k_table(), fused_table(), prefill_table()
     (args.out / "kernel_tables.json").write_text(json.dumps(
-        {"split_k": split_rows, "fused": fused_rows}, indent=1))
-    tables = kernel_tables_md(split_rows, fused_rows)
+        {"split_k": split_rows, "fused": fused_rows, "prefill": prefill_rows}, indent=1))
+    tables = kernel_tables_md(split_rows, fused_rows, prefill_rows)
     (args.out / "kernel_tables.md").write_text(tables + "\n")
     print(tables, flush=True)
     if args.part == "kernels":
