@@ -228,10 +228,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         empty = torch.empty(0, dtype=torch.int64, device=logits.device)
         return SampleResult(empty, empty.float(), None, None)
     top_n = max(r.params.top_n_tokens for r in rows)
-    buf, nh, ng = _pack(rows)
     sampled = [not r.params.greedy for r in rows]
-    x = raw
-    if nh or ng or any(sampled):
+    penalised = any(r.history and (r.params.repetition_penalty not in (None, 1.0)
+                                   or r.params.frequency_penalty) for r in rows)
+    x, nh, ng = raw, 0, 0
+    if penalised or any(sampled):  # an all-greedy batch needs no parameters on the device
+        buf, nh, ng = _pack(rows)
         d = _to_device(buf, logits.device)
         head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
         fl = head[:, :_FLOATS].view(torch.float64).float()
