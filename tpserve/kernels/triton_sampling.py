@@ -14,10 +14,11 @@ import triton.language as tl
 
 @triton.jit
 def _mix32(h):
+    # Each product cast back to uint32: wraps mod 2**32 however the literal is typed.
     h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
+    h = (h * 0x85EBCA6B).to(tl.uint32)
     h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
+    h = (h * 0xC2B2AE35).to(tl.uint32)
     return h ^ (h >> 16)
 
 
@@ -32,8 +33,8 @@ def gumbel_argmax_kernel(f_ptr, keys_ptr, out_ptr, vocab, stride_f, BLOCK: tl.co
         idx = start + tl.arange(0, BLOCK)
         ok = idx < vocab
         x = tl.load(f_ptr + row * stride_f + idx, mask=ok, other=float("-inf"))
-        # uint32 arithmetic wraps mod 2**32, as the torch path's split multiply does.
-        h = _mix32(_mix32(key ^ (idx.to(tl.uint32) * 0x9E3779B1)))
+        # uint32 arithmetic mod 2**32, as the torch path's split multiply computes it.
+        h = _mix32(_mix32(key ^ (idx.to(tl.uint32) * 0x9E3779B1).to(tl.uint32)))
         w = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
         w = tl.minimum(w, 1.0 - 5.960464477539063e-08)  # 1 - 2**-24
         e = tl.where(w < 1e-6, w + 0.5 * w * w, -tl.log(1.0 - w))
