@@ -102,22 +102,40 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel_noise(keys: torch.Tensor, vocab: int, exact: bool | None = None) -> torch.Tensor:
     """[n, vocab] standard Gumbel noise (float32), a pure function of each row's key and the
-    token id; kernels/triton_sampling.py computes the same values."""
+    token id; kernels/triton_sampling.py computes the same values.
+
+    exact (default: when the device has float64) transforms in float64; otherwise in float32
+    with a series for small draws, within ~1e-6 of it (Intel Arc GPUs lack float64)."""
     idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
     h = _mix32(_mix32(keys[:, None] ^ _mul32(idx, 0x9E3779B1)[None, :]))
     # w is uniform on (0, 1) with fine resolution near 0, where the exponential draw
     # -log(1 - w) is small and the Gumbel value large: the end that decides the arg-max.
-    # float64, and a series below 1e-6, keep that end exact to float32.
-    w = ((h.double() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
-    e = torch.where(w < 1e-6, w + 0.5 * w * w, -torch.log(1.0 - w))
-    return (-torch.log(e)).float()
+    if exact if exact is not None else _has_float64(keys.device):
+        # float64, and a series below 1e-6, keep that end exact to float32.
+        w = ((h.double() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+        e = torch.where(w < 1e-6, w + 0.5 * w * w, -torch.log(1.0 - w))
+        return (-torch.log(e)).float()
+    w = (h.float() + 0.5) * 2.0**-32
+    # 1 - w from the integer complement: no cancellation when w is large.
+    rest = ((_M32 - h).float() + 0.5) * 2.0**-32
+    series = w * (1 + w * (1 / 2 + w * (1 / 3 + w * (1 / 4 + w / 5))))
+    e = torch.where(w < 1e-2, series, -torch.log(rest))
+    return -torch.log(e)
+
+
+@functools.cache
+def _has_float64(device: torch.device) -> bool:
+    if device.type != "xpu":
+        return True
+    return bool(getattr(torch.xpu.get_device_properties(device), "has_fp64", True))
 
 
 def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """argmax(f + gumbel_noise(keys)) per row: one Triton pass on CUDA/XPU, else torch."""
-    if use_triton(f):
+    """argmax(f + gumbel_noise(keys)) per row: one Triton pass on CUDA (and XPU with float64),
+    else torch."""
+    if use_triton(f) and _has_float64(f.device):
         return gumbel_argmax_triton(f, keys)
     return (f + gumbel_noise(keys, f.shape[1])).argmax(-1)
 
