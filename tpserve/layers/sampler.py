@@ -141,7 +141,7 @@ def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
-    """One int64 host tensor: per-row floats (as float64 bits), per-row ints, then histories."""
+    """One int64 host tensor: per-row floats (float32 bits), per-row ints, then histories."""
     n = len(rows)
     floats, ints = [], []
     hist_ids: list[int] = []
@@ -171,8 +171,9 @@ def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
             gen_ids += gen
             gen_rows += [i] * len(gen)
     head = torch.empty(n, _FLOATS + _INTS, dtype=torch.int64)
-    head[:, :_FLOATS] = torch.tensor(floats, dtype=torch.float64).view(n, _FLOATS) \
-        .view(torch.int64)
+    # float32 bits as signed int32 values: the device reinterprets them without float64.
+    head[:, :_FLOATS] = torch.tensor(floats, dtype=torch.float32).view(torch.int32) \
+        .view(n, _FLOATS)
     head[:, _FLOATS:] = torch.tensor(ints, dtype=torch.int64).view(n, _INTS)
     tail = torch.tensor(hist_ids + hist_rows + gen_ids + gen_rows, dtype=torch.int64)
     return torch.cat([head.view(-1), tail]), len(hist_ids), len(gen_ids)
@@ -254,7 +255,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         buf, nh, ng = _pack(rows)
         d = _to_device(buf, logits.device)
         head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
-        fl = head[:, :_FLOATS].view(torch.float64).float()
+        fl = head[:, :_FLOATS].to(torch.int32).view(torch.float32)
         greedy, top_k, lo, hi, step = (head[:, _FLOATS + j] for j in range(_INTS))
         keys = _key32(lo, hi, step)
         if nh or ng:
@@ -297,9 +298,11 @@ def sample_seq_steps(logits: torch.Tensor, seqs: list[SeqStep], default_seed: in
         rows.append(SampleRow(p, seed, s.num_generated,
                               tuple(s.history) if s.history else None, s.num_generated))
     res = sample(logits, rows)
-    parts = [res.token_ids.double(), res.logprobs.double()]
+    # One float32 tensor (ids below 2**24 are exact in it; no float64, which some GPUs lack).
+    wide = torch.float32 if logits.shape[-1] < 2**24 else torch.float64
+    parts = [res.token_ids.to(wide), res.logprobs.to(wide)]
     if res.top_ids is not None:
-        parts += [res.top_ids.double(), res.top_logprobs.double()]
+        parts += [res.top_ids.to(wide), res.top_logprobs.to(wide)]
     host = torch.cat([t.reshape(len(seqs), -1) for t in parts], 1).cpu().tolist()
     k = res.top_ids.shape[1] if res.top_ids is not None else 0
     out = []
