@@ -26,7 +26,7 @@ from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
 from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.layers.sampler import sample
+from tpserve.layers.sampler import sample_seq_steps as sample
 from tpserve.models.registry import model_class
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 
