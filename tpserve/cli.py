@@ -30,6 +30,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="auto: CUDA, else XPU, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on accelerators")
+    p.add_argument("--quantize", default="auto", choices=["auto", "gptq", "awq", "fp8", "none"],
+                   help="weight quantization: auto follows the checkpoint's quantization_config "
+                   "(GPTQ/AWQ int4, fp8); fp8 also casts a float checkpoint to e4m3 at load")
+    p.add_argument("--quant-kernel", default="auto",
+                   help="int4/fp8 matmul kernel: auto, torch, triton or an installed "
+                   "tpserve.quant_kernels plugin")
     p.add_argument("--kernel", default="auto",
                    help="attention backend: auto, torch, triton, ipex or an installed plugin")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -129,7 +135,8 @@ def engine_config(args: argparse.Namespace):
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
-                          load_format=args.load_format),
+                          load_format=args.load_format, quantize=args.quantize,
+                          quant_kernel=args.quant_kernel),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -141,6 +148,10 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+    from tpserve.layers.quant.config import resolve_quant
+
+    quant = resolve_quant(args.quantize, hf, args.quant_kernel)
+    log.info("quantization: %s", quant.describe() if quant else "none (float weights)")
     from tpserve.cluster.shard_worker import check_shardable
 
     check_shardable(cfg, hf)

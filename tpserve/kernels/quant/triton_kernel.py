@@ -1,0 +1,167 @@
+"""Triton weight-only GEMM/GEMV for CUDA and XPU: int4 (w4a16) and fp8 (w8a16) weights are
+dequantized in registers, block by block, and never written back to memory, so a decode
+step reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
+
+Small batches (M <= 8, decode) take the GEMV kernel: each program reduces a BLOCK_K x
+BLOCK_N tile with multiply-and-sum and, when N alone gives too few programs to fill the
+device, splits K across programs that add into a float32 output (split-K). Larger M takes
+the tiled tl.dot GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.kernels.quant.base import QuantKernel
+
+try:  # Triton is optional: supports() says why when it is missing.
+    import triton
+    import triton.language as tl
+except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+    triton = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+else:
+    _IMPORT_ERROR = ""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _int4_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
+                   sqk, sqn, ssg, ssn, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """Dequantized weight tile [BLOCK_K, BLOCK_N] in float32 (BLOCK_K a multiple of 8,
+        offs_k starting at a multiple of 8)."""
+        rows = offs_k // 8
+        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        packed = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :] * sqn, mask=mask,
+                         other=0)
+        q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
+        if HAS_GIDX:
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
+        else:
+            g = offs_k // group_size
+        sz = g[:, None] * ssg + offs_n[None, :] * ssn
+        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        return (q.to(tl.float32) - z) * s
+
+    @triton.jit
+    def _fp8_tile(w_ptr, scale_ptr, offs_k, offs_n, K, N, swn, swk):
+        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        w = tl.load(w_ptr + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=mask, other=0.0)
+        s = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+        return w.to(tl.float32) * s[None, :]
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+                     sxm, sxk, sym, syn, s0, s1, ssg, ssn,
+                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One row of x per program along axis 0; [BLOCK_N] outputs; K split SPLIT_K ways."""
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_start = pid_k * k_span
+        for k0 in range(0, k_span, BLOCK_K):
+            offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + m * sxm + offs_k * sxk, mask=offs_k < K, other=0.0)
+            if FP8:
+                w = _fp8_tile(w_ptr, s_ptr, offs_k, offs_n, K, N, s0, s1)
+            else:
+                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
+                               s0, s1, ssg, ssn, HAS_GIDX, BLOCK_K, BLOCK_N)
+            acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
+        out = y_ptr + m * sym + offs_n * syn
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        else:
+            tl.atomic_add(out, acc, mask=offs_n < N)
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+                     sxm, sxk, sym, syn, s0, s1, ssg, ssn,
+                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            if FP8:
+                w = _fp8_tile(w_ptr, s_ptr, offs_k, offs_n, K, N, s0, s1)
+            else:
+                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
+                               s0, s1, ssg, ssn, HAS_GIDX, BLOCK_K, BLOCK_N)
+            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn,
+                 acc.to(y_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+GEMV_MAX_M = 8
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 64  # XPU and the interpreter: a fixed guess, only steers split-K
+
+
+def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+            g: torch.Tensor | None, group_size: int, fp8: bool) -> torch.Tensor:
+    m, k = x.shape
+    if fp8:
+        s0, s1, ssg, ssn = w.stride(0), w.stride(1), 0, 0
+    else:
+        s0, s1, ssg, ssn = w.stride(0), w.stride(1), s.stride(0), s.stride(1)
+    z = z if z is not None else s
+    g = g if g is not None else s
+    if m <= GEMV_MAX_M:
+        block_n, block_k = 64, 128
+        n_blocks = triton.cdiv(n, block_n)
+        split = 1
+        # Fill about 4 programs per SM when the output columns alone cannot.
+        while m * n_blocks * split < 4 * _num_sms(x.device) and k // (split * 2) >= 4 * block_k:
+            split *= 2
+        y = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split > 1 else \
+            torch.empty(m, n, device=x.device, dtype=x.dtype)
+        _gemv_kernel[(m, n_blocks, split)](
+            x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
+            y.stride(1), s0, s1, ssg, ssn, FP8=fp8, HAS_GIDX=g is not s and not fp8,
+            SPLIT_K=split, BLOCK_K=block_k, BLOCK_N=block_n)
+        return y.to(x.dtype) if split > 1 else y
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bm, bn, bk = (16 if m <= 16 else 64), 64, 64
+    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
+        y.stride(1), s0, s1, ssg, ssn, FP8=fp8, HAS_GIDX=g is not s and not fp8,
+        BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
+    return y
+
+
+class TritonQuantKernel(QuantKernel):
+    name = "triton"
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, method: str) -> str | None:
+        if triton is None:
+            return f"triton is not importable ({_IMPORT_ERROR})"
+        if device.type not in ("cuda", "xpu"):
+            return f"runs on CUDA and XPU devices, not {device.type}"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"activation dtype {dtype} is not supported"
+        return None
+
+    def int4_matmul(self, x, qweight, scales, zeros, group_size, g_idx=None):
+        return _launch(x, qweight.shape[1], qweight, scales, zeros, g_idx, group_size, False)
+
+    def fp8_matmul(self, x, weight, scale):
+        return _launch(x, weight.shape[0], weight, scale, None, None, 1, True)
