@@ -10,6 +10,8 @@ the tiled tl.dot GEMM.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tpserve.kernels.quant.base import QuantKernel
@@ -27,27 +29,40 @@ else:
 if triton is not None:
 
     @triton.jit
-    def _int4_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
-                   sqk, sqn, ssg, ssn, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-        """Dequantized weight tile [BLOCK_K, BLOCK_N] in float32 (BLOCK_K a multiple of 8,
-        offs_k starting at a multiple of 8)."""
-        rows = offs_k // 8
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    def _int4_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, N, group_size,
+                   sqk, sqn, ssg, ssn, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Dequantized weight rows [k0, k0 + BLOCK_K) x offs_n, float32 [BLOCK_K, BLOCK_N]
+        (k0 a multiple of 8). Each packed int32 is loaded once and split into its 8 rows.
+        ROW_SCALES: the block lies in one group (group_size a multiple of BLOCK_K, no g_idx),
+        so one row of scales and zeros serves it."""
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = (rows[:, None] < tl.cdiv(K, 8)) & (offs_n[None, :] < N)
         packed = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :] * sqn, mask=mask,
                          other=0)
-        q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
+        shifts = tl.arange(0, 8) * 4
+        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        if ROW_SCALES:
+            at = (k0 // group_size) * ssg + offs_n * ssn
+            smask = (offs_n < N) & (k0 < K)  # a split-K tail block may start past K
+            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)
+            return (q - z[None, :]) * s[None, :]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         if HAS_GIDX:
             g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
         else:
             g = offs_k // group_size
-        sz = g[:, None] * ssg + offs_n[None, :] * ssn
-        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) - z) * s
+        at = g[:, None] * ssg + offs_n[None, :] * ssn
+        s = tl.load(s_ptr + at, mask=kmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=kmask, other=0.0).to(tl.float32)
+        return (q - z) * s
 
     @triton.jit
-    def _fp8_tile(w_ptr, scale_ptr, offs_k, offs_n, K, N, swn, swk):
+    def _fp8_tile(w_ptr, scale_ptr, k0, K, offs_n, N, swn, swk, BLOCK_K: tl.constexpr):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w = tl.load(w_ptr + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=mask, other=0.0)
         s = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
@@ -55,25 +70,28 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
-                     sxm, sxk, sym, syn, s0, s1, ssg, ssn,
-                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT_K: tl.constexpr,
+                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K_SPAN: tl.constexpr,
+                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                     SPLIT_K: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One row of x per program along axis 0; [BLOCK_N] outputs; K split SPLIT_K ways."""
+        """One row of x per program along axis 0; [BLOCK_N] outputs; K split SPLIT_K ways
+        into spans of K_SPAN (a multiple of BLOCK_K; a constant, so the loop bounds are too:
+        one compiled variant per layer shape)."""
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_start = pid_k * k_span
-        for k0 in range(0, k_span, BLOCK_K):
+        k_start = pid_k * K_SPAN
+        for k0 in range(0, K_SPAN, BLOCK_K):
             offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + m * sxm + offs_k * sxk, mask=offs_k < K, other=0.0)
             if FP8:
-                w = _fp8_tile(w_ptr, s_ptr, offs_k, offs_n, K, N, s0, s1)
+                w = _fp8_tile(w_ptr, s_ptr, k_start + k0, K, offs_n, N, s0, s1, BLOCK_K)
             else:
-                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
-                               s0, s1, ssg, ssn, HAS_GIDX, BLOCK_K, BLOCK_N)
+                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, k_start + k0, K, offs_n, N,
+                               group_size, s0, s1, ssg, ssn, HAS_GIDX, ROW_SCALES, BLOCK_K,
+                               BLOCK_N)
             acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
         out = y_ptr + m * sym + offs_n * syn
         if SPLIT_K == 1:
@@ -82,9 +100,11 @@ if triton is not None:
             tl.atomic_add(out, acc, mask=offs_n < N)
 
     @triton.jit
-    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
-                     sxm, sxk, sym, syn, s0, s1, ssg, ssn,
-                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, group_size,
+                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K: tl.constexpr,
+                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                     PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -96,11 +116,11 @@ if triton is not None:
             x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
             if FP8:
-                w = _fp8_tile(w_ptr, s_ptr, offs_k, offs_n, K, N, s0, s1)
+                w = _fp8_tile(w_ptr, s_ptr, k0, K, offs_n, N, s0, s1, BLOCK_K)
             else:
-                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, K, N, group_size,
-                               s0, s1, ssg, ssn, HAS_GIDX, BLOCK_K, BLOCK_N)
-            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, N, group_size,
+                               s0, s1, ssg, ssn, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
+            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
         tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn,
                  acc.to(y_ptr.dtype.element_ty),
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -109,6 +129,7 @@ if triton is not None:
 GEMV_MAX_M = 8
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -122,6 +143,8 @@ def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.
         s0, s1, ssg, ssn = w.stride(0), w.stride(1), 0, 0
     else:
         s0, s1, ssg, ssn = w.stride(0), w.stride(1), s.stride(0), s.stride(1)
+    has_gidx = g is not None and not fp8
+    # Unused pointer arguments still need a tensor: pass the scales.
     z = z if z is not None else s
     g = g if g is not None else s
     if m <= GEMV_MAX_M:
@@ -133,17 +156,21 @@ def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.
             split *= 2
         y = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split > 1 else \
             torch.empty(m, n, device=x.device, dtype=x.dtype)
+        k_span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         _gemv_kernel[(m, n_blocks, split)](
             x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
-            y.stride(1), s0, s1, ssg, ssn, FP8=fp8, HAS_GIDX=g is not s and not fp8,
+            y.stride(1), s0, s1, ssg, ssn, K_SPAN=k_span, FP8=fp8,
+            HAS_GIDX=has_gidx, ROW_SCALES=not has_gidx and group_size % block_k == 0,
             SPLIT_K=split, BLOCK_K=block_k, BLOCK_N=block_n)
         return y.to(x.dtype) if split > 1 else y
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bm, bn, bk = (16 if m <= 16 else 64), 64, 64
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
-        y.stride(1), s0, s1, ssg, ssn, FP8=fp8, HAS_GIDX=g is not s and not fp8,
-        BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
+        x, y, w, s, z, g, m, n, group_size, x.stride(0), x.stride(1), y.stride(0),
+        y.stride(1), s0, s1, ssg, ssn, K=k, FP8=fp8, HAS_GIDX=has_gidx,
+        ROW_SCALES=not has_gidx and group_size % bk == 0,
+        # float32 activations get an exact float32 product, not TF32.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
     return y
 
 
