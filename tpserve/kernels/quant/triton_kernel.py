@@ -2,10 +2,10 @@
 dequantized in registers, block by block, and never written back to memory, so a decode
 step reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
 
-Small batches (M <= 8, decode) take the GEMV kernel: each program reduces a BLOCK_K x
-BLOCK_N tile with multiply-and-sum and, when N alone gives too few programs to fill the
-device, splits K across programs that add into a float32 output (split-K). Larger M takes
-the tiled tl.dot GEMM.
+One row (M = 1, single-stream decode) takes the GEMV kernel: each program reduces
+BLOCK_K x BLOCK_N tiles with multiply-and-sum. More rows take the tiled tl.dot GEMM (16-row
+tiles up to M = 16, then 64). When the output tiles alone are too few programs to fill the
+device, both split K across programs that add into a float32 output (split-K).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ if triton is not None:
                      FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
                      SPLIT_K: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One row of x per program along axis 0; [BLOCK_N] outputs; K split SPLIT_K ways
+        """x of one row (M = 1); [BLOCK_N] outputs per program; K split SPLIT_K ways
         into spans of K_SPAN (a multiple of BLOCK_K; a constant, so the loop bounds are too:
         one compiled variant per layer shape)."""
         m = tl.program_id(0)
@@ -100,18 +100,19 @@ if triton is not None:
             tl.atomic_add(out, acc, mask=offs_n < N)
 
     @triton.jit
-    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, group_size,
-                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K: tl.constexpr,
+    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K_SPAN: tl.constexpr,
                      FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                     PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr,
+                     PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        k_start = tl.program_id(2) * K_SPAN
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for kk in range(0, K_SPAN, BLOCK_K):
+            k0 = k_start + kk
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
                         mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
@@ -121,12 +122,12 @@ if triton is not None:
                 w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, N, group_size,
                                s0, s1, ssg, ssn, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
             acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-        tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn,
-                 acc.to(y_ptr.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-GEMV_MAX_M = 8
+        out = y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(out, acc, mask=mask)
 
 
 @functools.cache
@@ -134,6 +135,16 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 64  # XPU and the interpreter: a fixed guess, only steers split-K
+
+
+def _split_k(tiles: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
+    """(splits, K span of each): enough programs for about 4 per SM when the output tiles
+    alone are fewer, keeping at least 4 K-blocks per program. Independent of the batch
+    size within a path, so each layer shape compiles one variant per path."""
+    split = 1
+    while tiles * split < 4 * sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
 
 
 def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -147,33 +158,26 @@ def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.
     # Unused pointer arguments still need a tensor: pass the scales.
     z = z if z is not None else s
     g = g if g is not None else s
-    if m <= GEMV_MAX_M:
-        block_n, block_k = 64, 128
-        n_blocks = triton.cdiv(n, block_n)
-        split = 1
-        # Fill about 4 programs per SM when the output columns alone cannot.
-        while m * n_blocks * split < 4 * _num_sms(x.device) and k // (split * 2) >= 4 * block_k:
-            split *= 2
-        y = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split > 1 else \
-            torch.empty(m, n, device=x.device, dtype=x.dtype)
-        k_span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        _gemv_kernel[(m, n_blocks, split)](
-            x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
-            y.stride(1), s0, s1, ssg, ssn, K_SPAN=k_span, FP8=fp8,
-            HAS_GIDX=has_gidx, ROW_SCALES=not has_gidx and group_size % block_k == 0,
-            SPLIT_K=split, BLOCK_K=block_k, BLOCK_N=block_n)
-        return y.to(x.dtype) if split > 1 else y
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    bm, bn, bk = (16 if m <= 16 else 64), 64, 64
-    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, y, w, s, z, g, m, n, group_size, x.stride(0), x.stride(1), y.stride(0),
-        y.stride(1), s0, s1, ssg, ssn, K=k, FP8=fp8, HAS_GIDX=has_gidx,
-        ROW_SCALES=not has_gidx and group_size % bk == 0,
+    gemv = m == 1
+    bm, bn, bk = (1, 64, 128) if gemv else ((16, 64, 64) if m <= 16 else (64, 64, 64))
+    tiles = triton.cdiv(n, bn) * (1 if gemv else triton.cdiv(m, bm))
+    split, k_span = _split_k(tiles if m <= 16 else 4 * _num_sms(x.device), k, bk,
+                             _num_sms(x.device))
+    y = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split > 1 else \
+        torch.empty(m, n, device=x.device, dtype=x.dtype)
+    common = dict(K_SPAN=k_span, FP8=fp8, HAS_GIDX=has_gidx,
+                  ROW_SCALES=not has_gidx and group_size % bk == 0, SPLIT_K=split,
+                  BLOCK_K=bk, BLOCK_N=bn)
+    args = (x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
+            y.stride(1), s0, s1, ssg, ssn)
+    if gemv:
+        _gemv_kernel[(1, triton.cdiv(n, bn), split)](*args, **common)
+    else:
         # float32 activations get an exact float32 product, not TF32.
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
-    return y
-
-
+        _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+            *args, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm,
+            **common)
+    return y.to(x.dtype) if split > 1 else y
 class TritonQuantKernel(QuantKernel):
     name = "triton"
 
