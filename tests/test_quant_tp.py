@@ -22,7 +22,19 @@ CHECKPOINTS = {
     "qwen2-fp8": ("qwen2", dict(fmt="fp8")),
     "llama-fp8-per-tensor": ("llama", dict(fmt="fp8", fp8_per_tensor=True)),
 }
-CASES = [(name, tp) for name in CHECKPOINTS for tp in (1, 2, 4)]
+# Every format at tp = 2, and the riskiest splits at tp = 4 (act-order rows with every
+# group's scales; AWQ's repacked columns), run in the default job; the rest in the slow job
+# (each case starts tp Ray actors: ~25 s on two shared cores).
+FAST = {("llama-awq", 4), ("qwen2-gptq-actorder", 4)}
+
+
+def _case(name: str, tp: int):
+    fast = tp == 2 or (name, tp) in FAST
+    return pytest.param(name, tp, id=f"{name}-tp{tp}",
+                        marks=() if fast else pytest.mark.slow)
+
+
+CASES = [_case(name, tp) for name in CHECKPOINTS for tp in (1, 2, 4)]
 
 _cache: dict[str, tuple] = {}
 
@@ -52,7 +64,7 @@ def quantized(models_dir):
     _cache.clear()
 
 
-@pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{n}-tp{tp}" for n, tp in CASES])
+@pytest.mark.parametrize(("name", "tp"), CASES)
 def test_quantized_matches_transformers(ray_cluster, quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
     engine = make_engine(path, tp)
@@ -62,7 +74,8 @@ def test_quantized_matches_transformers(ray_cluster, quantized, name, tp):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                pytest.param(4, marks=pytest.mark.slow)])
 def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, tp):
     """--quantize fp8 on a float checkpoint: each rank scales the channels of its own slice,
     so the oracle quantizes the same slices."""

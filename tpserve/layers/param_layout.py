@@ -72,7 +72,8 @@ def load_region(param: torch.nn.Parameter, w: TensorSlice, out: tuple[int, int, 
     src, dst = param.src_layout, param.dst_layout
     if math.prod(w.shape) == 1 and src.in_dim is None and param.dim() == 1:
         # A per-tensor scale for a per-channel parameter (fp8 checkpoints): broadcast it.
-        param.data.narrow(0, out[2], out[1]).fill_(w.all().reshape(()).item())
+        value = w[...] if w.shape == () else w.all()  # a 0-dim tensor takes no slice
+        param.data.narrow(0, out[2], out[1]).fill_(value.reshape(()).item())
         return
     index = [slice(None)] * len(w.shape)
     o_start, o_len, o_dst = out
