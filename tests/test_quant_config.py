@@ -51,6 +51,7 @@ def test_auto_follows_the_checkpoint():
     ("awq", gptq(), "says 'gptq'"),
     ("auto", {"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
     ("auto", gptq(bits=8), "8 bits"),
+    ("auto", gptq(lm_head=True), "float head"),
     ("auto", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     ("auto", {"quant_method": "bitsandbytes"}, "not supported"),
     ("bogus", None, "choose one of"),

@@ -81,6 +81,10 @@ def resolve_quant(requested: str, hf_config, kernel: str = "auto") -> QuantConfi
 
 def _parse(q: dict, kernel: str) -> QuantConfig:
     method = q["quant_method"]
+    if q.get("lm_head"):
+        raise QuantizationError(
+            f"this {method} checkpoint quantizes lm_head too (quantization_config.lm_head = "
+            "true); tpserve keeps the LM head in float: use a checkpoint with a float head")
     if method == "gptq":
         return _int4(q, method, kernel, desc_act=bool(q.get("desc_act", False)),
                      sym=bool(q.get("sym", True)),
