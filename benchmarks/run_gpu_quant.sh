@@ -2,7 +2,8 @@
 # Quantized kernels on a CUDA machine, from the repository root:
 #   bash benchmarks/run_gpu_quant.sh OUTDIR
 # conformance of torch and triton (int4 GEMV/GEMM with and without act-order, fp8) in three
-# dtypes, then int4 / fp8 / bf16 timings at the Llama-3-8B layer shapes.
+# dtypes, int4 / fp8 / bf16 matmul timings at the Llama-3-8B layer shapes, then the
+# in-process engine on that shape in bf16, GPTQ int4 and fp8 (ms/token, tok/s, GB per GPU).
 set -uo pipefail
 out="${1:-gpu-quant-results}"
 mkdir -p "$out"
@@ -16,3 +17,5 @@ python3 tests/kernels/quant_conformance.py --device cuda --kernels torch,triton 
 echo "conformance rc=$?"; tail -n 12 "$out/quant_conformance.log"
 python3 benchmarks/quant_bench.py --out "$out" > "$out/quant_bench.log" 2>&1
 echo "bench rc=$?"; tail -n 40 "$out/quant_bench.log"
+python3 benchmarks/quant_engine.py --out "$out" > "$out/quant_engine.log" 2>&1
+echo "engine rc=$?"; tail -n 12 "$out/quant_engine.log"
