@@ -30,13 +30,13 @@ BATCHES = (1, 4, 16, 64, 256)
 GROUP = 128
 
 
-def tensors(k: int, n: int, dev: torch.device):
+def tensors(k: int, n: int, dev: torch.device, dt: torch.dtype):
     g = torch.Generator(device=dev).manual_seed(0)
     qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev,
                             generator=g)
-    scales = torch.rand(k // GROUP, n, device=dev, generator=g).to(torch.bfloat16) * 0.01
-    zeros = torch.full((k // GROUP, n), 8.0, device=dev, dtype=torch.bfloat16)
-    w_bf16 = torch.randn(n, k, device=dev, generator=g).to(torch.bfloat16) * 0.02
+    scales = torch.rand(k // GROUP, n, device=dev, generator=g).to(dt) * 0.01
+    zeros = torch.full((k // GROUP, n), 8.0, device=dev, dtype=dt)
+    w_bf16 = torch.randn(n, k, device=dev, generator=g).to(dt) * 0.02
     w_fp8 = (torch.randn(n, k, device=dev, generator=g) * 100).clamp(-448, 448).to(
         torch.float8_e4m3fn)
     fp8_scale = torch.rand(n, device=dev, generator=g) * 1e-3
@@ -54,9 +54,20 @@ def check(tri, ref, x, qw, s, z, w8, s8) -> str:
     return ""
 
 
-def time_all(tri, ref, x, qw, s, z, wb, w8, s8) -> dict[str, float]:
-    from triton.testing import do_bench
+def _wall_ms(fn) -> float:
+    import time
 
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def time_all(tri, ref, x, qw, s, z, wb, w8, s8) -> dict[str, float]:
+    if x.device.type == "cuda":
+        from triton.testing import do_bench
+    else:  # --dry-run: one call each, to check the script itself
+        def do_bench(fn, **_):
+            return _wall_ms(fn)
     fns = {
         "bf16": lambda: torch.nn.functional.linear(x, wb),
         "int4": lambda: tri.int4_matmul(x, qw, s, z, GROUP),
@@ -70,20 +81,27 @@ def time_all(tri, ref, x, qw, s, z, wb, w8, s8) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU (run with TRITON_INTERPRET=1): checks the script")
     args = ap.parse_args()
+    global LAYERS, BATCHES
+    if args.dry_run:
+        LAYERS = tuple((name, k // 16, n // 16) for name, k, n in LAYERS)
+        BATCHES = (1, 17)
     from tpserve.kernels.quant.torch_ref import TorchQuantKernel
     from tpserve.kernels.quant.triton_kernel import TritonQuantKernel
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    dt = torch.float16 if args.dry_run else torch.bfloat16  # numpy has no bfloat16
     tri, ref = TritonQuantKernel(), TorchQuantKernel()
     rows, results = [], []
     totals: dict[tuple[int, str], float] = {}
     for name, k, n in LAYERS:
-        qw, s, z, wb, w8, s8 = tensors(k, n, dev)
+        qw, s, z, wb, w8, s8 = tensors(k, n, dev, dt)
         by = {"bf16": wb.numel() * 2, "int4": qw.numel() * 4 + s.numel() * 2 + z.numel() * 2,
               "fp8": w8.numel() + s8.numel() * 4}
         for m in BATCHES:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=dt)
             err = check(tri, ref, x, qw, s, z, w8, s8)
             if err:
                 print(f"MISMATCH {name} M={m}: {err}")
@@ -104,7 +122,8 @@ def main() -> int:
     for m in BATCHES:
         b, i, f = totals[(m, "bf16")], totals[(m, "int4")], totals[(m, "fp8")]
         sums.append(f"| {m} | {b:.3f} | {i:.3f} | {f:.3f} | {i / b:.2f} | {f / b:.2f} |")
-    machine = f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, " \
+    gpu = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(dev)
+    machine = f"{gpu}, torch {torch.__version__}, " \
               f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     text = "\n".join([f"Quantized GEMV/GEMM at Llama-3-8B shapes ({machine}), group size "
                       f"{GROUP}", "", *head, *rows, *sums]) + "\n"
