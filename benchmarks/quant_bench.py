@@ -34,8 +34,8 @@ def tensors(k: int, n: int, dev: torch.device, dt: torch.dtype):
     g = torch.Generator(device=dev).manual_seed(0)
     qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev,
                             generator=g)
-    scales = torch.rand(k // GROUP, n, device=dev, generator=g).to(dt) * 0.01
-    zeros = torch.full((k // GROUP, n), 8.0, device=dev, dtype=dt)
+    scales = torch.rand(k // GROUP, n, device=dev, generator=g).half() * 0.01
+    zeros = torch.full((k // GROUP, n), 8.0, device=dev, dtype=torch.float16)
     w_bf16 = torch.randn(n, k, device=dev, generator=g).to(dt) * 0.02
     w_fp8 = (torch.randn(n, k, device=dev, generator=g) * 100).clamp(-448, 448).to(
         torch.float8_e4m3fn)

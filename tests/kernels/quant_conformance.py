@@ -91,11 +91,13 @@ def run_quant_conformance(kernel, device: str, dtype: torch.dtype,
                 for sym, act in ((True, False), (False, False), (False, True)):
                     seed += 1
                     qw, s, z, gi, q = int4_case(k, n, group, sym, act, seed)
-                    y = kernel.int4_matmul(x.to(dev), qw.to(dev), s.to(dev, dtype),
-                                           z.to(dev, dtype), group,
+                    # Layers store scales and zeros in float16 (float32 for float32 models):
+                    # the oracle uses the same rounded values.
+                    sdt = torch.float32 if dtype == torch.float32 else torch.float16
+                    y = kernel.int4_matmul(x.to(dev), qw.to(dev), s.to(dev, sdt),
+                                           z.to(dev, sdt), group,
                                            gi.to(dev) if gi is not None else None)
-                    # Scales and zeros are stored in the activation dtype: the oracle too.
-                    ref = _int4_ref(xd, q, s.to(dtype), z.to(dtype), group, gi)
+                    ref = _int4_ref(xd, q, s.to(sdt), z.to(sdt), group, gi)
                     _check(res, f"int4 K={k} N={n} M={m} g={group} sym={sym} act={act}", y, ref)
             w8, sc, w = fp8_case(k, n, seed)
             y = kernel.fp8_matmul(x.to(dev), w8.to(dev), sc.to(dev))

@@ -2,9 +2,9 @@
 
 Stored layouts (what the linear layers hand a kernel, whatever the checkpoint format was):
 - int4: qweight int32 [K // 8, N], input row 8 * r + i in bits 4i..4i+3 of row r (GPTQ's
-  order; AWQ is repacked at load). scales and zeros [G, N] in the activation dtype, so
-  w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k] when act-order gives
-  one, else k // group_size.
+  order; AWQ is repacked at load). scales and zeros [G, N] in float16 (float32 for float32
+  models), so w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k] when act-order
+  gives one, else k // group_size.
 - fp8: weight float8_e4m3fn [N, K], scale [N] float32: w[n, k] = weight[n, k] * scale[n].
 Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts and
 never keeps a dequantized copy between calls.

@@ -37,8 +37,10 @@ class TorchQuantKernel(QuantKernel):
         return None
 
     def int4_matmul(self, x, qweight, scales, zeros, group_size, g_idx=None):
-        w = dequantize_int4(qweight, scales.to(x.dtype), zeros.to(x.dtype), group_size, g_idx)
-        return x @ w
+        # Dequantize in the wider of the scales' and x's dtypes, round once to x's.
+        dt = torch.float32 if scales.dtype != x.dtype else x.dtype
+        w = dequantize_int4(qweight, scales.to(dt), zeros.to(dt), group_size, g_idx)
+        return x @ w.to(x.dtype)
 
     def fp8_matmul(self, x, weight, scale):
         # Scale in float32 before rounding to the activation dtype, as the checkpoint meant.

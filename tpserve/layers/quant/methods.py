@@ -81,7 +81,9 @@ class Int4Method(LinearMethod):
         groups = in_per_rank // group if split_groups else math.ceil(in_total / group)
         self.group = group
         awq = cfg.method == "awq"
-        dtype = torch.get_default_dtype()
+        # Scales keep float16's 11-bit mantissa (what GPTQ and AWQ store) under a bfloat16
+        # model; the kernels compute in float32 either way. Zeros are small integers.
+        dtype = torch.float32 if torch.get_default_dtype() == torch.float32 else torch.float16
         stored_q = ParamLayout(out_dim=1, in_dim=0, in_per=8)
         if awq:
             layer.qweight = attach(_param((in_per_rank // 8, out_per_rank), torch.int32),
