@@ -249,7 +249,21 @@ def kernels(args: argparse.Namespace) -> int:
             if r:
                 print(f"      not {f}: {r}")
         print(f"      KV cache layout: {_layout(registry.load_backend_class(name)(), base)}")
+    _quant_kernels(dev, dtype)
     return 0
+
+
+def _quant_kernels(dev, dtype) -> None:
+    """The int4 / fp8 matmul kernels (--quant-kernel) and why each cannot run here."""
+    from tpserve.kernels.quant import registry as qreg
+
+    print(f"quantized matmul kernels on {dev} ({dtype}); --quant-kernel auto picks the first "
+          "built-in that runs")
+    for name in qreg.available_names():
+        reasons = {m: qreg.why_not(name, dev, dtype, m) for m in ("int4", "fp8")}
+        ok = [m for m, r in reasons.items() if r is None]
+        print(f"  {name}: " + (f"supports {', '.join(ok)}" if ok else "unavailable")
+              + "".join(f"; not {m}: {r}" for m, r in reasons.items() if r))
 
 
 def _layout(backend, spec) -> str:

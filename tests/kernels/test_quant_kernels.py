@@ -84,3 +84,12 @@ def test_plugins_plug_in_by_name_through_the_entry_point_group(monkeypatch):
             registry.load_kernel_class("nope")
     finally:
         registry.select_quant_kernel.cache_clear()
+
+
+def test_tpserve_kernels_lists_the_quantized_kernels(capsys):
+    from tpserve.cli import main
+
+    assert main(["kernels", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "  torch: supports int4, fp8" in out
+    assert "  triton: unavailable" in out
