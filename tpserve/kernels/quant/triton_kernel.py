@@ -189,6 +189,14 @@ class TritonQuantKernel(QuantKernel):
             return f"runs on CUDA and XPU devices, not {device.type}"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"activation dtype {dtype} is not supported"
+        if method == "fp8":
+            # Triton converts e4m3 in registers only from sm89 (Ada, Hopper) on; elsewhere the
+            # torch reference dequantizes each layer on the fly.
+            if device.type != "cuda":
+                return "fp8 weights in Triton are supported on CUDA sm89+ only"
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9):
+                return f"fp8 weights need CUDA compute capability 8.9+, this GPU has {cap}"
         return None
 
     def int4_matmul(self, x, qweight, scales, zeros, group_size, g_idx=None):
