@@ -130,6 +130,11 @@ if triton is not None:
             tl.atomic_add(out, acc, mask=mask)
 
 
+# Split-K tuning (not yet measured on a GPU: see benchmarks/quant_bench.py).
+PROGRAMS_PER_SM = 8
+MIN_K_BLOCKS = 2
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -138,11 +143,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _split_k(tiles: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
-    """(splits, K span of each): enough programs for about 4 per SM when the output tiles
-    alone are fewer, keeping at least 4 K-blocks per program. Independent of the batch
-    size within a path, so each layer shape compiles one variant per path."""
+    """(splits, K span of each): enough programs for about PROGRAMS_PER_SM per SM when the
+    output tiles alone are fewer, keeping at least MIN_K_BLOCKS K-blocks per program.
+    Independent of the batch size within a path, so each layer shape compiles one variant
+    per path. Split-K costs a memset and a cast per call on top of the kernel."""
     split = 1
-    while tiles * split < 4 * sms and k // (split * 2) >= 4 * block_k:
+    while tiles * split < PROGRAMS_PER_SM * sms and k // (split * 2) >= MIN_K_BLOCKS * block_k:
         split *= 2
     return split, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
 
