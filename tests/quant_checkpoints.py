@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # the last two: Phi-3 stores them fused on disk
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # packed column c, nibble i holds column 8c + AWQ_ORDER[i]
 
 

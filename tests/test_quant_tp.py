@@ -1,15 +1,24 @@
 """GPTQ, AWQ and fp8 checkpoints served by tp = 1, 2, 4 Ray shard actors match transformers
 (float32, CPU) running the same model with the dequantized weights: prefill logits within 1e-4
 relative, greedy 32-token continuations identical. The checkpoints are quantized in the test
-(tests/quant_checkpoints.py) from tiny Llama and Qwen2 models: hidden 128, 4 heads of 32, 2 KV
-heads (replicated at tp = 4), so group size 32 keeps whole groups on each rank at tp = 4."""
+(tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and gate/up fused on
+disk) models: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4), so group size 32
+keeps whole groups on each rank at tp = 4."""
 
 from __future__ import annotations
 
 import pytest
 from engine_utils import assert_matches_reference, load_rank, make_engine
 from quant_checkpoints import write_fp8_cast_reference, write_quantized
-from tiny_models import PROMPTS, hf_greedy, hf_last_logits, llama_config, qwen2_config, save_model
+from tiny_models import (
+    PROMPTS,
+    hf_greedy,
+    hf_last_logits,
+    llama_config,
+    phi3_config,
+    qwen2_config,
+    save_model,
+)
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2)
@@ -19,6 +28,7 @@ CHECKPOINTS = {
     "llama-gptq-sym": ("llama", dict(fmt="gptq", group=32, sym=True)),
     "llama-awq": ("llama", dict(fmt="awq", group=32)),
     "qwen2-gptq-actorder": ("qwen2", dict(fmt="gptq", group=32, sym=False, act_order=True)),
+    "phi3-gptq-fused": ("phi3", dict(fmt="gptq", group=32, sym=False)),
     "qwen2-fp8": ("qwen2", dict(fmt="fp8")),
     "llama-fp8-per-tensor": ("llama", dict(fmt="fp8", fp8_per_tensor=True)),
 }
@@ -42,7 +52,8 @@ _cache: dict[str, tuple] = {}
 def float_checkpoint(models_dir, family: str):
     out = models_dir / f"quant-float-{family}"
     if not (out / "config.json").exists():
-        config = llama_config(**SHAPE) if family == "llama" else qwen2_config(**SHAPE)
+        config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](
+            **SHAPE)
         save_model(config, out, vector_std=0.1 if family == "qwen2" else 0.0)
     return out
 
