@@ -106,3 +106,17 @@ def test_weight_bytes_per_rank(quant, quantize, bytes_per_weight):
     main = sum(p.numel() * p.element_size() for m in mods
                for n, p in m.named_parameters() if n in ("weight", "qweight"))
     assert main == weights * bytes_per_weight
+
+
+def test_launch_flags_reach_the_engine_config_and_refuse_early(tmp_path, llama_dir):
+    """--quantize is resolved against the checkpoint before any shard starts."""
+    from tpserve.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["launch", "--model", str(llama_dir), "--device", "cpu",
+                                      "--quantize", "fp8", "--quant-kernel", "torch"])
+    cfg = engine_config(args)
+    assert (cfg.model.quantize, cfg.model.quant_kernel) == ("fp8", "torch")
+    args = build_parser().parse_args(["launch", "--model", str(llama_dir), "--device", "cpu",
+                                      "--quantize", "gptq"])
+    with pytest.raises(QuantizationError, match="no quantization_config"):
+        engine_config(args)
