@@ -56,6 +56,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="auto: CUDA, else XPU, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on accelerators")
+    p.add_argument("--quantize", default="auto", choices=["auto", "gptq", "awq", "fp8", "none"],
+                   help="weight quantization: auto follows the checkpoint's quantization_config "
+                   "(GPTQ/AWQ int4, fp8); fp8 also casts a float checkpoint to e4m3 at load")
+    p.add_argument("--quant-kernel", default="auto",
+                   help="int4/fp8 matmul kernel: auto, torch, triton or an installed "
+                   "tpserve.quant_kernels plugin")
     p.add_argument("--kernel", default="auto",
                    help="attention backend: auto, torch, triton, ipex or an installed plugin")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
@@ -259,7 +265,8 @@ def engine_config(args: argparse.Namespace):
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
-                          load_format=args.load_format),
+                          load_format=args.load_format, quantize=args.quantize,
+                          quant_kernel=args.quant_kernel),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address, placement=args.placement),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -271,6 +278,10 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+    from tpserve.layers.quant.config import resolve_quant
+
+    quant = resolve_quant(args.quantize, hf, args.quant_kernel)
+    log.info("quantization: %s", quant.describe() if quant else "none (float weights)")
     from tpserve.cluster.shard_worker import check_shardable
 
     check_shardable(cfg, hf)
@@ -452,7 +463,21 @@ def kernels(args: argparse.Namespace) -> int:
             if r:
                 print(f"      not {f}: {r}")
         print(f"      KV cache layout: {_layout(registry.load_backend_class(name)(), base)}")
+    _quant_kernels(dev, dtype)
     return 0
+
+
+def _quant_kernels(dev, dtype) -> None:
+    """The int4 / fp8 matmul kernels (--quant-kernel) and why each cannot run here."""
+    from tpserve.kernels.quant import registry as qreg
+
+    print(f"quantized matmul kernels on {dev} ({dtype}); --quant-kernel auto picks the first "
+          "built-in that runs")
+    for name in qreg.available_names():
+        reasons = {m: qreg.why_not(name, dev, dtype, m) for m in ("int4", "fp8")}
+        ok = [m for m, r in reasons.items() if r is None]
+        print(f"  {name}: " + (f"supports {', '.join(ok)}" if ok else "unavailable")
+              + "".join(f"; not {m}: {r}" for m, r in reasons.items() if r))
 
 
 def _layout(backend, spec) -> str:

@@ -15,6 +15,10 @@ class ModelConfig:
     # "safetensors": read the checkpoint; "dummy": random weights of the right shapes, for
     # benchmarks of a model shape without its checkpoint (config.json + tokenizer only).
     load_format: str = "safetensors"
+    # auto: the checkpoint's quantization_config; gptq | awq | fp8 | none (fp8 also casts an
+    # unquantized checkpoint at load). quant_kernel: the int4/fp8 matmul kernel, or auto.
+    quantize: str = "auto"
+    quant_kernel: str = "auto"
 
 
 @dataclass(frozen=True)
