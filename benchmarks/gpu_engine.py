@@ -1,6 +1,7 @@
 """tpserve's engine on one GPU (tp = 1, in-process) with a Llama-3-8B-shaped model of random
 bf16 weights (--load-format dummy: no checkpoint download), per attention backend, next to
-the memory roofline. The numbers compare with ../shared/anchors.md (same shape, same GPU).
+the memory roofline. The numbers compare with the
+reference figures in docs/benchmarks.md (same shape, same GPU).
 
     python benchmarks/gpu_engine.py --kernels torch triton --out results.md
 """

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Ray's metrics reach the Prometheus export within a second (the default is 10 s).
+os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
 
 
 @pytest.fixture(scope="session")

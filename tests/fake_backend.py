@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import GenerationError, ValidationError
-from tpserve.server.backend import ModelInfo
 
 EOS = TokenInfo(id=2, text="</s>", logprob=-0.01, special=True)
 FAKE_SEED = 4242  # reported when sampling without an explicit seed
@@ -60,17 +60,22 @@ class FakeBackend:
     raise_on_generate: BaseException | None = None
     # Raise GenerationError after this many events were produced.
     fail_after: int | None = None
+    # What fail_after raises (default: GenerationError("fake engine failure")).
+    fail_exception: BaseException | None = None
     token_delay: float = 0.0
     has_chat_template: bool = True
     calls: list[Call] = field(default_factory=list)
     # Set (from the server thread) when a stream was closed before its final event.
     aborted: threading.Event = field(default_factory=threading.Event)
+    # Generations started and not yet ended (finished, failed or aborted): the fake's
+    # "request slots", which must return to 0 however clients behave.
+    active: int = 0
 
     def reset(self) -> FakeBackend:
         """Back to a healthy, idle fake (module-scoped servers share one instance)."""
         fresh = FakeBackend()
-        for name in ("is_ready", "raise_on_generate", "fail_after", "token_delay",
-                     "has_chat_template"):
+        for name in ("is_ready", "raise_on_generate", "fail_after", "fail_exception",
+                     "token_delay", "has_chat_template"):
             setattr(self, name, getattr(fresh, name))
         self.calls.clear()
         self.aborted.clear()
@@ -101,7 +106,7 @@ class FakeBackend:
         self.calls.append(Call(prompt, params, truncate, add_special_tokens))
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
-        words = prompt.split()
+        words = prompt.split() or ["</s>"]  # a blank prompt: "generate" EOS at once
         if truncate is not None:
             words = words[-truncate:]
         n_prompt = len(words)
@@ -129,10 +134,11 @@ class FakeBackend:
         )
         text = ""
         finished = False
+        self.active += 1  # only the server's event loop thread touches it
         try:
             for i in range(params.max_new_tokens):
                 if self.fail_after is not None and i >= self.fail_after:
-                    raise GenerationError("fake engine failure")
+                    raise self.fail_exception or GenerationError("fake engine failure")
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 word = words[i % len(words)]
@@ -166,6 +172,8 @@ class FakeBackend:
             if not finished:
                 self.aborted.set()
             raise
+        finally:
+            self.active -= 1
 
 
 @contextlib.contextmanager

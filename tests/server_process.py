@@ -21,12 +21,23 @@ def free_port() -> int:
 
 
 @contextmanager
-def launched(args: list[str], log_path: Path, ready_timeout: float = 240.0):
+def launched(args: list[str], log_path: Path, ready_timeout: float = 240.0,
+             env: dict[str, str] | None = None):
     """Start `tpserve launch ARGS --port P`, wait for GET /health == 200, yield the URL;
     on exit send SIGINT, then SIGKILL if it lingers (Ray's processes go with it)."""
+    with launched_process(args, log_path, ready_timeout, env) as (_, url):
+        yield url
+
+
+@contextmanager
+def launched_process(args: list[str], log_path: Path, ready_timeout: float = 240.0,
+                     env: dict[str, str] | None = None):
+    """As `launched`, yielding (the launcher's Popen, the URL); `env` adds variables."""
     port = free_port()
+    extra_env = env
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
+    env.update(extra_env or {})
     cmd = [sys.executable, "-m", "tpserve.cli", "launch", *args, "--port", str(port),
            "--no-dashboard", "--cpus-per-shard", "1", "--log-level", "warning"]
     log = open(log_path, "w")
@@ -47,7 +58,7 @@ def launched(args: list[str], log_path: Path, ready_timeout: float = 240.0):
             if time.monotonic() > deadline:
                 raise TimeoutError("server not healthy in time:\n" + log_path.read_text()[-4000:])
             time.sleep(0.5)
-        yield url
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

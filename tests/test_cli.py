@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,8 @@ import pytest
 from tpserve.cli import apply_preset, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a launch prints once it starts Ray or the HTTP server.
+NOTHING_STARTED = re.compile(r"Ray instance|ray: (started|joined)|listening on|Uvicorn")
 
 
 def _launch_flags() -> list[str]:
@@ -51,13 +57,16 @@ def _run(*argv: str, home: Path) -> subprocess.CompletedProcess:
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(home),
            "HF_HUB_CACHE": str(home / "hub")}
     return subprocess.run([sys.executable, "-m", "tpserve.cli", *argv], capture_output=True,
-                          text=True, timeout=120, env=env)
+                          text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
 
 
 def test_unknown_model_exits_2_naming_where_it_looked(tmp_path):
     r = _run("launch", "--model", "acme/not-in-cache", "--no-dashboard", home=tmp_path)
     assert r.returncode == 2
-    assert "acme/not-in-cache" in r.stderr and "looked in" in r.stderr
+    assert "acme/not-in-cache" in r.stderr and str(tmp_path / "hub") in r.stderr
+    assert "HF_HUB_OFFLINE" in r.stderr  # offline: says why it did not download
+    r = _run("launch", "--model", "./no/such/dir", "--no-dashboard", home=tmp_path)
+    assert r.returncode == 2 and "does not exist" in r.stderr
 
 
 def test_unshardable_tp_exits_2_before_starting_ray(llama_dir, tmp_path):
@@ -65,3 +74,159 @@ def test_unshardable_tp_exits_2_before_starting_ray(llama_dir, tmp_path):
     assert r.returncode == 2
     assert "tp=3" in r.stderr and "not divisible" in r.stderr
     assert "Started a local Ray instance" not in r.stdout + r.stderr
+
+
+def _launch_actions() -> list:
+    sub = build_parser()._subparsers._group_actions[0].choices["launch"]  # noqa: SLF001
+    return [a for a in sub._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001
+
+
+def test_version_names_tpserve_and_its_stack(tmp_path):
+    import tpserve
+
+    r = _run("--version", home=tmp_path)
+    assert r.returncode == 0
+    line = r.stdout.strip()
+    assert line.startswith(f"tpserve {tpserve.__version__} (") and "torch " in line, line
+    assert "\n" not in line
+
+
+def test_every_launch_flag_has_help_text():
+    missing = [a.option_strings[0] for a in _launch_actions() if not (a.help or "").strip()]
+    assert not missing, f"launch flags without help text: {missing}"
+
+
+def test_no_help_line_carries_two_defaults(tmp_path):
+    r = _run("launch", "--help", home=tmp_path)
+    assert r.returncode == 0
+    # argparse wraps a flag's help over several lines: join each flag's entry first.
+    entries = [e for e in re.split(r"\n(?=  -)", r.stdout.split("options:", 1)[1]) if e.strip()]
+    assert len(entries) == len(_launch_actions()) + 1  # + --help
+    doubled = [e for e in entries if e.count("default") > 1]
+    assert not doubled, doubled
+    # A flag with a fixed default shows it; one with a computed default explains it.
+    by_flag = {e.split()[0]: " ".join(e.split()) for e in entries}
+    assert "(default: 1)" in by_flag["--tp"]
+    assert "(default: 0)" in by_flag["--seed"]
+    assert "default: cores / tp" in by_flag["--cpus-per-shard"]
+    assert "None" not in r.stdout and "(default: False)" not in r.stdout
+
+
+def test_pickle_only_checkpoint_is_refused_before_anything_starts(tmp_path):
+    model = tmp_path / "pickled"
+    model.mkdir()
+    shutil.copy(ROOT / "tpserve" / "default_model" / "config.json", model / "config.json")
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04N.")  # a pickle; never unpickled
+    t0 = time.monotonic()
+    r = _run("launch", "--model", str(model), home=tmp_path)
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "no *.safetensors weights" in r.stderr and "pytorch_model.bin" in r.stderr
+    assert "convert" in r.stderr.lower()
+    assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
+    assert took < 10, f"refused after {took:.1f}s"
+
+
+def test_checkpoint_without_tokenizer_is_refused_before_ray(tmp_path):
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "tpserve" / "default_model" / name, model / name)
+    r = _run("launch", "--model", str(model), home=tmp_path)
+    assert r.returncode == 2
+    assert "has no tokenizer" in r.stderr and "tokenizer.json" in r.stderr
+    assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
+
+
+def test_index_naming_missing_shards_is_refused(tmp_path):
+    model = tmp_path / "partial"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "tpserve" / "default_model" / name, model / name)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    r = _run("launch", "--model", str(model), home=tmp_path)
+    assert r.returncode == 2
+    assert "model-00001-of-00002.safetensors, model-00002-of-00002.safetensors" in r.stderr
+
+
+def test_remote_code_config_is_refused_without_suggesting_a_missing_flag(tmp_path):
+    model = tmp_path / "custom"
+    model.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "tpserve" / "default_model" / name, model / name)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "acme-custom", "architectures": ["AcmeForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}))
+    r = _run("launch", "--model", str(model), home=tmp_path)
+    assert r.returncode == 2
+    assert "does not run code shipped with checkpoints" in r.stderr
+    assert "trust_remote_code=True" not in r.stderr
+    assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
+
+
+def test_not_found_hint_names_the_current_hub_command(tmp_path):
+    r = _run("launch", "--model", "acme/not-in-cache", home=tmp_path)
+    assert "`hf download acme/not-in-cache`" in r.stderr
+    assert "huggingface-cli" not in r.stderr
+
+
+def test_ray_colour_codes_are_dropped_when_output_is_not_a_terminal(tmp_path):
+    # Ray's own printer of shard logs, before and after the CLI's stream set-up; stdout is a
+    # pipe here, as under a service manager or `> log`.
+    code = (
+        "import sys\n"
+        "from ray._private.worker import print_worker_logs\n"
+        "from tpserve.cli import _plain_text_when_not_a_terminal\n"
+        "batch = {'pid': 7, 'actor_name': 'shard-0', 'ip': 'h', 'localhost': 'h',"
+        " 'lines': ['weights loaded']}\n"
+        "print_worker_logs(batch, sys.stdout)\n"
+        "_plain_text_when_not_a_terminal()\n"
+        "print_worker_logs(batch, sys.stdout)\n"
+        "print('\\x1b[1m\\x1b[32mhttp://127.0.0.1:8265 \\x1b[39m\\x1b[22m')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    before, after, url = r.stdout.splitlines()
+    assert "\x1b[" in before  # Ray colours it by itself: the test can fail
+    assert after == "(shard-0 pid=7) weights loaded"
+    assert url == "http://127.0.0.1:8265 "
+
+
+def _server_args(*argv: str):
+    return apply_preset(build_parser(), ["launch", *argv])
+
+
+def test_server_flags_and_env_keys(monkeypatch, caplog):
+    from tpserve.cli import server_config
+
+    monkeypatch.setenv("TPSERVE_API_KEY", "env-a, env-b")
+    cfg = server_config(_server_args("--api-key", "flag-k", "--max-body-bytes", "1000",
+                                     "--request-timeout", "2.5", "--metrics-public"))
+    assert cfg.api_keys == ("flag-k", "env-a", "env-b")
+    assert (cfg.max_body_bytes, cfg.request_timeout_s, cfg.metrics_public) == (1000, 2.5, True)
+    assert "without an API key" not in caplog.text
+
+
+def test_open_address_without_key_warns(monkeypatch, caplog):
+    from tpserve.cli import server_config
+
+    monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
+    server_config(_server_args("--host", "127.0.0.1"))
+    assert "without an API key" not in caplog.text
+    server_config(_server_args("--host", "0.0.0.0"))
+    assert "serving on 0.0.0.0 without an API key" in caplog.text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ssl-certfile", "c.pem"], "--ssl-keyfile"),
+    (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--api-key", ""], "--api-key"),
+])
+def test_bad_server_flags_are_refused(monkeypatch, argv, message):
+    from tpserve.cli import server_config
+
+    monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=message):
+        server_config(_server_args(*argv))

@@ -189,17 +189,23 @@ def test_compat_route_dispatches_on_stream(http):
 INVALID = {
     "bad_json": (b"{not json", "invalid JSON"),
     "missing_inputs": ({"parameters": {}}, "`inputs`"),
-    "empty_inputs": ({"inputs": ""}, "`inputs` cannot be empty"),
-    "temperature_0": ({"inputs": "a", "parameters": {"temperature": 0}}, "`temperature`"),
-    "top_p_1.5": ({"inputs": "a", "parameters": {"top_p": 1.5}}, "`top_p` must be > 0.0"),
-    "top_p_1": ({"inputs": "a", "parameters": {"top_p": 1.0}}, "`top_p`"),
-    "top_k_0": ({"inputs": "a", "parameters": {"top_k": 0}}, "`top_k`"),
-    "typical_p": ({"inputs": "a", "parameters": {"typical_p": 0}}, "`typical_p`"),
+    "empty_inputs": ({"inputs": ""}, "`inputs`: String should have at least 1 character"),
+    "temperature_0": (
+        {"inputs": "a", "parameters": {"temperature": 0}},
+        "`parameters.temperature`: Input should be greater than 0",
+    ),
+    "top_p_1.5": ({"inputs": "a", "parameters": {"top_p": 1.5}}, "`parameters.top_p`: Input"),
+    "top_p_1": ({"inputs": "a", "parameters": {"top_p": 1.0}}, "`parameters.top_p`"),
+    "top_k_0": ({"inputs": "a", "parameters": {"top_k": 0}}, "`parameters.top_k`"),
+    "typical_p": ({"inputs": "a", "parameters": {"typical_p": 0}}, "`parameters.typical_p`"),
     "rep_penalty": (
         {"inputs": "a", "parameters": {"repetition_penalty": 0}},
-        "`repetition_penalty`",
+        "`parameters.repetition_penalty`",
     ),
-    "max_new_0": ({"inputs": "a", "parameters": {"max_new_tokens": 0}}, "`max_new_tokens`"),
+    "max_new_0": (
+        {"inputs": "a", "parameters": {"max_new_tokens": 0}},
+        "`parameters.max_new_tokens`",
+    ),
     "max_new_str": (
         {"inputs": "a", "parameters": {"max_new_tokens": "many"}},
         "`parameters.max_new_tokens`",
@@ -208,9 +214,9 @@ INVALID = {
         {"inputs": "a", "parameters": {"stop": ["1", "2", "3", "4"]}},
         "`stop` supports up to 3",
     ),
-    "best_of_2": ({"inputs": "a", "parameters": {"best_of": 2}}, "`best_of` > 1 is not supported"),
+    "best_of_2": ({"inputs": "a", "parameters": {"best_of": 2}}, "`best_of` > 1"),
     "top_n_tokens": ({"inputs": "a", "parameters": {"top_n_tokens": 4}}, "`top_n_tokens`"),
-    "truncate_0": ({"inputs": "a", "parameters": {"truncate": 0}}, "`truncate`"),
+    "truncate_0": ({"inputs": "a", "parameters": {"truncate": 0}}, "`parameters.truncate`"),
     "grammar": (
         {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}},
         "`grammar`",
@@ -254,7 +260,9 @@ def test_unexpected_backend_error_is_500_and_server_keeps_serving(http, backend)
     backend.raise_on_generate = RuntimeError("boom")
     r = gen(http, inputs="a")
     assert r.status_code == 500
-    assert r.json()["error_type"] == "generation" and "boom" in r.json()["error"]
+    # A bug's message may carry internals: the client gets an id that the log repeats.
+    assert r.json()["error_type"] == "generation" and "boom" not in r.json()["error"]
+    assert re.fullmatch(r"internal error [0-9a-f]{12}", r.json()["error"])
     backend.raise_on_generate = None
     assert gen(http, inputs="a", parameters={"max_new_tokens": 1}).json() == {
         "generated_text": " a"
@@ -265,7 +273,8 @@ def test_failure_before_first_token_of_a_stream_is_an_http_error(http, backend):
     backend.fail_after = 0
     r = gen(http, "/generate_stream", inputs="a")
     assert r.status_code == 500
-    assert r.json() == {"error": "fake engine failure", "error_type": "generation"}
+    assert r.json()["error_type"] == "generation"
+    assert re.fullmatch(r"internal error [0-9a-f]{12}: fake engine failure", r.json()["error"])
 
 
 def test_mid_stream_error_is_a_final_sse_event(http, backend):
@@ -274,7 +283,8 @@ def test_mid_stream_error_is_a_final_sse_event(http, backend):
     assert r.status_code == 200
     events = [json.loads(p) for p in sse_payloads(r.text)]
     assert [e["token"]["text"] for e in events[:2]] == [" a", " b"]
-    assert events[2:] == [{"error": "fake engine failure", "error_type": "generation"}]
+    assert len(events) == 3 and events[2]["error_type"] == "generation"
+    assert events[2]["error"].endswith(": fake engine failure")
     backend.fail_after = None
     assert gen(http, inputs="a", parameters={"max_new_tokens": 1}).status_code == 200
 
@@ -450,7 +460,7 @@ def test_openai_chat_stream(http):
 
 
 OPENAI_INVALID = {
-    "n_2": ("/v1/completions", {"prompt": "a", "n": 2}, "`n` must be 1"),
+    "n_2": ("/v1/completions", {"prompt": "a", "n": 2}, "`n` > 1"),
     "logprobs": ("/v1/completions", {"prompt": "a", "logprobs": 2}, "`logprobs`"),
     "temperature_3": ("/v1/completions", {"prompt": "a", "temperature": 3}, "`temperature`"),
     "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "`prompt`"),
@@ -489,7 +499,8 @@ def test_openai_mid_stream_error_then_no_done(http, backend):
     backend.fail_after = 1
     r = http.post("/v1/completions", json={"prompt": "a b", "max_tokens": 5, "stream": True})
     payloads = sse_payloads(r.text)
-    assert json.loads(payloads[-1]) == {"error": "fake engine failure", "error_type": "generation"}
+    last = json.loads(payloads[-1])
+    assert last["error_type"] == "generation" and last["error"].endswith("fake engine failure")
     assert "[DONE]" not in payloads
 
 

@@ -3,25 +3,51 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
+from importlib import metadata
 from pathlib import Path
 
+from tpserve import __version__
+from tpserve.errors import CheckpointError
+
 log = logging.getLogger("tpserve")
+
+# Any one of these is enough for AutoTokenizer (tokenizer_config.json alone: byte-level
+# tokenizers such as ByT5's have no vocabulary file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "vocab.json", "vocab.txt")
+
+
+class _OneDefaultFormatter(argparse.HelpFormatter):
+    """Append "(default: X)" once, and only where the help text does not already say what the
+    default is (flags whose default is computed say so in their own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _launch_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="serve a model tensor-parallel over Ray",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=_OneDefaultFormatter,
                        description="Serve a model sharded over --tp devices. Without --model, "
                        "serves the small embedded default model (offline, CPU friendly).")
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
-    p.add_argument("--model", help="local directory or Hugging Face hub id already in the local "
-                   "hub cache (never downloaded); default: the embedded model")
-    p.add_argument("--revision", help="hub revision to look up in the cache")
+    p.add_argument("--model", help="local directory or Hugging Face hub id (org/name), taken "
+                   "from the hub cache or downloaded into it (safetensors, config and tokenizer "
+                   "files only; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
+                   "default: the embedded model")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (benchmarks; needs "
                    "only config.json and a tokenizer)")
@@ -30,12 +56,23 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="auto: CUDA, else XPU, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on accelerators")
+    p.add_argument("--quantize", default="auto", choices=["auto", "gptq", "awq", "fp8", "none"],
+                   help="weight quantization: auto follows the checkpoint's quantization_config "
+                   "(GPTQ/AWQ int4, fp8); fp8 also casts a float checkpoint to e4m3 at load")
+    p.add_argument("--quant-kernel", default="auto",
+                   help="int4/fp8 matmul kernel: auto, torch, triton or an installed "
+                   "tpserve.quant_kernels plugin")
     p.add_argument("--kernel", default="auto",
                    help="attention backend: auto, torch, triton, ipex or an installed plugin")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8080, help="HTTP port (0: any free port)")
     p.add_argument("--address", help="Ray cluster to join (e.g. auto or HOST:6379); default: "
                    "start a local one")
+    p.add_argument("--placement", default="pack",
+                   choices=["pack", "spread", "strict-pack", "strict-spread"],
+                   help="where the shards go on a Ray cluster (placement-group strategy): pack "
+                   "onto few nodes, spread one per node (best effort), strict-pack on one node, "
+                   "strict-spread each on its own node")
     p.add_argument("--cpus-per-shard", type=int, default=None,
                    help="CPU device: cores per shard (default: cores / tp, at least 1)")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -61,20 +98,57 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM: seconds to let in-flight requests finish (new ones "
+                   "get 503) before stopping")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not start the Ray dashboard with the local cluster")
+    sec = p.add_argument_group("security and limits (docs/reliability.md)")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on every route but /health "
+                     "(repeat for several keys; also TPSERVE_API_KEY, comma-separated, which "
+                     "keeps keys out of the process list)")
+    sec.add_argument("--metrics-public", action="store_true",
+                     help="serve /metrics without an API key (for a Prometheus scraper)")
+    sec.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                     help="larger request bodies are answered 413 before being read")
+    sec.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="abort a request (504, or an error event when streaming) that has "
+                     "not finished this long after it was handed to the engine; default: none")
+    sec.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate")
+    sec.add_argument("--ssl-keyfile", help="private key of --ssl-certfile")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="log verbosity of tpserve, its driver and its shards")
     return p
 
 
+def version_string() -> str:
+    """tpserve's version and the versions a bug report needs (read without importing them)."""
+    parts = []
+    for dist in ("torch", "ray", "transformers"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    python = ".".join(str(v) for v in sys.version_info[:3])
+    return f"tpserve {__version__} ({', '.join(parts)}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
+    # Raw: the version line is not wrapped at the terminal's width.
+    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_string(),
+                        help="print the versions of tpserve, torch, ray and transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     _launch_parser(sub)
-    k = sub.add_parser("kernels", help="list attention backends and what each supports here")
-    k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"])
-    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    k = sub.add_parser("kernels", help="list attention backends and what each supports here",
+                       formatter_class=_OneDefaultFormatter)
+    k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
+                   help="device to probe (auto: CUDA, else XPU, else CPU)")
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype to probe")
     return parser
 
 
@@ -95,8 +169,69 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return args
 
 
+def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
+    """Refuse a checkpoint tpserve cannot serve before Ray or the HTTP server start: a
+    config.json, safetensors weights (unless --load-format dummy) and tokenizer files."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json: pass the directory of a Hugging Face "
+                              "checkpoint (config.json, *.safetensors, tokenizer files)")
+    if load_format == "safetensors":
+        _check_weights(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES) \
+            and not any(path.glob("*.model")):
+        raise CheckpointError(
+            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "tokenizer files of the original model into it, e.g. "
+            "`AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR)`")
+
+
+def _check_weights(path: Path) -> None:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({exc!r})") from None
+        missing = sorted(f for f in files if not (path / f).is_file())
+        if missing:
+            raise CheckpointError(
+                f"{index.name} in {path} lists weight files that are not there: "
+                f"{', '.join(missing)}; download the checkpoint again (`hf download ID`)")
+        return
+    if any(path.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = f" (found {', '.join(pickled)}: pickle files, which tpserve does not load)" \
+        if pickled else ""
+    raise CheckpointError(
+        f"no *.safetensors weights in {path}{found}. Convert the checkpoint once, e.g. "
+        "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (transformers writes "
+        "safetensors) and copy the tokenizer files into OUT, or fetch the safetensors "
+        "revision with `hf download ID`.")
+
+
+def _load_config(path: Path):
+    """The checkpoint's transformers config; a config that needs remote code is refused
+    (tpserve implements each family itself and never runs code shipped with a checkpoint)."""
+    from tpserve.weights import load_hf_config
+
+    try:
+        return load_hf_config(path)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc) and "does not recognize" not in str(exc):
+            raise
+        raise CheckpointError(
+            f"{path}: the config needs code that is not part of transformers (auto_map or an "
+            "unknown model_type); tpserve does not run code shipped with checkpoints and has "
+            "no --trust-remote-code. It serves the families listed in docs/models.md.") from None
+
+
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
+    if args.model and Path(args.model).expanduser().is_dir():
+        # A local checkpoint is checked before torch is even imported (seconds on a small
+        # machine), so a checkpoint tpserve cannot serve is refused at once.
+        check_checkpoint(Path(args.model).expanduser().resolve(), args.load_format)
     from tpserve.cluster.device import resolve_device, resolve_dtype
     from tpserve.config import (
         CacheConfig,
@@ -105,11 +240,12 @@ def engine_config(args: argparse.Namespace):
         ParallelConfig,
         SchedulerConfig,
     )
-    from tpserve.weights import load_hf_config, resolve_model
+    from tpserve.weights import resolve_model
 
-    path = resolve_model(args.model, args.revision)
+    path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
-    hf = load_hf_config(path)
+    check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
+    hf = _load_config(path)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
@@ -129,9 +265,10 @@ def engine_config(args: argparse.Namespace):
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
-                          load_format=args.load_format),
+                          load_format=args.load_format, quantize=args.quantize,
+                          quant_kernel=args.quant_kernel),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
-                                ray_address=args.address),
+                                ray_address=args.address, placement=args.placement),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -141,18 +278,67 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+    from tpserve.layers.quant.config import resolve_quant
+
+    quant = resolve_quant(args.quantize, hf, args.quant_kernel)
+    log.info("quantization: %s", quant.describe() if quant else "none (float weights)")
     from tpserve.worker.build import check_shardable
 
     check_shardable(cfg, hf)
     return cfg
 
 
+def _dashboard_token_note() -> str:
+    """Where the Ray dashboard's token is, when Ray's token authentication is on (ray.init
+    sets RAY_AUTH_MODE=token in this process when it turns it on by default)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ""
+    where = ("$RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
+             os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
+    return (f" (Ray token auth is on: the dashboard asks for the token in {where}, which "
+            "`ray get-auth-token` prints; RAY_AUTH_MODE=disabled turns it off; see "
+            "docs/troubleshooting.md)")
+
+
+def server_config(args: argparse.Namespace):
+    """The HTTP front end's settings; warns when a non-loopback address is open to anyone."""
+    import ipaddress
+
+    from tpserve.config import ServerConfig
+
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get("TPSERVE_API_KEY", "").split(",") if k.strip()]
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key cannot be empty")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not keys and not loopback:
+        log.warning("serving on %s without an API key: anyone who can reach this address can "
+                    "use the model; set TPSERVE_API_KEY or --api-key", args.host)
+    return ServerConfig(api_keys=tuple(keys), metrics_public=args.metrics_public,
+                        max_body_bytes=args.max_body_bytes,
+                        request_timeout_s=args.request_timeout,
+                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+
+
 def launch(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
+    server = server_config(args)
+
     import ray
 
+    from tpserve.cluster.device import local_cluster_gpus
     from tpserve.cluster.driver import Driver
 
-    cfg = engine_config(args)
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
     if args.address:
         ray.init(address=args.address, namespace="tpserve")
@@ -162,40 +348,79 @@ def launch(args: argparse.Namespace) -> int:
         if device == "cpu":
             # Logical CPUs: enough for every shard to be placed even on a small machine.
             kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
+        gpus = local_cluster_gpus(device)
+        if gpus is not None:
+            kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
         ctx = ray.init(**kwargs)
         log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
-                 f"; dashboard at http://{ctx.dashboard_url}" if ctx.dashboard_url else "")
+                 f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
+                 if ctx.dashboard_url else "")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
     driver = ray.remote(Driver).options(
         name="driver", num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(cfg, args.host, args.port, args.log_level)
-    stop = threading.Event()
+    ).remote(cfg, args.host, args.port, args.log_level, server)
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(_signum, _frame) -> None:
+        # No logging here: a handler may interrupt a log call holding the logging lock.
+        if stop.is_set():  # a second Ctrl-C skips the drain
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         url = ray.get(driver.start.remote())
         log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
-        summary = ray.get(driver.wait_ready.remote())
-        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, loaded in %.1fs, "
-                 "serving %s", tp, summary["backend"], summary["kv_cache_blocks"],
-                 summary["load_seconds"], url)
+        summary = _wait(driver.wait_ready.remote(), stop)
+        if summary is None:
+            log.info("stopped before the model was ready")
+            return 0
+        # The weights' load time is logged once, by the engine ("weights loaded in"); this
+        # line gives the whole start-up as a user waits for it.
+        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, warmup %.1fs, "
+                 "ready %.1fs after launch, serving %s (placement %s)", tp, summary["backend"],
+                 summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
+                 time.perf_counter() - t0, url, cfg.parallel.placement)
         print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
         while not stop.wait(1.0):
             pass
-        log.info("shutting down")
+        log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
+                 "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
+        left = _wait(driver.drain.remote(args.shutdown_timeout), force)
+        if left:
+            log.warning("%d request(s) still running after --shutdown-timeout; ending them",
+                        left)
         return 0
     except ray.exceptions.RayTaskError as exc:
-        log.error("start-up failed: %s", exc.cause if hasattr(exc, "cause") else exc)
+        cause = exc.cause if hasattr(exc, "cause") else exc
+        log.error("start-up failed: %s", cause)
+        print(f"tpserve: error: start-up failed: {cause}", file=sys.stderr)
         return 1
     finally:
         try:
             ray.get(driver.stop.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
+        ray.kill(driver)
+        # Stops the raylet, GCS and workers of a local cluster this process started; a
+        # joined cluster (--address) keeps running, only this job's actors are gone.
         ray.shutdown()
+        log.info("stopped")
+
+
+def _wait(ref, cancel: threading.Event):
+    """ray.get that gives up (returns None) once `cancel` is set, so signals are heard."""
+    import ray
+
+    while not cancel.is_set():
+        done, _ = ray.wait([ref], timeout=0.5)
+        if done:
+            return ray.get(ref)
+    return None
 
 
 def kernels(args: argparse.Namespace) -> int:
@@ -238,7 +463,21 @@ def kernels(args: argparse.Namespace) -> int:
             if r:
                 print(f"      not {f}: {r}")
         print(f"      KV cache layout: {_layout(registry.load_backend_class(name)(), base)}")
+    _quant_kernels(dev, dtype)
     return 0
+
+
+def _quant_kernels(dev, dtype) -> None:
+    """The int4 / fp8 matmul kernels (--quant-kernel) and why each cannot run here."""
+    from tpserve.kernels.quant import registry as qreg
+
+    print(f"quantized matmul kernels on {dev} ({dtype}); --quant-kernel auto picks the first "
+          "built-in that runs")
+    for name in qreg.available_names():
+        reasons = {m: qreg.why_not(name, dev, dtype, m) for m in ("int4", "fp8")}
+        ok = [m for m, r in reasons.items() if r is None]
+        print(f"  {name}: " + (f"supports {', '.join(ok)}" if ok else "unavailable")
+              + "".join(f"; not {m}: {r}" for m, r in reasons.items() if r))
 
 
 def _layout(backend, spec) -> str:
@@ -251,12 +490,45 @@ def _layout(backend, spec) -> str:
     return "[" + ", ".join(names.get(d, str(d)) for d in shape) + "]"
 
 
+class _PlainText:
+    """A text stream that drops terminal escape sequences (colours, cursor moves) on the way
+    to the stream it wraps; everything else is the wrapped stream's."""
+
+    _ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._ESCAPES.sub("", text))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _plain_text_when_not_a_terminal() -> None:
+    """Keep colour codes out of logs written to files and pipes: Ray colours its dashboard
+    line, its worker-log prefixes and its repeated-line notes whatever the output is. Runs
+    before logging.basicConfig, whose handler keeps the stream it is given."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not stream.isatty() and not isinstance(stream, _PlainText):
+            setattr(sys, name, _PlainText(stream))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = apply_preset(parser, sys.argv[1:] if argv is None else argv)
+    if argv is None:  # the command line itself, not a caller in the same process
+        _plain_text_when_not_a_terminal()
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tpserve.errors import CheckpointError, KernelUnavailableError, ShardingError
+    from tpserve.errors import KernelUnavailableError, ShardingError
 
     try:
         if args.command == "launch":

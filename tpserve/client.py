@@ -18,7 +18,9 @@ from tpserve.errors import (
     GenerationError,
     NotReadyError,
     OverloadedError,
+    RequestTimeoutError,
     TPServeError,
+    UnauthorizedError,
     ValidationError,
 )
 
@@ -26,8 +28,12 @@ _ERRORS: dict[str, type[TPServeError]] = {
     "validation": ValidationError,
     "overloaded": OverloadedError,
     "unhealthy": NotReadyError,
+    "unauthorized": UnauthorizedError,
+    "timeout": RequestTimeoutError,
 }
 _STATUS_ERRORS: dict[int, type[TPServeError]] = {
+    401: UnauthorizedError,
+    413: ValidationError,
     422: ValidationError,
     429: OverloadedError,
     503: NotReadyError,
@@ -86,8 +92,11 @@ class _Base:
         headers: dict[str, str] | None = None,
         cookies: dict[str, str] | None = None,
         timeout: float = 10,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        if api_key is not None:  # the server's --api-key / TPSERVE_API_KEY
+            headers = {**(headers or {}), "Authorization": f"Bearer {api_key}"}
         self.headers = headers
         self.cookies = cookies
         self.timeout = timeout
@@ -110,8 +119,9 @@ class Client(_Base):
         headers: dict[str, str] | None = None,
         cookies: dict[str, str] | None = None,
         timeout: float = 10,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(base_url, headers, cookies, timeout)
+        super().__init__(base_url, headers, cookies, timeout, api_key)
         self._http = httpx.Client(**self._client_kwargs())
 
     def close(self) -> None:

@@ -15,6 +15,10 @@ class ModelConfig:
     # "safetensors": read the checkpoint; "dummy": random weights of the right shapes, for
     # benchmarks of a model shape without its checkpoint (config.json + tokenizer only).
     load_format: str = "safetensors"
+    # auto: the checkpoint's quantization_config; gptq | awq | fp8 | none (fp8 also casts an
+    # unquantized checkpoint at load). quant_kernel: the int4/fp8 matmul kernel, or auto.
+    quantize: str = "auto"
+    quant_kernel: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,9 @@ class ParallelConfig:
     cpus_per_shard: int = 1
     dist_timeout_s: float = 600.0
     ray_address: str | None = None
+    # Ray placement-group strategy of the shards: pack | spread | strict-pack | strict-spread
+    # (tpserve/cluster/placement.py).
+    placement: str = "pack"
 
 
 @dataclass(frozen=True)
@@ -56,3 +63,19 @@ class EngineConfig:
     seed: int = 0
     # Capture decode steps as CUDA graphs in warmup (CUDA with a graph-safe backend only).
     cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end's security and reliability settings (never sent to the shards)."""
+
+    # Bearer keys accepted on every route but /health (and /metrics when metrics_public).
+    # Empty: no authentication (cli.py warns when the bind address is not loopback).
+    api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False
+    # Larger request bodies get 413 before they are read whole.
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Per-request deadline from arrival to the last token, queueing included (None: none).
+    request_timeout_s: float | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None

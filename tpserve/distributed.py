@@ -1,4 +1,4 @@
-"""Tensor-parallel rank/size and the two collectives the layers use.
+"""Tensor-parallel rank/size and the collectives the layers use.
 
 TPInfo is set once per process; layers read it through get_tp() which raises when unset,
 so a layer built outside a worker fails loudly instead of silently running unsharded.
@@ -79,3 +79,16 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=_GROUP)
     return torch.cat(parts, dim=-1)
+
+
+def gather_last_dim_to_first(x: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's x concatenated along the last dimension (rank order) on tp rank 0 only;
+    None on the other ranks, which send their part and receive nothing."""
+    tp = get_tp()
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    dst = dist.get_global_rank(_GROUP, 0) if _GROUP is not None else 0
+    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
+    dist.gather(x, parts, dst=dst, group=_GROUP)
+    return torch.cat(parts, dim=-1) if parts is not None else None

@@ -40,6 +40,20 @@ class NotReadyError(TPServeError):
     status_code = 503
 
 
+class RequestTimeoutError(TPServeError):
+    """The request passed its deadline (--request-timeout, HTTP 504) and was aborted."""
+
+    error_type = "timeout"
+    status_code = 504
+
+
+class UnauthorizedError(TPServeError):
+    """The server requires an API key and none, or a wrong one, was sent (HTTP 401)."""
+
+    error_type = "unauthorized"
+    status_code = 401
+
+
 class ShardingError(ValueError):
     """A checkpoint tensor cannot be split across the requested tensor-parallel size."""
 

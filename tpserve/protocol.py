@@ -9,128 +9,58 @@ validation alone cannot see the ModelInfo.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import ValidationError
-from tpserve.server.backend import ModelInfo
+from tpserve.fields import (
+    FrequencyPenalty,
+    NonEmptyText,
+    OpenUnitInterval,
+    RepetitionPenalty,
+    Seed,
+    StopText,
+    TGITemperature,
+    TokenCount,
+    TopK,
+    TopN,
+    unsupported,
+)
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 DEFAULT_MAX_NEW_TOKENS = 20
-_U64_MAX = 2**64 - 1
 
 
 class GenerateParameters(BaseModel):
     """TGI's `parameters` object. Unknown keys are ignored, as TGI's serde does."""
 
-    best_of: int | None = None
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    best_of: Annotated[
+        Annotated[int, Field(ge=1)] | None,
+        unsupported("`best_of` > 1 (tpserve generates exactly one sequence per request)", 1),
+    ] = None
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
-    frequency_penalty: float | None = None
-    grammar: Any = None
-    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
-    repetition_penalty: float | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    grammar: Annotated[Any, unsupported("`grammar` (constrained decoding)")] = None
+    max_new_tokens: TokenCount | None = DEFAULT_MAX_NEW_TOKENS
+    repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool = False
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    temperature: float | None = None
-    top_k: int | None = None
-    top_n_tokens: int | None = None
-    top_p: float | None = None
-    truncate: int | None = None
-    typical_p: float | None = None
-    watermark: bool = False
-
-    # The comparisons are written as `not (x > 0)` so that NaN is rejected too.
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(f"`temperature` must be strictly positive (got {v})")
-        return v
-
-    @field_validator("top_p", "typical_p")
-    @classmethod
-    def _open_unit_interval(cls, v: float | None, info: Any) -> float | None:
-        if v is not None and not 0 < v < 1:
-            raise ValueError(f"`{info.field_name}` must be > 0.0 and < 1.0 (got {v})")
-        return v
-
-    @field_validator("top_k", "truncate", "max_new_tokens")
-    @classmethod
-    def _strictly_positive_int(cls, v: int | None, info: Any) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"`{info.field_name}` must be strictly positive (got {v})")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(f"`repetition_penalty` must be strictly positive (got {v})")
-        return v
-
-    @field_validator("frequency_penalty")
-    @classmethod
-    def _frequency_penalty(cls, v: float | None) -> float | None:
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise ValueError(f"`frequency_penalty` must be >= -2.0 and <= 2.0 (got {v})")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        # TGI's seed is a u64.
-        if v is not None and not 0 <= v <= _U64_MAX:
-            raise ValueError(f"`seed` must be between 0 and 2^64-1 (got {v})")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v is None:
-            return v
-        if v <= 0:
-            raise ValueError(f"`best_of` must be strictly positive (got {v})")
-        if v > 1:
-            raise ValueError(
-                f"`best_of` > 1 is not supported by tpserve: it generates exactly one "
-                f"sequence per request (got {v})"
-            )
-        return v
-
-    @field_validator("top_n_tokens")
-    @classmethod
-    def _top_n_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 0:
-            raise ValueError(f"`top_n_tokens` must be >= 0 (got {v})")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: list[str]) -> list[str]:
-        # An empty stop string would match before the first token.
-        if any(s == "" for s in v):
-            raise ValueError("`stop` sequences must be non-empty strings")
-        return v
-
-    @field_validator("grammar")
-    @classmethod
-    def _grammar(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("`grammar` (constrained decoding) is not supported by tpserve")
-        return v
-
-    @field_validator("watermark")
-    @classmethod
-    def _watermark(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("`watermark` is not supported by tpserve")
-        return v
+    seed: Seed | None = None
+    stop: list[StopText] = Field(default_factory=list)
+    temperature: TGITemperature | None = None
+    top_k: TopK | None = None
+    top_n_tokens: TopN | None = None
+    top_p: OpenUnitInterval | None = None
+    truncate: TokenCount | None = None
+    typical_p: OpenUnitInterval | None = None
+    watermark: Annotated[bool, unsupported("`watermark`")] = False
 
     @property
     def sampling(self) -> bool:
@@ -142,16 +72,9 @@ class GenerateParameters(BaseModel):
 class GenerateRequest(BaseModel):
     """Body of POST /generate, /generate_stream and / (TGI's compat route)."""
 
-    inputs: str
+    inputs: NonEmptyText
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
-
-    @field_validator("inputs")
-    @classmethod
-    def _inputs(cls, v: str) -> str:
-        if not v:
-            raise ValueError("`inputs` cannot be empty")
-        return v
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -210,18 +133,33 @@ def to_sampling_params(params: GenerateParameters) -> SamplingParams:
     )
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part: Any) -> bool:
+    """True for the parts of a pydantic error location that a client wrote (field names,
+    list indices), False for "body" and the tags pydantic adds inside unions and validators
+    (`function-after[...]`, `constrained-str`, `list[str]`)."""
+    if isinstance(part, int):
+        return True
+    return (part != "body" and part not in _UNION_TAGS
+            and part.replace("_", "a").isalnum() and part.isascii())
+
+
 def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
     """One human sentence from pydantic/FastAPI error dicts, naming field and rule."""
     parts = []
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if _is_field(p)]
         kind = err.get("type", "")
         ctx = err.get("ctx") or {}
         if kind == "json_invalid":
             parts.append(f"invalid JSON body: {ctx.get('error', err.get('msg'))}")
-        elif kind == "value_error" and "error" in ctx:
+        elif kind == "value_error" and str(ctx.get("error", "")).startswith("`"):
             # Our validators already phrase the whole message, field name included.
             parts.append(str(ctx["error"]))
+        elif kind == "value_error" and "error" in ctx and loc:
+            parts.append(f"`{'.'.join(loc)}` {ctx['error']}")
         elif loc:
             parts.append(f"`{'.'.join(loc)}`: {err.get('msg')}")
         else:

@@ -31,8 +31,10 @@ def hub_cache_dir() -> str:
         return os.path.expanduser("~/.cache/huggingface/hub")
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> Path:
-    """A local directory, or a hub id found in the local cache (never downloads)."""
+def resolve_model(model: str | None, revision: str | None = None, weights: bool = True) -> Path:
+    """A local directory, or a hub id: from the local hub cache, else downloaded into it
+    (tpserve/hub.py; HF_HUB_OFFLINE=1 forbids the download). weights=False: a hub id needs
+    only its config and tokenizer (--load-format dummy)."""
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise CheckpointError(
@@ -45,29 +47,32 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         if not (local / "config.json").exists():
             raise CheckpointError(f"{local.resolve()} is a directory but has no config.json")
         return local.resolve()
-    looked = [f"local directory {local.resolve()} (does not exist)"]
-    if model.count("/") <= 1 and not model.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
+    from tpserve import hub
 
-            path = Path(
-                snapshot_download(
-                    model,
-                    revision=revision,
-                    local_files_only=True,
-                    allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
-                )
-            )
-            if (path / "config.json").exists():
-                return path
-            looked.append(f"hub cache snapshot {path} (no config.json)")
-        except Exception as exc:  # noqa: BLE001 - any hub miss is reported the same way
-            looked.append(f"Hugging Face hub cache {hub_cache_dir()} ({type(exc).__name__})")
+    if not hub.is_hub_id(model):
+        raise CheckpointError(
+            f"model {model!r} not found: {local.resolve()} does not exist (a path; a hub id "
+            "looks like org/name)")
+    return hub.ensure_model(model, revision, weights)
+
+
+def node_model_path(path: str, model_id: str, revision: str | None = None,
+                    weights: bool = True) -> Path:
+    """The checkpoint directory on this node. The launching node resolved `path`; a shard on
+    another node without that directory (no shared file system) resolves the hub id itself,
+    downloading into its own node's cache."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    from tpserve import hub
+
+    if hub.is_hub_id(model_id):
+        if p.parent.name == "snapshots":  # pin the commit the launching node resolved, so
+            revision = p.name             # every shard reads the same weights
+        return hub.ensure_model(model_id, revision, weights)
     raise CheckpointError(
-        f"model {model!r} not found; looked in: " + "; ".join(looked) + ". tpserve never "
-        "downloads: pass a local directory, or fetch it first with "
-        f"`huggingface-cli download {model}` (HF_HUB_CACHE selects the cache)."
-    )
+        f"{path} does not exist on this node: put the checkpoint on a file system every node "
+        "mounts at the same path, or copy it to that path on every node")
 
 
 def load_hf_config(path: Path):

@@ -2,7 +2,8 @@
 dtype)`.
 
 Random shapes, random block tables with holes (unused and non-contiguous block ids, padding
-entries pointing at garbage), mixed prefill + decode steps and decode-only steps, sliding
+entries pointing at garbage), mixed prefill + decode steps, decode-only steps and decode steps
+of a few long contexts (160-700 keys: several split-K programs per sequence), sliding
 windows, ALiBi, GQA/MQA and softcap. The backend under test fills its own cache layout
 through its own write_kv; its output is compared with the torch reference backend run in
 float64 on the CPU over the same (dtype-rounded) inputs, so only the kernel's arithmetic
@@ -27,6 +28,7 @@ from tpserve.kernels.torch_backend import TorchAttentionBackend
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 1e-2,
              torch.bfloat16: 1e-2}
 GARBAGE = 1.0e4
+STEP_KINDS = ("mixed", "decode", "long decode")
 
 # Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
 CONFIGS = [
@@ -49,7 +51,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 @dataclass
 class CaseResult:
     name: str
-    step: str  # "mixed" or "decode"
+    step: str  # one of STEP_KINDS
     max_rel_err: float
     ok: bool
     detail: str = ""
@@ -93,7 +95,10 @@ def _random_steps(rng: random.Random, block_size: int) -> list[_Step]:
     mixed = _Step([mixed_q[i] for i in order], [mixed_ctx[i] for i in order])
     n = rng.randint(1, 6)
     decode = _Step([1] * n, [rng.randint(1, 6 * block_size + 3) for _ in range(n)])
-    return [mixed, decode]
+    # Long contexts with few sequences: what split-K decode cuts into several programs.
+    n = rng.randint(1, 3)
+    long = _Step([1] * n, [rng.randint(160, 700) for _ in range(n)])
+    return [mixed, decode, long]
 
 
 def _layout(rng: random.Random, step: _Step, block_size: int):
@@ -193,7 +198,7 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
                                                        f"declined: {reason}"))
                     continue
                 slopes = alibi_slopes(hq) if alibi else None
-                for step, kind in zip(_random_steps(rng, bs), ("mixed", "decode"), strict=True):
+                for step, kind in zip(_random_steps(rng, bs), STEP_KINDS, strict=True):
                     result.cases.append(_check(backend, spec, step, kind, label, device, dtype,
                                                gen, rng, slopes, tol))
     if raise_on_failure:

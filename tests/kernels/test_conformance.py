@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conformance import CONFIGS, run_conformance
+from conformance import CONFIGS, STEP_KINDS, run_conformance
 
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.registry import why_not
@@ -30,7 +30,7 @@ PROBE = AttentionSpec(8, 2, 64, 0.125, block_size=16)
 def test_torch_backend_on_cpu(dtype):
     result = run_conformance("torch", "cpu", dtype)
     assert not result.declined  # the reference supports every configuration
-    assert len(result.cases) == 2 * len(CONFIGS) * 2 * 2
+    assert len(result.cases) == len(STEP_KINDS) * len(CONFIGS) * 2 * 2
 
 
 def test_example_plugin_backend_on_cpu(monkeypatch):
@@ -74,6 +74,34 @@ def test_triton_kernels_under_the_interpreter():
         print(r.summary())
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 failed" in proc.stdout
+
+
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores
+def test_triton_split_k_decode_under_the_interpreter():
+    """Every decode step cut into 3 context splits (flash-decoding) plus the reduction,
+    whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    from tpserve.kernels.triton_backend import TritonAttentionBackend
+
+    spec = AttentionSpec(8, 8, 64, 0.125)
+    assert TritonAttentionBackend().num_splits(torch.device("cpu"), 1, spec) > 1
+    assert TritonAttentionBackend().num_splits(torch.device("cpu"), 64, spec) == 1
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conformance import run_conformance
+        r = run_conformance("triton", "cpu", torch.float32, head_dims=(16,),
+                            block_sizes=(16,))
+        print(r.summary())
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

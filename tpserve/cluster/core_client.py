@@ -79,7 +79,7 @@ class CoreClient:
     def _place(self, cfg: EngineConfig, namespace: str) -> None:
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
-                               bool(cfg.parallel.ray_address))
+                               bool(cfg.parallel.ray_address), placement=cfg.parallel.placement)
         self.names = shard_names(tp, namespace)
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
 

@@ -6,8 +6,9 @@ rest of the code only sees a torch.device.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
+import os
 
 import torch
 
@@ -44,30 +45,105 @@ def resolve_device(requested: str) -> tuple[str, str]:
     return requested, "asked for with --device"
 
 
-def dist_backend(device: str) -> str:
+class Platform:
+    """What device selection asks of the machine, in one place so tests can fake it: the
+    environment, Ray's GPU assignment, device counts, optional imports."""
+
+    def __init__(self) -> None:
+        self.env = os.environ
+
+    def ray_gpu_ids(self) -> list[str]:
+        try:
+            import ray
+
+            return [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+        except Exception:  # noqa: BLE001 - outside a Ray worker there is no assignment
+            return []
+
+    def device_count(self, device: str) -> int:
+        return getattr(torch, device).device_count()
+
+    def import_module(self, name: str):
+        return importlib.import_module(name)
+
+    def xccl_available(self) -> bool:
+        check = getattr(torch.distributed, "is_xccl_available", None)
+        return bool(check and check())
+
+
+def dist_backend(device: str, platform: Platform | None = None) -> str:
     """The torch.distributed backend for all-reduce between shards on `device`."""
     if device == "cuda":
         return "nccl"
-    if device == "xpu":
-        # oneCCL bindings register "ccl" when imported; upstream PyTorch >= 2.8 has "xccl".
-        if importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None:
-            import oneccl_bindings_for_pytorch  # noqa: F401
+    if device != "xpu":
+        return "gloo"
+    platform = platform or Platform()
+    # Intel's oneCCL bindings register "ccl" when imported; upstream PyTorch >= 2.8 has
+    # "xccl" built in. The bindings win when they import: a user installed them on purpose.
+    try:
+        platform.import_module("oneccl_bindings_for_pytorch")
+    except ImportError as exc:
+        why = ("oneccl_bindings_for_pytorch is not installed" if exc.name ==
+               "oneccl_bindings_for_pytorch" else f"oneccl_bindings_for_pytorch does not import: "
+               f"{exc}")
+    else:
+        log.info("xpu collectives: ccl (oneccl_bindings_for_pytorch imported)")
+        return "ccl"
+    if not platform.xccl_available():
+        raise RuntimeError(
+            f"no collective backend for XPU: {why}, and this PyTorch has no xccl "
+            f"(torch {torch.__version__}). Install PyTorch >= 2.8 from the XPU wheel index, or "
+            "oneccl_bindings_for_pytorch matching your PyTorch.")
+    log.info("xpu collectives: xccl (built into PyTorch; %s)", why)
+    return "xccl"
 
-            return "ccl"
-        return "xccl"
-    return "gloo"
+
+def accelerator_index(device: str, platform: Platform | None = None) -> tuple[int, str]:
+    """(index of this shard's device among those the process sees, why).
+
+    Each shard actor asks Ray for one GPU. With NVIDIA GPUs Ray sets CUDA_VISIBLE_DEVICES, and
+    with Intel GPUs (detected through dpctl) ZE_AFFINITY_MASK, so the process sees exactly
+    its device at index 0. When Ray counts Intel GPUs without its Intel support (no dpctl on
+    the node; the GPU resource was given with `ray start --num-gpus` or by tpserve), nothing
+    masks the tiles: the shard then takes the tile of the GPU id Ray assigned it.
+    """
+    platform = platform or Platform()
+    env = platform.env
+    if device == "cuda":
+        return 0, f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
+    mask = env.get("ZE_AFFINITY_MASK")
+    selector = env.get("ONEAPI_DEVICE_SELECTOR")
+    if mask or selector:
+        seen = platform.device_count(device)
+        why = f"ZE_AFFINITY_MASK={mask}" if mask else f"ONEAPI_DEVICE_SELECTOR={selector}"
+        if seen != 1:
+            log.warning("%s leaves %d XPU devices visible to this shard; using the first. With "
+                        "tiles as devices (ZE_FLAT_DEVICE_HIERARCHY=FLAT, the default) each "
+                        "Ray GPU is one tile.", why, seen)
+        return 0, why
+    ids = platform.ray_gpu_ids()
+    if ids:
+        index = int(ids[0])
+        seen = platform.device_count(device)
+        if index >= seen:
+            raise RuntimeError(
+                f"Ray assigned GPU {index} to this shard but only {seen} XPU device(s) are "
+                "visible: give Ray as many GPUs as there are tiles (`ray start --num-gpus N`)")
+        return index, f"Ray GPU id {index}; no ZE_AFFINITY_MASK set (Ray without dpctl)"
+    return 0, "no Ray GPU assignment and no device mask: the first device"
 
 
-def local_device(device: str) -> torch.device:
-    """This process's device. Ray narrows the visible accelerators of each shard actor
-    (CUDA_VISIBLE_DEVICES / ONEAPI_DEVICE_SELECTOR) to its own, so that is index 0."""
+def local_device(device: str, platform: Platform | None = None) -> torch.device:
+    """This process's device: the one Ray assigned to this shard (accelerator_index)."""
     if device == "cpu":
         return torch.device("cpu")
-    dev = torch.device(device, 0)
+    index, why = accelerator_index(device, platform)
+    log.info("%s device index %d (%s)", device, index, why)
+    dev = torch.device(device, index)
     if hasattr(torch, "accelerator"):
-        torch.accelerator.set_device_index(0)
+        torch.accelerator.set_device_index(index)
     else:
-        getattr(torch, device).set_device(0)
+        getattr(torch, device).set_device(index)
     return dev
 
 
@@ -106,5 +182,14 @@ def resolve_dtype(requested: str, device: str, checkpoint_dtype) -> tuple[str, s
 def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
     if device == "cpu":
         return {"CPU": float(cpus_per_shard)}
-    # Ray reports Intel GPUs as GPU resources as well and sets ONEAPI_DEVICE_SELECTOR.
+    # One GPU each: a CUDA GPU, or an Intel XPU tile (Ray counts Intel GPUs as "GPU" and sets
+    # ZE_AFFINITY_MASK when dpctl is installed; see accelerator_index otherwise).
     return {"GPU": 1.0, "CPU": 1.0}
+
+
+def local_cluster_gpus(device: str) -> int | None:
+    """GPUs to declare when tpserve starts a local Ray cluster: Ray finds Intel GPUs only
+    through dpctl, so XPU tiles are counted with torch instead; None: Ray's own count."""
+    if device == "xpu":
+        return torch.xpu.device_count()
+    return None

@@ -8,20 +8,25 @@ import socket
 import threading
 import time
 
-from tpserve.config import EngineConfig
+from tpserve.config import EngineConfig, ServerConfig
 
 log = logging.getLogger(__name__)
 
 
 class Driver:
     def __init__(self, cfg: EngineConfig, host: str = "127.0.0.1", port: int = 8080,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", server: ServerConfig | None = None) -> None:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.cfg, self.host, self.port, self.log_level = cfg, host, port, log_level
+        self.server_cfg = server or ServerConfig()
         self.backend = None
         self._server = None
         self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        # rayops hook: shown in the Ray dashboard's actors view.
+        return f"Driver({self.cfg.model.model_id}, http://{self.host}:{self.port})"
 
     def start(self) -> str:
         """Start the HTTP server (health answers 503 until loaded) and the model load;
@@ -32,9 +37,12 @@ class Driver:
         from tpserve.server.app import build_app
 
         cfg = self.cfg
+        from tpserve.cluster.ray_metrics import EngineMetrics
+
         self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
-                                   cfg.scheduler.max_concurrent_requests)
-        app = build_app(self.backend)
+                                   cfg.scheduler.max_concurrent_requests,
+                                   lambda stats: EngineMetrics(stats, cfg.model.model_id))
+        app = build_app(self.backend, self.server_cfg)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -43,8 +51,11 @@ class Driver:
             raise RuntimeError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}; "
                                "pick another --port") from None
         self.port = sock.getsockname()[1]
+        tls = self.server_cfg.ssl_certfile is not None
         config = uvicorn.Config(app, log_level=self.log_level, access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, server_header=False,
+                                ssl_certfile=self.server_cfg.ssl_certfile,
+                                ssl_keyfile=self.server_cfg.ssl_keyfile)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="tpserve-http", daemon=True)
@@ -53,7 +64,7 @@ class Driver:
         deadline = time.monotonic() + 30
         while not self._server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if tls else 'http'}://{self.host}:{self.port}"
 
     def wait_ready(self, timeout_s: float | None = None) -> dict:
         """Block until every shard has loaded; raises the load error if there was one."""
@@ -70,6 +81,17 @@ class Driver:
 
     def health(self) -> list[dict]:
         return self.backend.engine.executor.health()
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop accepting requests (they get 503) and wait up to `timeout_s` for the ones in
+        flight to finish; returns how many were still running (rayops: shutdown)."""
+        if self.backend is None:
+            return 0
+        self.backend.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.backend.inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.backend.inflight
 
     def stop(self) -> None:
         if self._server is not None:

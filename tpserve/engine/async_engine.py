@@ -36,10 +36,28 @@ class _Abort:
     seq_id: int
 
 
+class NullMetrics:
+    """The metrics interface AsyncEngine reports to, doing nothing (tests, no Ray)."""
+
+    def start(self) -> bool:
+        return False
+
+    def stop(self) -> None: ...
+
+    def request_arrived(self, seq_id: int) -> None: ...
+
+    def request_ended(self, seq_id: int) -> None: ...
+
+    def step_done(self, events, step_seconds: float) -> None: ...
+
+    def rebuilt(self) -> None: ...
+
+
 class AsyncEngine:
     """Implements tpserve.server.backend.EngineBackend over an Engine built in a thread."""
 
-    def __init__(self, build_engine, model_id: str, max_concurrent_requests: int) -> None:
+    def __init__(self, build_engine, model_id: str, max_concurrent_requests: int,
+                 metrics_factory=None) -> None:
         self._build = build_engine
         self.model_id = model_id
         self.max_concurrent = max_concurrent_requests
@@ -47,6 +65,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # Set when a shard actor died: the replica cannot serve until it is rebuilt.
         self.dead: str | None = None
+        # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
+        self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._inflight = 0
@@ -56,11 +76,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self.steps = 0
         self.last_step_seconds = 0.0
-        self._ray_metrics = RayMetrics()
+        # Metrics where the deployment looks (Ray's export: cluster/ray_metrics.py), given by
+        # whoever launches the engine, so the engine imports nothing of Ray.
+        self._ray_metrics = metrics_factory(self.stats) if metrics_factory else NullMetrics()
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._ray_metrics.start()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until loaded; re-raise the load error, if any."""
@@ -78,11 +101,31 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self._ray_metrics.stop()
+        # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
+        # rather than a connection that never answers.
+        err = GenerationError("the server shut down before this request finished "
+                              "(--shutdown-timeout ran out)")
+        for sink, loop in list(self._sinks.values()):
+            loop.call_soon_threadsafe(sink.put_nowait, err)
+        self._sinks.clear()
         if self.engine is not None:
             self.engine.shutdown()
 
+    def begin_drain(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests (503 with `reason`); in-flight ones carry on."""
+        self.draining = reason
+
+    def not_ready_reason(self) -> str:
+        if self.draining:
+            return self.draining
+        if self.error is not None or self.dead is not None:
+            return f"the engine failed: {self.error or self.dead}"
+        return "the model is still loading"
+
     def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None and self.dead is None
+        return (self._ready.is_set() and self.error is None and self.dead is None
+                and self.draining is None)
 
     @property
     def inflight(self) -> int:
@@ -102,6 +145,7 @@ class AsyncEngine:
             max_batch_total_tokens=e.num_blocks * c.cache.block_size,
             attention_backend=e.load_reports[0].backend,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
+                   "placement": c.parallel.placement,  # rayops hook: --placement
                    "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
 
     def stats(self) -> dict[str, float]:
@@ -134,9 +178,7 @@ class AsyncEngine:
 
     def _require_ready(self) -> None:
         if not self.ready():
-            why = ("the model is still loading" if self.error is None and self.dead is None
-                   else f"the engine failed: {self.error or self.dead}")
-            raise NotReadyError(why)
+            raise NotReadyError(self.not_ready_reason())
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
@@ -204,6 +246,7 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             self.engine.abort(item.seq_id)
             self._sinks.pop(item.seq_id, None)
+            self._ray_metrics.request_ended(item.seq_id)
             return
         try:
             seq = self.engine.add_request(item.prompt_ids, item.params)
@@ -221,6 +264,7 @@ class AsyncEngine:
             self.engine.abort(seq.seq_id)
             return
         self._sinks[seq.seq_id] = (item.sink, item.loop)
+        self._ray_metrics.request_arrived(seq.seq_id)
         item.loop.call_soon_threadsafe(_set_result, item.accepted, seq.seq_id)
 
     def _step(self) -> None:
@@ -236,6 +280,7 @@ class AsyncEngine:
                 self.engine.abort(seq_id)
                 sink, loop = self._sinks.pop(seq_id)
                 loop.call_soon_threadsafe(sink.put_nowait, err)
+                self._ray_metrics.request_ended(seq_id)
             return
         for seq_id, ev in events:
             target = self._sinks.get(seq_id)
@@ -247,35 +292,7 @@ class AsyncEngine:
                 self._sinks.pop(seq_id, None)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
-        self._ray_metrics.maybe_report(self)
-
-
-class RayMetrics:
-    """The engine gauges as Ray metrics, so the Ray dashboard (and its Prometheus export)
-    shows them next to the actors. Reported at most twice a second; a no-op outside Ray."""
-
-    def __init__(self) -> None:
-        self._gauge = None
-        self._next = 0.0
-
-    def maybe_report(self, backend: AsyncEngine) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + 0.5
-        try:
-            import ray
-
-            if not ray.is_initialized():
-                return
-            if self._gauge is None:
-                from ray.util.metrics import Gauge
-
-                self._gauge = Gauge("tpserve_engine", "tpserve engine state", tag_keys=("stat",))
-            for name, value in backend.stats().items():
-                self._gauge.set(float(value), tags={"stat": name})
-        except Exception:  # noqa: BLE001 - metrics must never take serving down
-            log.debug("ray metrics report failed", exc_info=True)
+        self._ray_metrics.step_done(events, self.last_step_seconds)
 
 
 def _replica_dead(exc: BaseException) -> bool:

@@ -1,4 +1,7 @@
-"""What GET /info reports about the served model, and the limits validation enforces."""
+"""What the engine tells its front ends about the served model (GET /info, request limits).
+
+Kept on the engine side, free of HTTP imports, so engine code never imports tpserve.server.
+"""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ class RayExecutor(Executor):
         self.cfg = cfg
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         bundle = ray_bundle(device, cfg.parallel.cpus_per_shard)
-        self.pg = place_shards(bundle, tp, bool(cfg.parallel.ray_address), placement_timeout_s)
+        self.pg = place_shards(bundle, tp, bool(cfg.parallel.ray_address), placement_timeout_s,
+                               cfg.parallel.placement)
         namespace = namespace or ray.get_runtime_context().namespace
         self.names = shard_names(tp, namespace)
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.kernels.fused_ops import apply_rotary_torch
+
 # rel_bias: float [num_heads on this rank, 2 * R + 1]. The score of query position qp and key
 # position kp in head h gains rel_bias[h, R + clamp(kp - qp, -R, R)]; R = (columns - 1) // 2.
 # Positions are those of the sequence (paged: query i of a chunk of n sits at
@@ -108,6 +110,23 @@ class AttentionBackend(ABC):
         """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate q and k by the step's rotary cos/sin ([T, rot_dim], in q's dtype), store the
+        rotated keys and the values (write_kv), return the rotated q. Backends with a fused
+        kernel override this; the default is the torch reference."""
+        self.write_kv(apply_rotary_torch(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+        return apply_rotary_torch(q, cos, sin)
 
     @abstractmethod
     def prefill(

@@ -20,15 +20,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpserve.kernels import fused_ops
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import unknown_feature_reason
 from tpserve.kernels.compile_cache import cached_kernel_count, configure_triton_cache
+from tpserve.kernels.fused_ops import rotary_write_kv_triton
 
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
+MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
 # Triton's backend name for each torch device type.
 TRITON_TARGETS = {"cuda": "nvidia", "xpu": "intel"}
 
@@ -53,6 +56,18 @@ def _triton_missing(device_type: str) -> str | None:
     return None
 
 
+def compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) or Xe cores (XPU) of `device`; under the CPU
+    interpreter a small stand-in, so tests still cut contexts into several splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        props = torch.xpu.get_device_properties(device)
+        return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units",
+                                                                       64))
+    return 8
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile sizes of one spec on one dtype: part of the compile key, fixed per model."""
@@ -61,6 +76,7 @@ class LaunchConfig:
     block_n: int
     decode_block_n: int
     group_pad: int
+    prefill_tokens: int  # new tokens per prefill tile (block_m rows = tokens x group)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -71,9 +87,10 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     group_pad = max(16, 1 << (group - 1).bit_length())
     wide = spec.head_dim * (4 if dtype == torch.float32 else 2)  # bytes per key row
     block_n = 64 if wide <= 256 else 32
-    block_m = 64 if spec.head_dim <= 128 else 32
+    # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
+    block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
     return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=block_n,
-                        group_pad=group_pad)
+                        group_pad=group_pad, prefill_tokens=block_m // group)
 
 
 def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
@@ -103,7 +120,7 @@ def warmup_plan(dtype: torch.dtype, spec: AttentionSpec,
     ctx = 2 * spec.block_size + 3  # crosses block boundaries
     cases = [WarmupCase("decode", (1,) * b, (ctx,) * b, compile_key("decode", dtype, spec))
              for b in sorted(set(batch_sizes))]
-    n = cfg.block_m + 3
+    n = 2 * cfg.block_m + 3  # at least two query tiles, whatever the group
     cases.append(WarmupCase("prefill", (n, 1), (n + spec.block_size, ctx),
                             compile_key("prefill", dtype, spec)))
     return cases
@@ -131,6 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.unplanned_launches = 0
         self.reports: list[WarmupReport] = []
         self._dummy: dict[torch.device, torch.Tensor] = {}
+        self._cores: dict[torch.device, int] = {}
+        # TPSERVE_DECODE_SPLITS=N fixes the split count (1: no split-K), for measurements.
+        self.forced_splits = int(os.environ.get("TPSERVE_DECODE_SPLITS") or 0)
         self._k = None
 
     @classmethod
@@ -188,37 +208,70 @@ class TritonAttentionBackend(AttentionBackend):
                    out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         return q, out, slopes.float().contiguous(), cfg, flags, scalars
 
+    def num_splits(self, device: torch.device, batch: int, spec: AttentionSpec) -> int:
+        """Context splits of a decode step (flash-decoding): enough (sequence, KV head, split)
+        programs for two waves over the GPU's cores. A function of the batch size only, so a
+        captured graph bucket keeps its split count for any context length; contexts too
+        short for all splits leave the extra programs empty."""
+        if self.forced_splits:
+            return max(1, min(MAX_SPLITS, self.forced_splits))
+        cores = self._cores.get(device)
+        if cores is None:
+            cores = self._cores[device] = compute_units(device)
+        return max(1, min(MAX_SPLITS, -(-2 * cores // (batch * spec.num_kv_heads))))
+
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
         self._record(compile_key("decode", q.dtype, spec))
-        grid = (meta.num_seqs, spec.num_kv_heads)
-        self._kernels().paged_decode_kernel[grid](
-            out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens), slopes,
-            *scalars, GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
-            HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        b, heads, d = q.shape
+        splits = self.num_splits(q.device, b, spec)
+        if splits > 1:
+            part = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
+            ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=q.device)
+        else:  # never read: one program per (sequence, KV head) writes out directly
+            part = ml = slopes
+        self._kernels().paged_decode_kernel[(b, spec.num_kv_heads, splits)](
+            out, part, ml, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+            slopes, *scalars, splits, heads * splits * d, splits * d,
+            GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
+            HEAD_DIM=d, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT=splits > 1, **flags)
+        if splits > 1:
+            self._kernels().paged_decode_reduce_kernel[(b, heads)](
+                out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
+                out.stride(1), HEAD_DIM=d, num_warps=1 if d <= 64 else 2)
         return out
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
         self._record(compile_key("prefill", q.dtype, spec))
-        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.block_m), spec.num_heads)
+        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.prefill_tokens), spec.num_kv_heads)
         self._kernels().paged_prefill_kernel[grid](
             out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
             _i32(meta.query_start_loc), slopes, *scalars,
             GROUP=spec.num_heads // spec.num_kv_heads, HEAD_DIM=spec.head_dim,
-            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, TOKENS=cfg.prefill_tokens,
+            BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         return out
 
+    def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        """One launch for rotary on q and k plus the K/V cache write (fused_ops.py)."""
+        self._record(("rotary", str(q.dtype), q.shape[1], k.shape[1], q.shape[2],
+                      cos.shape[-1]))
+        return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
     # --- compiling ----------------------------------------------------------------------
     def compile_count(self) -> int:
-        """Kernel variants built in this process. Under the interpreter there is no compiler,
-        so the distinct launch keys stand in for it."""
+        """Kernel variants built in this process, the fused layer and sampling kernels
+        included (warmup launches them too). Under the interpreter there is
+        no compiler, so the distinct launch keys stand in for it."""
         if interpreting():
             return len(self.launched)
+        from tpserve.kernels import triton_fused, triton_sampling
+
         total = 0
-        for kernel in self._kernels().KERNELS:
+        for kernel in self._kernels().KERNELS + triton_fused.KERNELS + triton_sampling.KERNELS:
             caches = getattr(kernel, "device_caches", {}) or {}
             total += sum(len(c[0]) for c in caches.values())
         return total
@@ -233,6 +286,8 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             for case in plan:
                 self._run_case(case, device, dtype, spec)
+            # The fused norm / activation kernels of the layers built in this process.
+            fused_ops.warmup(device, dtype)
         finally:
             self._warming = False
         if device.type != "cpu":
@@ -279,6 +334,11 @@ class TritonAttentionBackend(AttentionBackend):
         slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
         run = self.decode if case.kind == "decode" else self.prefill
         run(q, k_cache, v_cache, meta, spec, slopes)
+        if case.kind == "prefill":  # the fused rotary + cache write, full-width rotary
+            t = q.shape[0]
+            kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+            cs = torch.randn(t, spec.head_dim, dtype=dtype, device=device)
+            self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

@@ -47,19 +47,29 @@ def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=_TABLES)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_splits", "stride_pt", "stride_ph"],
+            do_not_specialize_on_alignment=_TABLES)
 def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
-    scale, softcap, window, stride_bt,
+    out_ptr, part_ptr, ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    alibi_ptr, scale, softcap, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    num_splits, stride_pt, stride_ph,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One program per (sequence, KV head): the GROUP query heads sharing that KV head are
-    the rows of one tile, so each key is read once per group (GQA / MQA)."""
+    """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
+    are the rows of one tile, so each key is read once per group (GQA / MQA).
+
+    SPLIT (flash-decoding): the visible context is cut into num_splits runs of whole BLOCK_N
+    tiles, one per program, so a small batch still fills the GPU; each program writes its
+    normalised partial output [num_splits, HEAD_DIM] and (max score, sum of exponentials) per
+    head to part/ml (fp32), and paged_decode_reduce_kernel combines them. A split with no
+    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -74,13 +84,18 @@ def paged_decode_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N
+    hi = ctx
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), num_splits) * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(ctx, lo + per_split)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
-    for start in range(lo, ctx, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < ctx
+        k_ok = k_pos < hi
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
@@ -97,8 +112,44 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        part = seq.to(tl.int64) * stride_pt + heads * stride_ph + split * HEAD_DIM
+        tl.store(part_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        ml = (seq.to(tl.int64) * stride_pt + heads * stride_ph) // HEAD_DIM * 2 + split * 2
+        tl.store(ml_ptr + ml, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml + 1, l_i, mask=row_ok)
+    else:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ot",
+                               "stride_oh"])
+def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt, stride_ph,
+                               stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    """One program per (sequence, query head): the splits' partial outputs weighed by
+    exp(max_s - max) * sum_s, as a running (online-softmax) combination."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    base = seq * stride_pt + head * stride_ph
+    ml_base = base // HEAD_DIM * 2
+    # Vectors rather than scalars: loop-carried values keep one type from the first pass.
+    m = tl.full([HEAD_DIM], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(ml_ptr + ml_base + 2 * s)
+        l_s = tl.load(ml_ptr + ml_base + 2 * s + 1)
+        o_s = tl.load(part_ptr + base + s * HEAD_DIM + d)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_s - m_new) * l_s
+        acc = acc * a + o_s * b
+        total = total * a + b
+        m = m_new
+    acc = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS,
@@ -108,35 +159,39 @@ def paged_prefill_kernel(
     alibi_ptr, scale, softcap, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (sequence, tile of BLOCK_M new tokens, query head). The new tokens
-    are the last q_len positions of a context of seq_len (chunked prefill and decode rows of
-    a mixed batch alike); each attends causally to its own sequence's cache."""
+    """One program per (sequence, tile of TOKENS new tokens, KV head). The BLOCK_M rows of a
+    tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
+    r // GROUP, head r % GROUP), so each key tile is read once for the whole group (GQA /
+    MQA), and a short chunk or a decode row still fills the tile. The new tokens are the
+    last q_len positions of a context of seq_len (chunked prefill and decode rows of a mixed
+    batch alike); each attends causally to its own sequence's cache."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)
-    kvh = head // GROUP
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    r = tl.arange(0, BLOCK_M)
+    rows = tile * TOKENS + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (rows < q_len)
     q_pos = ctx - q_len + rows
     d = tl.arange(0, HEAD_DIM)
     tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
-        slopes += tl.load(alibi_ptr + head).to(tl.float32)
-    hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
+        slopes += tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * TOKENS)
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(ctx - q_len + tile * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
     # Tiles past this sequence's new tokens (the grid covers the longest one) do no work.
-    hi = tl.where(tile * BLOCK_M < q_len, hi, lo)
+    hi = tl.where(tile * TOKENS < q_len, hi, lo)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -160,8 +215,8 @@ def paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-KERNELS = (paged_decode_kernel, paged_prefill_kernel)
+KERNELS = (paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel)

@@ -39,16 +39,22 @@ class PagedAttention(AttentionLayer):
             self.alibi_slopes = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rel_bias: torch.Tensor | None = None) -> torch.Tensor:
+                rel_bias: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [T, heads * head_dim], k/v: [T, kv_heads * head_dim] -> [T, heads * head_dim].
-        rel_bias: the relative-position table of a spec with relative_bias (kernels/base.py)."""
+        rel_bias: the relative-position table of a spec with relative_bias (kernels/base.py).
+        rope: the step's rotary (cos, sin), applied to q and k together with the cache write."""
         ctx = current()
         s = self.spec
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
+        if rope is not None:
+            q = ctx.backend.rotary_write_kv(q, k, v, *rope, k_cache, v_cache,
+                                            ctx.meta.slot_mapping)
+        else:
+            ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping)
         if rel_bias is None:  # the decoder-only call, unchanged for every backend
             out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes)
         else:

@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.distributed import all_gather_last_dim, all_reduce, get_tp
+from tpserve.distributed import (
+    all_gather_last_dim,
+    all_reduce,
+    gather_last_dim_to_first,
+    get_tp,
+)
 from tpserve.layers.sharding import check_shape, copy_narrow
 from tpserve.weights import TensorSlice
 
@@ -58,8 +63,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
+                       ) -> torch.Tensor | None:
+        """Full-vocabulary logits on every rank; with to_first_rank, only on tp rank 0 (the
+        rank that samples) and None elsewhere, which moves 1/tp of the bytes."""
         logits = F.linear(hidden, self.weight, self.bias)
+        if to_first_rank:
+            logits = gather_last_dim_to_first(logits)
+            return None if logits is None else logits[..., : self.vocab_size]
         return all_gather_last_dim(logits)[..., : self.vocab_size]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -3,6 +3,10 @@
 Column-parallel layers split the output features (no communication); row-parallel layers
 split the input features and all-reduce their partial sums in forward. Pairing a column
 layer with a row layer (QKV -> o_proj, gate_up -> down) costs one all-reduce per pair.
+
+How a layer holds its weight (float, int4 GPTQ/AWQ, fp8) is its LinearMethod
+(layers/quant/methods.py); every parameter records its ParamLayout (layers/param_layout.py),
+so the loaders below speak in output and input features and never in tensor dims.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.errors import ShardingError
-from tpserve.layers.sharding import copy_full, copy_narrow, expect_shape, shard_size
+from tpserve.layers.param_layout import VECTOR, attach, expect_full, load_region
+from tpserve.layers.quant.methods import linear_method
+from tpserve.layers.sharding import copy_full, shard_size
 from tpserve.weights import TensorSlice
 
 
@@ -35,6 +41,17 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _build(layer: nn.Module, out_per_rank: int, in_per_rank: int, in_total: int, bias: bool,
+           bias_size: int, row_parallel: bool, part_sizes: list[int], prefix: str, loader) -> None:
+    """Create the layer's weight parameters through its method, a bias, and their loaders."""
+    layer.method = linear_method(prefix)
+    layer.method.create(layer, out_per_rank, in_per_rank, in_total=in_total,
+                        row_parallel=row_parallel, part_sizes=part_sizes, prefix=prefix)
+    layer.bias = attach(_param(bias_size), VECTOR) if bias else None
+    for p in layer.parameters(recurse=False):
+        p.weight_loader = loader
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T, W split by output rows; each rank returns its slice of y."""
 
@@ -45,20 +62,22 @@ class ColumnParallelLinear(nn.Module):
         self.prefix = prefix
         self.out_per_rank = shard_size(out_features, tp.size, tensor=f"{prefix}.weight",
                                        what="output features", shape=(out_features, in_features))
-        self.weight = _param(self.out_per_rank, in_features)
-        self.weight.weight_loader = self.load_rows
-        self.bias = None
-        if bias:
-            self.bias = _param(self.out_per_rank)
-            self.bias.weight_loader = self.load_rows
+        self.in_features, self.out_features = in_features, out_features
+        _build(self, self.out_per_rank, in_features, in_features, bias, self.out_per_rank,
+               False, self.rank_parts(), prefix, self.load_rows)
+
+    def rank_parts(self) -> list[int]:
+        """Output features of each fused projection on this rank (one, unless fused)."""
+        return [self.out_per_rank]
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
-        n = param.shape[0]
-        expect_shape(w, (n * get_tp().size, *param.shape[1:]))
-        copy_narrow(param, w, 0, get_tp().rank * n, n)
+        n = self.out_per_rank
+        expect_full(param, w, n * get_tp().size, self.in_features)
+        load_region(param, w, (get_tp().rank * n, n, 0), (0, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self.method.apply(self, x)
+        return y + self.bias if self.bias is not None else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -75,19 +94,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, prefix)
 
+    def rank_parts(self) -> list[int]:
+        return [s // get_tp().size for s in self.out_sizes]
+
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         tp = get_tp()
         if shard_id is None:  # stored fused on disk ([gate; up]): take each part's slice
-            expect_shape(w, (sum(self.out_sizes), *param.shape[1:]))
+            expect_full(param, w, sum(self.out_sizes), self.in_features)
             parts = range(len(self.out_sizes))
         else:
-            expect_shape(w, (self.out_sizes[shard_id], *param.shape[1:]))
+            expect_full(param, w, self.out_sizes[shard_id], self.in_features)
             parts = [shard_id]
         for i in parts:
             n = self.out_sizes[i] // tp.size
             src = (sum(self.out_sizes[:i]) if shard_id is None else 0) + tp.rank * n
             dst = sum(s // tp.size for s in self.out_sizes[:i])
-            copy_narrow(param, w, 0, src, n, out_offset=dst)
+            load_region(param, w, (src, n, dst), (0, self.in_features))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -120,12 +142,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         nn.Module.__init__(self)
         self.prefix, self.out_per_rank = prefix, q + 2 * kv
         self.q_size, self.kv_size = q, kv
-        self.weight = _param(q + 2 * kv, hidden)
-        self.weight.weight_loader = self.load_rows
-        self.bias = None
-        if bias:
-            self.bias = _param(q + 2 * kv)
-            self.bias.weight_loader = self.load_rows
+        self.in_features, self.out_features = hidden, (num_heads + 2 * num_kv_heads) * head_dim
+        _build(self, q + 2 * kv, hidden, hidden, bias, q + 2 * kv, False, [q, kv, kv],
+               f"{prefix}.qkv_proj", self.load_rows)
 
     def _rows(self, part: str) -> tuple[int, int, int]:
         """(source row in that projection, rows, destination row in the fused weight)."""
@@ -136,19 +155,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.kv_head_start * d, self.kv_size, dst
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
-        d, rest = self.head_dim, tuple(param.shape[1:])
+        d, k = self.head_dim, self.in_features
         if shard_id is not None:
             heads = self.total_heads if shard_id == "q" else self.total_kv_heads
-            expect_shape(w, (heads * d, *rest))
+            expect_full(param, w, heads * d, k)
             src, n, dst = self._rows(shard_id)
-            copy_narrow(param, w, 0, src, n, out_offset=dst)
+            load_region(param, w, (src, n, dst), (0, k))
             return
         # Stored fused on disk as [q; k; v] (Phi-3's qkv_proj).
-        offsets = {"q": 0, "k": self.total_heads * d, "v": (self.total_heads + self.total_kv_heads) * d}
-        expect_shape(w, (offsets["v"] + self.total_kv_heads * d, *rest))
+        offsets = {"q": 0, "k": self.total_heads * d,
+                   "v": (self.total_heads + self.total_kv_heads) * d}
+        expect_full(param, w, self.out_features, k)
         for part, base in offsets.items():
             src, n, dst = self._rows(part)
-            copy_narrow(param, w, 0, base + src, n, out_offset=dst)
+            load_region(param, w, (base + src, n, dst), (0, k))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -164,18 +184,15 @@ class RowParallelLinear(nn.Module):
         tp = get_tp()
         self.in_per_rank = shard_size(in_features, tp.size, tensor=f"{prefix}.weight",
                                       what="input features", shape=(out_features, in_features))
-        self.weight = _param(out_features, self.in_per_rank)
-        self.weight.weight_loader = self.load_cols
-        self.bias = None
-        if bias:
-            self.bias = _param(out_features)
-            self.bias.weight_loader = copy_full
+        self.in_features, self.out_features = in_features, out_features
+        _build(self, out_features, self.in_per_rank, in_features, bias, out_features, True,
+               [out_features], prefix, self.load_cols)
 
     def load_cols(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
-        n = param.shape[1]
-        expect_shape(w, (param.shape[0], n * get_tp().size))
-        copy_narrow(param, w, 1, get_tp().rank * n, n)
+        n = self.in_per_rank
+        expect_full(param, w, self.out_features, self.in_features)
+        load_region(param, w, (0, self.out_features, 0), (get_tp().rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.method.apply(self, x))
         return y + self.bias if self.bias is not None else y

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpserve.kernels.fused_ops import add_rms_norm, plan_norm
 from tpserve.layers.sharding import copy_full
 
 
@@ -19,14 +20,14 @@ class RMSNorm(nn.Module):
         self.cast_before_weight = cast_before_weight
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
         self.weight.weight_loader = copy_full
+        plan_norm(hidden, offset, cast_before_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.cast_before_weight:
-            return (self.weight + self.offset) * h.to(dtype) if self.offset else self.weight * h.to(dtype)
-        return (h * (self.weight.float() + self.offset)).to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with a residual, (rmsnorm(x + residual), x + residual) in one kernel
+        where the device has it (kernels/fused_ops.py)."""
+        out, res = add_rms_norm(x, residual, self.weight, self.eps, self.offset,
+                                self.cast_before_weight)
+        return out if residual is None else (out, res)
 
 
 class LayerNorm(nn.LayerNorm):

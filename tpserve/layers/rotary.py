@@ -97,6 +97,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's [T, rot_dim] cos and sin in `dtype`: gathered once per step and shared
+        by every layer (the attention backend applies them with the cache write)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

@@ -1,86 +1,313 @@
-"""Turns the last-position logits of a step into next tokens (runs on rank 0 only).
+"""Turns the last-position logits of a step into next tokens, all rows at once, on the device.
 
-Greedy rows are one vectorised arg-max. Sampled rows draw with a generator seeded by
-(seed, tokens generated so far), so a seeded request gives the same text whatever else
-shares its batch, and nothing has to be kept between steps.
+`sample` issues no host sync: per-row parameters (and the token histories that penalties
+need) reach the device in one copy, every rule is a masked tensor op over the whole batch, and
+randomness is a counter-based Gumbel-max keyed by (seed, step), so a seeded row draws the same
+token whatever else shares its batch and nothing is kept between steps. The caller reads the
+result back once (`sample_seq_steps` does, for today's worker).
+
+Numerics: no accepted parameter may turn a row into NaN and poison the batch. Temperatures and
+penalties are clamped to ranges where float32 stays finite, +inf is clamped to a large finite
+value, and a row that still has no finite logit (or a NaN: the model's doing) falls back to
+greedy on its raw logits, with NaN and infinities replaced by large finite values.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SampledToken, SeqStep
+from tpserve.kernels.fused_ops import gumbel_argmax_triton, use_triton
+
+# Temperatures below this already make the draw an arg-max for any real logit gap, and
+# dividing by them keeps float32 finite; above the upper one every row is uniform anyway.
+_MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-5, 1e30
+_MIN_REP_PENALTY, _MAX_REP_PENALTY = 1e-6, 1e6
+_MAX_FREQ_PENALTY = 1e20
+_BIG = 1e30  # stand-in for +inf: large, but sums of a few stay finite in float32
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+_FLOATS, _INTS = 5, 5  # packed columns per row: see _pack
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: list[int] | None,
-                    generated: list[int] | None) -> torch.Tensor:
-    if history and p.repetition_penalty and p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(history)), device=logits.device)
-        seen = logits[ids]
-        logits[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
-    if generated and p.frequency_penalty:
-        ids, counts = torch.tensor(generated, device=logits.device).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype)
-    return logits
+@dataclass(frozen=True)
+class SampleRow:
+    params: SamplingParams
+    seed: int  # request seed (engine fills a random one for unseeded sampling)
+    step: int  # tokens this sequence generated so far (keys per-token randomness)
+    history: tuple[int, ...] | None = None  # prompt+generated ids, only when a penalty is set
+    num_generated: int = 0  # history[-num_generated:] are the generated ids
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and typical-p masks (as transformers' warpers do)."""
-    if p.temperature and p.temperature != 1.0:
-        logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p is not None and p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum <= 1 - p.top_p
-        drop[-1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    if p.typical_p is not None and p.typical_p < 1.0:
-        logp = logits.log_softmax(-1)
-        ent = -(logp.exp() * logp).nansum()
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # [n] int64, on the logits' device
+    logprobs: torch.Tensor  # [n] float32, log p of the chosen token
+    top_ids: torch.Tensor | None  # [n, k] int64, k = max top_n_tokens in the batch
+    top_logprobs: torch.Tensor | None  # [n, k] float32
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=65536)
+def _seed_mix(seed: int) -> int:
+    # Seeds repeat on every step of a request: hash each once on the host.
+    return _splitmix64(seed & _M64)
+
+
+def _key32(lo, hi, step):
+    """The 32-bit key of one draw from the seed's hash halves and the step (ints or int64
+    tensors): the same arithmetic on the host (row_key) and on the device."""
+    if isinstance(lo, int):
+        return _mix32_int(_mix32_int(lo ^ (step * 0x9E3779B1 & _M32)) ^ hi)
+    return _mix32(_mix32(lo ^ _mul32(step, 0x9E3779B1)) ^ hi)
+
+
+def row_key(seed: int, step: int) -> int:
+    """32-bit key of the draw of (seed, step): what the sampler computes on the device."""
+    mixed = _seed_mix(seed)
+    return _key32(mixed & _M32, mixed >> 32, step & _M32)
+
+
+def _mix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & _M32
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & _M32
+    return h ^ (h >> 16)
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2**32 for 0 <= h < 2**32 without int64 overflow (split in 16-bit halves)."""
+    lo = (h & 0xFFFF) * c
+    hi = ((h >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _M32
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    # murmur3's finaliser: a bijection on 32 bits with full avalanche.
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int, exact: bool | None = None) -> torch.Tensor:
+    """[n, vocab] standard Gumbel noise (float32), a pure function of each row's key and the
+    token id; kernels/triton_sampling.py computes the same values.
+
+    exact (default: when the device has float64) transforms in float64; otherwise in float32
+    with a series for small draws, within ~1e-6 of it (Intel Arc GPUs lack float64)."""
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = _mix32(_mix32(keys[:, None] ^ _mul32(idx, 0x9E3779B1)[None, :]))
+    # w is uniform on (0, 1) with fine resolution near 0, where the exponential draw
+    # -log(1 - w) is small and the Gumbel value large: the end that decides the arg-max.
+    if exact if exact is not None else _has_float64(keys.device):
+        # float64, and a series below 1e-6, keep that end exact to float32.
+        w = ((h.double() + 0.5) * 2.0**-32).clamp(max=1.0 - 2.0**-24)
+        e = torch.where(w < 1e-6, w + 0.5 * w * w, -torch.log(1.0 - w))
+        return (-torch.log(e)).float()
+    w = (h.float() + 0.5) * 2.0**-32
+    # 1 - w from the integer complement: no cancellation when w is large.
+    rest = ((_M32 - h).float() + 0.5) * 2.0**-32
+    series = w * (1 + w * (1 / 2 + w * (1 / 3 + w * (1 / 4 + w / 5))))
+    e = torch.where(w < 1e-2, series, -torch.log(rest))
+    return -torch.log(e)
+
+
+@functools.cache
+def _has_float64(device: torch.device) -> bool:
+    if device.type != "xpu":
+        return True
+    return bool(getattr(torch.xpu.get_device_properties(device), "has_fp64", True))
+
+
+def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax(f + gumbel_noise(keys)) per row: one Triton pass on CUDA (and XPU with float64),
+    else torch."""
+    if use_triton(f) and _has_float64(f.device):
+        return gumbel_argmax_triton(f, keys)
+    return (f + gumbel_noise(keys, f.shape[1])).argmax(-1)
+
+
+def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
+    """One int64 host tensor: per-row floats (float32 bits), per-row ints, then histories."""
+    n = len(rows)
+    floats, ints = [], []
+    hist_ids: list[int] = []
+    hist_rows: list[int] = []
+    gen_ids: list[int] = []
+    gen_rows: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        greedy = p.greedy
+        t = 1.0 if p.temperature is None or greedy else p.temperature
+        rp = p.repetition_penalty or 1.0
+        fp = p.frequency_penalty or 0.0
+        floats += [min(max(t, _MIN_TEMPERATURE), _MAX_TEMPERATURE),
+                   1.0 if p.top_p is None or greedy else p.top_p,
+                   1.0 if p.typical_p is None or greedy else p.typical_p,
+                   min(max(rp, _MIN_REP_PENALTY), _MAX_REP_PENALTY),
+                   min(max(fp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY)]
+        mixed = _seed_mix(r.seed)
+        ints += [int(greedy), 0 if p.top_k is None or greedy else p.top_k, mixed & _M32,
+                 mixed >> 32, r.step & _M32]
+        if r.history and rp != 1.0:
+            uniq = set(r.history)
+            hist_ids += uniq
+            hist_rows += [i] * len(uniq)
+        if r.history and fp and r.num_generated:
+            gen = r.history[len(r.history) - r.num_generated:]
+            gen_ids += gen
+            gen_rows += [i] * len(gen)
+    head = torch.empty(n, _FLOATS + _INTS, dtype=torch.int64)
+    # float32 bits as signed int32 values: the device reinterprets them without float64.
+    head[:, :_FLOATS] = torch.tensor(floats, dtype=torch.float32).view(torch.int32) \
+        .view(n, _FLOATS)
+    head[:, _FLOATS:] = torch.tensor(ints, dtype=torch.int64).view(n, _INTS)
+    tail = torch.tensor(hist_ids + hist_rows + gen_ids + gen_rows, dtype=torch.int64)
+    return torch.cat([head.view(-1), tail]), len(hist_ids), len(gen_ids)
+
+
+def _to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return buf
+    if device.type == "cuda":
+        buf = buf.pin_memory()  # a pinned source makes the copy asynchronous: no host sync
+    return buf.to(device, non_blocking=True)
+
+
+def _penalise(x: torch.Tensor, d: torch.Tensor, fl: torch.Tensor, nh: int, ng: int
+              ) -> torch.Tensor:
+    n, vocab = x.shape
+    tail = d[n * (_FLOATS + _INTS):]
+    # Flat scatters (row * vocab + id): unlike index_put with accumulate, they never sync.
+    if nh:
+        flat = tail[nh:2 * nh] * vocab + tail[:nh]
+        seen = torch.zeros(n * vocab, dtype=torch.bool, device=x.device)
+        seen = seen.scatter(0, flat, True).view(n, vocab)
+        rp = fl[:, 3:4]
+        x = torch.where(seen, torch.where(x < 0, x * rp, x / rp), x)
+    if ng:
+        flat = tail[2 * nh + ng:] * vocab + tail[2 * nh:2 * nh + ng]
+        counts = torch.zeros(n * vocab, dtype=x.dtype, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones(ng, dtype=x.dtype, device=x.device))
+        x = x - fl[:, 4:5] * counts.view(n, vocab)
+    return x.clamp(max=_BIG)
+
+
+def _filter(x: torch.Tensor, fl: torch.Tensor, top_k: torch.Tensor, any_k: bool,
+            any_p: bool, any_typical: bool) -> torch.Tensor:
+    """Temperature, then top-k, top-p and typical-p masks, in transformers' warper order."""
+    ninf = float("-inf")
+    x = (x / fl[:, 0:1]).clamp(max=_BIG)
+    vocab = x.shape[-1]
+    if any_k or any_p:
+        s, order = x.sort(-1, descending=True)
+        if any_k:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = s.gather(1, (k - 1)[:, None])
+            s = s.masked_fill(s < kth, ninf)
+        if any_p:
+            top_p = fl[:, 1:2]
+            probs = s.softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+            drop = (before >= top_p) & (top_p < 1.0)
+            drop[:, 0] = False  # always keep the most likely token
+            s = s.masked_fill(drop, ninf)
+        x = torch.empty_like(x).scatter_(1, order, s)
+    if any_typical:
+        typical = fl[:, 2:3]
+        logp = x.log_softmax(-1)
+        ent = -(logp.exp() * logp).nansum(-1, keepdim=True)
         shifted = (-logp - ent).abs()
-        s_sorted, order = torch.sort(shifted)
-        cum = logits.softmax(-1)[order].cumsum(-1)
-        last = int((cum < p.typical_p).sum())
-        drop = s_sorted > s_sorted[min(last, len(s_sorted) - 1)]
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+        s_sorted, order = shifted.sort(-1)
+        cum = logp.exp().gather(1, order).cumsum(-1)
+        last = (cum < typical).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        drop = (shifted > s_sorted.gather(1, last)) & (typical < 1.0)
+        x = x.masked_fill(drop, ninf)
+    return x
 
 
-def _generator(seed: int, step: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + step) % (2**63))
-    return g
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    """Next token per row of logits [len(rows), vocab]; no host sync, results on the device."""
+    n, vocab = logits.shape
+    raw = logits.float()
+    if n == 0 or not rows:
+        empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+        return SampleResult(empty, empty.float(), None, None)
+    top_n = max(r.params.top_n_tokens for r in rows)
+    sampled = [not r.params.greedy for r in rows]
+    penalised = any(r.history and (r.params.repetition_penalty not in (None, 1.0)
+                                   or r.params.frequency_penalty) for r in rows)
+    x, nh, ng = raw, 0, 0
+    if penalised or any(sampled):  # an all-greedy batch needs no parameters on the device
+        buf, nh, ng = _pack(rows)
+        d = _to_device(buf, logits.device)
+        head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
+        fl = head[:, :_FLOATS].to(torch.int32).view(torch.float32)
+        greedy, top_k, lo, hi, step = (head[:, _FLOATS + j] for j in range(_INTS))
+        keys = _key32(lo, hi, step)
+        if nh or ng:
+            x = _penalise(x, d, fl, nh, ng)
+    if any(sampled):
+        ps = [r.params for r, s in zip(rows, sampled) if s]
+        f = _filter(x, fl, top_k, any(p.top_k for p in ps),
+                    any(p.top_p is not None and p.top_p < 1.0 for p in ps),
+                    any(p.typical_p is not None and p.typical_p < 1.0 for p in ps))
+        drawn = gumbel_argmax(f, keys)
+        is_greedy = greedy.bool()
+        dist = torch.where(is_greedy[:, None], x, f)
+        token = torch.where(is_greedy, x.argmax(-1), drawn)
+    else:
+        dist, token = x, x.argmax(-1)
+    if dist is not raw:
+        # A row left without any finite logit (or with a NaN) samples greedily from the raw ones.
+        bad = ~torch.isfinite(dist).any(-1) | torch.isnan(dist).any(-1)
+        safe = raw.nan_to_num(nan=-_BIG, posinf=_BIG, neginf=-_BIG)
+        dist = torch.where(bad[:, None], safe, dist)
+        token = torch.where(bad, safe.argmax(-1), token)
+    logp = dist.log_softmax(-1)
+    chosen = logp.gather(1, token[:, None])[:, 0]
+    if top_n:
+        top_lp, top_ids = logp.topk(min(top_n, vocab), -1)
+        return SampleResult(token, chosen, top_ids, top_lp)
+    return SampleResult(token, chosen, None, None)
 
 
-def sample(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int = 0) -> list[SampledToken]:
-    """logits: [len(seqs), vocab] float32 for the sequences that sample this step."""
-    out: list[SampledToken] = []
-    logits = logits.float()
-    raw_logprobs = logits.log_softmax(-1)
-    greedy_ids = logits.argmax(-1).tolist()
-    for row, s in enumerate(seqs):
+def sample_seq_steps(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int = 0
+                     ) -> list[SampledToken]:
+    """Today's worker interface: sample, then read everything back in one transfer.
+
+    Unseeded rows draw with default_seed + seq_id, as before.
+    """
+    rows = []
+    for s in seqs:
         p = s.params or SamplingParams()
-        if p.greedy and not p.repetition_penalty and not p.frequency_penalty:
-            token, lp = greedy_ids[row], raw_logprobs[row]
-        else:
-            generated = s.history[len(s.history) - s.num_generated:] if s.history else None
-            x = apply_penalties(logits[row].clone(), p, s.history, generated)
-            if p.greedy:
-                token, lp = int(x.argmax()), x.log_softmax(-1)
-            else:
-                x = filter_logits(x, p)
-                probs = x.softmax(-1)
-                seed = p.seed if p.seed is not None else default_seed + s.seq_id
-                g = _generator(seed, s.num_generated, logits.device)
-                token = int(torch.multinomial(probs, 1, generator=g))
-                lp = x.log_softmax(-1)  # the distribution the token was drawn from
-        top = []
-        if p.top_n_tokens:
-            vals, ids = torch.topk(lp, p.top_n_tokens)
-            top = list(zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(s.seq_id, token, float(lp[token]), top))
+        seed = p.seed if p.seed is not None else default_seed + s.seq_id
+        rows.append(SampleRow(p, seed, s.num_generated,
+                              tuple(s.history) if s.history else None, s.num_generated))
+    res = sample(logits, rows)
+    # One float32 tensor (ids below 2**24 are exact in it; no float64, which some GPUs lack).
+    wide = torch.float32 if logits.shape[-1] < 2**24 else torch.float64
+    parts = [res.token_ids.to(wide), res.logprobs.to(wide)]
+    if res.top_ids is not None:
+        parts += [res.top_ids.to(wide), res.top_logprobs.to(wide)]
+    host = torch.cat([t.reshape(len(seqs), -1) for t in parts], 1).cpu().tolist()
+    k = res.top_ids.shape[1] if res.top_ids is not None else 0
+    out = []
+    for s, vals in zip(seqs, host):
+        n = (s.params.top_n_tokens if s.params else 0)
+        top = [(int(i), lp) for i, lp in zip(vals[2:2 + k][:n], vals[2 + k:][:n])]
+        out.append(SampledToken(s.seq_id, int(vals[0]), vals[1], top))
     return out

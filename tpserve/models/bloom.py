@@ -127,8 +127,10 @@ class BloomForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transformer(ids)  # ALiBi: positions enter through the attention kernel
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
+                       ) -> torch.Tensor | None:
+        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
+        return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         def rename(name: str) -> str:

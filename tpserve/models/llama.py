@@ -30,20 +30,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                         bias=o_bias,
                                         prefix=f"{prefix}.o_proj")
-        rope = rope_parameters(config)
-        partial = getattr(config, "partial_rotary_factor", None) \
-            or rope.get("partial_rotary_factor") or 1.0
-        self.rotary = RotaryEmbedding(d, max_positions, rope, partial)
         self.attn = PagedAttention(layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
                                    scale if scale is not None else d**-0.5,
                                    sliding_window=sliding_window, softcap=softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        h = self.attn.spec
-        q, k = self.rotary(positions, q.view(-1, h.num_heads, h.head_dim),
-                           k.view(-1, h.num_kv_heads, h.head_dim))
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        return self.o_proj(self.attn(q, k, v, rope=rope))
 
 
 class GatedMLP(nn.Module):
@@ -76,9 +69,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the add is
+        fused into the norm). Returns (this layer's MLP output, residual stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -91,6 +91,11 @@ class LlamaModel(nn.Module):
         n = config.num_hidden_layers
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rope = rope_parameters(config)
+        partial = getattr(config, "partial_rotary_factor", None) \
+            or rope.get("partial_rotary_factor") or 1.0
+        # One table for every layer; each step gathers its cos/sin once (forward).
+        self.rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope, partial)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, f"model.layers.{i}", max_positions, windows[i],
                               norm_offset, qkv_bias, o_bias, act)
@@ -105,9 +110,11 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             # Gemma rounds the float32 scale to the model dtype before multiplying.
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,8 +153,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
+                       ) -> torch.Tensor | None:
+        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
+        return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         skip = self.skip_tensors + (("lm_head.",) if self.tied(self.config) else ())

@@ -54,7 +54,10 @@ def load_into(
     by_id: dict[int, list[str]] = {}
     for n, p in params.items():
         by_id.setdefault(id(p), []).append(n)
-    missing = [names[0] for names in by_id.values() if not loaded.intersection(names)]
+    # Optional parameters (a GPTQ g_idx without act-order, a scale computed at load) may be
+    # absent from the checkpoint.
+    missing = [names[0] for names in by_id.values()
+               if not loaded.intersection(names) and not getattr(params[names[0]], "optional", False)]
     if missing:
         raise CheckpointError(
             f"checkpoint has no weights for {len(missing)} parameters: {', '.join(missing[:8])}"

@@ -182,10 +182,12 @@ class T5ForConditionalGeneration(nn.Module):
         """The decoder over this step's decoder tokens (cross K/V already stored)."""
         return self.decoder(self.shared(ids))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
+                       ) -> torch.Tensor | None:
+        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
         if self.output_scale is not None:
             hidden = hidden * self.output_scale
-        return self.lm_head.compute_logits(hidden)
+        return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         # transformers ties the head to `shared` unless the checkpoint has an lm_head of its

@@ -2,97 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from tpserve import protocol as wire
+from tpserve.config import ServerConfig
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, TokenInfo
 from tpserve.errors import NotReadyError
-from tpserve.server.backend import EngineBackend, ModelInfo
+from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
-
-# nginx's "client closed request": never seen by the client, but visible in metrics.
-CLIENT_CLOSED_STATUS = 499
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE response that always closes its generation, however the response ends.
-
-    Starlette only cancels the body iterator on disconnect (and, for ASGI spec >= 2.4,
-    does not even do that), so the generator may be left suspended; closing it and the
-    tracked stream here is what makes the engine abort a request nobody reads.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]
-    ) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._content = content
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self._content, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self._on_close()
-
-
-def sse(data: str) -> str:
-    # TGI writes `data:` with no space; SSE parsers accept both.
-    return f"data:{data}\n\n"
-
-
-async def drain(request: Request, tracked: TrackedStream) -> list[GenerationEvent] | None:
-    """Collect a whole generation, or abort it and return None if the client leaves first."""
-
-    async def collect() -> list[GenerationEvent]:
-        return [event async for event in tracked]
-
-    async def client_gone() -> None:
-        # The body was already read, so the next message can only be the disconnect.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (watch, work):
-            task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(watch, return_exceptions=True)
-            if not work.done():
-                await asyncio.gather(work, return_exceptions=True)
-            await tracked.aclose()
-    if work.cancelled():
-        return None
-    return work.result()
+from tpserve.server.openai import openai_router
+from tpserve.server.security import ALWAYS_PUBLIC, APIKeyMiddleware, BodyLimitMiddleware
+from tpserve.server.streaming import (
+    EventStreamResponse,
+    collect_or_abort,
+    final_text,
+    sse,
+)
 
 
 def token(info: TokenInfo) -> wire.Token:
     return wire.Token(id=info.id, text=info.text, logprob=info.logprob, special=info.special)
-
-
-def final_text(events: list[GenerationEvent]) -> str:
-    final = events[-1]
-    if final.generated_text is not None:
-        return final.generated_text
-    return "".join(e.token.text for e in events if not e.token.special)
 
 
 def info_body(info: ModelInfo) -> dict:
@@ -127,7 +62,7 @@ class TGIRoutes:
 
     async def start(self, req: wire.GenerateRequest, stream: bool) -> TrackedStream:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         wire.check_limits(req.parameters, self.backend.info())
         if stream:
             wire.check_streamable(req.parameters)
@@ -139,9 +74,9 @@ class TGIRoutes:
         )
 
     async def generate(self, req: wire.GenerateRequest, request: Request) -> Response:
-        events = await drain(request, await self.start(req, stream=False))
-        if events is None:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+        events = await collect_or_abort(request, await self.start(req, stream=False))
+        if isinstance(events, Response):
+            return events
         return JSONResponse(self.response(req, events).model_dump(mode="json"))
 
     async def generate_stream(self, req: wire.GenerateRequest) -> EventStreamResponse:
@@ -151,9 +86,9 @@ class TGIRoutes:
     async def compat(self, req: wire.GenerateRequest, request: Request) -> Response:
         if req.stream:
             return await self.generate_stream(req)
-        events = await drain(request, await self.start(req, stream=False))
-        if events is None:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+        events = await collect_or_abort(request, await self.start(req, stream=False))
+        if isinstance(events, Response):
+            return events
         # TGI's compat route answers a list, which text_generation.Client expects.
         return JSONResponse([self.response(req, events).model_dump(mode="json")])
 
@@ -204,18 +139,20 @@ class TGIRoutes:
         return out
 
 
-def build_app(backend: EngineBackend) -> FastAPI:
+def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving TGI's and OpenAI's HTTP APIs over `backend`."""
-    # Imported here: openai.py reuses this module's SSE/drain helpers.
-    from tpserve.server.openai import openai_router
-
-    metrics = Metrics()
+    config = config or ServerConfig()
+    metrics = Metrics(request_timeout_s=config.request_timeout_s)
     tgi = TGIRoutes(backend, metrics)
     app = FastAPI(title="tpserve", summary="TGI- and OpenAI-compatible text generation")
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
+    # Added last = outermost: keys are checked first, then the body limit, then metrics.
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    public = ALWAYS_PUBLIC | ({"/metrics"} if config.metrics_public else set())
+    app.add_middleware(APIKeyMiddleware, keys=config.api_keys, public=frozenset(public))
 
     stream_doc = {"description": "Server-Sent Events, one StreamResponse per token"}
     app.add_api_route("/generate", tgi.generate, methods=["POST"], response_model=wire.Response)

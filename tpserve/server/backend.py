@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from tpserve.engine.info import ModelInfo  # noqa: F401 - re-exported for the HTTP layer
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
+
+__all__ = ["EngineBackend", "ModelInfo", "not_ready_message"]  # ModelInfo lives in tpserve.engine.info
 
 
 class EngineBackend(Protocol):
@@ -38,3 +40,10 @@ class EngineBackend(Protocol):
 
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
+
+
+def not_ready_message(backend: EngineBackend) -> str:
+    """Why the backend does not take requests: its own `not_ready_reason()` when it has one
+    (shutting down, engine failed), else the usual cause."""
+    reason = getattr(backend, "not_ready_reason", None)
+    return reason() if reason is not None else "the model is still loading"

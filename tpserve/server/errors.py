@@ -2,28 +2,80 @@
 
 TGI clients (text_generation.Client, tpserve.Client) dispatch on `error_type`, so all
 routes, including FastAPI's own request validation and 404s, use this one shape.
+
+Bodies never carry internals: a failure that is not one of ours is "internal error" with
+an id that the server log repeats next to the traceback, and every message is scrubbed of
+tracebacks, local paths, addresses, pids and terminal colour codes before it is sent.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tpserve.errors import GenerationError, TPServeError
+from tpserve.errors import GenerationError, NotReadyError, RequestTimeoutError, TPServeError
 from tpserve.protocol import describe_errors
 
 logger = logging.getLogger("tpserve.server")
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-@~+]+){2,}[\\/]?")
+_IPV4 = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+_IPV6 = re.compile(r"\b(?:[0-9a-fA-F]{1,4}:){2,7}[0-9a-fA-F]{0,4}\b")
+_PID = re.compile(r"\b(pid)[=: ]+\d+", re.IGNORECASE)
+_HEX_ID = re.compile(r"\b[0-9a-f]{16,}\b")  # Ray actor / node / task ids
+_MAX_MESSAGE = 2000
+_EXPLAINED = (NotReadyError, RequestTimeoutError)
+
+
+def public_message(text: str, internal: bool) -> str:
+    """What may be shown to a client of `text`. `internal` (5xx) keeps only the first line,
+    since exception messages of other libraries often embed a remote traceback."""
+    text = _ANSI.sub("", text)
+    if internal:
+        text = text.split("Traceback (most recent call last)")[0].strip()
+        text = text.splitlines()[0] if text else ""
+    text = _PATH.sub("<path>", text)
+    text = _IPV4.sub("<address>", text)
+    text = _IPV6.sub("<address>", text)
+    text = _PID.sub(r"\1 <n>", text)
+    text = _HEX_ID.sub("<id>", text)
+    text = " ".join(text.split())  # no newlines or control characters
+    return text[:_MAX_MESSAGE]
+
 
 def error_body(exc: BaseException) -> dict[str, str]:
     """The JSON error object for an exception (also used for mid-stream SSE errors)."""
-    if isinstance(exc, TPServeError):
-        return {"error": str(exc) or type(exc).__name__, "error_type": exc.error_type}
-    return {"error": f"{type(exc).__name__}: {exc}", "error_type": GenerationError.error_type}
+    if isinstance(exc, TPServeError) and exc.status_code < 500:
+        return {"error": public_message(str(exc), False) or type(exc).__name__,
+                "error_type": exc.error_type}
+    if isinstance(exc, _EXPLAINED):  # server-side, but the message is the explanation
+        return {"error": public_message(str(exc), True) or type(exc).__name__,
+                "error_type": exc.error_type}
+    error_type = exc.error_type if isinstance(exc, TPServeError) else GenerationError.error_type
+    summary = public_message(str(exc), True) if isinstance(exc, TPServeError) else ""
+    message = f"internal error {_logged_id(exc)}" + (f": {summary}" if summary else "")
+    return {"error": message, "error_type": error_type}
+
+
+def _logged_id(exc: BaseException) -> str:
+    """The id under which `exc` is (once) logged in full, for the client to quote."""
+    error_id = getattr(exc, "error_id", None)
+    if error_id is None:
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s: %s: %s", error_id, type(exc).__name__, exc,
+                     exc_info=exc if exc.__traceback__ is not None else None)
+        try:
+            exc.error_id = error_id  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            pass
+    return error_id
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -32,16 +84,20 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 def as_tpserve_error(exc: Exception) -> TPServeError:
-    """Wrap a backend failure that is not one of ours, logging it since it is a bug."""
+    """Wrap a backend failure that is not one of ours (a bug): logged in full, shown to the
+    client only as "internal error <id>"."""
     if isinstance(exc, TPServeError):
         return exc
-    logger.error("backend failed", exc_info=exc)
-    return GenerationError(f"{type(exc).__name__}: {exc}")
+    wrapped = GenerationError("")
+    wrapped.error_id = _logged_id(exc)  # type: ignore[attr-defined]
+    return wrapped
 
 
 async def _on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(
-        {"error": describe_errors(exc.errors()), "error_type": "validation"}, status_code=422
+        {"error": public_message(describe_errors(exc.errors()), False),
+         "error_type": "validation"},
+        status_code=422,
     )
 
 
@@ -49,9 +105,22 @@ async def _on_tpserve_error(_: Request, exc: TPServeError) -> JSONResponse:
     return error_response(exc)
 
 
+# FastAPI answers 400 with this detail when the body cannot be decoded at all (bytes that are
+# not UTF-8, JSON nested past the parser's depth): malformed input, so a 422 like the others.
+_UNPARSEABLE = "There was an error parsing the body"
+
+
 async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 400 and exc.detail == _UNPARSEABLE:
+        return JSONResponse(
+            {"error": "the request body is not valid JSON: it must be UTF-8 and nested at "
+                      "most a few hundred levels deep", "error_type": "validation"},
+            status_code=422)
+    # 413 (body limit) is the client's input, like the 422s.
+    error_type = "validation" if exc.status_code == 413 else "http"
     return JSONResponse(
-        {"error": str(exc.detail), "error_type": "http"},
+        {"error": public_message(str(exc.detail), exc.status_code >= 500),
+         "error_type": error_type},
         status_code=exc.status_code,
         headers=exc.headers,
     )
@@ -59,7 +128,6 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     # Last resort: routes already convert backend failures; this catches our own bugs.
-    logger.error("unhandled error", exc_info=exc)
     return error_response(exc)
 
 

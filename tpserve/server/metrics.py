@@ -6,25 +6,34 @@ live in one process without "duplicated timeseries" errors.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.engine.request import GenerationEvent, SamplingParams
-from tpserve.errors import GenerationError
+from tpserve.errors import GenerationError, RequestTimeoutError
 from tpserve.server.backend import EngineBackend
 from tpserve.server.errors import as_tpserve_error
+
+T = TypeVar("T")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The app's Prometheus metrics; `open_stream` is every route's way into the backend,
+    where the per-request deadline (`request_timeout_s`, counted from the hand-over to the
+    backend, queueing included) is enforced."""
+
+    def __init__(self, request_timeout_s: float | None = None) -> None:
+        self.request_timeout_s = request_timeout_s
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -84,6 +93,7 @@ class Metrics:
         statuses instead of SSE error events.
         """
         start = time.perf_counter()
+        deadline = Deadline(self.request_timeout_s)
         stream: AsyncIterator[GenerationEvent] | None = None
         self.inflight.inc()  # queued requests count too; TrackedStream.aclose() undoes it
         try:
@@ -92,7 +102,7 @@ class Metrics:
             )
             if inspect.isawaitable(stream):  # tolerate an `async def` returning the iterator
                 stream = await stream
-            first = await anext(stream)
+            first = await deadline.run(anext(stream))
         except BaseException as exc:  # includes cancellation while queued
             self.inflight.dec()
             if stream is not None:
@@ -103,16 +113,21 @@ class Metrics:
                 raise as_tpserve_error(exc) from exc
             raise
         self.ttft.observe(time.perf_counter() - start)
-        return TrackedStream(self, stream, first)
+        return TrackedStream(self, stream, first, deadline)
 
 
 class TrackedStream:
     """A started generation: iterate for events (first included), always `aclose()`."""
 
     def __init__(
-        self, metrics: Metrics, stream: AsyncIterator[GenerationEvent], first: GenerationEvent
+        self,
+        metrics: Metrics,
+        stream: AsyncIterator[GenerationEvent],
+        first: GenerationEvent,
+        deadline: Deadline | None = None,
     ) -> None:
         self._metrics = metrics
+        self._deadline = deadline or Deadline(None)
         self._stream = stream
         self._first: GenerationEvent | None = first
         self._closed = False
@@ -130,7 +145,7 @@ class TrackedStream:
                 return
             yield event
             try:
-                event = await anext(self._stream)
+                event = await self._deadline.run(anext(self._stream))
             except StopAsyncIteration:
                 raise GenerationError("the engine ended the stream without a final event") from None
             except Exception as exc:
@@ -143,6 +158,27 @@ class TrackedStream:
         self._closed = True
         self._metrics.inflight.dec()
         await _close(self._stream)
+
+
+class Deadline:
+    """A request's time limit, started when it is handed to the backend; `run` awaits within
+    what is left of it."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    async def run(self, step: Awaitable[T]) -> T:
+        if self.at is None:
+            return await step
+        try:
+            # Cancelling the backend's iterator on expiry is what aborts the request.
+            return await asyncio.wait_for(step, max(0.0, self.at - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request did not finish within the server's limit of {self.seconds:g} s "
+                "(--request-timeout) and was aborted"
+            ) from None
 
 
 async def _close(stream: AsyncIterator[GenerationEvent]) -> None:

@@ -8,22 +8,34 @@ delta.role, delta.tool_calls), so TGI's client can read them.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError, ValidationError
-from tpserve.server.app import CLIENT_CLOSED_STATUS, EventStreamResponse, drain, final_text
-from tpserve.server.backend import EngineBackend, ModelInfo
+from tpserve.fields import (
+    FrequencyPenalty,
+    NonEmptyText,
+    OpenAITemperature,
+    OpenAITopP,
+    RepetitionPenalty,
+    Seed,
+    StopText,
+    Text,
+    TokenCount,
+    unsupported,
+)
+from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
+from tpserve.server.streaming import EventStreamResponse, collect_or_abort, final_text, sse
 
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -37,92 +49,30 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by both endpoints, with OpenAI's ranges."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    model: Text | None = None
+    max_tokens: TokenCount | None = None
+    temperature: OpenAITemperature | None = None
+    top_p: OpenAITopP | None = None
+    seed: Seed | None = None
+    stop: StopText | list[StopText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    n: Annotated[
+        Annotated[int, Field(ge=1)] | None,
+        unsupported("`n` > 1 (tpserve returns one choice per request)", 1),
+    ] = None
+    frequency_penalty: FrequencyPenalty | None = None
+    presence_penalty: Annotated[
+        float | None, unsupported("`presence_penalty` (use 0 or omit it)", 0)
+    ] = None
     # TGI's extension, sent by text_generation.Client.chat.
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | list[float] | None = None
-    user: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"`max_tokens` must be >= 1 (got {v})")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float | None) -> float | None:
-        if v is not None and not 0 <= v <= 2:
-            raise ValueError(f"`temperature` must be between 0 and 2 (got {v})")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        if v is not None and not 0 < v <= 1:
-            raise ValueError(f"`top_p` must be > 0 and <= 1 (got {v})")
-        return v
-
-    @field_validator("frequency_penalty")
-    @classmethod
-    def _frequency_penalty(cls, v: float | None) -> float | None:
-        if v is not None and not -2 <= v <= 2:
-            raise ValueError(f"`frequency_penalty` must be between -2 and 2 (got {v})")
-        return v
-
-    @field_validator("presence_penalty")
-    @classmethod
-    def _presence_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("`presence_penalty` is not supported by tpserve (use 0 or omit it)")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(f"`repetition_penalty` must be strictly positive (got {v})")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"`n` must be 1: tpserve returns one choice per request (got {v})")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("`logit_bias` is not supported by tpserve")
-        return v
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and v < 0:
-            raise ValueError(f"`seed` must be >= 0 (got {v})")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else v or []
-        if any(s == "" for s in stops):
-            raise ValueError("`stop` sequences must be non-empty strings")
-        return v
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: Annotated[
+        dict[str, float] | list[float] | None, unsupported("`logit_bias`")
+    ] = None
+    user: Text | None = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,45 +98,21 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
+def _one_prompt(v: str | list[str]) -> str | list[str]:
+    if isinstance(v, list) and len(v) != 1:
+        raise ValueError(f"`prompt` must be a string or a list of one string (got {len(v)})")
+    return v
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompt: Annotated[NonEmptyText | list[NonEmptyText], AfterValidator(_one_prompt)]
+    max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
-            raise ValueError(
-                f"`prompt` must be a string or a list of one string (got {len(v)} prompts)"
-            )
-        if not (v if isinstance(v, str) else v[0]):
-            raise ValueError("`prompt` cannot be empty")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("`logprobs` is not supported by tpserve")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"`best_of` must be 1 (got {v})")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("`suffix` (insertion) is not supported by tpserve")
-        return v
+    logprobs: Annotated[int | None, unsupported("`logprobs`", None)] = None
+    best_of: Annotated[
+        Annotated[int, Field(ge=1)] | None, unsupported("`best_of` > 1", 1)
+    ] = None
+    suffix: Annotated[Text | None, unsupported("`suffix` (insertion)")] = None
 
     @property
     def text(self) -> str:
@@ -194,21 +120,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _type(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(f"only `text` content parts are supported (got `{v}`)")
-        return v
+    type: Literal["text"]
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_input(self) -> dict[str, str]:
         if isinstance(self.content, list):
@@ -221,42 +140,20 @@ class ChatMessage(BaseModel):
         return msg
 
 
+def _text_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v and v.get("type", "text") != "text":
+        raise ValueError("`response_format` other than text is not supported by tpserve")
+    return v
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: Annotated[bool | None, unsupported("`logprobs`")] = None
+    top_logprobs: Annotated[int | None, unsupported("`top_logprobs`")] = None
+    tools: Annotated[list[Any] | None, unsupported("`tools` (function calling)")] = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"`max_completion_tokens` must be >= 1 (got {v})")
-        return v
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any, info: Any) -> Any:
-        if v:
-            raise ValueError(f"`{info.field_name}` is not supported by tpserve")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("`tools` (function calling) is not supported by tpserve")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError("`response_format` other than text is not supported by tpserve")
-        return v
+    response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format)] = None
 
 
 class StopTrimmer:
@@ -311,10 +208,8 @@ def _usage(final: GenerationEvent) -> dict[str, int]:
     }
 
 
-def _sse(payload: dict | str) -> str:
-    # OpenAI writes `data: ` with a space, and ends with the literal [DONE].
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def _data(payload: dict | str) -> str:
+    return sse(payload, space=True)  # OpenAI writes `data: `, and ends with [DONE]
 
 
 ChunkMaker = Callable[[str, str | None], dict]
@@ -328,7 +223,7 @@ class OpenAIRoutes:
 
     def _info(self) -> ModelInfo:
         if not self.backend.ready():
-            raise NotReadyError("the model is still loading")
+            raise NotReadyError(not_ready_message(self.backend))
         return self.backend.info()
 
     @staticmethod
@@ -364,9 +259,9 @@ class OpenAIRoutes:
 
         if req.stream:
             return self._stream(req, tracked, base, choice, prefix)
-        events = await drain(request, tracked)
-        if events is None:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+        events = await collect_or_abort(request, tracked)
+        if isinstance(events, Response):
+            return events
         final = events[-1]
         text = prefix + StopTrimmer(req.stop_list()).trim(final_text(events))
         body = {
@@ -396,9 +291,9 @@ class OpenAIRoutes:
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
             return self._stream(req, tracked, chunk, delta, "")
-        events = await drain(request, tracked)
-        if events is None:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+        events = await collect_or_abort(request, tracked)
+        if isinstance(events, Response):
+            return events
         final = events[-1]
         text = StopTrimmer(req.stop_list()).trim(final_text(events))
         choice = {
@@ -428,23 +323,23 @@ class OpenAIRoutes:
         async def events() -> AsyncIterator[str]:
             trimmer = StopTrimmer(req.stop_list())
             if prefix:
-                yield _sse({**chunk, **extra, "choices": [choice(prefix, None)]})
+                yield _data({**chunk, **extra, "choices": [choice(prefix, None)]})
             try:
                 async for event in tracked:
                     if event.finished:
                         text = trimmer.finish(_final_text(event, trimmer.seen))
                         finish = _FINISH[event.finish_reason]
-                        yield _sse({**chunk, **extra, "choices": [choice(text, finish)]})
+                        yield _data({**chunk, **extra, "choices": [choice(text, finish)]})
                         if include_usage:
-                            yield _sse({**chunk, "choices": [], "usage": _usage(event)})
+                            yield _data({**chunk, "choices": [], "usage": _usage(event)})
                     elif not event.token.special:
                         text = trimmer.feed(event.token.text)
                         if text:
-                            yield _sse({**chunk, **extra, "choices": [choice(text, None)]})
+                            yield _data({**chunk, **extra, "choices": [choice(text, None)]})
             except Exception as exc:  # headers are sent: report in-band, then stop
-                yield _sse(error_body(exc))
+                yield _data(error_body(exc))
                 return
-            yield _sse("[DONE]")
+            yield _data("[DONE]")
 
         return EventStreamResponse(events(), on_close=tracked.aclose)
 

@@ -24,8 +24,12 @@ def default_dtype(dtype: torch.dtype):
 def build_model(cfg: EngineConfig, hf_config, device: torch.device):
     """The model class for this checkpoint with this rank's parameter shapes (uninitialised).
     On the meta device this costs nothing, which is how the driver checks sharding early."""
+    from tpserve.layers.quant.config import quant_context, resolve_quant
+
     cls = model_class(hf_config)
-    with torch.device(device), default_dtype(getattr(torch, cfg.model.dtype)):
+    quant = resolve_quant(cfg.model.quantize, hf_config, cfg.model.quant_kernel)
+    with torch.device(device), default_dtype(getattr(torch, cfg.model.dtype)), \
+            quant_context(quant):
         return cls(hf_config, max_positions=cfg.model.max_model_len)
 
 
@@ -38,7 +42,12 @@ def fill_dummy(model: torch.nn.Module, seed: int) -> None:
             p.fill_(0.0 if name.endswith("bias") else 1.0)
             continue
         g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        p.uniform_(-0.02, 0.02, generator=g)
+        if p.dtype in (torch.int32, torch.int64):  # packed int4: any bits are valid nibbles
+            p.random_(generator=g)
+        elif p.element_size() == 1:  # fp8: no uniform_ of its own
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(-0.02, 0.02, generator=g))
+        else:
+            p.uniform_(-0.02, 0.02, generator=g)
 
 
 def check_shardable(cfg: EngineConfig, hf_config) -> None:

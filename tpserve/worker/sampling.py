@@ -2,9 +2,7 @@
 device-to-host copy per step.
 
 The sampler contract (tpserve.layers.sampler): sample(logits, [SampleRow]) -> SampleResult
-with token_ids / logprobs / top_ids / top_logprobs on the device and no host sync. Until that
-sampler lands, `_legacy` adapts today's per-row sample(logits, seqs) to the same result, so
-swapping in the new one touches only this file.
+with token_ids / logprobs / top_ids / top_logprobs on the device and no host sync.
 """
 
 from __future__ import annotations
@@ -15,14 +13,10 @@ from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SampledToken, SeqStep
 from tpserve.layers import sampler as _sampler
 
-_NEW_CONTRACT = hasattr(_sampler, "SampleRow")
-
 
 def sample_tokens(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int
                   ) -> list[SampledToken]:
     """logits [len(seqs), vocab] float32; the sampled token of each sequence."""
-    if not _NEW_CONTRACT:
-        return _legacy(logits, seqs, default_seed)
     rows = [_sampler.SampleRow(
         params=s.params or SamplingParams(),
         seed=_seed(s, default_seed), step=s.num_generated,
@@ -50,6 +44,3 @@ def _seed(s: SeqStep, default_seed: int) -> int:
         return p.seed
     return default_seed + s.seq_id
 
-
-def _legacy(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int) -> list[SampledToken]:
-    return _sampler.sample(logits, seqs, default_seed)

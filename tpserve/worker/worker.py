@@ -24,7 +24,7 @@ from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
-from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config
+from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
 from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
@@ -68,6 +68,11 @@ class Worker:
         self.runner: ModelRunner | None = None  # once the cache is allocated
         self.control: ControlChannel | None = None  # tp > 1: rank 0 -> other ranks, per step
 
+    def __repr__(self) -> str:
+        # rayops hook: the Ray dashboard's actors view shows this (rank and device).
+        return (f"Worker(rank {self.rank}/{self.tp_size}, "
+                f"{self.device or self.cfg.parallel.device}, {self.cfg.model.model_id})")
+
     # --- set-up -------------------------------------------------------------------------
     def node_ip(self) -> str:
         try:
@@ -99,7 +104,9 @@ class Worker:
 
     def load_weights(self) -> LoadReport:
         t0 = time.perf_counter()
-        path = self.cfg.model.path
+        m = self.cfg.model
+        # rayops hook: a node without the launching node's directory resolves the hub id.
+        path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
         hf = load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Quantized kernels on a CUDA machine, from the repository root:
+#   bash benchmarks/run_gpu_quant.sh OUTDIR [PART]
+# PART kernels: conformance of torch and triton (int4 GEMV/GEMM with and without act-order,
+# fp8) in three dtypes, then int4 / fp8 / bf16 matmul timings at the Llama-3-8B layer shapes.
+# PART engine: the in-process engine on that shape in bf16, GPTQ int4 and fp8 (ms/token,
+# tok/s, GB per GPU). PART all (default): both.
+set -uo pipefail
+out="${1:-gpu-quant-results}"
+part="${2:-all}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  date -u; } | tee "$out/machine.txt"
+if [ "$part" != engine ]; then
+python3 tests/kernels/quant_conformance.py --device cuda --kernels torch,triton \
+  --dtypes float32,bfloat16,float16 --out "$out/quant_conformance.md" \
+  > "$out/quant_conformance.log" 2>&1
+echo "conformance rc=$?"; tail -n 12 "$out/quant_conformance.log"
+python3 benchmarks/quant_bench.py --out "$out" > "$out/quant_bench.log" 2>&1
+echo "bench rc=$?"; tail -n 40 "$out/quant_bench.log"
+fi
+[ "$part" = kernels ] && exit 0
+python3 benchmarks/quant_engine.py --out "$out" > "$out/quant_engine.log" 2>&1
+echo "engine rc=$?"; tail -n 12 "$out/quant_engine.log"

@@ -1,0 +1,262 @@
+"""The served path as a user meets it: `tpserve launch` in a subprocess, measured from an HTTP
+client. Prints a table and appends it (with machine, date and commit) to --out.
+
+    python benchmarks/serve_bench.py --model-config tests/data/configs/Meta-Llama-3-8B.json \
+        --device cuda --dtype bfloat16 --out results.md [--tree old=/path/to/other/checkout]
+
+What it measures, per launched tree (several trees run one after another in one run, so their
+ratios are side by side):
+- launch to ready: process start until GET /health answers 200;
+- single stream: /generate_stream with a ~256-token prompt and 256 new tokens, three times;
+  median and p99 of the gaps between streamed tokens, median time to first token;
+- throughput: C concurrent /generate requests of ~256 prompt tokens and 256 new tokens
+  (C = 32 and 256 by default); generated tokens / wall time;
+- optionally (--long) time to first token and token gaps for 1k/4k/8k-token prompts.
+
+The model is a config.json (random weights, --load-format dummy) with a WordLevel tokenizer
+over the whole vocabulary, so every sampled id decodes and prompt lengths are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_model_dir(config: Path, out: Path) -> Path:
+    """config.json plus a WordLevel tokenizer whose words are the token ids themselves."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(config.read_text())
+    shutil.copy(config, out / "config.json")
+    vocab = {f"w{i}": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(n: int, rng: random.Random, vocab: int) -> str:
+    # Ids from a middle range: clear of special tokens at either end of real vocabularies.
+    return " ".join(f"w{rng.randrange(1000, min(vocab, 100_000))}" for _ in range(n))
+
+
+class Server:
+    def __init__(self, tree: Path, model: Path, args, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tpserve.cli", "launch", "--model", str(model),
+               "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
+               "--tp", str(args.tp), "--port", str(self.port), "--no-dashboard",
+               "--max-batch-size", str(args.max_batch_size),
+               "--max-concurrent-requests", str(max(args.concurrency) * 2),
+               "--max-total-tokens", str(args.max_total_tokens), *args.launch_args]
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(
+                       [p for p in (os.environ.get("PYTHONPATH_PREFIX"), str(tree)) if p]))
+        self.log = open(log, "w")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"not ready after {timeout:.0f}s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, text: str, new: int):
+    """(time to first token, [gaps between later tokens]) of one /generate_stream call."""
+    body = {"inputs": text, "parameters": {"max_new_tokens": new}}
+    t0 = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - t0, gaps
+
+
+async def throughput(url: str, n: int, plen: int, new: int, vocab: int) -> tuple[float, int]:
+    rng = random.Random(n)
+    texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def one(t: str) -> int:
+            body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
+            r = await client.post(url + "/generate", json=body)
+            r.raise_for_status()
+            return r.json()["details"]["generated_tokens"]
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(t) for t in texts))
+        wall = time.perf_counter() - t0
+    return sum(counts) / wall, sum(counts)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def measure(url: str, args, vocab: int) -> dict:
+    rng = random.Random(0)
+    res: dict = {}
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(2):  # warm the path (first requests pay lazy initialisation)
+            await stream_once(client, url, prompt(args.prompt_len, rng, vocab), 16)
+        ttfts, gaps = [], []
+        for _ in range(3):
+            t, g = await stream_once(client, url, prompt(args.prompt_len, rng, vocab),
+                                     args.new_tokens)
+            ttfts.append(t)
+            gaps.extend(g)
+        res["ttft_ms"] = statistics.median(ttfts) * 1e3
+        res["itl_median_ms"] = statistics.median(gaps) * 1e3
+        res["itl_p99_ms"] = pct(gaps, 0.99) * 1e3
+        res["stream_tokens"] = len(gaps) + 3
+        if args.long:
+            for n in (1024, 4096, 8000):
+                if n + 64 > args.max_total_tokens:
+                    continue
+                t, g = await stream_once(client, url, prompt(n, rng, vocab), 64)
+                res[f"long{n}"] = (t * 1e3, statistics.median(g) * 1e3)
+    for c in args.concurrency:
+        tps, toks = await throughput(url, c, args.prompt_len, args.new_tokens, vocab)
+        res[f"tps_{c}"] = tps
+        res[f"toks_{c}"] = toks
+    return res
+
+
+def commit_of(tree: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "?"
+
+
+def machine() -> str:
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().splitlines()
+    except FileNotFoundError:
+        gpu = []
+    return f"{len(gpu)}x {gpu[0]}" if gpu else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def table(rows: list[tuple[str, str, float, dict]], args) -> str:
+    cols = ["tree", "commit", "launch to ready s", "TTFT ms", "ITL median ms", "ITL p99 ms"]
+    cols += [f"{c} req tok/s" for c in args.concurrency]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for label, commit, ready, r in rows:
+        vals = [label, commit, f"{ready:.1f}", f"{r['ttft_ms']:.1f}", f"{r['itl_median_ms']:.2f}",
+                f"{r['itl_p99_ms']:.2f}"] + [f"{r[f'tps_{c}']:,.0f}" for c in args.concurrency]
+        lines.append("| " + " | ".join(vals) + " |")
+    if args.long:
+        lines += ["", "| tree | prompt tokens | TTFT ms | ITL median ms |", "| --- | --- | --- | --- |"]
+        for label, _, _, r in rows:
+            for n in (1024, 4096, 8000):
+                if f"long{n}" in r:
+                    t, g = r[f"long{n}"]
+                    lines.append(f"| {label} | {n} | {t:.0f} | {g:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-config", type=Path,
+                    default=ROOT / "tests/data/configs/Meta-Llama-3-8B.json")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="LABEL=PATH of a checkout to launch (repeatable); default: this one")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--max-total-tokens", type=int, default=2048)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--long", action="store_true", help="also 1k/4k/8k-token prompts")
+    ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--launch-args", nargs=argparse.REMAINDER, default=[],
+                    help="further `tpserve launch` flags (last on the line)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    args = ap.parse_args()
+    trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
+    vocab = json.loads(args.model_config.read_text())["vocab_size"]
+    model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
+    rows = []
+    for label, path in trees:
+        tree = Path(path).resolve()
+        srv = Server(tree, model, args, args.logs / f"serve_{label}.log")
+        try:
+            ready = srv.wait_ready(args.ready_timeout)
+            print(f"[{label}] ready in {ready:.1f}s", flush=True)
+            res = asyncio.run(measure(srv.url, args, vocab))
+            print(f"[{label}] {res}", flush=True)
+            rows.append((label, commit_of(tree), ready, res))
+        finally:
+            srv.stop()
+    text = table(rows, args)
+    print(text)
+    if args.out:
+        head = (f"\nMachine: {machine()}; {datetime.date.today().isoformat()}; "
+                f"tp {args.tp}, {args.dtype}, model {args.model_config.stem} (random weights), "
+                f"prompt ~{args.prompt_len}, {args.new_tokens} new tokens, "
+                f"--max-batch-size {args.max_batch_size}, launch flags {args.launch_args}\n\n")
+        with open(args.out, "a") as f:
+            f.write(head + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""A loopback HTTP server that answers the Hugging Face hub API calls huggingface_hub makes to
+download one repository (model info by revision, recursive tree listing, resolve/<rev>/<file>
+with the commit and ETag headers), so hub downloads are tested without the internet."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+
+class FakeHub:
+    def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c" * 40) -> None:
+        self.repo_id, self.files, self.commit = repo_id, files, commit
+        self.requests: list[str] = []  # "METHOD path" of every request, in order
+        self.auth: set[str | None] = set()  # Authorization headers seen
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # keep test output quiet
+                pass
+
+            def do_HEAD(self) -> None:
+                hub._answer(self, body=False)
+
+            def do_GET(self) -> None:
+                hub._answer(self, body=True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @classmethod
+    def from_dir(cls, repo_id: str, path: Path, extra: dict[str, bytes] | None = None):
+        files = {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+        return cls(repo_id, {**files, **(extra or {})})
+
+    def __enter__(self) -> FakeHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def downloaded(self) -> set[str]:
+        """Files whose content was fetched (GET on resolve/)."""
+        marker = f"/{self.repo_id}/resolve/"
+        return {r.split(marker, 1)[1].split("/", 1)[1] for r in self.requests
+                if r.startswith("GET ") and marker in r}
+
+    # --- routes -------------------------------------------------------------------------
+    def _answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        path = unquote(urlsplit(h.path).path)
+        self.requests.append(f"{h.command} {path}")
+        self.auth.add(h.headers.get("Authorization"))
+        api = f"/api/models/{self.repo_id}/"
+        if path.startswith("/api/models/") and not path.startswith(api):
+            return self._error(h, 404, "RepoNotFound", "Repository not found")
+        if path.startswith(api + "revision/"):
+            if not self._known(path[len(api + "revision/"):]):
+                return self._error(h, 404, "RevisionNotFound", "Invalid rev id")
+            return self._json(h, {"id": self.repo_id, "sha": self.commit, "private": False,
+                                  "siblings": [{"rfilename": f} for f in self.files]})
+        if path.startswith(api + "tree/"):
+            return self._json(h, [self._entry(name) for name in self.files])
+        marker = f"/{self.repo_id}/resolve/"
+        if path.startswith(marker):
+            rev, name = path[len(marker):].split("/", 1)
+            if not self._known(rev):
+                return self._error(h, 404, "RevisionNotFound", "Invalid rev id")
+            if name not in self.files:
+                return self._error(h, 404, "EntryNotFound", "Entry not found")
+            data = self.files[name]
+            h.send_response(200)
+            h.send_header("X-Repo-Commit", self.commit)
+            h.send_header("ETag", f'"{self._etag(name)}"')
+            h.send_header("Content-Length", str(len(data)))
+            h.send_header("Content-Type", "application/octet-stream")
+            h.end_headers()
+            if body:
+                h.wfile.write(data)
+            return None
+        return self._error(h, 404, None, "not a route of this fake hub")
+
+    def _known(self, rev: str) -> bool:
+        return rev in ("main", self.commit)
+
+    def _etag(self, name: str) -> str:
+        data = self.files[name]
+        if name.endswith(".safetensors"):  # LFS files: the sha256 of the content
+            return hashlib.sha256(data).hexdigest()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git blob id
+
+    def _entry(self, name: str) -> dict:
+        data = self.files[name]
+        entry = {"type": "file", "path": name, "size": len(data),
+                 "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+        if name.endswith(".safetensors"):
+            entry["lfs"] = {"oid": self._etag(name), "size": len(data), "pointerSize": 134}
+        return entry
+
+    @staticmethod
+    def _json(h: BaseHTTPRequestHandler, obj) -> None:
+        data = json.dumps(obj).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
+
+    @staticmethod
+    def _error(h: BaseHTTPRequestHandler, status: int, code: str | None, message: str) -> None:
+        data = json.dumps({"error": message}).encode()
+        h.send_response(status)
+        if code:
+            h.send_header("X-Error-Code", code)
+            h.send_header("X-Error-Message", message)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)

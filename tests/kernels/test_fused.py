@@ -1,0 +1,89 @@
+"""Fused layer kernels against their torch reference (tests/kernels/fused_conformance.py).
+
+On the CPU: the real Triton kernels under Triton's interpreter when triton is installed (CI
+without triton reports the test as skipped, with that reason), and the suite's own ability to
+catch a wrong kernel. On a CUDA machine (`-m gpu`): every dtype and head_dims 64/128/256.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fused_conformance import run_fused_conformance
+
+from tpserve.kernels import fused_ops as fo
+
+
+def test_cpu_tensors_take_the_torch_path():
+    assert not fo.use_triton(torch.zeros(1))
+
+
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores
+def test_triton_fused_kernels_under_the_interpreter():
+    """TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from fused_conformance import run_fused_conformance, as_markdown
+        cases = run_fused_conformance("cpu", (torch.float32, torch.bfloat16, torch.float16),
+                                      head_dims=(64, 256))
+        print(as_markdown(cases))
+        assert all(c.ok for c in cases)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rotary_write_kv | bfloat16 | 12 | 0" in proc.stdout
+
+
+def test_suite_fails_wrong_kernels(monkeypatch):
+    """Stand-ins with one bug each (gelu computed as silu, a norm without its offset, keys
+    not rotated) must fail exactly their cases; correct stand-ins pass."""
+    monkeypatch.setattr(fo, "gated_act_triton", lambda x, gelu: fo.gated_act_torch(x, F.silu))
+    monkeypatch.setattr(fo, "add_rms_norm_triton",
+                        lambda x, r, w, eps, off, cf: fo.add_rms_norm_torch(x, r, w, eps, 0.0, cf))
+
+    def unrotated_keys(q, k, v, cos, sin, k_cache, v_cache, slots):
+        d = k.shape[-1]
+        k_cache.view(-1, k.shape[1], d)[slots] = k
+        v_cache.view(-1, k.shape[1], d)[slots] = v
+        return fo.apply_rotary_torch(q, cos, sin)
+
+    monkeypatch.setattr(fo, "rotary_write_kv_triton", unrotated_keys)
+    cases = run_fused_conformance("cpu", (torch.float32,), head_dims=(64,))
+    failed = {c.kernel.split("[")[0] for c in cases if not c.ok}
+    assert failed == {"gelu_pytorch_tanh_and_mul", "add_rms_norm", "rotary_write_kv"}
+    assert not any(not c.ok for c in cases if c.kernel == "add_rms_norm[llama]")
+    assert all(c.ok for c in cases if c.kernel == "silu_and_mul")
+
+
+@pytest.mark.gpu
+def test_fused_kernels_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cases = run_fused_conformance("cuda", (torch.float32, torch.bfloat16, torch.float16),
+                                  head_dims=(64, 128, 256))
+    bad = [c for c in cases if not c.ok]
+    assert not bad, bad
+
+
+def test_layers_plan_their_fused_variants_for_warmup():
+    from tpserve.layers.activation import GatedActivation
+    from tpserve.layers.norm import RMSNorm
+
+    RMSNorm(96, 1e-6, offset=1.0, cast_before_weight=False)
+    GatedActivation("gelu_pytorch_tanh")
+    assert (96, 1.0, False) in fo._PLANNED_NORMS and True in fo._PLANNED_ACTS
+    assert fo.warmup(torch.device("cpu"), torch.float32) == 0  # the CPU serves on torch

@@ -1,0 +1,95 @@
+"""Every quantized-matmul kernel against the float64 oracle of quant_conformance.py: the torch
+reference on the CPU, Triton's kernels under its interpreter when triton imports (reported as
+skipped otherwise, never as passed), plugins found through the entry-point group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from quant_conformance import run_quant_conformance
+
+from tpserve.errors import KernelUnavailableError
+from tpserve.kernels.quant import registry
+from tpserve.kernels.quant.torch_ref import TorchQuantKernel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_reference_on_cpu(dtype):
+    result = run_quant_conformance("torch", "cpu", dtype)
+    assert result.cases == 120 and not result.failed, result.failed[:3]
+
+
+def test_triton_kernels_under_the_interpreter():
+    """GEMV (with split-K) and GEMM paths, int4 with and without g_idx, and fp8, in numpy on
+    the CPU. TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, "tests/kernels")
+        from quant_conformance import run_quant_conformance
+        for dt in (torch.float32, torch.float16):  # numpy has no bfloat16
+            r = run_quant_conformance("triton", "cpu", dt, shapes=((256, 96), (1024, 64)),
+                                      groups=(32, 128), batches=(1, 3, 17))
+            print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
+            assert r.cases == 42 and not r.failed
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_auto_picks_the_reference_on_cpu_and_says_why_not_triton():
+    registry.select_quant_kernel.cache_clear()
+    kernel = registry.select_quant_kernel("auto", torch.device("cpu"), torch.float32, "int4")
+    assert kernel.name == "torch"
+    reason = registry.why_not("triton", torch.device("cpu"), torch.float32, "int4")
+    assert reason and ("CUDA and XPU" in reason or "not importable" in reason)
+
+
+class _PluginKernel(TorchQuantKernel):
+    name = "example-int4"
+
+
+class _EntryPoint:
+    name, value = "example-int4", "example:Kernel"
+
+    def load(self):
+        return _PluginKernel
+
+
+def test_plugins_plug_in_by_name_through_the_entry_point_group(monkeypatch):
+    monkeypatch.setattr(registry, "_plugins", lambda: {"example-int4": _EntryPoint()})
+    registry.select_quant_kernel.cache_clear()
+    try:
+        assert "example-int4" in registry.available_names()
+        kernel = registry.select_quant_kernel("example-int4", torch.device("cpu"),
+                                              torch.float32, "int4")
+        assert isinstance(kernel, _PluginKernel)
+        # auto never picks a plugin: they are opt-in, as for attention.
+        assert registry.select_quant_kernel("auto", torch.device("cpu"), torch.float32,
+                                            "int4").name == "torch"
+        with pytest.raises(KernelUnavailableError, match="known: triton, torch, example-int4"):
+            registry.load_kernel_class("nope")
+    finally:
+        registry.select_quant_kernel.cache_clear()
+
+
+def test_tpserve_kernels_lists_the_quantized_kernels(capsys):
+    from tpserve.cli import main
+
+    assert main(["kernels", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "  torch: supports int4, fp8" in out
+    assert "  triton: unavailable" in out

@@ -1,0 +1,152 @@
+"""Tiny GPTQ, AWQ and fp8 checkpoints written from a float model in the test itself (no
+quantization library): each linear weight of the decoder layers is quantized here, packed as
+the format stores it, and the dequantized float weights go into a twin checkpoint that
+transformers runs as the oracle. The packing below is written from the formats' published
+layouts, independently of tpserve/layers/quant/packing.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # the last two: Phi-3 stores them fused on disk
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # packed column c, nibble i holds column 8c + AWQ_ORDER[i]
+
+
+def _to_int32(v: torch.Tensor) -> torch.Tensor:
+    v = v.to(torch.int64) & 0xFFFFFFFF
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def pack_along_rows(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] nibbles -> [K / 8, N]: row 8r + i in bits 4i of row r (GPTQ qweight)."""
+    out = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
+    for r in range(out.shape[0]):
+        for i in range(8):
+            out[r] += q[8 * r + i].to(torch.int64) * (16**i)
+    return _to_int32(out)
+
+
+def pack_along_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[R, N] nibbles -> [R, N / 8]: packed column c, nibble i = column 8c + order[i]."""
+    out = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for c in range(out.shape[1]):
+        for i in range(8):
+            out[:, c] += q[:, 8 * c + order[i]].to(torch.int64) * (16**i)
+    return _to_int32(out)
+
+
+def quantize_int4(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int):
+    """w [N, K] -> (q [K, N], zeros [G, N], scales [G, N] float16, g_idx [K], dequant [N, K]).
+    act_order: the groups are formed over a random permutation of the input rows, as GPTQ's
+    desc_act does, so g_idx is not sorted."""
+    wt = w.t().contiguous().float()
+    k, n = wt.shape
+    ngroups = k // group
+    if act_order:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+    else:
+        g_idx = (torch.arange(k) // group).to(torch.int32)
+    scales = torch.empty(ngroups, n)
+    zeros = torch.empty(ngroups, n, dtype=torch.int64)
+    for j in range(ngroups):
+        block = wt[g_idx == j]
+        if sym:
+            amax = block.abs().amax(0).clamp(min=1e-8)
+            scales[j], zeros[j] = 2 * amax / 15, 8
+        else:
+            lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
+            scales[j] = ((hi - lo) / 15).clamp(min=1e-8)
+            zeros[j] = torch.round(-lo / scales[j]).clamp(1, 15).long()
+    scales = scales.half().float()  # what the checkpoint stores
+    g = g_idx.long()
+    q = (torch.round(wt / scales[g]) + zeros[g]).clamp(0, 15).long()
+    deq = ((q - zeros[g]).float() * scales[g]).t().contiguous()
+    return q, zeros, scales.half(), g_idx, deq
+
+
+def _linear_names(weights: dict) -> list[str]:
+    return [name[: -len(".weight")] for name in weights
+            if name.endswith(".weight") and any(f".{p}." in name + "." for p in LINEARS)]
+
+
+def _input_seed(name: str) -> int:
+    """One act-order permutation per layer input: GPTQ orders rows by the Hessian of the
+    input, which q/k/v (and gate/up) share, so their g_idx are equal."""
+    for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+        name = name.replace(a, b)
+    return sum(map(ord, name)) * 7919 + len(name)
+
+
+def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: int = 32,
+                    sym: bool = True, act_order: bool = False, fp8_per_tensor: bool = False
+                    ) -> tuple[Path, Path]:
+    """From float_dir write out/ (fmt: gptq | awq | fp8) and ref_out/ (its dequantized float
+    weights, no quantization_config). Returns (out, ref_out)."""
+    weights = load_file(float_dir / "model.safetensors")
+    quant, ref = dict(weights), dict(weights)
+    for name in _linear_names(weights):
+        w = weights[f"{name}.weight"]
+        del quant[f"{name}.weight"]
+        if fmt == "fp8":
+            deq = _write_fp8(quant, name, w, fp8_per_tensor)
+        else:
+            q, zeros, scales, g_idx, deq = quantize_int4(w, group, sym, act_order,
+                                                         seed=_input_seed(name))
+            quant[f"{name}.scales"] = scales
+            if fmt == "gptq":
+                quant[f"{name}.qweight"] = pack_along_rows(q)
+                quant[f"{name}.qzeros"] = pack_along_cols(zeros - 1)  # v1 stores zero - 1
+                quant[f"{name}.g_idx"] = g_idx
+            else:
+                quant[f"{name}.qweight"] = pack_along_cols(q, AWQ_ORDER)
+                quant[f"{name}.qzeros"] = pack_along_cols(zeros, AWQ_ORDER)
+        ref[f"{name}.weight"] = deq
+    config = json.loads((float_dir / "config.json").read_text())
+    qcfg = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+                     "sym": sym, "checkpoint_format": "gptq"},
+            "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                    "version": "gemm"},
+            "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}[fmt]
+    for d, tensors, cfg in ((out, quant, {**config, "quantization_config": qcfg}),
+                            (ref_out, ref, config)):
+        shutil.copytree(float_dir, d, dirs_exist_ok=True)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out, ref_out
+
+
+def _write_fp8(quant: dict, name: str, w: torch.Tensor, per_tensor: bool) -> torch.Tensor:
+    w = w.float()
+    amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / 448.0).clamp(min=1e-12)
+    q = (w / scale).to(torch.float8_e4m3fn)
+    quant[f"{name}.weight"] = q
+    quant[f"{name}.weight_scale"] = scale.reshape(()) if per_tensor else scale.float()
+    quant[f"{name}.input_scale"] = torch.tensor(1.0)  # unused by weight-only serving
+    return q.float() * scale
+
+
+def write_fp8_cast_reference(float_dir: Path, ref_out: Path, tp: int) -> Path:
+    """Oracle for --quantize fp8 on float_dir at this tp: tpserve scales each output channel
+    of the slice a rank holds, so row-parallel weights (o_proj, down_proj) get tp scales per
+    row, one per column block."""
+    weights = load_file(float_dir / "model.safetensors")
+    for name in _linear_names(weights):
+        w = weights[f"{name}.weight"].float()
+        blocks = w.chunk(tp, dim=1) if name.endswith(("o_proj", "down_proj")) else [w]
+        deq = []
+        for b in blocks:
+            scale = (b.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+            deq.append((b / scale).to(torch.float8_e4m3fn).float() * scale)
+        weights[f"{name}.weight"] = torch.cat(deq, dim=1)
+    shutil.copytree(float_dir, ref_out, dirs_exist_ok=True)
+    save_file(weights, ref_out / "model.safetensors", metadata={"format": "pt"})
+    return ref_out

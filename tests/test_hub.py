@@ -1,0 +1,150 @@
+"""`--model org/name` downloads from the hub (a loopback server speaking the hub's HTTP API,
+started here) into an empty cache: only safetensors, config and tokenizer files, with HF_TOKEN
+sent; the model then generates what transformers generates from the same files. Offline with
+an empty cache fails with a message that says what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hub_server import FakeHub
+from server_process import launched
+from tiny_models import hf_greedy
+
+import tpserve
+
+DECOYS = {"pytorch_model.bin": b"\x80\x04pickle", "training_args.bin": b"\x80\x04",
+          "original/consolidated.00.pth": b"\x80\x04", "README.md": b"# tiny\n"}
+
+
+def hub_env(tmp_path: Path, hub: FakeHub | None, offline: bool = False) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub-cache"),
+               HF_HUB_OFFLINE="1" if offline else "0", HF_TOKEN="hf_test_token",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_XET="1")
+    env.pop("HF_HOME", None)
+    if hub is not None:
+        env["HF_ENDPOINT"] = hub.url
+    return env
+
+
+def resolve_in_subprocess(env: dict[str, str], model: str, revision: str | None = None,
+                          via: str = "tpserve.weights.resolve_model"):
+    """Resolve in a fresh interpreter: huggingface_hub reads HF_* at import."""
+    module, func = via.rsplit(".", 1)
+    code = f"from {module} import {func}; print({func}({model!r}, {revision!r}))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_download_from_hub_then_generate(tmp_path, llama_dir):
+    with FakeHub.from_dir("acme/tiny", llama_dir, DECOYS) as hub:
+        env = hub_env(tmp_path, hub)
+        # Two shards of one node resolving at once: the file lock lets one download.
+        # (tpserve.hub alone, without torch: a fast interpreter; the CLI test below goes
+        # through tpserve.weights.resolve_model.)
+        code = "from tpserve.hub import ensure_model; print(ensure_model('acme/tiny'))"
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+        paths = {Path(out.strip().splitlines()[-1]) for out, _ in outs}
+        assert len(paths) == 1
+        path = paths.pop()
+        assert path.is_relative_to(tmp_path / "hub-cache")
+        gets = [r for r in hub.requests if r.startswith("GET ") and "/resolve/" in r]
+        assert len(gets) == len(set(gets)), f"a file was downloaded twice: {sorted(gets)}"
+        got = hub.downloaded()
+        assert "model.safetensors" in got and "config.json" in got
+        assert {"tokenizer.json", "tokenizer_config.json"} <= got
+        assert not got & set(DECOYS), f"pickle/unneeded files fetched: {got & set(DECOYS)}"
+        assert "Bearer hf_test_token" in hub.auth
+        # A second resolution, offline now, finds the snapshot without the network.
+        before = len(hub.requests)
+        again = resolve_in_subprocess(hub_env(tmp_path, hub, offline=True), "acme/tiny", None,
+                                      "tpserve.hub.ensure_model")
+        assert again.returncode == 0, again.stderr
+        assert Path(again.stdout.strip().splitlines()[-1]) == path
+        assert len(hub.requests) == before
+    from engine_utils import greedy, make_engine
+
+    engine = make_engine(path, 1, local=True)
+    try:
+        ours = greedy(engine, ["Hello world", "The quick brown fox"], 8)
+    finally:
+        engine.shutdown()
+    assert ours == hf_greedy(path, ["Hello world", "The quick brown fox"], 8)
+
+
+def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        env = hub_env(tmp_path, hub)
+        hub_only = "tpserve.hub.ensure_model"  # no torch import: a faster subprocess
+        out = resolve_in_subprocess(env, "acme/tiny", "c" * 40, hub_only)
+        assert out.returncode == 0, out.stderr
+        assert (Path(out.stdout.strip()) / "model.safetensors").exists()
+        bad_rev = resolve_in_subprocess(env, "acme/tiny", "v9", hub_only)
+        assert bad_rev.returncode != 0 and "has no revision 'v9'" in bad_rev.stderr
+        missing = resolve_in_subprocess(env, "acme/nope", None, hub_only)
+        assert missing.returncode != 0
+        assert "acme/nope was not found on " + hub.url in missing.stderr
+        assert "HF_TOKEN" in missing.stderr
+
+
+def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        code = ("from tpserve.hub import ensure_model; "
+                "print(ensure_model('acme/tiny', None, weights=False))")
+        out = subprocess.run([sys.executable, "-c", code], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "config.json" in hub.downloaded()
+        assert not any(f.endswith(".safetensors") for f in hub.downloaded())
+
+
+def test_a_node_without_the_directory_resolves_the_hub_id(tmp_path, monkeypatch, llama_dir):
+    from tpserve import hub
+    from tpserve.errors import CheckpointError
+    from tpserve.weights import node_model_path
+
+    asked = []
+    monkeypatch.setattr(hub, "ensure_model", lambda *a: asked.append(a) or llama_dir)
+    assert node_model_path(str(llama_dir), "acme/tiny") == llama_dir  # shared path: used
+    assert asked == []
+    gone = str(tmp_path / "on-the-head-node-only")
+    assert node_model_path(gone, "acme/tiny", "v1", False) == llama_dir
+    assert asked == [("acme/tiny", "v1", False)]
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("d" * 40)
+    node_model_path(str(snapshot), "acme/tiny", "main")  # the launching node's commit wins
+    assert asked[-1] == ("acme/tiny", "d" * 40, True)
+    with pytest.raises(CheckpointError, match="file system every node mounts"):
+        node_model_path(gone, "/data/models/tiny")
+
+
+def test_offline_with_empty_cache_says_what_to_do(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                          "acme/tiny"], env=hub_env(tmp_path, None, offline=True),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    err = out.stderr
+    assert "'acme/tiny' is not in the hub cache" in err and "HF_HUB_OFFLINE" in err
+    assert "hf download acme/tiny" in err and "local directory" in err
+
+
+@pytest.mark.slow
+def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
+    from transformers import AutoTokenizer
+
+    ref = hf_greedy(llama_dir, ["Hello world"], 10)[0]
+    text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
+    with FakeHub.from_dir("acme/tiny", llama_dir, DECOYS) as hub:
+        env = hub_env(tmp_path, hub)
+        with launched(["--model", "acme/tiny", "--tp", "2", "--num-blocks", "64"],
+                      tmp_path / "server.log", env=env) as url:
+            r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=10)
+        assert r.generated_text == text
+        assert not hub.downloaded() & set(DECOYS)

@@ -1,0 +1,90 @@
+"""--placement maps onto Ray placement-group strategies; strict placements a cluster can never
+hold are refused at once, naming the resources; spread puts tp = 2 on two nodes of a real
+two-node cluster and still matches transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server_process import launched
+from tiny_models import hf_greedy
+
+import tpserve
+from tpserve.cluster.placement import PLACEMENTS, check_placement, ray_strategy
+
+SHARD = {"CPU": 2.0}
+
+
+def test_each_placement_is_a_ray_strategy():
+    from ray.util.placement_group import VALID_PLACEMENT_GROUP_STRATEGIES
+
+    assert {ray_strategy(p) for p in PLACEMENTS} == set(VALID_PLACEMENT_GROUP_STRATEGIES)
+    assert ray_strategy("spread") == "SPREAD" and ray_strategy("strict-pack") == "STRICT_PACK"
+    with pytest.raises(ValueError, match="pack, spread, strict-pack, strict-spread"):
+        ray_strategy("scatter")
+
+
+def test_strict_spread_needs_a_node_per_shard():
+    nodes = [{"CPU": 4.0}, {"CPU": 1.0}]  # only the first can hold a 2-CPU shard
+    check_placement("strict-spread", SHARD, 1, nodes)
+    with pytest.raises(RuntimeError) as info:
+        check_placement("strict-spread", SHARD, 2, nodes)
+    msg = str(info.value)
+    assert "only 1 node(s)" in msg and "2 CPU" in msg and "--placement spread" in msg
+    check_placement("spread", SHARD, 2, nodes)  # best effort: Ray packs what it cannot spread
+
+
+def test_strict_pack_needs_one_node_for_all_shards():
+    nodes = [{"CPU": 4.0, "GPU": 2.0}, {"CPU": 4.0, "GPU": 2.0}]
+    bundle = {"GPU": 1.0, "CPU": 1.0}
+    check_placement("strict-pack", bundle, 2, nodes)
+    with pytest.raises(RuntimeError) as info:
+        check_placement("strict-pack", bundle, 4, nodes)
+    msg = str(info.value)
+    assert "needs 4 GPU, 4 CPU" in msg and "the largest node has 2 GPU, 4 CPU" in msg
+    check_placement("pack", bundle, 4, nodes)  # PACK spills over to the second node
+
+
+def _placement_groups(address: str) -> list[dict]:
+    """The cluster's placement groups, read by a second Ray driver (this test process may
+    hold the session's own cluster)."""
+    code = (f"import json, ray; ray.init(address={address!r}, log_to_driver=False); "
+            "print(json.dumps(list(ray.util.placement_group_table().values())))")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_spread_places_shards_on_two_nodes(llama_dir, tmp_path):
+    from ray.cluster_utils import Cluster
+    from transformers import AutoTokenizer
+
+    # Two CPUs per node: PACK would put both 1-CPU shards on one node; SPREAD must not.
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ref = hf_greedy(llama_dir, ["Hello world"], 12)[0]
+        text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
+        with launched(["--model", str(llama_dir), "--tp", "2", "--address", cluster.address,
+                       "--placement", "spread", "--num-blocks", "128"],
+                      tmp_path / "server.log") as url:
+            r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=12)
+            assert r.generated_text == text
+            assert httpx.get(url + "/info").json()["placement"] == "spread"
+            groups = [g for g in _placement_groups(cluster.address)
+                      if g["name"].startswith("tpserve-") and g["state"] == "CREATED"]
+            assert len(groups) == 1 and groups[0]["strategy"] == "SPREAD"
+            nodes = groups[0]["bundles_to_node_id"]
+            assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,65 @@
+"""Constrained field types shared by the TGI (protocol.py) and OpenAI (server/openai.py)
+request schemas: ranges live in the types, and every float must be finite.
+
+A value outside a type's range is a 422 naming the field, before anything reaches the
+engine. Where TGI and OpenAI accept different ranges for the same knob (temperature,
+top_p), each schema keeps its own, since clients rely on them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
+
+U64_MAX = 2**64 - 1  # TGI's seed is a u64
+# Token counts fit the engine's int32 tensors; larger values could only fail later.
+I32_MAX = 2**31 - 1
+
+
+def _valid_unicode(v: str) -> str:
+    # JSON may carry a lone surrogate ("\ud800"), which no tokenizer can encode.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"must be valid Unicode text (a lone surrogate at character {exc.start})"
+        ) from None
+    return v
+
+
+def _finite(**range_: float) -> Any:
+    return Field(allow_inf_nan=False, **range_)
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+# An empty stop string would match before the first token.
+StopText = NonEmptyText
+
+TokenCount = Annotated[int, Field(ge=1, le=I32_MAX)]
+TopK = Annotated[int, Field(ge=1, le=I32_MAX)]
+TopN = Annotated[int, Field(ge=0, le=I32_MAX)]
+Seed = Annotated[int, Field(ge=0, le=U64_MAX)]
+
+FrequencyPenalty = Annotated[float, _finite(ge=-2.0, le=2.0)]
+# Divides positive logits: any finite positive value; the sampler keeps rows finite.
+RepetitionPenalty = Annotated[float, _finite(gt=0.0)]
+# TGI: strictly positive (0 is not greedy there); OpenAI: 0 (greedy) to 2.
+TGITemperature = Annotated[float, _finite(gt=0.0)]
+OpenAITemperature = Annotated[float, _finite(ge=0.0, le=2.0)]
+# TGI: open interval (0, 1); OpenAI: (0, 1], 1 meaning "no top-p".
+OpenUnitInterval = Annotated[float, _finite(gt=0.0, lt=1.0)]
+OpenAITopP = Annotated[float, _finite(gt=0.0, le=1.0)]
+
+
+def unsupported(feature: str, allowed: Any = None) -> AfterValidator:
+    """A field tpserve parses but does not implement: any value but `allowed` (or a falsy
+    one) is a 422 that names the feature."""
+
+    def check(v: Any) -> Any:
+        if v and v != allowed:
+            raise ValueError(f"{feature} is not supported by tpserve")
+        return v
+
+    return AfterValidator(check)

@@ -1,0 +1,157 @@
+"""Models from the Hugging Face hub: find them in the local cache, else download them.
+
+Only what tpserve reads is fetched: safetensors weights and their index, config.json,
+generation_config.json and the tokenizer files. Pickle-based weights (*.bin, *.pt, *.pth,
+*.ckpt, *.pkl) are never downloaded. huggingface_hub does the work, so its environment
+variables apply: HF_TOKEN (gated and private models), HF_ENDPOINT (a mirror), HF_HUB_CACHE /
+HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never touch the network).
+
+Every node that holds a shard resolves the model itself: the first process on a node that
+needs it downloads under a file lock, the others wait on the lock and then find it cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from tpserve.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# What tpserve loads. Tokenizer files vary by family: tokenizer.json / tokenizer_config.json,
+# sentencepiece's tokenizer.model / spiece.model, BPE's vocab.json + merges.txt, vocab.txt.
+ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json",
+                  "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
+                  "*.tiktoken", "chat_template.json", "chat_template.jinja"]
+# Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
+# duplicates the weights (Mistral's repositories carry both).
+IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.h5",
+                   "*.msgpack", "consolidated*", "original/*"]
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` or `name`: not a path the user meant (./m, /abs, ~/m)."""
+    return model.count("/") <= 1 and not model.startswith((".", "/", "~")) and bool(model)
+
+
+def cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _patterns(weights: bool) -> list[str]:
+    return ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
+
+
+def cached_snapshot(model_id: str, revision: str | None = None,
+                    weights: bool = True) -> Path | None:
+    """The cached snapshot holding config.json, or None (never touches the network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(model_id, revision=revision, local_files_only=True,
+                                      allow_patterns=_patterns(weights),
+                                      ignore_patterns=IGNORE_PATTERNS))
+    except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
+        return None
+    return path if (path / "config.json").exists() else None
+
+
+def ensure_model(model_id: str, revision: str | None = None, weights: bool = True) -> Path:
+    """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
+    weights=False (--load-format dummy) fetches only the config and tokenizer files."""
+    found = cached_snapshot(model_id, revision, weights)
+    if found is not None and (not weights or _has_weights(found)):
+        return found
+    if offline():
+        raise CheckpointError(
+            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()} and "
+            "HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
+            f"download it, fetch it first with `hf download {model_id}"
+            f"{' --revision ' + revision if revision else ''}` where there is a network "
+            "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
+    with _node_lock(model_id, revision):
+        # Another process on this node may have finished the download while we waited.
+        found = cached_snapshot(model_id, revision, weights)
+        if found is not None and (not weights or _has_weights(found)):
+            return found
+        return _download(model_id, revision, weights)
+
+
+def _download(model_id: str, revision: str | None, weights: bool) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    log.info("downloading %s%s from %s into %s", model_id, _at(revision),
+             constants.ENDPOINT, cache_dir())
+    try:
+        path = Path(snapshot_download(model_id, revision=revision,
+                                      allow_patterns=_patterns(weights),
+                                      ignore_patterns=IGNORE_PATTERNS))
+    except GatedRepoError as exc:
+        raise CheckpointError(
+            f"{model_id} is gated: accept its licence on the hub, then set HF_TOKEN to a token "
+            f"of that account ({_first_line(exc)})") from None
+    except RevisionNotFoundError as exc:
+        raise CheckpointError(f"{model_id} has no revision {revision!r} ({_first_line(exc)})"
+                              ) from None
+    except RepositoryNotFoundError as exc:
+        raise CheckpointError(
+            f"{model_id} was not found on {constants.ENDPOINT}: check the id, or set HF_TOKEN "
+            f"if it is private ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - network, HTTP and disk errors alike
+        raise CheckpointError(
+            f"could not download {model_id} from {constants.ENDPOINT}: {_first_line(exc)}. "
+            "Check the network (HF_ENDPOINT selects a mirror), or download it elsewhere and "
+            "pass a local directory to --model.") from None
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
+                              "transformers model tpserve can serve")
+    if weights and not _has_weights(path):
+        raise CheckpointError(
+            f"{model_id}{_at(revision)} has no *.safetensors weights (tpserve never downloads "
+            "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
+            "or convert it yourself and pass the directory to --model")
+    return path
+
+
+def _has_weights(path: Path) -> bool:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return all((path / n).exists() for n in names)
+    return any(path.glob("*.safetensors"))
+
+
+def _node_lock(model_id: str, revision: str | None):
+    """A lock file in the cache, so that the shards of one node download once."""
+    from filelock import FileLock
+
+    key = hashlib.sha1(f"{model_id}@{revision}".encode()).hexdigest()[:16]  # one per model
+    locks = Path(cache_dir()) / ".locks" / "tpserve"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{key}.lock"))
+
+
+def _at(revision: str | None) -> str:
+    return f" (revision {revision})" if revision else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,40 @@
+"""The quantized-matmul interface every kernel (torch reference, Triton, plugins) implements.
+
+Stored layouts (what the linear layers hand a kernel, whatever the checkpoint format was):
+- int4: qweight int32 [K // 8, N], input row 8 * r + i in bits 4i..4i+3 of row r (GPTQ's
+  order; AWQ is repacked at load). scales and zeros [G, N] in float16 (float32 for float32
+  models), so w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k] when act-order
+  gives one, else k // group_size.
+- fp8: weight float8_e4m3fn [N, K], scale [N] float32: w[n, k] = weight[n, k] * scale[n].
+Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts and
+never keeps a dequantized copy between calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+METHODS = ("int4", "fp8")
+
+
+class QuantKernel(ABC):
+    name: str = "abstract"
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, method: str) -> str | None:
+        """None when this kernel can run `method` ("int4" | "fp8") for activations of dtype on
+        device; else the reason it cannot."""
+
+    @abstractmethod
+    def int4_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_size: int,
+                    g_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ dequantized int4 weight [K, N] -> [M, N]."""
+
+    @abstractmethod
+    def fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]."""

@@ -1,0 +1,122 @@
+"""Fused per-layer kernels in Triton: residual add + RMSNorm, gated activations, and rotary
+embedding + paged KV-cache write. Each replaces several torch launches of a decode step.
+
+Imported only by fused_ops.py once Triton is known to be importable. Every kernel rounds its
+intermediates to the model dtype where the torch reference does (fused_ops.py), so the two
+paths agree to the last bit in most elements. Runtime sizes (rows, columns) are not
+specialised: the compile key is fixed per model (dtype, hidden size, head_dim, flags), so the
+warmup forward compiles every variant serving will use.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # From exp, so it compiles on every backend and in the interpreter (as triton_kernels.py).
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    t = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    series = ax * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
+    t = tl.where(ax < 0.0625, series, t)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"])
+def add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, offset,
+    stride_x, stride_r, stride_o, stride_ro,
+    HAS_RES: tl.constexpr, CAST_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: res_out = x + res (rounded to the dtype), out = rmsnorm(res_out)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        x = x.to(dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+        x = x.to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    if CAST_FIRST:  # Llama: (weight + offset) in the weight's dtype times h in the input's
+        wq = (w.to(tl.float32) + offset).to(w.dtype).to(tl.float32)
+        out = h.to(dtype).to(tl.float32) * wq
+    else:  # Gemma: everything in float32, one rounding at the end
+        out = h * (w.to(tl.float32) + offset)
+    tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_o"])
+def gated_act_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o,
+                     GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    """out = act(gate) * up over x = [gate; up]: one program per (row, BLOCK columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    if GELU_TANH:
+        a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    out = a.to(dtype).to(tl.float32) * u
+    tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=ok)
+
+
+@triton.jit
+def _rotate(x_row_ptr, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr, ROT: tl.constexpr):
+    """x * cos + rotate_half(x) * sin on the first ROT dims of one head, the rest as is; each
+    product and the sum rounded to x's dtype, as the torch reference computes in it."""
+    dtype = x_row_ptr.dtype.element_ty
+    rot = d < ROT
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    x = tl.load(x_row_ptr + d).to(tl.float32)
+    xp = tl.load(x_row_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    xp = tl.where(d < HALF, -xp, xp)
+    c = tl.load(cos_row_ptr + d, mask=rot, other=1.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_row_ptr + d, mask=rot, other=0.0).to(dtype).to(tl.float32)
+    y = (x * c).to(dtype).to(tl.float32) + (xp * s).to(dtype).to(tl.float32)
+    return tl.where(rot, y, x)
+
+
+@triton.jit(do_not_specialize=["stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                               "stride_vt", "stride_vh", "stride_cs", "stride_ot",
+                               "stride_oh", "stride_slot", "stride_ch"],
+            do_not_specialize_on_alignment=["slot_ptr"])
+def rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_ot, stride_oh, stride_slot, stride_ch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+):
+    """One program per (token, head) over num_heads + num_kv_heads heads: a query head is
+    rotated into q_out; a KV head's rotated key and its value go to the token's cache slot
+    (a negative slot writes nothing)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    cos_row = cos_ptr + t * stride_cs
+    sin_row = sin_ptr + t * stride_cs
+    if h < NUM_HEADS:
+        y = _rotate(q_ptr + t * stride_qt + h * stride_qh, d, cos_row, sin_row, ROT // 2, ROT)
+        tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, y.to(q_out_ptr.dtype.element_ty))
+    else:
+        kh = h - NUM_HEADS
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = (d < HEAD_DIM) & (slot >= 0)
+        y = _rotate(k_ptr + t * stride_kt + kh * stride_kh, d, cos_row, sin_row, ROT // 2, ROT)
+        dst = slot * stride_slot + kh * stride_ch + d
+        tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+KERNELS = (add_rms_norm_kernel, gated_act_kernel, rotary_write_kv_kernel)

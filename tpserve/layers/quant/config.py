@@ -1,0 +1,138 @@
+"""Which quantization a checkpoint uses (its config.json `quantization_config`, or --quantize),
+and the context that hands it to the linear layers while a model is built.
+
+Layers never read files or flags: build_model enters quant_context(resolve_quant(...)) and
+every tensor-parallel linear built inside asks current_quant() for its method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+QUANTIZE_CHOICES = ("auto", "gptq", "awq", "fp8", "none")
+
+
+class QuantizationError(ValueError):
+    """A checkpoint's quantization cannot be served as asked; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # "gptq" | "awq" | "fp8"
+    bits: int = 4
+    group_size: int = 128  # input features per scale/zero (int4); -1 in a checkpoint = whole row
+    desc_act: bool = False  # GPTQ act-order: g_idx maps each input row to its group
+    sym: bool = True
+    # GPTQ v1 checkpoints store zero - 1 ("gptq"); gptq_v2 and AWQ store the zero itself.
+    zero_offset: int = 0
+    # fp8 only: True when the checkpoint holds bf16/fp32 weights cast to e4m3 at load.
+    cast_at_load: bool = False
+    kernel: str = "auto"  # int4 kernel: auto, torch, triton or a tpserve.quant_kernels plugin
+    # name fragments left unquantized (AWQ modules_to_not_convert)
+    skip_modules: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.method == "fp8":
+            return "fp8 e4m3 weights, per-channel scales" + (
+                " (cast from the checkpoint at load)" if self.cast_at_load else "")
+        act = ", act-order" if self.desc_act else ""
+        return f"{self.method} int{self.bits}, group size {self.group_size}{act}, " \
+               f"{'symmetric' if self.sym else 'asymmetric'}"
+
+
+def _checkpoint_quant(hf_config) -> dict | None:
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None:
+        return None
+    return q if isinstance(q, dict) else q.to_dict()
+
+
+def resolve_quant(requested: str, hf_config, kernel: str = "auto") -> QuantConfig | None:
+    """requested: one of QUANTIZE_CHOICES. auto follows the checkpoint; an explicit method must
+    agree with it, except fp8, which may also cast an unquantized checkpoint at load."""
+    if requested not in QUANTIZE_CHOICES:
+        raise QuantizationError(f"--quantize {requested!r}: choose one of {', '.join(QUANTIZE_CHOICES)}")
+    q = _checkpoint_quant(hf_config)
+    found = (q or {}).get("quant_method")
+    if requested == "none":
+        if found:
+            raise QuantizationError(
+                f"the checkpoint is quantized ({found}); --quantize none cannot serve it. Use "
+                "--quantize auto, or pass an unquantized checkpoint")
+        return None
+    if requested == "auto":
+        return _parse(q, kernel) if found else None
+    if found is None:
+        if requested == "fp8":
+            return QuantConfig("fp8", bits=8, cast_at_load=True, kernel=kernel)
+        raise QuantizationError(
+            f"--quantize {requested}: the checkpoint has no quantization_config in config.json. "
+            f"tpserve reads {requested} checkpoints but does not quantize to {requested} itself; "
+            "use --quantize fp8 to cast an unquantized checkpoint at load")
+    if found != requested:
+        raise QuantizationError(
+            f"--quantize {requested} but the checkpoint's quantization_config says {found!r}; "
+            "use --quantize auto")
+    return _parse(q, kernel)
+
+
+def _parse(q: dict, kernel: str) -> QuantConfig:
+    method = q["quant_method"]
+    if q.get("lm_head"):
+        raise QuantizationError(
+            f"this {method} checkpoint quantizes lm_head too (quantization_config.lm_head = "
+            "true); tpserve keeps the LM head in float: use a checkpoint with a float head")
+    if method == "gptq":
+        return _int4(q, method, kernel, desc_act=bool(q.get("desc_act", False)),
+                     sym=bool(q.get("sym", True)),
+                     zero_offset=0 if q.get("checkpoint_format", "gptq") == "gptq_v2" else 1)
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(
+                f"AWQ version {version!r} is not supported; tpserve reads the GEMM layout "
+                "(quantization_config.version = 'gemm')")
+        if not q.get("zero_point", True):
+            raise QuantizationError("AWQ without zero points is not supported")
+        return _int4(q, method, kernel, desc_act=False, sym=False, zero_offset=0,
+                     skip=tuple(q.get("modules_to_not_convert") or ()))
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise QuantizationError(
+                f"fp8 with block-wise scales (weight_block_size {q['weight_block_size']}) is not "
+                "supported; tpserve reads per-tensor or per-channel weight scales")
+        return QuantConfig("fp8", bits=8, kernel=kernel,
+                           skip_modules=tuple(q.get("modules_to_not_convert") or ()))
+    raise QuantizationError(
+        f"quantization method {method!r} is not supported; tpserve serves gptq (4-bit), awq "
+        "(4-bit GEMM) and fp8 (e4m3) checkpoints")
+
+
+def _int4(q: dict, method: str, kernel: str, *, desc_act: bool, sym: bool, zero_offset: int,
+          skip: tuple[str, ...] = ()) -> QuantConfig:
+    bits = int(q.get("bits", q.get("w_bit", 4)))
+    if bits != 4:
+        raise QuantizationError(f"{method} with {bits} bits is not supported; tpserve reads 4-bit")
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    return QuantConfig(method, bits=bits, group_size=group, desc_act=desc_act, sym=sym,
+                       zero_offset=zero_offset, kernel=kernel, skip_modules=skip)
+
+
+_CURRENT: contextvars.ContextVar[QuantConfig | None] = contextvars.ContextVar(
+    "tpserve_quant", default=None)
+
+
+@contextlib.contextmanager
+def quant_context(cfg: QuantConfig | None) -> Iterator[QuantConfig | None]:
+    token = _CURRENT.set(cfg)
+    try:
+        yield cfg
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_quant() -> QuantConfig | None:
+    return _CURRENT.get()

@@ -1,0 +1,174 @@
+"""How a tensor-parallel linear layer holds and applies its weight: float, int4 (GPTQ/AWQ) or
+fp8. A method registers the layer's parameters (each with its ParamLayout, so the layer's
+one loader slices them) and computes x @ W^T without the bias; the layer adds the bias and,
+for row-parallel layers, the all-reduce."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.errors import CheckpointError, ShardingError
+from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
+from tpserve.layers.quant.config import QuantConfig, current_quant
+from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _param(shape, dtype=None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LinearMethod:
+    def create(self, layer: nn.Module, out_per_rank: int, in_per_rank: int, *, in_total: int,
+               row_parallel: bool, part_sizes: list[int], prefix: str) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedMethod(LinearMethod):
+    def create(self, layer, out_per_rank, in_per_rank, **_) -> None:
+        layer.weight = attach(_param((out_per_rank, in_per_rank)), FLOAT_WEIGHT)
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight)
+
+
+def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
+    from tpserve.kernels.quant.registry import select_quant_kernel
+
+    return select_quant_kernel(cfg.kernel, x.device, x.dtype, method)
+
+
+class Int4Method(LinearMethod):
+    """GPTQ and AWQ 4-bit. Column-parallel ranks take whole output columns (multiples of 8,
+    the packing); row-parallel ranks take whole input groups, or, with act-order, their input
+    rows plus every group's scales (rows of one group are scattered over the input)."""
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        self.cfg = cfg
+
+    def create(self, layer, out_per_rank, in_per_rank, *, in_total, row_parallel, part_sizes,
+               prefix) -> None:
+        from tpserve.distributed import get_tp
+
+        cfg, tp = self.cfg, get_tp().size
+        group = in_total if cfg.group_size <= 0 else cfg.group_size
+        for size in part_sizes:
+            if size % 8:
+                raise ShardingError(
+                    f"cannot shard {prefix + '.qweight'!r} across tp={tp}: each rank's share of "
+                    f"the output features ({size}) must be a multiple of 8, the int4 packing "
+                    "of qzeros. Choose a smaller tp.")
+        if in_per_rank % 8:
+            raise ShardingError(
+                f"cannot shard {prefix + '.qweight'!r} across tp={tp}: each rank's input "
+                f"features ({in_per_rank}) must be a multiple of 8 (8 int4 rows per int32)")
+        # Row-parallel without act-order: a rank's rows are whole groups, its scales theirs.
+        split_groups = row_parallel and not cfg.desc_act and cfg.group_size > 0
+        if split_groups and in_per_rank % group:
+            raise ShardingError(
+                f"cannot shard {prefix + '.qweight'!r} across tp={tp}: a rank's "
+                f"{in_per_rank} input features would cut a quantization group (group size "
+                f"{group}, {in_total} input features). Choose a tp that divides "
+                f"{in_total // group} groups.")
+        groups = in_per_rank // group if split_groups else math.ceil(in_total / group)
+        self.group = group
+        awq = cfg.method == "awq"
+        # Scales keep float16's 11-bit mantissa (what GPTQ and AWQ store) under a bfloat16
+        # model; the kernels compute in float32 either way. Zeros are small integers.
+        dtype = torch.float32 if torch.get_default_dtype() == torch.float32 else torch.float16
+        stored_q = ParamLayout(out_dim=1, in_dim=0, in_per=8)
+        if awq:
+            layer.qweight = attach(_param((in_per_rank // 8, out_per_rank), torch.int32),
+                                   ParamLayout(out_dim=1, out_per=8, in_dim=0), stored_q,
+                                   convert=lambda t, _o: awq_qweight_to_rows(t))
+        else:
+            layer.qweight = attach(_param((in_per_rank // 8, out_per_rank), torch.int32),
+                                   stored_q)
+        group_layout = ParamLayout(out_dim=1, in_dim=0, in_per=group, in_sharded=split_groups)
+        packed_zeros = ParamLayout(out_dim=1, out_per=8, in_dim=0, in_per=group,
+                                   in_sharded=split_groups)
+        # Named qzeros as on disk (the loader maps names), but held unpacked in the model dtype.
+        layer.qzeros = attach(_param((groups, out_per_rank), dtype), packed_zeros, group_layout,
+                              convert=lambda t, _o: zeros_from_packed(t, cfg.zero_offset, dtype,
+                                                                      awq))
+        layer.scales = attach(_param((groups, out_per_rank), dtype), group_layout)
+        layer.g_idx = None
+        if cfg.method == "gptq":
+            # Without act-order g_idx is k // group_size; read it only to accept the tensor.
+            layer.g_idx = attach(_param((in_per_rank,), torch.int32),
+                                 ParamLayout(out_dim=None, in_dim=0),
+                                 convert=self._same_g_idx(layer, prefix),
+                                 optional=not cfg.desc_act)
+
+    @staticmethod
+    def _same_g_idx(layer, prefix: str):
+        """Fused projections (q/k/v, gate/up) share one g_idx: GPTQ derives act-order from
+        their common input, so a checkpoint whose parts disagree cannot be fused."""
+        seen = []
+
+        def check(t: torch.Tensor, _out) -> torch.Tensor:
+            if seen and not torch.equal(seen[0], t):
+                raise CheckpointError(
+                    f"the fused projections of {prefix!r} have different act-order g_idx; "
+                    "tpserve fuses them and needs one order (re-quantize with the same "
+                    "calibration input for every projection that shares an input)")
+            seen[:] = [t.clone()]
+            return t
+        return check
+
+    def apply(self, layer, x):
+        shape = x.shape
+        g_idx = layer.g_idx if self.cfg.desc_act else None
+        y = _kernel(self.cfg, x, "int4").int4_matmul(
+            x.reshape(-1, shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group, g_idx)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class Fp8Method(LinearMethod):
+    """e4m3 weights with one float32 scale per output channel. A checkpoint's per-tensor
+    scale is broadcast to its channels; --quantize fp8 casts float weights per channel of the
+    rank's slice while loading (so row-parallel ranks scale their own columns)."""
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        self.cfg = cfg
+
+    def create(self, layer, out_per_rank, in_per_rank, **_) -> None:
+        fp8 = torch.float8_e4m3fn
+        layer.weight_scale = attach(_param((out_per_rank,), torch.float32), VECTOR,
+                                    convert=lambda t, _o: t.reshape(-1).float(),
+                                    optional=self.cfg.cast_at_load)
+        convert = self._cast(layer) if self.cfg.cast_at_load else None
+        layer.weight = attach(_param((out_per_rank, in_per_rank), fp8), FLOAT_WEIGHT,
+                              convert=convert)
+
+    @staticmethod
+    def _cast(layer):
+        def cast(w: torch.Tensor, out: tuple[int, int, int]) -> torch.Tensor:
+            w = w.float()
+            scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+            _, n, dst = out
+            layer.weight_scale.data[dst:dst + n] = scale
+            return (w / scale.unsqueeze(1)).to(torch.float8_e4m3fn)
+        return cast
+
+    def apply(self, layer, x):
+        shape = x.shape
+        y = _kernel(self.cfg, x, "fp8").fp8_matmul(x.reshape(-1, shape[-1]), layer.weight,
+                                                   layer.weight_scale)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def linear_method(prefix: str) -> LinearMethod:
+    """The method for the linear layer being built (named by its checkpoint prefix)."""
+    cfg = current_quant()
+    if cfg is None or any(s and s in prefix for s in cfg.skip_modules):
+        return UnquantizedMethod()
+    return Fp8Method(cfg) if cfg.method == "fp8" else Int4Method(cfg)

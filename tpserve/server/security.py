@@ -1,0 +1,111 @@
+"""API keys and the request body limit, as pure ASGI middleware.
+
+Pure ASGI (not BaseHTTPMiddleware) so that nothing buffers bodies or hides disconnects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Routes a load balancer or orchestrator must reach without a key.
+ALWAYS_PUBLIC = frozenset({"/health"})
+
+
+async def send_error(send: Send, status: int, message: str, error_type: str,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer with TGI's error body without touching the app (nor the request body)."""
+    body = json.dumps({"error": message, "error_type": error_type}).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()), *(headers or [])],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def key_matches(given: str, digests: tuple[bytes, ...]) -> bool:
+    """Constant time against every key: digests have one length whatever the keys' lengths,
+    and no early exit reveals which key, or how much of one, matched."""
+    candidate = key_digest(given)
+    found = False
+    for digest in digests:
+        found |= hmac.compare_digest(candidate, digest)
+    return found
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every route except the public ones."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], public: frozenset[str]) -> None:
+        self.app = app
+        self.keys = tuple(key_digest(k) for k in keys)
+        self.public = public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.public:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+            await self.app(scope, receive, send)
+            return
+        why = "missing" if not auth else "invalid"
+        await send_error(
+            send, 401, f"{why} API key: send `Authorization: Bearer <key>`", "unauthorized",
+            headers=[(b"www-authenticate", b"Bearer")],
+        )
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`: at once from Content-Length, or as soon as a chunked
+    body's bytes pass the limit (so at most `max_bytes` is ever buffered)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return (f"request body is larger than the server's limit of {self.max_bytes} bytes "
+                "(--max-body-bytes)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared < 0:
+                await send_error(send, 400, "invalid Content-Length header", "validation")
+                return
+            if declared > self.max_bytes:
+                await send_error(send, 413, self._too_large(), "validation")
+                return
+        seen = 0
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # Raised inside the route's body read: FastAPI lets HTTPException through
+                    # to the error handlers, which answer in TGI's shape.
+                    raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted_receive, send)

@@ -1,0 +1,92 @@
+"""Response helpers shared by the TGI and OpenAI routes: SSE framing, the SSE response that
+always aborts an unread generation, and "collect the whole generation or abort with 499"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tpserve.engine.request import GenerationEvent
+from tpserve.server.metrics import TrackedStream
+
+# nginx's "client closed request": never seen by the client, but visible in metrics.
+CLIENT_CLOSED_STATUS = 499
+
+
+def sse(payload: dict | str, space: bool = False) -> str:
+    """One SSE event. TGI writes `data:` with no space, OpenAI `data: `; parsers accept both."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n" if space else f"data:{data}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that always closes its generation, however the response ends.
+
+    Starlette only cancels the body iterator on disconnect (and, for ASGI spec >= 2.4,
+    does not even do that), so the generator may be left suspended; closing it and the
+    tracked stream here is what makes the engine abort a request nobody reads.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._content, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._on_close()
+
+
+async def collect_or_abort(
+    request: Request, tracked: TrackedStream
+) -> list[GenerationEvent] | Response:
+    """The whole generation's events, or a 499 response (request aborted) if the client
+    leaves first."""
+
+    async def collect() -> list[GenerationEvent]:
+        return [event async for event in tracked]
+
+    async def client_gone() -> None:
+        # The body was already read, so the next message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watch, work):
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(watch, return_exceptions=True)
+            if not work.done():
+                await asyncio.gather(work, return_exceptions=True)
+            await tracked.aclose()
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    return work.result()
+
+
+def final_text(events: list[GenerationEvent]) -> str:
+    final = events[-1]
+    if final.generated_text is not None:
+        return final.generated_text
+    return "".join(e.token.text for e in events if not e.token.special)
