@@ -25,6 +25,18 @@ EOS = TokenInfo(id=2, text="</s>", logprob=-0.01, special=True)
 FAKE_SEED = 4242  # reported when sampling without an explicit seed
 
 
+def stop_safe_prefix(text: str, stops: tuple[str, ...], final: bool) -> str:
+    """The part of `text` before any stop string; unless final, also short of any suffix
+    that could still become one."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if cuts:
+        return text[: min(cuts)]
+    if final:
+        return text
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
 def word_token(word: str, position: int) -> TokenInfo:
     # Stable ids (crc32, not hash(), which is salted per process) and distinct logprobs.
     return TokenInfo(
@@ -132,7 +144,7 @@ class FakeBackend:
             if params.prompt_logprobs
             else []
         )
-        text = ""
+        text = sent = ""
         finished = False
         self.active += 1  # only the server's event loop thread touches it
         try:
@@ -152,12 +164,19 @@ class FakeBackend:
                     reason = "stop_sequence"
                 elif i + 1 == params.max_new_tokens:
                     reason = "length"
+                if not params.include_stop_str_in_output and not tok.special:
+                    # As the engine's output processor: cut the stop string, hold back text
+                    # that could be its start, the last token carries the rest.
+                    safe = stop_safe_prefix(text, params.stop, final=reason is not None)
+                    tok = TokenInfo(tok.id, safe[len(sent):], tok.logprob, tok.special)
+                    sent = safe
                 top = [word_token(f"alt{k}", i) for k in range(params.top_n_tokens)]
                 event = GenerationEvent(token=tok, top_tokens=top or None)
                 if reason is not None:
                     finished = True
                     event.finished = True
-                    event.generated_text = text
+                    event.generated_text = (text if params.include_stop_str_in_output
+                                            else sent)
                     event.finish_reason = reason
                     event.generated_tokens = i + 1
                     event.seed = seed

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 from engine_utils import make_engine
-from tpserve.engine.async_engine import AsyncEngine
 
+from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import GenerationError, NotReadyError
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from engine_utils import make_engine
 from fake_backend import serve
-from tpserve.engine.async_engine import AsyncEngine
 
+from tpserve.engine.async_engine import AsyncEngine
 from tpserve.server.app import build_app
 
 LONG = ["The quick brown fox", "Hello world, this is", "Once upon a time"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import llama_config
-from tpserve.worker.build import build_model, check_shardable
 
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 from tpserve.layers.quant.config import QuantizationError, resolve_quant
+from tpserve.worker.build import build_model, check_shardable
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2)

@@ -89,6 +89,9 @@ class _Sampling(BaseModel):
             "stop": tuple(stop),
             "frequency_penalty": self.frequency_penalty or None,
             "repetition_penalty": self.repetition_penalty,
+            # OpenAI never returns the stop sequence; the engine's output processor cuts it
+            # (and holds back streamed text that could be its start).
+            "include_stop_str_in_output": False,
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         if temperature == 0:  # OpenAI's spelling of greedy decoding; top_p is moot then
@@ -156,48 +159,12 @@ class ChatRequest(_Sampling):
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format)] = None
 
 
-class StopTrimmer:
-    """OpenAI never returns the stop sequence; the engine (like TGI) includes it.
-
-    While streaming, text that could be the start of a stop sequence is held back until
-    the next token shows whether it is one, so streamed text equals the final text.
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.seen = ""
-        self.sent = 0
-
-    def feed(self, text: str) -> str:
-        self.seen += text
-        hold = max((_overlap(self.seen, s) for s in self.stops), default=0)
-        safe = len(self.seen) - hold
-        out, self.sent = self.seen[self.sent : safe], max(self.sent, safe)
-        return out
-
-    def finish(self, final: str) -> str:
-        final = self.trim(final)
-        return final[self.sent :]
-
-    def trim(self, text: str) -> str:
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[: min(cuts)] if cuts else text
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a prefix of `stop` (or all of it)."""
-    if stop in text:
-        return len(text) - text.find(stop)
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
-
-
-def _final_text(final: GenerationEvent, streamed: str) -> str:
-    if final.generated_text is not None:
-        return final.generated_text
-    return streamed + ("" if final.token.special else final.token.text)
+def _last_piece(final: GenerationEvent, streamed: str) -> str:
+    """What the final chunk carries so that the streamed pieces add up to the final text."""
+    text = final.generated_text
+    if text is not None and text.startswith(streamed):
+        return text[len(streamed):]
+    return "" if final.token.special else final.token.text
 
 
 def _usage(final: GenerationEvent) -> dict[str, int]:
@@ -263,7 +230,7 @@ class OpenAIRoutes:
         if isinstance(events, Response):
             return events
         final = events[-1]
-        text = prefix + StopTrimmer(req.stop_list()).trim(final_text(events))
+        text = prefix + final_text(events)
         body = {
             **base,
             "choices": [choice(text, _FINISH[final.finish_reason])],
@@ -295,7 +262,7 @@ class OpenAIRoutes:
         if isinstance(events, Response):
             return events
         final = events[-1]
-        text = StopTrimmer(req.stop_list()).trim(final_text(events))
+        text = final_text(events)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
@@ -321,21 +288,20 @@ class OpenAIRoutes:
         extra = {"usage": None} if include_usage else {}
 
         async def events() -> AsyncIterator[str]:
-            trimmer = StopTrimmer(req.stop_list())
+            streamed = ""
             if prefix:
                 yield _data({**chunk, **extra, "choices": [choice(prefix, None)]})
             try:
                 async for event in tracked:
                     if event.finished:
-                        text = trimmer.finish(_final_text(event, trimmer.seen))
+                        text = _last_piece(event, streamed)
                         finish = _FINISH[event.finish_reason]
                         yield _data({**chunk, **extra, "choices": [choice(text, finish)]})
                         if include_usage:
                             yield _data({**chunk, "choices": [], "usage": _usage(event)})
-                    elif not event.token.special:
-                        text = trimmer.feed(event.token.text)
-                        if text:
-                            yield _data({**chunk, **extra, "choices": [choice(text, None)]})
+                    elif not event.token.special and event.token.text:
+                        streamed += event.token.text
+                        yield _data({**chunk, **extra, "choices": [choice(event.token.text, None)]})
             except Exception as exc:  # headers are sent: report in-band, then stop
                 yield _data(error_body(exc))
                 return
