@@ -16,6 +16,6 @@ export PYTHONPATH_PREFIX="${PYTHONPATH_PREFIX:-}"
 trees=(--tree "new=$PWD")
 [ -n "$old" ] && trees=(--tree "old=$old" "${trees[@]}")
 python3 benchmarks/serve_bench.py "${trees[@]}" --device cuda --dtype bfloat16 \
-  --max-total-tokens 8300 --long --concurrency 32 256 --out "$out/served.md" --logs "$out" \
+  --max-total-tokens 8192 --long --concurrency 32 256 --out "$out/served.md" --logs "$out" \
   --launch-args --kernel triton 2>&1 | grep -v Warning | tee "$out/served.log"
 echo "served rc=${PIPESTATUS[0]}"
