@@ -39,10 +39,48 @@ def test_step_round_trips_through_the_message():
         assert a.params is None and a.history is None  # only rank 0 samples
 
 
-def test_killing_a_shard_mid_request_fails_it_without_a_hang(ray_cluster, llama_dir):
+def core_client(path, tp: int):
+    """The served path: engine core in rank 0's actor, output processing here."""
+    from tpserve.cluster.core_client import CoreClient
+    from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+
+    return CoreClient(EngineConfig(
+        model=ModelConfig(path=str(path), model_id="tiny", max_model_len=256),
+        parallel=ParallelConfig(tp_size=tp, device="cpu", cpus_per_shard=1,
+                                dist_timeout_s=60),
+        cache=CacheConfig(block_size=4, num_blocks=256)))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_core_in_rank0_matches_transformers(ray_cluster, llama_dir, tp):
+    from tiny_models import PROMPTS, hf_greedy
+
+    backend = AsyncEngine(lambda: core_client(llama_dir, tp), "tiny", 8)
+    backend.start()
+    backend.wait_ready(180)
+    try:
+        async def ask(prompt):
+            return [e async for e in backend.generate(
+                prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))]
+
+        async def all_at_once():
+            return await asyncio.gather(*(ask(p) for p in PROMPTS))
+
+        got = asyncio.run(all_at_once())
+        assert [[e.token.id for e in evs] for evs in got] == hf_greedy(llama_dir, PROMPTS, 12)
+        assert all(evs[-1].generated_text == "".join(e.token.text for e in evs) for evs in got)
+        assert backend.stats()["kv_blocks_free"] == backend.engine.num_blocks
+        assert len(backend.engine.health()) == tp
+    finally:
+        backend.stop()
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["engine-in-driver", "core-in-rank0"])
+def test_killing_a_shard_mid_request_fails_it_without_a_hang(ray_cluster, llama_dir, served):
     """Rank 1 dies while its step loop serves an in-flight request: the request fails with
     a clear error well within the collective timeout, and the replica reports dead."""
-    backend = AsyncEngine(lambda: make_engine(llama_dir, 2), "tiny", 8)
+    build = (lambda: core_client(llama_dir, 2)) if served else (lambda: make_engine(llama_dir, 2))
+    backend = AsyncEngine(build, "tiny", 8)
     backend.start()
     backend.wait_ready(180)
     try:

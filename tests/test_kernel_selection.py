@@ -75,7 +75,7 @@ def test_engine_start_fails_with_the_reason(llama_dir):
 
 
 def test_engine_logs_the_choice_and_the_passed_over(llama_dir, caplog):
-    caplog.set_level(logging.INFO, logger="tpserve.engine.engine")
+    caplog.set_level(logging.INFO, logger="tpserve.engine.core")
     engine = make_engine(llama_dir, 1, kernel="auto", local=True)
     try:
         assert engine.load_reports[0].backend == engine.executor.worker.backend.name

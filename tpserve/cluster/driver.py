@@ -81,9 +81,8 @@ class Driver:
 
 
 def launch_engine(cfg: EngineConfig):
-    """The engine over Ray shard actors: the driver builds the executor, the engine only
-    uses it."""
-    from tpserve.engine.engine import Engine
-    from tpserve.executor.factory import build_executor
+    """The replica the driver serves: the engine core in rank 0's actor, ranks 1..tp-1 as
+    followers; tokenization and output processing stay here."""
+    from tpserve.cluster.core_client import CoreClient
 
-    return Engine(cfg, build_executor(cfg))
+    return CoreClient(cfg)

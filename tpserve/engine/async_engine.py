@@ -110,13 +110,9 @@ class AsyncEngine:
         e = self.engine
         if e is None:
             return {"ready": 0.0}
-        s = e.scheduler
-        return {"ready": float(self.ready()), "running_sequences": len(s.running),
-                "waiting_sequences": len(s.waiting), "kv_blocks_free": s.blocks.num_free,
-                "kv_blocks_total": s.blocks.num_blocks, "steps": float(self.steps),
+        return {"ready": float(self.ready()), **e.stats(), "steps": float(self.steps),
                 "requests_inflight": float(self._inflight),
-                "last_step_seconds": self.last_step_seconds,
-                "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0))}
+                "last_step_seconds": self.last_step_seconds}
 
     def count_tokens(self, text: str) -> int:
         self._require_ready()

@@ -176,6 +176,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
 
+    def stats(self) -> dict[str, float]:
+        """Scheduler and KV-cache gauges (each a single read: safe from another thread)."""
+        s = self.scheduler
+        return {"running_sequences": len(s.running), "waiting_sequences": len(s.waiting),
+                "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
+                "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0))}
+
     # --- one step -----------------------------------------------------------------------
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:
         seq, p = s.seq, s.seq.params

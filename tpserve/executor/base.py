@@ -8,6 +8,12 @@ from typing import Any
 from tpserve.engine.step import StepBatch, StepOutput
 
 
+class ShardFailedError(RuntimeError):
+    """A shard died or its step loop failed: the replica cannot serve until rebuilt."""
+
+    replica_dead = True
+
+
 class Executor(ABC):
     """Runs steps on every shard of one model replica. Methods are called from one thread
     (the engine loop) in this order: start, available_blocks, allocate_cache, warmup, then

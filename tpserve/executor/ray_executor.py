@@ -14,16 +14,10 @@ from tpserve.cluster.device import ray_bundle
 from tpserve.cluster.placement import place_shards, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.step import StepBatch, StepOutput
-from tpserve.executor.base import Executor
+from tpserve.executor.base import Executor, ShardFailedError
 from tpserve.worker.worker import LoadReport, Worker
 
 log = logging.getLogger(__name__)
-
-
-class ShardFailedError(RuntimeError):
-    """A shard died or its step loop failed: the replica cannot serve until rebuilt."""
-
-    replica_dead = True
 
 
 ShardActor = ray.remote(Worker)

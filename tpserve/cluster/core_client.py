@@ -1,0 +1,158 @@
+"""The driver's handle on a replica whose engine core runs in rank 0's actor.
+
+It has the shape of tpserve.engine.engine.Engine as AsyncEngine uses it (tokenize,
+add_request, abort, has_work, step, stats), so the HTTP bridge is the same for both: here
+tokenization, detokenization and stop strings (the output processor) stay in the driver,
+and step() is one long poll that returns every token the core produced since the last one.
+The followers' step loops are watched too, so a dead rank fails in-flight requests even
+when rank 0 is stuck in a collective with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tpserve import errors
+from tpserve.cluster.device import ray_bundle
+from tpserve.cluster.engine_core_actor import EngineCoreActor
+from tpserve.cluster.placement import place_shards, shard_names
+from tpserve.config import EngineConfig
+from tpserve.engine.core import eos_token_ids
+from tpserve.engine.output_processor import OutputProcessor
+from tpserve.engine.request import SamplingParams
+from tpserve.executor.base import ShardFailedError
+from tpserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # a poll returns at once when tokens are ready; this bounds an idle wait
+
+
+class CoreStepError(RuntimeError):
+    def __init__(self, message: str, replica_dead: bool) -> None:
+        super().__init__(message)
+        self.replica_dead = replica_dead
+
+
+class CoreClient:
+    def __init__(self, cfg: EngineConfig, namespace: str | None = None) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from tpserve.worker.build import check_shardable
+
+        self.cfg = cfg
+        self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        check_shardable(cfg, self.hf_config)  # fail before placing any actor
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        except Exception as exc:  # noqa: BLE001 - say which file is missing
+            raise errors.CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
+                                         f"{exc}") from exc
+        special = frozenset(self.tokenizer.all_special_ids)
+        self.output = OutputProcessor(self.tokenizer, special)
+        self._place(cfg, namespace or ray.get_runtime_context().namespace)
+        try:
+            info = ray.get(self.core.start.remote(
+                sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer))))
+        except ray.exceptions.RayTaskError as exc:
+            self.shutdown()
+            cause = getattr(exc, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else exc) from None
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = info["num_blocks"]
+        self.load_reports = info["load_reports"]
+        self.warmup_seconds = info["warmup_seconds"]
+        self.max_input_tokens = info["max_input_tokens"]
+        self.max_model_len = info["max_model_len"]
+        self.loops = info["loops"]
+        self.executor = self  # health() for the driver, as Engine.executor.health()
+        self._stats: dict[str, float] = {}
+        self._to_abort: list[int] = []
+
+    def _place(self, cfg: EngineConfig, namespace: str) -> None:
+        tp, device = cfg.parallel.tp_size, cfg.parallel.device
+        self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
+                               bool(cfg.parallel.ray_address))
+        self.names = shard_names(tp, namespace)
+        cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
+
+        def opts(rank: int, concurrency: int) -> dict:
+            return dict(name=self.names[rank], namespace=namespace, num_cpus=cpus,
+                        num_gpus=1 if device != "cpu" else 0, max_concurrency=concurrency,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self.pg, placement_group_bundle_index=rank))
+
+        # Followers: 2 threads, so health() answers while follow() runs.
+        self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
+                          for r in range(1, tp)]
+        # Rank 0: the step loop, submit/abort and the long poll, health, shutdown.
+        self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg,
+                                                                            self.followers)
+        self.actors = [self.core, *self.followers]
+
+    # --- the Engine shape AsyncEngine uses ------------------------------------------------
+    def tokenize(self, prompt: str, truncate: int | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+        return ids
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams):
+        answer = ray.get(self.core.submit.remote(prompt_ids, params))
+        if answer[0] == "error":
+            cls = getattr(errors, answer[1], errors.ValidationError)
+            raise cls(answer[2])
+        _, seq_id, params = answer
+        self.output.add(seq_id, params)
+        return SimpleNamespace(seq_id=seq_id, params=params)
+
+    def abort(self, seq_id: int) -> None:
+        self.output.remove(seq_id)
+        self.core.abort.remote([seq_id])
+
+    def has_work(self) -> bool:
+        return bool(self.output.requests)
+
+    def step(self):
+        """One long poll: (seq_id, event) for every token since the last poll."""
+        if self.loops:
+            done, _ = ray.wait(self.loops, num_returns=1, timeout=0)
+            if done:
+                rank = 1 + self.loops.index(done[0])
+                try:
+                    ray.get(done[0])
+                    why = "its step loop ended"
+                except Exception as exc:  # noqa: BLE001 - reported with the rank
+                    why = f"{type(exc).__name__}: {exc}"
+                raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
+        outputs, self._stats, err = ray.get(self.core.poll.remote(POLL_S))
+        if err is not None:
+            self.output.requests.clear()  # the core dropped them
+            raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
+        events, stopped = self.output.process(outputs)
+        if stopped:
+            self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
+        return events, None
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def health(self, timeout_s: float = 10.0) -> list[dict]:
+        return ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        try:
+            ray.get(self.core.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - tearing down; a dead actor needs no shutdown
+            pass
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)

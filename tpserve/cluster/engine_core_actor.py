@@ -1,0 +1,131 @@
+"""Rank 0 of a replica with the engine core in the same process ("engine core").
+
+The scheduler and rank 0's model runner share one process, so at tp = 1 a step needs no
+inter-process call at all; ranks 1..tp-1 follow over the control channel. The step loop runs
+in its own thread; the driver's calls (submit, abort, and one long poll that returns every
+output produced since the last one) run in other threads of this threaded actor and only
+touch a queue and a condition variable, so they never block a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from tpserve.config import EngineConfig
+from tpserve.engine.core import EngineCore
+from tpserve.engine.outputs import TokenOutput
+from tpserve.engine.request import SamplingParams
+from tpserve.errors import TPServeError
+from tpserve.executor.rank0 import Rank0Executor
+from tpserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class EngineCoreActor:
+    def __init__(self, cfg: EngineConfig, followers: list) -> None:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.cfg, self.followers = cfg, followers
+        self.worker = Worker(cfg, 0)
+        self.core: EngineCore | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._out: list[TokenOutput] = []
+        self._error: tuple[str, str, bool] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, eos_ids: list[int]) -> dict:
+        """Set up every rank, build the engine core, start the step loop; what the driver
+        needs to validate and report."""
+        from transformers import AutoConfig
+
+        executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
+        hf = AutoConfig.from_pretrained(self.cfg.model.path)
+        self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
+        self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)
+        self._thread.start()
+        c = self.core
+        return {"num_blocks": c.num_blocks, "load_reports": c.load_reports,
+                "warmup_seconds": c.warmup_seconds, "max_input_tokens": c.max_input_tokens,
+                "max_model_len": c.max_model_len, "loops": executor.loops}
+
+    # --- driver calls (other threads) ---------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple:
+        """("ok", seq_id, params with the seed filled in) or ("error", class name, message)."""
+        fut: Future = Future()
+        self._inbox.put(("add", prompt_ids, params, fut))
+        return fut.result()
+
+    def abort(self, seq_ids: list[int]) -> None:
+        self._inbox.put(("abort", seq_ids, None, None))
+
+    def poll(self, timeout_s: float) -> tuple[list[TokenOutput], dict, tuple | None]:
+        """Every output since the last poll (waits up to timeout_s for one), the engine's
+        gauges, and (class name, message, replica dead) if a step failed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._out or self._error, timeout=timeout_s)
+            out, self._out = self._out, []
+            err, self._error = self._error, None
+        return out, self.core.stats() if self.core else {}, err
+
+    def health(self) -> dict:
+        return self.worker.health()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.core is not None:
+            self.core.shutdown()
+
+    # --- step loop (its own thread) -----------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            self._drain(block=not core.has_work())
+            if self._stop.is_set() or not core.has_work():
+                continue
+            try:
+                outputs, _ = core.step()
+            except Exception as exc:  # noqa: BLE001 - reported to the driver through poll
+                log.exception("step failed; failing the requests in flight")
+                for seq_id in list(core.requests):
+                    core.abort(seq_id)
+                dead = bool(getattr(exc, "replica_dead", False))
+                with self._cv:
+                    self._error = (type(exc).__name__, str(exc), dead)
+                    self._cv.notify_all()
+                continue
+            if outputs:
+                with self._cv:
+                    self._out.extend(outputs)
+                    self._cv.notify_all()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            kind, a, b, fut = item
+            if kind == "abort":
+                for seq_id in a:
+                    self.core.abort(seq_id)
+            else:
+                try:
+                    seq = self.core.add_request(a, b)
+                    fut.set_result(("ok", seq.seq_id, seq.params))
+                except TPServeError as exc:
+                    fut.set_result(("error", type(exc).__name__, str(exc)))
+                except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
+                    fut.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
