@@ -38,3 +38,6 @@ class EngineBackend(Protocol):
 
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
+    # Optional, for several replicas behind one address (tpserve/serve/):
+    # `replicas() -> list[dict]`, listed by GET /info under "replicas", and
+    # `replica_stats() -> dict[str, dict[str, float]]`, exported as tpserve_replica gauges.
