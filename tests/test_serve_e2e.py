@@ -86,10 +86,10 @@ def test_replicas_match_transformers_and_share_load(serve_url, llama_dir):
         served_tokens(serve_url)), 30, "both replicas to report tokens",
         lambda: httpx.get(f"{serve_url}/info").json())
     assert sum(served.values()) >= 32
-    for rid in served:
-        for rank in range(2):
-            actor = ray.get_actor(f"tpserve-{rid}-shard-{rank}", namespace="serve")
-            assert ray.get(actor.health.remote(), timeout=30)  # four shard actors alive
+    shards = [(r["namespace"], name) for r in replicas(serve_url) for name in r["shards"]]
+    assert len(shards) == 4
+    for namespace, name in shards:  # four shard actors alive
+        assert ray.get(ray.get_actor(name, namespace=namespace).health.remote(), timeout=30)
 
 
 def test_shared_prefix_lands_mostly_on_one_replica(serve_url):
@@ -107,7 +107,8 @@ def test_shared_prefix_lands_mostly_on_one_replica(serve_url):
 def test_killed_shard_replica_is_replaced_while_other_serves(serve_url):
     old = set(served_tokens(serve_url))
     victim = sorted(old)[0]
-    ray.kill(ray.get_actor(f"tpserve-{victim}-shard-1", namespace="serve"))
+    info = {r["replica_id"]: r for r in replicas(serve_url)}[victim]
+    ray.kill(ray.get_actor(info["shards"][1], namespace=info["namespace"]))
     t0 = time.monotonic()
     ok = 0
     while time.monotonic() - t0 < 8:  # the replica is being replaced meanwhile

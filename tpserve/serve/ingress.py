@@ -153,7 +153,7 @@ class ReplicaSetBackend:
     def replicas(self) -> list[dict]:
         """Each replica: id, state, its shard actors and its engine gauges."""
         return [{"replica_id": rid, "state": replica_state(r), "shards": r.get("shards", []),
-                 **r.get("stats", {})} for rid, r in sorted(self._table.items())]
+                 "namespace": r.get("namespace"), **r.get("stats", {})} for rid, r in sorted(self._table.items())]
 
     def replica_stats(self) -> dict[str, dict[str, float]]:
         """Per-replica gauges for /metrics, with tokens/s from successive polls."""

@@ -126,6 +126,7 @@ class TPReplica:
         core = self.backend.engine
         return {"replica_id": self.replica_id, "ready": self.backend.ready(),
                 "dead": self.backend.dead, "shards": list(getattr(core, "names", [])),
+                "namespace": ray.get_runtime_context().namespace,
                 "stats": self.stats(), "at": time.monotonic()}
 
     def check_health(self) -> None:
