@@ -106,7 +106,14 @@ class CoreClient:
         return ids
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams):
-        answer = ray.get(self.core.submit.remote(prompt_ids, params))
+        self._check_followers()
+        try:
+            # The core answers between steps; a step never outlasts the collective timeout.
+            answer = ray.get(self.core.submit.remote(prompt_ids, params),
+                             timeout=self.cfg.parallel.dist_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ShardFailedError("the engine core did not take a request within the "
+                                   "collective timeout; the replica is stuck") from None
         if answer[0] == "error":
             cls = getattr(errors, answer[1], errors.ValidationError)
             raise cls(answer[2])
@@ -123,6 +130,20 @@ class CoreClient:
 
     def step(self):
         """One long poll: (seq_id, event) for every token since the last poll."""
+        self._check_followers()
+        outputs, self._stats, err = ray.get(self.core.poll.remote(POLL_S),
+                                            timeout=POLL_S + self.cfg.parallel.dist_timeout_s)
+        if err is not None:
+            self.output.requests.clear()  # the core dropped them
+            raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
+        events, stopped = self.output.process(outputs)
+        if stopped:
+            self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
+        return events, None
+
+    def _check_followers(self) -> None:
+        """A follower whose step loop ended (dead actor, failed collective) fails the
+        replica at once, even while rank 0 waits in a collective for it."""
         if self.loops:
             done, _ = ray.wait(self.loops, num_returns=1, timeout=0)
             if done:
@@ -133,14 +154,6 @@ class CoreClient:
                 except Exception as exc:  # noqa: BLE001 - reported with the rank
                     why = f"{type(exc).__name__}: {exc}"
                 raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
-        outputs, self._stats, err = ray.get(self.core.poll.remote(POLL_S))
-        if err is not None:
-            self.output.requests.clear()  # the core dropped them
-            raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
-        events, stopped = self.output.process(outputs)
-        if stopped:
-            self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
-        return events, None
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

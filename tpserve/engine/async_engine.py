@@ -110,7 +110,8 @@ class AsyncEngine:
         e = self.engine
         if e is None:
             return {"ready": 0.0}
-        return {"ready": float(self.ready()), **e.stats(), "steps": float(self.steps),
+        # The engine's own step count when it has one (its core may run elsewhere).
+        return {"ready": float(self.ready()), "steps": float(self.steps), **e.stats(),
                 "requests_inflight": float(self._inflight),
                 "last_step_seconds": self.last_step_seconds}
 
@@ -209,6 +210,13 @@ class AsyncEngine:
         except TPServeError as exc:
             item.loop.call_soon_threadsafe(_set_exception, item.accepted, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - the engine (or a shard) failed, not the input
+            log.exception("submitting a request failed")
+            if _replica_dead(exc):
+                self.dead = f"a shard actor died: {exc}"
+            err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
+            item.loop.call_soon_threadsafe(_set_exception, item.accepted, err)
+            return
         if item.accepted.done():  # the caller gave up (disconnected) while it queued
             self.engine.abort(seq.seq_id)
             return
@@ -221,8 +229,7 @@ class AsyncEngine:
             events, _ = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving the rest
             log.exception("step failed; failing the requests in it")
-            if getattr(exc, "replica_dead", False) or type(exc).__name__ in (
-                    "ActorDiedError", "RayActorError", "ActorUnavailableError"):
+            if _replica_dead(exc):
                 self.dead = f"a shard actor died: {exc}"
             err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
             for seq_id in list(self._sinks):
@@ -269,6 +276,12 @@ class RayMetrics:
                 self._gauge.set(float(value), tags={"stat": name})
         except Exception:  # noqa: BLE001 - metrics must never take serving down
             log.debug("ray metrics report failed", exc_info=True)
+
+
+def _replica_dead(exc: BaseException) -> bool:
+    """A shard is gone (or stuck): the replica cannot serve until it is rebuilt."""
+    return bool(getattr(exc, "replica_dead", False)) or type(exc).__name__ in (
+        "ActorDiedError", "RayActorError", "ActorUnavailableError")
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -36,6 +36,10 @@ class CoreRequest:
     # (token id, log p) of each prompt token when prompt_logprobs was asked.
     prefill: list[tuple[int, float | None]] = field(default_factory=list)
     prefill_sent: bool = False
+    # The block table the workers hold for this sequence (the list object, which the block
+    # manager replaces when it frees a sequence) and how many of its blocks they have.
+    sent_table: list[int] | None = None
+    sent_blocks: int = 0
 
 
 def decoder_start_token_id(path: str, hf_config) -> int:
@@ -67,6 +71,8 @@ class EngineCore:
         self.requests: dict[int, CoreRequest] = {}
         self._ids = itertools.count()
         self._steps = itertools.count()
+        self.steps_run = 0
+        self._released: list[int] = []  # finished since the last step: workers drop tables
 
     def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
         self.hf_config = hf_config
@@ -172,6 +178,7 @@ class EngineCore:
         state = self.requests.pop(seq_id, None)
         if state is not None:
             self.scheduler.finish(state.seq)
+            self._released.append(seq_id)
 
     def has_work(self) -> bool:
         return len(self.scheduler) > 0
@@ -182,6 +189,7 @@ class EngineCore:
         return {"running_sequences": len(s.running), "waiting_sequences": len(s.waiting),
                 "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
                 "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0)),
+                "steps": float(self.steps_run),
                 "work_tokens": float(work_tokens([*s.running, *s.waiting]))}
 
     # --- one step -----------------------------------------------------------------------
@@ -190,9 +198,16 @@ class EngineCore:
         start = seq.num_computed
         need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
             or bool(p.frequency_penalty)
+        # Workers keep tables between steps: send a new (or, after preemption, replaced)
+        # table whole, later only the blocks appended since.
+        state = self.requests[seq.seq_id]
+        if state.sent_table is not seq.block_table:
+            state.sent_table, state.sent_blocks = seq.block_table, 0
+        blocks_from, state.sent_blocks = state.sent_blocks, len(seq.block_table)
         step = SeqStep(
-            seq_id=seq.seq_id, token_ids=seq.all_ids[start : start + s.num_new],
-            start_pos=start, block_table=list(seq.block_table), sample=s.completes_prompt,
+            seq_id=seq.seq_id, token_ids=_tokens(seq, start, s.num_new),
+            start_pos=start, block_table=seq.block_table[blocks_from:],
+            blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if need_history else None,
             num_generated=len(seq.output_ids),
             prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
@@ -210,8 +225,10 @@ class EngineCore:
         if not scheduled:
             return [], None
         batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
-                          return_logits)
+                          return_logits, released=self._released)
+        self._released = []
         out = self.executor.execute_step(batch)
+        self.steps_run += 1
         self.scheduler.after_step(scheduled)
         for seq_id, lps in out.prompt_logprobs.items():
             self._record_prefill(seq_id, lps)
@@ -260,6 +277,7 @@ class EngineCore:
         if state is not None:
             self.scheduler.finish(state.seq)
             state.seq.finish_reason = reason
+            self._released.append(seq_id)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -282,8 +300,19 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     return ids
 
 
+<<<<<<< HEAD
 def work_tokens(seqs) -> int:
     """Tokens still to compute for these sequences (prompt rest plus tokens they may still
     generate): what a replica router weighs replicas by."""
     return sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
                for q in seqs)
+=======
+def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.all_ids[start:start + n] without building all_ids (O(n), not O(context))."""
+    p = len(seq.prompt_ids)
+    if start >= p:
+        return seq.output_ids[start - p : start - p + n]
+    if start + n <= p:
+        return seq.prompt_ids[start : start + n]
+    return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]
+>>>>>>> host

@@ -14,7 +14,11 @@ class SeqStep:
     seq_id: int
     token_ids: list[int]  # new tokens this step (a prompt chunk, or the last sampled token)
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
-    block_table: list[int]  # physical block per logical block; -1 marks a freed block
+    # Physical blocks of logical blocks blocks_from.. of this sequence; -1 marks a freed
+    # block. Workers keep each sequence's table between steps (persistent batch state), so
+    # the engine sends a table once (blocks_from = 0: replace it) and then only the blocks
+    # it appended (blocks_from = how many the workers already have).
+    block_table: list[int]
     sample: bool  # sample the next token after this chunk (the prompt is complete)
     params: SamplingParams | None = None
     # Tokens seen so far (prompt + generated) when a penalty needs them, else None.
@@ -29,6 +33,12 @@ class SeqStep:
     encoder_ids: list[int] | None = None
     encoder_len: int = 0
     cross_block_table: list[int] = field(default_factory=list)
+    blocks_from: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the sequence owns after this step's update."""
+        return self.blocks_from + len(self.block_table)
 
     @property
     def seq_len(self) -> int:
@@ -41,6 +51,8 @@ class StepBatch:
     seqs: list[SeqStep]
     # Tests and tooling: also return the full-vocabulary logits of the sampled rows.
     return_logits: bool = False
+    # Sequences finished or aborted since the last step: workers drop their tables.
+    released: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

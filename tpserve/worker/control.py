@@ -6,8 +6,9 @@ tensor-parallel group, so it works across nodes and carries its own timeout. The
 one int64 array, not a pickled dataclass: the other ranks need positions, tokens and block
 tables, never sampling parameters (only rank 0 samples).
 
-Layout: [STEP, step_id, n] then n rows of FIELDS, then every sequence's token_ids, block
-table, encoder_ids and cross block table, in that order. [STOP] ends the follower loop.
+Layout: [STEP, step_id, n, n_released] then n rows of FIELDS, then every sequence's
+token_ids, block table (from blocks_from on), encoder_ids and cross block table, in that
+order, then the released sequence ids. [STOP] ends the follower loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.distributed as dist
 from tpserve.engine.step import SeqStep, StepBatch
 
 STEP, STOP = 1, 2
-FIELDS = 8  # start_pos, n_tokens, n_blocks, sample, prompt_logprobs, n_encoder, encoder_len, n_cross
+# seq_id, start_pos, n_tokens, blocks_from, n_blocks, sample, prompt_logprobs, n_encoder,
+# encoder_len, n_cross
+FIELDS = 10
 
 
 def encode_step(batch: StepBatch) -> np.ndarray:
@@ -29,18 +32,21 @@ def encode_step(batch: StepBatch) -> np.ndarray:
     tail: list[list[int]] = []
     for i, s in enumerate(batch.seqs):
         enc = s.encoder_ids or []
-        rows[i] = (s.start_pos, len(s.token_ids), len(s.block_table), s.sample,
-                   s.prompt_logprobs, len(enc), s.encoder_len, len(s.cross_block_table))
+        rows[i] = (s.seq_id, s.start_pos, len(s.token_ids), s.blocks_from,
+                   len(s.block_table), s.sample, s.prompt_logprobs, len(enc), s.encoder_len,
+                   len(s.cross_block_table))
         tail += [s.token_ids, s.block_table, enc, s.cross_block_table]
+    tail.append(batch.released)
     flat = np.fromiter((x for part in tail for x in part), dtype=np.int64)
-    return np.concatenate([np.array([STEP, batch.step_id, len(batch.seqs)], dtype=np.int64),
-                           rows.reshape(-1), flat])
+    head = np.array([STEP, batch.step_id, len(batch.seqs), len(batch.released)],
+                    dtype=np.int64)
+    return np.concatenate([head, rows.reshape(-1), flat])
 
 
 def decode_step(msg: np.ndarray) -> StepBatch:
-    step_id, n = int(msg[1]), int(msg[2])
-    rows = msg[3 : 3 + n * FIELDS].reshape(n, FIELDS).tolist()
-    flat = msg[3 + n * FIELDS :].tolist()
+    step_id, n, n_released = int(msg[1]), int(msg[2]), int(msg[3])
+    rows = msg[4 : 4 + n * FIELDS].reshape(n, FIELDS).tolist()
+    flat = msg[4 + n * FIELDS :].tolist()
     at, seqs = 0, []
 
     def take(k: int) -> list[int]:
@@ -48,13 +54,14 @@ def decode_step(msg: np.ndarray) -> StepBatch:
         at += k
         return flat[at - k : at]
 
-    for i, (start, n_tok, n_blocks, sample, plp, n_enc, enc_len, n_cross) in enumerate(rows):
+    for seq_id, start, n_tok, blocks_from, n_blocks, sample, plp, n_enc, enc_len, n_cross \
+            in rows:
         token_ids, table, enc, cross = take(n_tok), take(n_blocks), take(n_enc), take(n_cross)
-        seqs.append(SeqStep(seq_id=i, token_ids=token_ids, start_pos=start, block_table=table,
-                            sample=bool(sample), prompt_logprobs=bool(plp),
+        seqs.append(SeqStep(seq_id=seq_id, token_ids=token_ids, start_pos=start,
+                            block_table=table, sample=bool(sample), prompt_logprobs=bool(plp),
                             encoder_ids=enc if n_enc else None, encoder_len=enc_len,
-                            cross_block_table=cross))
-    return StepBatch(step_id, seqs)
+                            cross_block_table=cross, blocks_from=blocks_from))
+    return StepBatch(step_id, seqs, released=take(n_released))
 
 
 class ControlChannel:

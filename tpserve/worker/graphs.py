@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tpserve.cluster.device import graph_api, synchronize
 from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.worker.metadata import make_metadata
+from tpserve.worker.metadata import HostStaging, make_metadata
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.device = device
+        self.staging = HostStaging(device)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
@@ -100,26 +102,30 @@ class DecodeGraphs:
     def fits(self, seqs: list[SeqStep]) -> bool:
         return (len(seqs) <= self.buckets[-1]
                 and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
-                        and len(s.block_table) <= self.max_blocks for s in seqs))
+                        and s.num_blocks <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: list[SeqStep]) -> torch.Tensor | None:
+    def run(self, seqs: list[SeqStep], seq_tables: np.ndarray) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of one decode step, replayed from the smallest bucket
-        that holds the batch."""
+        that holds the batch; seq_tables: [len(seqs), max_blocks] block ids."""
         b = len(seqs)
         bucket = next(x for x in self.buckets if x >= b)
-        self._fill_padding()
-        pos = [s.start_pos for s in seqs]
-        rows = [[x if x >= 0 else self.scratch for x in s.block_table]
-                + [self.scratch] * (self.max_blocks - len(s.block_table)) for s in seqs]
-        tables = torch.tensor(rows, dtype=torch.int32)
-        slots = [rows[i][p // self.block_size] * self.block_size + p % self.block_size
-                 for i, p in enumerate(pos)]
-        self.ids[:b].copy_(torch.tensor([s.token_ids[0] for s in seqs]), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
-        self.tables[:b].copy_(tables, non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32),
-                                non_blocking=True)
+        # The whole bucket goes over in one copy, padding rows included: they point at the
+        # scratch block, so rows a larger previous batch left behind never write real blocks.
+        bs = self.block_size
+        pos = np.zeros(bucket, dtype=np.int64)
+        pos[:b] = [s.start_pos for s in seqs]
+        ids = np.zeros(bucket, dtype=np.int64)
+        ids[:b] = [s.token_ids[0] for s in seqs]
+        tables = np.full((bucket, self.max_blocks), self.scratch, dtype=np.int64)
+        tables[:b] = seq_tables
+        slots = tables[np.arange(bucket), pos // bs] * bs + pos % bs
+        ids_d, pos_d, slots_d, lens_d, tab_d = self.staging.to_device(
+            [ids, pos, slots, pos + 1, tables])
+        self.ids[:bucket].copy_(ids_d)
+        self.positions[:bucket].copy_(pos_d)
+        self.slots[:bucket].copy_(slots_d)
+        self.seq_lens[:bucket].copy_(lens_d)
+        self.tables[:bucket].copy_(tab_d.view(bucket, self.max_blocks))
         graph, out = self.graphs[bucket]
         graph.replay()
         return None if out is None else out[:b]  # None: logits gathered to rank 0 only

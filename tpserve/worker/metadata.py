@@ -47,9 +47,9 @@ def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
 
 
 def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
-                       tables: list[list[int]], block_size: int,
-                       device: torch.device) -> PagedInputs:
-    """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns tables[i]."""
+                       tab: np.ndarray, block_size: int, staging: HostStaging) -> PagedInputs:
+    """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns the blocks of
+    tab[i] (int64 [B, width], every entry a valid block id)."""
     q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
     start = np.asarray(starts_pos, dtype=np.int64)
     seq_lens = start + q_lens
@@ -57,20 +57,44 @@ def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
     np.cumsum(q_lens, out=cu[1:])
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][seq_of_token] + start[seq_of_token]
-    tab = padded_tables(tables)
     slots = tab[seq_of_token, positions // block_size] * block_size + positions % block_size
     ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(cu[-1]))
-    ids_d, pos_d, slots_d, cu_d, lens_d, tab_d = to_device(
-        [ids, positions, slots, cu, seq_lens, tab.reshape(-1)], device)
+    ids_d, pos_d, slots_d, cu_d, lens_d, tab_d = staging.to_device(
+        [ids, positions, slots, cu, seq_lens, tab.reshape(-1)])
     meta = make_metadata(cu_d.int(), lens_d.int(), tab_d.view(tab.shape).int(), slots_d,
                          tuple(q_lens.tolist()), tuple(seq_lens.tolist()))
     return PagedInputs(ids_d, pos_d, meta)
 
 
-def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 arrays -> device tensors through one packed (pinned) host buffer and one copy."""
-    sizes = [a.size for a in arrays]
-    packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
-    if device.type != "cpu":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return list(packed.split(sizes))
+class HostStaging:
+    """int64 arrays -> device tensors through one packed host buffer and one copy.
+
+    On an accelerator the buffer is pinned and preallocated (grown when a step needs more),
+    so the copy is asynchronous and nothing is allocated per step; before the buffer is
+    overwritten, the previous copy out of it is waited for (an event, not a device sync).
+    On the CPU the packed array is used in place.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self._copied: torch.Event | None = None
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        flat = [a.reshape(-1) for a in arrays]
+        if self.device.type == "cpu":
+            return list(torch.from_numpy(np.concatenate(flat)).split(sizes))
+        total = sum(sizes)
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = torch.empty(max(total, 2 * (0 if self._buf is None else
+                                                    self._buf.numel())),
+                                    dtype=torch.int64, pin_memory=True)
+            self._copied = None
+        if self._copied is not None:
+            self._copied.synchronize()
+        np.concatenate(flat, out=self._buf.numpy()[:total])
+        packed = self._buf[:total].to(self.device, non_blocking=True)
+        self._copied = torch.Event(device=self.device)
+        self._copied.record()
+        return list(packed.split(sizes))

@@ -9,7 +9,8 @@ import torch
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.worker.metadata import build_paged_inputs, make_metadata, padded_tables, to_device
+from tpserve.worker.block_tables import BlockTables
+from tpserve.worker.metadata import HostStaging, build_paged_inputs, make_metadata, padded_tables
 from tpserve.worker.sampling import sample_tokens
 
 
@@ -20,16 +21,22 @@ class ModelRunner:
         self.device, self.rank, self.block_size, self.seed = device, rank, block_size, seed
         self.graphs = graphs  # DecodeGraphs (CUDA, a graph-safe backend) or None
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.staging = HostStaging(device)
+        self.block_tables = BlockTables()
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Rank 0 returns the sampled tokens, other ranks None."""
         seqs = batch.seqs
+        self.block_tables.release(batch.released)
+        rows = self.block_tables.update(seqs)
         if self.graphs is not None and self.graphs.fits(seqs):
-            logits = self.graphs.run(seqs)
+            tables = self.block_tables.gather(rows, self.graphs.max_blocks)
+            logits = self.graphs.run(seqs, tables)
             return self._sample(batch, None if logits is None else logits.float(), [], [])
+        tables = self.block_tables.gather(rows, max(1, max(s.num_blocks for s in seqs)))
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
-                                 [s.block_table for s in seqs], self.block_size, self.device)
+                                 tables, self.block_size, self.staging)
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
         with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend, cross)):
             hidden = self.model(inp.ids, inp.positions)
@@ -75,14 +82,13 @@ class ModelRunner:
         new = [i for i, s in enumerate(seqs) if s.encoder_ids is not None]
         if new:
             enc = build_paged_inputs([seqs[i].encoder_ids for i in new], [0] * len(new),
-                                     [seqs[i].cross_block_table for i in new], self.block_size,
-                                     self.device)
+                                     padded_tables([seqs[i].cross_block_table for i in new]),
+                                     self.block_size, self.staging)
             with forward_context(ForwardContext(enc.meta, self.kv_caches, self.backend)):
                 self.model.encode(enc.ids, enc.positions)
         enc_lens = [s.encoder_len for s in seqs]
         tables = padded_tables([s.cross_block_table for s in seqs])
-        lens_d, tab_d = to_device([np.asarray(enc_lens, dtype=np.int64),
-                                   tables.reshape(-1)], self.device)
+        lens_d, tab_d = self.staging.to_device([np.asarray(enc_lens, dtype=np.int64), tables])
         return make_metadata(meta.query_start_loc, lens_d.int(), tab_d.view(tables.shape).int(),
                              meta.slot_mapping[:0], meta.query_lens_host, tuple(enc_lens))
 
