@@ -300,13 +300,13 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     return ids
 
 
-<<<<<<< HEAD
 def work_tokens(seqs) -> int:
     """Tokens still to compute for these sequences (prompt rest plus tokens they may still
     generate): what a replica router weighs replicas by."""
     return sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
                for q in seqs)
-=======
+
+
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
     """seq.all_ids[start:start + n] without building all_ids (O(n), not O(context))."""
     p = len(seq.prompt_ids)
@@ -315,4 +315,3 @@ def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
     if start + n <= p:
         return seq.prompt_ids[start : start + n]
     return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]
->>>>>>> host

@@ -68,7 +68,7 @@ def build_application(cfg: EngineConfig, spec: ReplicaSpec):
         max_ongoing_requests=cfg.scheduler.max_concurrent_requests,
         health_check_period_s=spec.health_check_period_s,
         health_check_timeout_s=spec.health_check_timeout_s,
-        # Loading and warming up a model takes longer than Serve's default allowance.
+        # In-flight generations get this long to finish when a replica is stopped.
         graceful_shutdown_timeout_s=10,
         request_router_config=RequestRouterConfig(
             request_router_class=TPServeRequestRouter,
@@ -98,8 +98,14 @@ def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,
         blocking: bool = False) -> str:
     """Start Serve's HTTP proxy on host:port and deploy; returns the base URL once every
     replica has loaded."""
+    import socket
+
     from ray import serve
 
+    if port == 0:  # Serve's proxy needs a concrete port: take a free one
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(cfg, spec), name=APP_NAME, route_prefix="/",
               blocking=blocking)
