@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tpserve import cli
-from tpserve.config import EngineConfig, ParallelConfig
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+
+
+def config(tp: int, device: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path="/models/m", model_id="m"),
+                        parallel=ParallelConfig(tp_size=tp, device=device))
 
 
 def parse(*argv: str):
@@ -46,7 +51,7 @@ def test_deployment_options_reserve_a_bundle_per_shard_and_autoscale(monkeypatch
 
     from tpserve.serve import app
 
-    cfg = EngineConfig(parallel=ParallelConfig(tp_size=4, device="cuda"))
+    cfg = config(4, "cuda")
     captured = []
     real = serve.deployment
 
@@ -72,18 +77,17 @@ def test_deployment_options_reserve_a_bundle_per_shard_and_autoscale(monkeypatch
     assert replica["autoscaling_config"]["max_replicas"] == 3
     assert replica["autoscaling_config"]["initial_replicas"] == 2
     assert "num_replicas" not in replica
-    assert replica["request_router_config"].request_router_class.endswith(
-        "TPServeRequestRouter") or "TPServeRequestRouter" in str(
-        replica["request_router_config"].request_router_class)
+    assert "TPServeRequestRouter" in str(replica["request_router_config"].request_router_class)
+    assert replica["health_check_period_s"] > 0
 
 
 def test_auto_counts_whole_replicas_of_the_cluster(monkeypatch):
     from tpserve.serve import app
 
     monkeypatch.setattr(app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
-    cfg = EngineConfig(parallel=ParallelConfig(tp_size=4, device="cuda"))
+    cfg = config(4, "cuda")
     assert app.replicas_that_fit(cfg) == 2  # 8 GPUs / 4 per replica
-    cfg = EngineConfig(parallel=ParallelConfig(tp_size=3, device="cuda"))
+    cfg = config(3, "cuda")
     assert app.replicas_that_fit(cfg) == 2
     monkeypatch.setattr(app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
     with pytest.raises(RuntimeError, match="one replica needs"):
