@@ -123,3 +123,26 @@ def test_killed_shard_replica_is_replaced_while_other_serves(serve_url):
     after = wait_for(lambda: (lambda s: s if s.get(new, 0) > before.get(new, 0) else None)(
         served_tokens(serve_url)), 30, "the new replica to serve")
     assert all(after[r] > before.get(r, 0) for r in after), (before, after)
+
+
+def test_cli_launch_with_replicas_serves_clients_unchanged(llama_dir, tmp_path):
+    """`tpserve launch --replicas 2` as a user runs it: tpserve.Client and TGI's client get
+    transformers' output through the one address, and /info lists two ready replicas."""
+    from server_process import launched
+    from text_generation import Client as TGIClient
+
+    import tpserve
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    want = tok.decode(hf_greedy(llama_dir, PROMPTS[:1], NEW)[0], skip_special_tokens=True)
+    with launched(["--model", str(llama_dir), "--replicas", "2", "--cpus-per-shard", "1",
+                   "--num-blocks", "256", "--no-dashboard"], tmp_path / "server.log") as url:
+        ours = tpserve.Client(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
+        tgi = TGIClient(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
+        streamed = "".join(e.token.text for e in tpserve.Client(url, timeout=60)
+                           .generate_stream(PROMPTS[0], max_new_tokens=NEW)
+                           if not e.token.special)
+        assert ours.generated_text == tgi.generated_text == streamed == want
+        listed = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(replicas(url)), 30,
+                          "two replicas listed")
+        assert all(r["state"] == "ready" for r in listed)
