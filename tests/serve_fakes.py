@@ -54,7 +54,7 @@ class FakeStream:
                     raise NotReadyError("the engine failed: a shard actor died")
                 self.replica.served += 1
                 self._it = self.replica.backend.generate(*self.args)
-            return await self._it.__anext__()
+            return [await self._it.__anext__()]  # a replica sends lists of events
         except StopAsyncIteration:
             raise
         except Exception as exc:  # noqa: BLE001 - wrapped as Serve wraps a replica's error

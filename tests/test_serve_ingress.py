@@ -162,3 +162,50 @@ def test_finished_stream_is_not_cancelled():
 
     assert asyncio.run(whole())[-1].finished
     assert not handle.streams[-1].cancelled
+
+
+def bare_replica(fake: FakeBackend):
+    """A TPReplica around a fake engine, without Serve (its constructor needs a replica
+    context); generate() only uses the backend."""
+    from tpserve.serve.replica import TPReplica
+
+    replica = object.__new__(TPReplica)
+    replica.backend, replica.tokens_out = fake, 0
+    return replica
+
+
+def test_replica_sends_every_ready_event_in_one_message():
+    fake = FakeBackend()
+    replica = bare_replica(fake)
+    params = SamplingParams(max_new_tokens=6)
+
+    async def collect(gen):
+        return [item async for item in gen]
+
+    batches = asyncio.run(collect(replica.generate("a b c", params)))
+    direct = asyncio.run(collect(FakeBackend().generate("a b c", params)))
+    flat = [e for b in batches for e in b]
+    assert [e.token for e in flat] == [e.token for e in direct]
+    assert flat[-1].finished and flat[-1].generated_text == direct[-1].generated_text
+    assert len(batches) < len(flat)  # the fake produces faster than it is read: coalesced
+    assert replica.tokens_out == 6
+
+
+def test_replica_stream_closed_early_aborts_and_errors_pass_through():
+    fake = FakeBackend(token_delay=0.01)
+    replica = bare_replica(fake)
+
+    async def first_then_close():
+        gen = replica.generate("a b c", SamplingParams(max_new_tokens=50))
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(first_then_close())
+    assert fake.aborted.is_set()
+    fake.reset().fail_after = 2
+
+    async def until_failure():
+        return [b async for b in replica.generate("a b", SamplingParams(max_new_tokens=5))]
+
+    with pytest.raises(Exception, match="fake engine failure"):
+        asyncio.run(until_failure())

@@ -100,12 +100,15 @@ class ReplicaSetBackend:
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
         stream, first = await self._start(prompt, params, truncate, add_special_tokens)
-        finished = first.finished
+        finished = False
         try:
-            yield first
-            async for event in stream:
+            for event in first:
                 finished = event.finished
                 yield event
+            async for batch in stream:
+                for event in batch:  # a replica sends every event ready at once (a list)
+                    finished = event.finished
+                    yield event
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to what the HTTP layer reports
@@ -115,7 +118,7 @@ class ReplicaSetBackend:
                 stream.cancel()
 
     async def _start(self, prompt, params, truncate, add_special_tokens):
-        """Send the request and wait for its first event. A replica that cannot serve (a
+        """Send the request and wait for its first events. A replica that cannot serve (a
         shard died and Serve has not replaced it yet) fails before generating anything, so
         the request is sent again and the router picks another replica."""
         for attempt in range(RETRIES + 1):
@@ -153,7 +156,8 @@ class ReplicaSetBackend:
     def replicas(self) -> list[dict]:
         """Each replica: id, state, its shard actors and its engine gauges."""
         return [{"replica_id": rid, "state": replica_state(r), "shards": r.get("shards", []),
-                 "namespace": r.get("namespace"), **r.get("stats", {})} for rid, r in sorted(self._table.items())]
+                 "namespace": r.get("namespace"), **r.get("stats", {})}
+                for rid, r in sorted(self._table.items())]
 
     def replica_stats(self) -> dict[str, dict[str, float]]:
         """Per-replica gauges for /metrics, with tokens/s from successive polls."""

@@ -29,6 +29,8 @@ from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
+_END = object()  # the request's last event was queued
+
 # What the replica actor itself reserves: it tokenizes, detokenizes and relays tokens.
 REPLICA_CPUS = 0.25
 
@@ -102,10 +104,40 @@ class TPReplica:
         log.info("replica %s ready (tp=%d)", self.replica_id, cfg.parallel.tp_size)
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
-                       add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
-        async for event in self.backend.generate(prompt, params, truncate, add_special_tokens):
-            self.tokens_out += 1
-            yield event
+                       add_special_tokens: bool = True
+                       ) -> AsyncIterator[list[GenerationEvent]]:
+        """The request's events in lists: each list holds every event that was ready when
+        the previous one was sent. Each list is one streamed Ray object, so a replica whose
+        consumer falls behind sends several tokens per message instead of one each."""
+        ready: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for event in self.backend.generate(prompt, params, truncate,
+                                                         add_special_tokens):
+                    ready.put_nowait(event)
+                ready.put_nowait(_END)
+            except Exception as exc:  # noqa: BLE001 - re-raised to the caller below
+                ready.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            while True:
+                items = [await ready.get()]
+                while not ready.empty():
+                    items.append(ready.get_nowait())
+                events = [i for i in items if isinstance(i, GenerationEvent)]
+                if events:
+                    self.tokens_out += len(events)
+                    yield events
+                for i in items:
+                    if isinstance(i, BaseException):
+                        raise i
+                if _END in items:
+                    return
+        finally:  # the caller went away: cancelling the pump aborts the request
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def info(self) -> ModelInfo:
         return self.backend.info()
