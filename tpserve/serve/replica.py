@@ -172,7 +172,23 @@ class TPReplica:
     def record_routing_stats(self) -> dict[str, float]:
         """Read by Serve's controller about once a second and handed to every router
         (router.py weighs work_tokens; the ingress lists the rest on /info and /metrics)."""
-        return {k: float(v) for k, v in self.stats().items() if isinstance(v, (int, float))}
+        stats = {k: float(v) for k, v in self.stats().items() if isinstance(v, (int, float))}
+        self._export(stats)
+        return stats
+
+    def _export(self, stats: dict[str, float]) -> None:
+        """The same gauges as the Ray metric tpserve_replica{replica, stat} (Ray's Prometheus
+        export and dashboard), refreshed whenever Serve collects routing stats."""
+        try:
+            if getattr(self, "_gauge", None) is None:
+                from ray.util.metrics import Gauge
+
+                self._gauge = Gauge("tpserve_replica", "tpserve replica state",
+                                    tag_keys=("replica", "stat"))
+            for name, value in stats.items():
+                self._gauge.set(value, tags={"replica": self.replica_id, "stat": name})
+        except Exception:  # noqa: BLE001 - metrics must never fail a health or stats call
+            log.debug("ray metrics export failed", exc_info=True)
 
     def __del__(self) -> None:
         backend = getattr(self, "backend", None)
