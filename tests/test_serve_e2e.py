@@ -123,6 +123,22 @@ def test_killed_shard_replica_is_replaced_while_other_serves(serve_url):
     after = wait_for(lambda: (lambda s: s if s.get(new, 0) > before.get(new, 0) else None)(
         served_tokens(serve_url)), 30, "the new replica to serve")
     assert all(after[r] > before.get(r, 0) for r in after), (before, after)
+    # The new replica has its own two shards; the lost replica's surviving shard went with it.
+    shards = [(r["namespace"], name) for r in replicas(serve_url) for name in r["shards"]]
+    assert len(shards) == 4
+    for namespace, name in shards:
+        assert ray.get(ray.get_actor(name, namespace=namespace).health.remote(), timeout=30)
+    survivor = info["shards"][0]
+    wait_for(lambda: not actor_alive(survivor, info["namespace"]), 60,
+             "the lost replica's other shard to be stopped")
+
+
+def actor_alive(name: str, namespace: str) -> bool:
+    try:
+        ray.get(ray.get_actor(name, namespace=namespace).health.remote(), timeout=10)
+        return True
+    except Exception:  # noqa: BLE001 - gone, dead or unreachable all mean not serving
+        return False
 
 
 def test_cli_launch_with_replicas_serves_clients_unchanged(llama_dir, tmp_path):
