@@ -90,3 +90,12 @@ def test_prefix_memory_is_bounded():
     assert len(p._prefixes["a"]) == 10  # noqa: SLF001 - the bound is the point of the test
     assert p.prefix_hashes("short") == []
     assert p.rank("anything", []) == []
+
+
+def test_policy_imports_neither_ray_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, tpserve.serve.router_policy; "
+            "assert not {'ray', 'torch'} & set(sys.modules), 'ray or torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
