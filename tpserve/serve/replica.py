@@ -161,13 +161,15 @@ class TPReplica:
                 "namespace": ray.get_runtime_context().namespace,
                 "stats": self.stats(), "at": time.monotonic()}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve's health check: a replica with a dead shard raises, so Serve replaces it
         (its placement group, and the shards in it, go with it)."""
         if not self.backend.ready():
             raise NotReadyError(f"replica {self.replica_id} cannot serve: "
                                 f"{self.backend.dead or self.backend.error or 'not ready'}")
-        self.backend.engine.health(timeout_s=5.0)
+        # In a thread: the shards' answers must not hold up the tokens this replica streams.
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.backend.engine.health(timeout_s=5.0))
 
     def record_routing_stats(self) -> dict[str, float]:
         """Read by Serve's controller about once a second and handed to every router
