@@ -99,3 +99,17 @@ def test_policy_imports_neither_ray_nor_torch():
     code = ("import sys, tpserve.serve.router_policy; "
             "assert not {'ray', 'torch'} & set(sys.modules), 'ray or torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_work_tokens_a_replica_reports():
+    from tpserve.engine.core import work_tokens
+    from tpserve.engine.request import SamplingParams
+    from tpserve.engine.sequence import Sequence
+
+    waiting = Sequence(1, [7] * 10, SamplingParams(max_new_tokens=5))
+    running = Sequence(2, [7] * 4, SamplingParams(max_new_tokens=3), output_ids=[9, 9],
+                       num_computed=5)  # prompt and first token cached, last one pending
+    assert work_tokens([waiting]) == 10 + 5
+    assert work_tokens([running]) == 1 + 1
+    assert work_tokens([waiting, running]) == 17
+    assert work_tokens([]) == 0
