@@ -75,6 +75,14 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "strict-spread each on its own node")
     p.add_argument("--cpus-per-shard", type=int, default=None,
                    help="CPU device: cores per shard (default: cores / tp, at least 1)")
+    p.add_argument("--replicas", default="1", type=_replicas_arg,
+                   help="model replicas of --tp shards each behind one address, on Ray Serve "
+                   "(routed to the least busy, prefix-cache aware); auto: as many as the "
+                   "cluster's devices hold; 1: the direct server, without Serve")
+    p.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale on requests in flight, never below this many replicas")
+    p.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale on requests in flight, never above this many replicas")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="prompt + generated tokens per request (default: the model's "
                    "max_position_embeddings, capped at 8192)")
@@ -133,6 +141,12 @@ def version_string() -> str:
             parts.append(f"{dist} not installed")
     python = ".".join(str(v) for v in sys.version_info[:3])
     return f"tpserve {__version__} ({', '.join(parts)}, Python {python})"
+
+
+def _replicas_arg(value: str) -> str:
+    if value == "auto" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise argparse.ArgumentTypeError(f"--replicas takes a count >= 1 or auto, not {value!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,9 +273,11 @@ def engine_config(args: argparse.Namespace):
              "--max-total-tokens" if args.max_total_tokens else
              f"the model's {max_pos} positions" + (", capped at 8192; raise it with "
                                                   "--max-total-tokens" if max_pos > 8192 else ""))
-    cpus = args.cpus_per_shard or max(1, (os.cpu_count() or 1) // args.tp)
+    replicas = getattr(args, "replicas", "1")
+    shards = args.tp * (int(replicas) if str(replicas).isdigit() else 1)
+    cpus = args.cpus_per_shard or max(1, (os.cpu_count() or 1) // shards)
     if device == "cpu":
-        log.info("cpu: %d core(s) per shard x %d shard(s)", cpus, args.tp)
+        log.info("cpu: %d core(s) per shard x %d shard(s)", cpus, shards)
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
@@ -329,32 +345,59 @@ def server_config(args: argparse.Namespace):
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 
 
-def launch(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
-    server = server_config(args)
+def uses_serve(args: argparse.Namespace) -> bool:
+    """Several replicas (or autoscaling) run on Ray Serve; one replica keeps the direct
+    server, which adds nothing between the client and the engine (docs/replicas.md)."""
+    return (args.replicas != "1" or args.min_replicas is not None
+            or args.max_replicas is not None)
 
+
+def _check_replica_flags(args: argparse.Namespace) -> None:
+    lo, hi = args.min_replicas, args.max_replicas
+    if lo is not None and lo < 1 or hi is not None and hi < 1:
+        raise ValueError("--min-replicas and --max-replicas must be >= 1")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"--min-replicas {lo} is above --max-replicas {hi}")
+
+
+def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
     import ray
 
     from tpserve.cluster.device import local_cluster_gpus
-    from tpserve.cluster.driver import Driver
 
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
     if args.address:
         ray.init(address=args.address, namespace="tpserve")
         log.info("ray: joined the cluster at %s (%s)", args.address, ray.cluster_resources())
-    else:
-        kwargs = {"include_dashboard": not args.no_dashboard, "namespace": "tpserve"}
-        if device == "cpu":
-            # Logical CPUs: enough for every shard to be placed even on a small machine.
-            kwargs["num_cpus"] = max(os.cpu_count() or 1, tp * cfg.parallel.cpus_per_shard)
-        gpus = local_cluster_gpus(device)
-        if gpus is not None:
-            kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
-        ctx = ray.init(**kwargs)
-        log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
-                 f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
-                 if ctx.dashboard_url else "")
+        return
+    kwargs = {"include_dashboard": not args.no_dashboard, "namespace": "tpserve"}
+    if device == "cpu":
+        # Logical CPUs: enough for every shard to be placed even on a small machine.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1,
+                                 replicas * (tp * cfg.parallel.cpus_per_shard + 1))
+    gpus = local_cluster_gpus(device)
+    if gpus is not None:
+        kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
+    ctx = ray.init(**kwargs)
+    log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
+             f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
+             if ctx.dashboard_url else "")
+
+
+def launch(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
+    server = server_config(args)
+
+    _check_replica_flags(args)
+    import ray
+
+    from tpserve.cluster.driver import Driver
+
+    if uses_serve(args):
+        return launch_replicas(args, cfg, server)
+    tp, device = cfg.parallel.tp_size, cfg.parallel.device
+    _start_ray(args, cfg)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
@@ -421,6 +464,55 @@ def _wait(ref, cancel: threading.Event):
         if done:
             return ray.get(ref)
     return None
+
+
+def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
+    """`--replicas R|auto` / `--min-replicas` / `--max-replicas`: R replicas on Ray Serve
+    behind one HTTP address (tpserve/serve/)."""
+    import ray
+
+    if server.ssl_certfile:
+        raise ValueError("--ssl-certfile/--ssl-keyfile are not supported with --replicas "
+                         "(Ray Serve's HTTP proxy serves plain HTTP): terminate TLS in a proxy "
+                         "in front of it")
+    from tpserve.serve import app as serve_app
+
+    tp, device = cfg.parallel.tp_size, cfg.parallel.device
+    count = None if args.replicas == "auto" else int(args.replicas)
+    _start_ray(args, cfg, count or 1)
+    if count is None:
+        count = serve_app.replicas_that_fit(cfg)
+        if args.max_replicas is not None:
+            count = min(count, args.max_replicas)
+        log.info("--replicas auto: %d replica(s) of %d shard(s) fit the cluster", count, tp)
+    from tpserve.cluster.placement import ray_strategy
+
+    spec = serve_app.ReplicaSpec(num_replicas=count, min_replicas=args.min_replicas,
+                                 max_replicas=args.max_replicas,
+                                 placement_strategy=ray_strategy(cfg.parallel.placement))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = serve_app.run(cfg, spec, args.host, args.port, server=server)
+        scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
+                 if spec.autoscaling else f"replicas={count}")
+        log.info("ready: %s of tp=%d on Ray Serve, serving %s", scale, tp, url)
+        print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {scale}, {device})",
+              flush=True)
+        while not stop.wait(1.0):
+            pass
+        log.info("shutting down")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
+        log.error("start-up failed: %s", exc)
+        return 1
+    finally:
+        try:
+            serve_app.shutdown()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        ray.shutdown()
 
 
 def kernels(args: argparse.Namespace) -> int:

@@ -189,7 +189,8 @@ class EngineCore:
         return {"running_sequences": len(s.running), "waiting_sequences": len(s.waiting),
                 "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
                 "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0)),
-                "steps": float(self.steps_run)}
+                "steps": float(self.steps_run),
+                "work_tokens": float(work_tokens([*s.running, *s.waiting]))}
 
     # --- one step -----------------------------------------------------------------------
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:
@@ -297,6 +298,13 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     add(getattr(hf_config, "eos_token_id", None))
     add(tokenizer.eos_token_id)
     return ids
+
+
+def work_tokens(seqs) -> int:
+    """Tokens still to compute for these sequences (prompt rest plus tokens they may still
+    generate): what a replica router weighs replicas by."""
+    return sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
+               for q in seqs)
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:

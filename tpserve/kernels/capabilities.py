@@ -9,6 +9,9 @@ know that is set to a non-default value is a reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import torch
 
 from tpserve.kernels.base import AttentionSpec
 
@@ -35,3 +38,11 @@ def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = C
             if value != default and f.name != "causal":
                 return f"attention spec field {f.name}={value!r} is not implemented"
     return None
+
+
+@functools.cache
+def device_has_float64(device: torch.device) -> bool:
+    """Some Intel GPUs (Arc) have no float64: kernels that want it take another formula."""
+    if device.type != "xpu":
+        return True
+    return bool(getattr(torch.xpu.get_device_properties(device), "has_fp64", True))

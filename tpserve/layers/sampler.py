@@ -125,11 +125,10 @@ def gumbel_noise(keys: torch.Tensor, vocab: int, exact: bool | None = None) -> t
     return -torch.log(e)
 
 
-@functools.cache
 def _has_float64(device: torch.device) -> bool:
-    if device.type != "xpu":
-        return True
-    return bool(getattr(torch.xpu.get_device_properties(device), "has_fp64", True))
+    from tpserve.kernels.capabilities import device_has_float64
+
+    return device_has_float64(device)
 
 
 def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

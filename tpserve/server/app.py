@@ -178,13 +178,20 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
 
     @app.get("/info")
     async def info() -> dict:
-        return info_body(backend.info())
+        body = info_body(backend.info())
+        replicas = getattr(backend, "replicas", None)
+        if replicas is not None:  # several replicas behind this address (tpserve/serve/)
+            body["replicas"] = replicas()
+        return body
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         stats = getattr(backend, "stats", None)
         if stats is not None:  # engine gauges are read at scrape time
             metrics.set_engine_stats(stats())
+        replica_stats = getattr(backend, "replica_stats", None)
+        if replica_stats is not None:
+            metrics.set_replica_stats(replica_stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics))

@@ -40,6 +40,9 @@ class EngineBackend(Protocol):
 
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
+    # Optional, for several replicas behind one address (tpserve/serve/):
+    # `replicas() -> list[dict]`, listed by GET /info under "replicas", and
+    # `replica_stats() -> dict[str, dict[str, float]]`, exported as tpserve_replica gauges.
 
 
 def not_ready_message(backend: EngineBackend) -> str:

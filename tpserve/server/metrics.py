@@ -74,9 +74,24 @@ class Metrics:
             registry=r,
         )
 
+        self.replica = Gauge(
+            "tpserve_replica",
+            "Per-replica state at scrape time (several replicas on Ray Serve): requests, "
+            "tokens/s, KV blocks, prefix-cache hits",
+            ["replica", "stat"],
+            registry=r,
+        )
+
     def set_engine_stats(self, stats: dict[str, float]) -> None:
         for name, value in stats.items():
             self.engine.labels(stat=name).set(value)
+
+    def set_replica_stats(self, per_replica: dict[str, dict[str, float]]) -> None:
+        """Replace the per-replica gauges: a replica that is gone disappears from /metrics."""
+        self.replica.clear()
+        for replica, stats in per_replica.items():
+            for name, value in stats.items():
+                self.replica.labels(replica=replica, stat=name).set(value)
 
     async def open_stream(
         self,

@@ -1,0 +1,212 @@
+"""The HTTP ingress of several replicas: today's app (server/app.py's build_app, every TGI and
+OpenAI route, streaming included) over a backend that forwards each generation to a replica
+through a Serve DeploymentHandle; Serve's router (router.py) picks the replica.
+
+Chat templates and token counts are answered here, from the tokenizer, so the only call a
+request makes to a replica is its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tpserve.engine.info import ModelInfo
+from tpserve.engine.request import GenerationEvent, SamplingParams
+from tpserve.errors import GenerationError, NotReadyError, TPServeError, ValidationError
+
+log = logging.getLogger(__name__)
+
+
+# A replica whose shard died answers NotReadyError (or dies itself) until Serve's health check
+# replaces it; sending again lets the router pick a live replica meanwhile.
+RETRIES = 5
+REPLICA_POLL_S = 1.0
+RETRY_WAIT_S = 0.5
+
+
+def retryable(err: BaseException) -> bool:
+    """Failures before the first token: nothing was sent to the client yet."""
+    return isinstance(err, (NotReadyError, GenerationError))
+
+
+def unwrap_replica_error(exc: BaseException) -> BaseException:
+    """A replica's exception as the HTTP layer maps it: tpserve errors keep their class (and
+    status), a replica that died mid-request is a generation failure (500)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, TPServeError):
+        return cause
+    if isinstance(exc, TPServeError):
+        return exc
+    return GenerationError(f"the replica failed: {type(exc).__name__}: "
+                           f"{str(cause or exc).splitlines()[0] if str(cause or exc) else ''}")
+
+
+class ReplicaSetBackend:
+    """tpserve.server.backend.EngineBackend over a Serve deployment of TPReplica.
+
+    `handle` is a DeploymentHandle (or a test fake of the same shape: .options(stream=True),
+    .method.remote(...), .broadcast(method).results_async(...)).
+    """
+
+    def __init__(self, handle: Any, tokenizer: Any) -> None:
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self._info: ModelInfo | None = None
+        self._table: dict[str, dict] = {}  # replica id -> its last status()
+        self._tokens_seen: dict[str, tuple[float, float]] = {}  # replica -> (time, tokens)
+        self._poller: asyncio.Task | None = None
+
+    async def refresh_info(self) -> ModelInfo:
+        """Ask one replica for the model's limits (the same on every replica)."""
+        self._info = await self.handle.info.remote()
+        return self._info
+
+    async def refresh_replicas(self, timeout_s: float = 5.0) -> dict[str, dict]:
+        """Every running replica's status() (a replica that does not answer is left out)."""
+        answers = await self.handle.broadcast("status").results_async(
+            timeout_s=timeout_s, return_exceptions=True)
+        self._table = {a["replica_id"]: a for a in answers if isinstance(a, dict)}
+        return self._table
+
+    def start_polling(self, period_s: float = REPLICA_POLL_S) -> None:
+        """Refresh the replica table in the background (/info and /metrics read it)."""
+        async def poll() -> None:
+            while True:
+                try:
+                    await self.refresh_replicas()
+                except Exception:  # noqa: BLE001 - a failed poll keeps the last table
+                    log.debug("replica status poll failed", exc_info=True)
+                await asyncio.sleep(period_s)
+
+        self._poller = asyncio.get_running_loop().create_task(poll())
+
+    # --- EngineBackend --------------------------------------------------------------------
+    def ready(self) -> bool:
+        if self._info is None:
+            return False
+        # Before the first poll the table is empty; a replica answered refresh_info already.
+        return not self._table or any(r["ready"] for r in self._table.values())
+
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise NotReadyError("no replica has answered yet")
+        return dataclasses.replace(self._info, extra={**self._info.extra,
+                                                      "num_replicas": len(self._table)})
+
+    async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
+                       add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
+        stream, first = await self._start(prompt, params, truncate, add_special_tokens)
+        finished = False
+        try:
+            for event in first:
+                finished = event.finished
+                yield event
+            async for batch in stream:
+                for event in batch:  # a replica sends every event ready at once (a list)
+                    finished = event.finished
+                    yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to what the HTTP layer reports
+            raise unwrap_replica_error(exc) from None
+        finally:
+            if not finished:  # the client left: cancelling aborts it on the replica
+                stream.cancel()
+
+    async def _start(self, prompt, params, truncate, add_special_tokens):
+        """Send the request and wait for its first events. A replica that cannot serve (a
+        shard died and Serve has not replaced it yet) fails before generating anything, so
+        the request is sent again and the router picks another replica."""
+        for attempt in range(RETRIES + 1):
+            stream = self.handle.options(stream=True).generate.remote(
+                prompt, params, truncate, add_special_tokens)
+            try:
+                return stream, await stream.__anext__()
+            except (asyncio.CancelledError, GeneratorExit):
+                stream.cancel()
+                raise
+            except StopAsyncIteration:
+                raise GenerationError("the replica ended the stream without a token") from None
+            except Exception as exc:  # noqa: BLE001 - retried or mapped below
+                err = unwrap_replica_error(exc)
+                if attempt == RETRIES or not retryable(err):
+                    raise err from None
+                log.warning("replica could not serve (%s); sending the request again", err)
+                await asyncio.sleep(RETRY_WAIT_S * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("this model has no chat template; use /v1/completions or "
+                                  "/generate with a plain prompt")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
+            raise ValidationError(f"chat template failed on these messages: {exc}") from exc
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text).input_ids)
+
+    # --- optional: several replicas --------------------------------------------------------
+    def replicas(self) -> list[dict]:
+        """Each replica: id, state, its shard actors and its engine gauges."""
+        return [{"replica_id": rid, "state": replica_state(r), "shards": r.get("shards", []),
+                 "namespace": r.get("namespace"), **r.get("stats", {})}
+                for rid, r in sorted(self._table.items())]
+
+    def replica_stats(self) -> dict[str, dict[str, float]]:
+        """Per-replica gauges for /metrics, with tokens/s from successive polls."""
+        out: dict[str, dict[str, float]] = {}
+        for rid, r in self._table.items():
+            s = {k: float(v) for k, v in r.get("stats", {}).items()
+                 if isinstance(v, (int, float))}
+            tokens, at = s.get("tokens_generated"), r.get("at")
+            if tokens is not None and at is not None:
+                prev = self._tokens_seen.get(rid)
+                if prev is not None and at > prev[0]:
+                    s["tokens_per_second"] = max(0.0, (tokens - prev[1]) / (at - prev[0]))
+                    self._tokens_seen[rid] = (at, tokens)
+                elif prev is None:
+                    self._tokens_seen[rid] = (at, tokens)
+            out[rid] = s
+        return out
+
+    def stats(self) -> dict[str, float]:
+        """Engine gauges summed over replicas (the per-replica ones are in replica_stats)."""
+        total: dict[str, float] = {}
+        for s in self.replica_stats().values():
+            for k, v in s.items():
+                total[k] = total.get(k, 0.0) + v
+        total.pop("tokens_per_second", None)
+        total["replicas"] = float(len(self._table))
+        return total
+
+
+def replica_state(status: dict) -> str:
+    if status.get("dead"):
+        return f"failed: {status['dead']}"
+    return "ready" if status.get("ready") else "not ready"
+
+
+class TPServeIngress:
+    """The ingress deployment class (wrapped by serve.ingress in app.py)."""
+
+    async def __init__(self, replica_handle: Any, model_path: str, server: Any = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.server = server  # ServerConfig: API keys, body limit, deadlines, as the direct server
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.backend = ReplicaSetBackend(replica_handle, tokenizer)
+        await self.backend.refresh_info()
+        await self.backend.refresh_replicas()
+        self.backend.start_polling()
+
+    def __serve_build_asgi_app__(self):
+        from tpserve.server.app import build_app
+
+        return build_app(self.backend, self.server)
