@@ -166,6 +166,17 @@ class CoreClient:
             ray.get(self.core.shutdown.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - tearing down; a dead actor needs no shutdown
             pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Tear the group down at once (after a lost shard: the live ranks may be stuck in a
+        collective with the dead one, so they are not asked to stop first)."""
         for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self.pg)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass

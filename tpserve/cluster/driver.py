@@ -39,9 +39,14 @@ class Driver:
         cfg = self.cfg
         from tpserve.cluster.ray_metrics import EngineMetrics
 
+        from tpserve.engine.rebuild import RebuildPolicy
+
+        # The same factory builds the group at start and after a lost shard (a rebuild).
         self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
                                    cfg.scheduler.max_concurrent_requests,
-                                   lambda stats: EngineMetrics(stats, cfg.model.model_id))
+                                   lambda stats: EngineMetrics(stats, cfg.model.model_id),
+                                   RebuildPolicy(cfg.parallel.max_rebuilds,
+                                                 cfg.parallel.rebuild_backoff_s))
         app = build_app(self.backend, self.server_cfg)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
