@@ -31,6 +31,7 @@ from tpserve.worker.worker import Worker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a poll returns at once when tokens are ready; this bounds an idle wait
+CHECK_TIMEOUT_S = 30.0  # rank 0 silent this long while idle counts as lost
 
 
 class CoreStepError(RuntimeError):
@@ -154,6 +155,13 @@ class CoreClient:
                 except Exception as exc:  # noqa: BLE001 - reported with the rank
                     why = f"{type(exc).__name__}: {exc}"
                 raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
+
+    def check(self) -> None:
+        """Raise if a rank is gone (AsyncEngine calls this while idle): a follower's ended
+        step loop, or rank 0 not answering (its actor is threaded, so it answers even
+        mid-step)."""
+        self._check_followers()
+        ray.get(self.core.health.remote(), timeout=CHECK_TIMEOUT_S)
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

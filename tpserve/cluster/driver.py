@@ -33,14 +33,12 @@ class Driver:
         returns the base URL once the port is bound."""
         import uvicorn
 
+        from tpserve.cluster.ray_metrics import EngineMetrics
         from tpserve.engine.async_engine import AsyncEngine
+        from tpserve.engine.rebuild import RebuildPolicy
         from tpserve.server.app import build_app
 
         cfg = self.cfg
-        from tpserve.cluster.ray_metrics import EngineMetrics
-
-        from tpserve.engine.rebuild import RebuildPolicy
-
         # The same factory builds the group at start and after a lost shard (a rebuild).
         self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
                                    cfg.scheduler.max_concurrent_requests,

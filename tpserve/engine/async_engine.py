@@ -35,6 +35,8 @@ from tpserve.errors import (
 
 log = logging.getLogger(__name__)
 
+IDLE_CHECK_S = 1.0  # how often an idle replica looks for a lost shard
+
 
 @dataclass
 class _Submit:
@@ -96,6 +98,7 @@ class AsyncEngine:
         self._live: dict[int, _Submit] = {}  # engine seq id -> request
         self._seq_of: dict[int, int] = {}  # handle -> engine seq id
         self._replay: dict[int, _Submit] = {}  # handle -> request kept through a rebuild
+        self._checked_at = 0.0
         # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
         self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -282,6 +285,8 @@ class AsyncEngine:
                 break
             if self.state == "serving" and self.engine.has_work():
                 self._step()
+            elif self.state == "serving":
+                self._check_idle()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -353,6 +358,22 @@ class AsyncEngine:
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
         self._ray_metrics.step_done(events, self.last_step_seconds)
+
+    def _check_idle(self) -> None:
+        """An idle replica would only notice a lost shard at its next request: look every
+        IDLE_CHECK_S, so /health turns 503 and the rebuild starts without waiting for one."""
+        check = getattr(self.engine, "check", None)
+        now = time.monotonic()
+        if check is None or now - self._checked_at < IDLE_CHECK_S:
+            return
+        self._checked_at = now
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - only a lost shard changes anything
+            if _replica_dead(exc):
+                self._fail_inflight(exc)
+            else:
+                log.warning("replica check failed: %s: %s", type(exc).__name__, exc)
 
     def _fail_inflight(self, exc: BaseException) -> None:
         """A step failed: every request in the engine ends. After a lost shard, those that
