@@ -44,10 +44,11 @@ def build_engine(args, model: Path):
     from tpserve.executor.inprocess import InProcessExecutor
 
     max_batch = max(args.batches)
-    blocks_per_seq = -(-(args.context + args.steps + 8) // 16)
+    max_len = args.context + new_tokens(args) + 16
+    blocks_per_seq = -(-max_len // 16)
     cfg = EngineConfig(
         model=ModelConfig(path=str(model), model_id=str(model), dtype=args.dtype,
-                          max_model_len=args.context + args.steps + 64,
+                          max_model_len=max_len,
                           load_format="dummy" if args.dummy else "safetensors"),
         parallel=ParallelConfig(tp_size=1, device=args.device,
                                 cpus_per_shard=args.cpus),
@@ -56,6 +57,11 @@ def build_engine(args, model: Path):
                                   max_num_batched_tokens=max(8192, args.context * 4)),
         kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
     return Engine(cfg, InProcessExecutor(cfg))
+
+
+def new_tokens(args) -> int:
+    """Room for the warm, timed and profiled steps after the prefill."""
+    return 3 * args.steps + 10
 
 
 def fill(engine, batch: int, context: int, new_tokens: int) -> list:
@@ -132,8 +138,7 @@ def main() -> None:
         rows = []
         try:
             for b in args.batches:
-                # Room for warmup, timing and profiling steps after the prefill.
-                seqs = fill(engine, b, args.context, 3 * args.steps + 10)
+                seqs = fill(engine, b, args.context, new_tokens(args))
                 timed_steps(engine, 5)  # warm
                 ms = timed_steps(engine, args.steps)
                 prof = profile_steps(engine, min(args.steps, 20), args.device)

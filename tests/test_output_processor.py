@@ -73,3 +73,14 @@ def test_stop_outranks_length_but_not_eos(tok):
     assert events[-1].finish_reason == "stop_sequence" and stopped == []  # core already done
     events, _ = run(tok, SamplingParams(stop=("fox",)), ids[: n + 1], {n: "eos_token"})
     assert events[-1].finish_reason == "eos_token"
+
+
+def test_outputs_survive_packing_for_the_trip_to_the_driver():
+    from tpserve.engine.outputs import pack_outputs, unpack_outputs
+
+    outs = [TokenOutput(3, 17, -0.25, [(17, -0.25), (4, -2.0)], 5, 12, "length",
+                        [(1, None), (9, -1.5)]),
+            TokenOutput(8, 2, -3.0, [], 1, 300, None),
+            TokenOutput(9, 1, -0.5, [], 2, 7, "eos_token")]
+    assert unpack_outputs(pack_outputs(outs)) == outs
+    assert unpack_outputs(pack_outputs([])) == []

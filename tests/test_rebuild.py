@@ -98,6 +98,10 @@ class ScriptedEngine:
     def stats(self):
         return {}
 
+    def check(self):  # what CoreClient.check does while idle: raise if a rank is gone
+        if self.lost.is_set():
+            raise ShardFailedError(f"shard 1 of group {self.generation} is gone")
+
     def kill(self):
         self.killed = True
 
@@ -240,3 +244,12 @@ def test_failed_rebuild_attempts_count_and_back_off():
         assert "no node has room" in backend.not_ready_reason()
     finally:
         backend.stop()
+
+
+def test_loss_while_idle_is_noticed_without_a_request(lifecycle):
+    backend, built, _, metrics = lifecycle
+    built[0].lost.set()
+    _wait_for(lambda: len(built) == 2 and backend.ready(), timeout=10)
+    assert metrics.rebuilds == 1 and built[0].killed
+    events = asyncio.run(_collect(backend, 2))
+    assert [e.token.id for e in events] == [0, 1] and events[-1].generated_text == "1"

@@ -1,1 +1,2 @@
-"""The Ray side: device and collective set-up, shard workers, the engine loop and the driver."""
+"""The Ray side: device and collective set-up, placement of a replica's shards, the
+engine-core actor (rank 0), the driver's client of it, and the HTTP-hosting driver actor."""

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore
-from tpserve.engine.outputs import TokenOutput
+from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
 from tpserve.executor.rank0 import Rank0Executor
@@ -64,14 +64,14 @@ class EngineCoreActor:
     def abort(self, seq_ids: list[int]) -> None:
         self._inbox.put(("abort", seq_ids, None, None))
 
-    def poll(self, timeout_s: float) -> tuple[list[TokenOutput], dict, tuple | None]:
-        """Every output since the last poll (waits up to timeout_s for one), the engine's
-        gauges, and (class name, message, replica dead) if a step failed."""
+    def poll(self, timeout_s: float) -> tuple[dict, dict, tuple | None]:
+        """Every output since the last poll, packed (waits up to timeout_s for one), the
+        engine's gauges, and (class name, message, replica dead) if a step failed."""
         with self._cv:
             self._cv.wait_for(lambda: self._out or self._error, timeout=timeout_s)
             out, self._out = self._out, []
             err, self._error = self._error, None
-        return out, self.core.stats() if self.core else {}, err
+        return pack_outputs(out), self.core.stats() if self.core else {}, err
 
     def health(self) -> dict:
         return self.worker.health()

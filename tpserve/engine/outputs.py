@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tpserve.engine.request import FinishReason
 
 
@@ -21,3 +23,34 @@ class TokenOutput:
     # On the first output of a request that asked for prompt log-probabilities:
     # (token id, log p) of each prompt token, the first with None.
     prefill: list[tuple[int, float | None]] | None = None
+
+
+_REASONS: tuple[FinishReason | None, ...] = (None, "eos_token", "length", "stop_sequence")
+
+
+def pack_outputs(outputs: list[TokenOutput]) -> dict:
+    """Outputs as a few numpy arrays (cheap to pickle across processes, unlike a dataclass
+    per token); the rare extras (top-n, prompt log-probabilities) ride along as lists."""
+    n = len(outputs)
+    ints = np.empty((n, 4), dtype=np.int64)
+    logprobs = np.empty(n, dtype=np.float64)
+    top, prefill = {}, {}
+    for i, o in enumerate(outputs):
+        ints[i] = (o.seq_id, o.token_id, o.generated_tokens,
+                   o.prompt_tokens * 4 + _REASONS.index(o.finish_reason))
+        logprobs[i] = o.logprob
+        if o.top:
+            top[i] = o.top
+        if o.prefill is not None:
+            prefill[i] = o.prefill
+    return {"ints": ints, "logprobs": logprobs, "top": top, "prefill": prefill}
+
+
+def unpack_outputs(packed: dict) -> list[TokenOutput]:
+    top, prefill = packed["top"], packed["prefill"]
+    out = []
+    for i, ((seq_id, token_id, generated, code), lp) in enumerate(
+            zip(packed["ints"].tolist(), packed["logprobs"].tolist(), strict=True)):
+        out.append(TokenOutput(seq_id, token_id, lp, top.get(i, []), generated, code // 4,
+                               _REASONS[code % 4], prefill.get(i)))
+    return out

@@ -180,8 +180,13 @@ class Worker:
         t0 = time.perf_counter()
         if self.runner is not None:  # the backend may be swapped before warmup (tests)
             self.runner.backend = self.backend
+        sizes = tuple(batch_sizes)
+        if self.cfg.cuda_graphs and graphs_supported(self.device, self.backend,
+                                                     self.encoder_decoder) is None:
+            # Graphs are captured at finer buckets: the kernels must have seen them too.
+            sizes = tuple(sorted(set(sizes) | set(graph_buckets(max(sizes)))))
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
-            self.backend.warmup(self.device, self.dtype, spec, batch_sizes)
+            self.backend.warmup(self.device, self.dtype, spec, sizes)
         self._capture_graphs(batch_sizes)
         # Baseline for health()'s compiles_since_warmup: serving must never compile.
         self.compiles_at_warmup = compile_count(self.backend)
