@@ -382,9 +382,8 @@ class AsyncEngine:
         if lost:  # unhealthy before any caller hears of the loss
             self._lose(exc)
             err: GenerationError = ShardLostError(
-                f"a shard of the model was lost while this request ran ({type(exc).__name__}: "
-                f"{exc}); the server is rebuilding the shard group, retry when GET /health "
-                "answers 200")
+                f"a shard of the model was lost while this request ran ({_summary(exc)}); the "
+                "server is rebuilding the shard group, retry when GET /health answers 200")
         else:
             err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
         for seq_id, item in list(self._live.items()):
@@ -404,8 +403,9 @@ class AsyncEngine:
 
     def _lose(self, exc: BaseException) -> None:
         """A shard is gone: stop serving; rebuild if the policy allows, else give up."""
-        self.dead = f"a shard was lost ({type(exc).__name__}: {exc})"
-        log.error("%s; %d rebuild(s) left (--max-rebuilds)", self.dead, self.rebuild.left)
+        self.dead = f"a shard was lost ({_summary(exc)})"
+        log.error("a shard was lost (%s: %s); %d rebuild(s) left (--max-rebuilds)",
+                  type(exc).__name__, exc, self.rebuild.left)
         self.state = "rebuilding" if self.rebuild.left else "failed"
 
     def _rebuild(self) -> None:
@@ -427,7 +427,7 @@ class AsyncEngine:
                 engine = self._build()
             except Exception as exc:  # noqa: BLE001 - counted; the next attempt may succeed
                 self.rebuild.record(ok=False)
-                self.dead = f"a shard was lost, and rebuilding failed ({type(exc).__name__}: {exc})"
+                self.dead = f"a shard was lost, and rebuilding failed ({_summary(exc)})"
                 log.exception("rebuilding the shard group failed")
                 continue
             self.rebuild.record(ok=True)
@@ -466,6 +466,14 @@ def _replica_dead(exc: BaseException) -> bool:
     """A shard is gone (or stuck): the replica cannot serve until it is rebuilt."""
     return bool(getattr(exc, "replica_dead", False)) or type(exc).__name__ in (
         "ActorDiedError", "RayActorError", "ActorUnavailableError", "GetTimeoutError")
+
+
+def _summary(exc: BaseException, limit: int = 300) -> str:
+    """One line for reasons and error bodies (Ray's messages run to many lines, and a 5xx
+    body keeps only the first); the log has the whole exception."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
