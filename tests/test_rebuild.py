@@ -253,3 +253,22 @@ def test_loss_while_idle_is_noticed_without_a_request(lifecycle):
     assert metrics.rebuilds == 1 and built[0].killed
     events = asyncio.run(_collect(backend, 2))
     assert [e.token.id for e in events] == [0, 1] and events[-1].generated_text == "1"
+
+
+def test_request_that_outlives_its_deadline_during_a_rebuild_is_dropped_not_served(lifecycle):
+    """A kept request whose caller gave up (--request-timeout, a disconnect) while the group
+    was rebuilt is dropped from the replay: the new group never runs it."""
+    backend, built, gate, _ = lifecycle
+
+    async def scenario():
+        gate.clear()
+        built[0].lost.set()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_collect(backend, 3), timeout=0.5)
+        assert backend.state == "rebuilding"
+        gate.set()
+        await asyncio.to_thread(_wait_for, backend.ready)
+
+    asyncio.run(scenario())
+    time.sleep(0.2)  # the engine thread has handled the abort and the replay
+    assert not built[1].requests and built[1].next_id == 0
