@@ -272,3 +272,16 @@ def test_request_that_outlives_its_deadline_during_a_rebuild_is_dropped_not_serv
     asyncio.run(scenario())
     time.sleep(0.2)  # the engine thread has handled the abort and the replay
     assert not built[1].requests and built[1].next_id == 0
+
+
+def test_a_failed_collective_counts_as_a_lost_shard_and_a_model_error_does_not():
+    from torch.distributed import DistBackendError
+
+    from tpserve.executor.rank0 import collective_failed
+
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    hung = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms "
+                        "for recv operation to complete")
+    assert collective_failed(reset) and collective_failed(hung)
+    assert collective_failed(DistBackendError("NCCL communicator was aborted"))
+    assert not collective_failed(RuntimeError("shape mismatch in the attention kernel"))

@@ -80,6 +80,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rebuild-backoff", type=float, default=1.0,
                    help="seconds before the first rebuild attempt after a lost shard; each "
                    "failed attempt of the same outage doubles it")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="seconds a collective between shards (or a step) may take before "
+                   "the peer counts as hung and its shard group as lost (then rebuilt)")
     p.add_argument("--cpus-per-shard", type=int, default=None,
                    help="CPU device: cores per shard (default: cores / tp, at least 1)")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -276,6 +279,7 @@ def engine_config(args: argparse.Namespace):
                           quant_kernel=args.quant_kernel),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address, placement=args.placement,
+                                dist_timeout_s=args.collective_timeout,
                                 max_rebuilds=args.max_rebuilds,
                                 rebuild_backoff_s=args.rebuild_backoff),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -323,6 +327,9 @@ def server_config(args: argparse.Namespace):
         raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds (got "
+                         f"{args.collective_timeout})")
     if args.max_rebuilds < 0 or not args.rebuild_backoff >= 0:
         raise ValueError("--max-rebuilds and --rebuild-backoff must be 0 or more (got "
                          f"{args.max_rebuilds} and {args.rebuild_backoff})")

@@ -70,6 +70,10 @@ class Rank0Executor(Executor):
                 raise ShardFailedError(f"shard {1 + self.loops.index(done[0])} was lost "
                                        f"(its step loop ended); rank 0 saw: "
                                        f"{type(exc).__name__}: {exc}") from exc
+            if collective_failed(exc):  # a hung peer: the collective timed out
+                raise ShardFailedError(f"a collective of the shard group failed (a peer is "
+                                       f"hung or unreachable): {type(exc).__name__}: "
+                                       f"{exc}") from exc
             raise
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
@@ -85,3 +89,12 @@ class Rank0Executor(Executor):
         except Exception:  # noqa: BLE001 - a dead rank cannot be stopped; the launcher kills it
             pass
         self.worker.shutdown()
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """torch.distributed's own errors (NCCL and the c10d store), and gloo's, which arrive as
+    plain RuntimeErrors naming gloo (a reset connection, a timed-out receive)."""
+    from torch.distributed import DistError
+
+    text = str(exc).lower()
+    return isinstance(exc, DistError) or "gloo" in text or "nccl" in text
