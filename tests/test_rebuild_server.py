@@ -39,9 +39,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def follower_pid(launcher: int) -> int:
-    """Rank 1's process: Ray titles an actor's process `ray::<class>` (rank 0 is the
-    engine-core actor, ranks 1.. are `Worker`s)."""
+def shard_pid(launcher: int, actor_class: str = "Worker") -> int:
+    """A shard's process: Ray titles an actor's process `ray::<class>` (rank 0 is the
+    `EngineCoreActor`, ranks 1.. are `Worker`s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for pid in descendants(launcher):
@@ -49,10 +49,10 @@ def follower_pid(launcher: int) -> int:
                 title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if title.startswith(b"ray::Worker"):
+            if title.startswith(f"ray::{actor_class}".encode()):
                 return pid
         time.sleep(0.5)
-    raise AssertionError("no ray::Worker process under the launcher")
+    raise AssertionError(f"no ray::{actor_class} process under the launcher")
 
 
 def wait_health(url: str, status: int, timeout: float) -> httpx.Response:
@@ -75,7 +75,7 @@ def test_killed_shard_is_rebuilt_then_budget_spent_answers_503(llama_dir, tmp_pa
     args = ["--model", str(llama_dir), "--tp", "2", "--num-blocks", "128",
             "--max-rebuilds", "1", "--rebuild-backoff", "0.5"]
     with launched_process(args, tmp_path / "server.log") as (proc, url):
-        victim = follower_pid(proc.pid)
+        victim = shard_pid(proc.pid)  # rank 1, mid-collective with rank 0
         body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 480, "details": True}}
         tokens, error = 0, None
         with httpx.stream("POST", url + "/generate_stream", json=body, timeout=120) as r:
@@ -108,8 +108,8 @@ def test_killed_shard_is_rebuilt_then_budget_spent_answers_503(llama_dir, tmp_pa
             ("serving", 1, 0)
         assert 'tpserve_engine{stat="rebuilds"} 1.0' in httpx.get(url + "/metrics").text
 
-        # The budget is spent: a second loss (noticed while idle) is final.
-        os.kill(follower_pid(proc.pid), signal.SIGKILL)
+        # The budget is spent: a second loss, rank 0 this time (noticed while idle), is final.
+        os.kill(shard_pid(proc.pid, "EngineCoreActor"), signal.SIGKILL)
         r = wait_health(url, 503, 60)
         assert "--max-rebuilds 1" in r.json()["error"]
         r = httpx.post(url + "/generate", timeout=60,
