@@ -111,7 +111,7 @@ def test_killed_shard_is_rebuilt_then_budget_spent_answers_503(llama_dir, tmp_pa
         # The budget is spent: a second loss, rank 0 this time (noticed while idle), is final.
         os.kill(shard_pid(proc.pid, "EngineCoreActor"), signal.SIGKILL)
         r = wait_health(url, 503, 60)
-        assert "--max-rebuilds 1" in r.json()["error"]
+        assert "--max-rebuilds 1" in r.json()["error"] and "shard 0" in r.json()["error"]
         r = httpx.post(url + "/generate", timeout=60,
                        json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}})
         assert r.status_code == 503 and "restart tpserve launch" in r.json()["error"]

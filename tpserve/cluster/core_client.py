@@ -82,6 +82,7 @@ class CoreClient:
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
                                bool(cfg.parallel.ray_address), placement=cfg.parallel.placement)
+        self.owns_pg = True  # kill() removes it (a rebuild places a new one)
         self.names = shard_names(tp, namespace)
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
 
@@ -153,6 +154,10 @@ class CoreClient:
                 try:
                     ray.get(done[0])
                     why = "its step loop ended"
+                except ray.exceptions.OwnerDiedError:
+                    # Rank 0 started the loops: their owner died, so rank 0 is the lost one.
+                    raise ShardFailedError(f"shard 0 ({self.names[0]}, the engine core) "
+                                           "failed: its process exited") from None
                 except Exception as exc:  # noqa: BLE001 - reported with the rank
                     why = f"{type(exc).__name__}: {exc}"
                 raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
@@ -185,7 +190,8 @@ class CoreClient:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:  # noqa: BLE001 - already removed
-            pass
+        if getattr(self, "owns_pg", False):  # a subclass placing into another's group keeps it
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
