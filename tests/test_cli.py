@@ -223,6 +223,9 @@ def test_open_address_without_key_warns(monkeypatch, caplog):
     (["--max-body-bytes", "0"], "--max-body-bytes"),
     (["--request-timeout", "0"], "--request-timeout"),
     (["--api-key", ""], "--api-key"),
+    (["--max-rebuilds", "-1"], "--max-rebuilds"),
+    (["--rebuild-backoff", "-0.5"], "--rebuild-backoff"),
+    (["--collective-timeout", "0"], "--collective-timeout"),
 ])
 def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     from tpserve.cli import server_config
@@ -230,3 +233,17 @@ def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
     with pytest.raises(ValueError, match=message):
         server_config(_server_args(*argv))
+
+
+def test_rebuild_flags_reach_the_parallel_config(llama_dir):
+    """A lost shard's rebuild budget, back-off and the collective timeout (a hung peer)."""
+    from tpserve.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["launch", "--model", str(llama_dir), "--device", "cpu",
+                                      "--max-rebuilds", "5", "--rebuild-backoff", "0.25",
+                                      "--collective-timeout", "30"])
+    p = engine_config(args).parallel
+    assert (p.max_rebuilds, p.rebuild_backoff_s, p.dist_timeout_s) == (5, 0.25, 30.0)
+    p = engine_config(build_parser().parse_args(
+        ["launch", "--model", str(llama_dir), "--device", "cpu"])).parallel
+    assert (p.max_rebuilds, p.rebuild_backoff_s, p.dist_timeout_s) == (3, 1.0, 600.0)

@@ -14,7 +14,7 @@ from engine_utils import make_engine
 from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SeqStep, StepBatch
-from tpserve.errors import GenerationError
+from tpserve.errors import ShardLostError
 from tpserve.worker.control import STEP, decode_step, encode_step
 
 
@@ -123,7 +123,7 @@ def test_killing_a_shard_mid_request_fails_it_without_a_hang(ray_cluster, llama_
     try:
         async def run():
             events = []
-            with pytest.raises(GenerationError, match="generation failed.*shard"):
+            with pytest.raises(ShardLostError, match="shard of the model was lost.*shard 1"):
                 async for ev in backend.generate("Hello world", SamplingParams(
                         max_new_tokens=200, ignore_eos=True)):
                     events.append(ev)
@@ -136,6 +136,6 @@ def test_killing_a_shard_mid_request_fails_it_without_a_hang(ray_cluster, llama_
         events = asyncio.run(run())
         assert 3 <= len(events) < 200
         assert time.monotonic() - killed[0] < 60
-        assert not backend.ready() and "shard" in backend.dead
+        assert not backend.ready() and "shard" in backend.dead and backend.state == "failed"
     finally:
         backend.stop()

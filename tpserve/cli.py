@@ -73,6 +73,16 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="where the shards go on a Ray cluster (placement-group strategy): pack "
                    "onto few nodes, spread one per node (best effort), strict-pack on one node, "
                    "strict-spread each on its own node")
+    p.add_argument("--max-rebuilds", type=int, default=3,
+                   help="when a shard's actor, process or node is lost, tear the shard group "
+                   "down and start it again, at most this many times over the server's life "
+                   "(0: never; /health then stays 503 with the reason)")
+    p.add_argument("--rebuild-backoff", type=float, default=1.0,
+                   help="seconds before the first rebuild attempt after a lost shard; each "
+                   "failed attempt of the same outage doubles it")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="seconds a collective between shards (or a step) may take before "
+                   "the peer counts as hung and its shard group as lost (then rebuilt)")
     p.add_argument("--cpus-per-shard", type=int, default=None,
                    help="CPU device: cores per shard (default: cores / tp, at least 1)")
     p.add_argument("--replicas", default="1", type=_replicas_arg,
@@ -284,7 +294,10 @@ def engine_config(args: argparse.Namespace):
                           load_format=args.load_format, quantize=args.quantize,
                           quant_kernel=args.quant_kernel),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
-                                ray_address=args.address, placement=args.placement),
+                                ray_address=args.address, placement=args.placement,
+                                dist_timeout_s=args.collective_timeout,
+                                max_rebuilds=args.max_rebuilds,
+                                rebuild_backoff_s=args.rebuild_backoff),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -330,6 +343,12 @@ def server_config(args: argparse.Namespace):
         raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective-timeout must be > 0 seconds (got "
+                         f"{args.collective_timeout})")
+    if args.max_rebuilds < 0 or not args.rebuild_backoff >= 0:
+        raise ValueError("--max-rebuilds and --rebuild-backoff must be 0 or more (got "
+                         f"{args.max_rebuilds} and {args.rebuild_backoff})")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
     try:

@@ -19,6 +19,7 @@ from tpserve.errors import (
     NotReadyError,
     OverloadedError,
     RequestTimeoutError,
+    ShardLostError,
     TPServeError,
     UnauthorizedError,
     ValidationError,
@@ -30,6 +31,7 @@ _ERRORS: dict[str, type[TPServeError]] = {
     "unhealthy": NotReadyError,
     "unauthorized": UnauthorizedError,
     "timeout": RequestTimeoutError,
+    "shard_lost": ShardLostError,
 }
 _STATUS_ERRORS: dict[int, type[TPServeError]] = {
     401: UnauthorizedError,

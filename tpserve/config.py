@@ -31,6 +31,10 @@ class ParallelConfig:
     # Ray placement-group strategy of the shards: pack | spread | strict-pack | strict-spread
     # (tpserve/cluster/placement.py).
     placement: str = "pack"
+    # A lost shard (actor, process or node) rebuilds the whole group: at most this many
+    # attempts over the server's life, backing off rebuild_backoff_s, 2x, 4x... per outage.
+    max_rebuilds: int = 3
+    rebuild_backoff_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,15 @@ class GenerationError(TPServeError):
     status_code = 500
 
 
+class ShardLostError(GenerationError):
+    """A shard of the model (its actor, process or node) was lost while this request ran
+    (HTTP 503). The server rebuilds the shard group on its own (--max-rebuilds); retry once
+    GET /health answers 200 again."""
+
+    error_type = "shard_lost"
+    status_code = 503
+
+
 class NotReadyError(TPServeError):
     """The model is still loading (HTTP 503)."""
 

@@ -32,6 +32,7 @@ from tpserve.worker.worker import Worker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a poll returns at once when tokens are ready; this bounds an idle wait
+CHECK_TIMEOUT_S = 30.0  # rank 0 silent this long while idle counts as lost
 
 
 class CoreStepError(RuntimeError):
@@ -81,6 +82,7 @@ class CoreClient:
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
                                bool(cfg.parallel.ray_address), placement=cfg.parallel.placement)
+        self.owns_pg = True  # kill() removes it (a rebuild places a new one)
         self.names = shard_names(tp, namespace)
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
 
@@ -152,9 +154,20 @@ class CoreClient:
                 try:
                     ray.get(done[0])
                     why = "its step loop ended"
+                except ray.exceptions.OwnerDiedError:
+                    # Rank 0 started the loops: their owner died, so rank 0 is the lost one.
+                    raise ShardFailedError(f"shard 0 ({self.names[0]}, the engine core) "
+                                           "failed: its process exited") from None
                 except Exception as exc:  # noqa: BLE001 - reported with the rank
                     why = f"{type(exc).__name__}: {exc}"
                 raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
+
+    def check(self) -> None:
+        """Raise if a rank is gone (AsyncEngine calls this while idle): a follower's ended
+        step loop, or rank 0 not answering (its actor is threaded, so it answers even
+        mid-step)."""
+        self._check_followers()
+        ray.get(self.core.health.remote(), timeout=CHECK_TIMEOUT_S)
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -167,6 +180,18 @@ class CoreClient:
             ray.get(self.core.shutdown.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - tearing down; a dead actor needs no shutdown
             pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Tear the group down at once (after a lost shard: the live ranks may be stuck in a
+        collective with the dead one, so they are not asked to stop first)."""
         for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self.pg)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if getattr(self, "owns_pg", False):  # a subclass placing into another's group keeps it
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass

@@ -33,15 +33,18 @@ class Driver:
         returns the base URL once the port is bound."""
         import uvicorn
 
+        from tpserve.cluster.ray_metrics import EngineMetrics
         from tpserve.engine.async_engine import AsyncEngine
+        from tpserve.engine.rebuild import RebuildPolicy
         from tpserve.server.app import build_app
 
         cfg = self.cfg
-        from tpserve.cluster.ray_metrics import EngineMetrics
-
+        # The same factory builds the group at start and after a lost shard (a rebuild).
         self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
                                    cfg.scheduler.max_concurrent_requests,
-                                   lambda stats: EngineMetrics(stats, cfg.model.model_id))
+                                   lambda stats: EngineMetrics(stats, cfg.model.model_id),
+                                   RebuildPolicy(cfg.parallel.max_rebuilds,
+                                                 cfg.parallel.rebuild_backoff_s))
         app = build_app(self.backend, self.server_cfg)
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,6 +3,12 @@
 Requests and aborts enter through a thread-safe inbox that the loop drains between steps,
 so the engine's state is only ever touched by its own thread; events go back to each
 request's asyncio queue with call_soon_threadsafe.
+
+This thread also owns the replica's lifecycle after a lost shard (a dead actor, process or
+node, or a stuck collective): requests that had produced tokens fail with ShardLostError
+(503), those that had not are kept, the whole shard group is torn down and built again
+through the same factory as at start (RebuildPolicy bounds the attempts and backs off), and
+the kept requests are replayed on the new group (safe: nothing of them was sent yet).
 """
 
 from __future__ import annotations
@@ -14,26 +20,45 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from itertools import count
 
 from tpserve.engine.info import ModelInfo
+from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams
-from tpserve.errors import GenerationError, NotReadyError, OverloadedError, TPServeError
+from tpserve.errors import (
+    GenerationError,
+    NotReadyError,
+    OverloadedError,
+    ShardLostError,
+    TPServeError,
+)
 
 log = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 1.0  # how often an idle replica looks for a lost shard
 
 
 @dataclass
 class _Submit:
+    handle: int  # ours, stable across rebuilds (the engine's seq ids start over)
     prompt_ids: list[int]
     params: SamplingParams
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    answered: bool = False  # `accepted` was resolved (engine thread's view)
+    started: bool = False  # a token was sent: replaying it would repeat output
+
+    def fail(self, exc: BaseException) -> None:
+        if self.answered:
+            self.loop.call_soon_threadsafe(self.sink.put_nowait, exc)
+        else:
+            self.loop.call_soon_threadsafe(_set_exception, self.accepted, exc)
 
 
 @dataclass
 class _Abort:
-    seq_id: int
+    handle: int
 
 
 class NullMetrics:
@@ -57,18 +82,26 @@ class AsyncEngine:
     """Implements tpserve.server.backend.EngineBackend over an Engine built in a thread."""
 
     def __init__(self, build_engine, model_id: str, max_concurrent_requests: int,
-                 metrics_factory=None) -> None:
+                 metrics_factory=None, rebuild: RebuildPolicy | None = None) -> None:
         self._build = build_engine
         self.model_id = model_id
         self.max_concurrent = max_concurrent_requests
         self.engine = None
         self.error: BaseException | None = None
-        # Set when a shard actor died: the replica cannot serve until it is rebuilt.
+        # Set when a shard was lost: why; cleared when the group is rebuilt.
         self.dead: str | None = None
+        # loading | serving | rebuilding | failed (a lost shard and no rebuild left)
+        self.state = "loading"
+        self.rebuild = rebuild or RebuildPolicy(max_rebuilds=0)
+        self._engine_live = False  # self.engine's shards exist (not torn down)
+        self._handles = count()
+        self._live: dict[int, _Submit] = {}  # engine seq id -> request
+        self._seq_of: dict[int, int] = {}  # handle -> engine seq id
+        self._replay: dict[int, _Submit] = {}  # handle -> request kept through a rebuild
+        self._checked_at = 0.0
         # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
         self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[int, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._inflight = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -106,10 +139,12 @@ class AsyncEngine:
         # rather than a connection that never answers.
         err = GenerationError("the server shut down before this request finished "
                               "(--shutdown-timeout ran out)")
-        for sink, loop in list(self._sinks.values()):
-            loop.call_soon_threadsafe(sink.put_nowait, err)
-        self._sinks.clear()
-        if self.engine is not None:
+        for item in [*self._live.values(), *self._replay.values()]:
+            item.fail(err)
+        self._live.clear()
+        self._replay.clear()
+        if self.engine is not None and self._engine_live:
+            self._engine_live = False
             self.engine.shutdown()
 
     def begin_drain(self, reason: str = "the server is shutting down") -> None:
@@ -119,12 +154,19 @@ class AsyncEngine:
     def not_ready_reason(self) -> str:
         if self.draining:
             return self.draining
-        if self.error is not None or self.dead is not None:
-            return f"the engine failed: {self.error or self.dead}"
+        if self.state == "rebuilding":
+            return (f"{self.dead}; rebuilding the shard group (attempt "
+                    f"{self.rebuild.attempts + 1} of {self.rebuild.max_rebuilds}), retry shortly")
+        if self.state == "failed":
+            return (f"{self.dead}; the shard group was not rebuilt ("
+                    f"{self.rebuild.attempts} of --max-rebuilds {self.rebuild.max_rebuilds} "
+                    "attempts spent): restart tpserve launch")
+        if self.error is not None:
+            return f"the engine failed: {self.error}"
         return "the model is still loading"
 
     def ready(self) -> bool:
-        return (self._ready.is_set() and self.error is None and self.dead is None
+        return (self._ready.is_set() and self.error is None and self.state == "serving"
                 and self.draining is None)
 
     @property
@@ -146,6 +188,8 @@ class AsyncEngine:
             attention_backend=e.load_reports[0].backend,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
                    "placement": c.parallel.placement,  # rayops hook: --placement
+                   "replica_state": self.state, "rebuilds": self.rebuild.rebuilds,
+                   "rebuilds_left": self.rebuild.left,
                    "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
 
     def stats(self) -> dict[str, float]:
@@ -154,8 +198,12 @@ class AsyncEngine:
         e = self.engine
         if e is None:
             return {"ready": 0.0}
+        lifecycle = {"rebuilds": float(self.rebuild.rebuilds),
+                     "rebuilding": float(self.state == "rebuilding"),
+                     "failed": float(self.state == "failed")}
         # The engine's own step count when it has one (its core may run elsewhere).
-        return {"ready": float(self.ready()), "steps": float(self.steps), **e.stats(),
+        return {"ready": float(self.ready()), "steps": float(self.steps),
+                **(e.stats() if self._engine_live else {}), **lifecycle,
                 "requests_inflight": float(self._inflight),
                 "last_step_seconds": self.last_step_seconds}
 
@@ -189,30 +237,33 @@ class AsyncEngine:
                     f"Model is overloaded: {self._inflight} requests in flight, the limit is "
                     f"{self.max_concurrent} (--max-concurrent-requests). Retry later.")
             self._inflight += 1
-        seq_id = None
+        handle = None
         try:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(
                 None, lambda: self.engine.tokenize(prompt, truncate, add_special_tokens))
             sink: asyncio.Queue = asyncio.Queue()
             accepted = loop.create_future()
-            self._inbox.put(_Submit(ids, params, sink, loop, accepted))
-            seq_id = await accepted  # raises ValidationError from the engine's checks
+            handle = next(self._handles)
+            self._inbox.put(_Submit(handle, ids, params, sink, loop, accepted))
+            await accepted  # raises ValidationError from the engine's checks
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
-                    seq_id = None  # the engine already dropped it
+                    handle = None  # the engine already dropped it
                     raise item
                 if item.finished:
-                    seq_id = None  # closing after the last event is not an abort
+                    handle = None  # closing after the last event is not an abort
                 yield item
                 if item.finished:
                     return
         finally:
             with self._lock:
                 self._inflight -= 1
-            if seq_id is not None:  # the client went away or a consumer stopped early
-                self._inbox.put(_Abort(seq_id))
+            # The client went away, a consumer stopped early, or it timed out in the queue
+            # (also while a rebuild holds it): the engine thread drops it.
+            if handle is not None:
+                self._inbox.put(_Abort(handle))
 
     # --- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -222,13 +273,20 @@ class AsyncEngine:
             log.exception("engine failed to start")
             self.error = exc
             return
+        self._engine_live, self.state = True, "serving"
         self._ready.set()
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_work())
+            if self.state == "rebuilding":
+                self._rebuild()
+                continue
+            serving = self.state == "serving"
+            self._drain(block=not (serving and self.engine.has_work()))
             if self._stop.is_set():
                 break
-            if self.engine.has_work():
+            if self.state == "serving" and self.engine.has_work():
                 self._step()
+            elif self.state == "serving":
+                self._check_idle()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -244,28 +302,41 @@ class AsyncEngine:
 
     def _handle(self, item) -> None:
         if isinstance(item, _Abort):
-            self.engine.abort(item.seq_id)
-            self._sinks.pop(item.seq_id, None)
-            self._ray_metrics.request_ended(item.seq_id)
+            if self._replay.pop(item.handle, None) is not None:
+                return
+            seq_id = self._seq_of.pop(item.handle, None)
+            if seq_id is not None:
+                self._live.pop(seq_id, None)
+                self.engine.abort(seq_id)
+                self._ray_metrics.request_ended(seq_id)
+            return
+        if self.state == "rebuilding":  # raced with the loss: served after the rebuild
+            self._replay[item.handle] = item
+            return
+        if self.state == "failed":
+            item.fail(NotReadyError(self.not_ready_reason()))
             return
         try:
             seq = self.engine.add_request(item.prompt_ids, item.params)
         except TPServeError as exc:
-            item.loop.call_soon_threadsafe(_set_exception, item.accepted, exc)
+            item.fail(exc)
             return
         except Exception as exc:  # noqa: BLE001 - the engine (or a shard) failed, not the input
             log.exception("submitting a request failed")
             if _replica_dead(exc):
-                self.dead = f"a shard actor died: {exc}"
-            err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
-            item.loop.call_soon_threadsafe(_set_exception, item.accepted, err)
+                self._replay[item.handle] = item  # nothing of it ran: replay it
+                self._lose(exc)
+                if self.state == "failed":
+                    self._give_up()
+            else:
+                item.fail(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))
             return
-        if item.accepted.done():  # the caller gave up (disconnected) while it queued
-            self.engine.abort(seq.seq_id)
-            return
-        self._sinks[seq.seq_id] = (item.sink, item.loop)
+        self._live[seq.seq_id] = item
+        self._seq_of[item.handle] = seq.seq_id
         self._ray_metrics.request_arrived(seq.seq_id)
-        item.loop.call_soon_threadsafe(_set_result, item.accepted, seq.seq_id)
+        if not item.answered:
+            item.answered = True
+            item.loop.call_soon_threadsafe(_set_result, item.accepted, item.handle)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -273,32 +344,137 @@ class AsyncEngine:
             events, _ = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving the rest
             log.exception("step failed; failing the requests in it")
-            if _replica_dead(exc):
-                self.dead = f"a shard actor died: {exc}"
-            err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
-            for seq_id in list(self._sinks):
-                self.engine.abort(seq_id)
-                sink, loop = self._sinks.pop(seq_id)
-                loop.call_soon_threadsafe(sink.put_nowait, err)
-                self._ray_metrics.request_ended(seq_id)
+            self._fail_inflight(exc)
             return
         for seq_id, ev in events:
-            target = self._sinks.get(seq_id)
-            if target is None:
+            item = self._live.get(seq_id)
+            if item is None:
                 continue
-            sink, loop = target
-            loop.call_soon_threadsafe(sink.put_nowait, ev)
+            item.started = True
+            item.loop.call_soon_threadsafe(item.sink.put_nowait, ev)
             if ev.finished:
-                self._sinks.pop(seq_id, None)
+                self._live.pop(seq_id, None)
+                self._seq_of.pop(item.handle, None)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
         self._ray_metrics.step_done(events, self.last_step_seconds)
+
+    def _check_idle(self) -> None:
+        """An idle replica would only notice a lost shard at its next request: look every
+        IDLE_CHECK_S, so /health turns 503 and the rebuild starts without waiting for one."""
+        check = getattr(self.engine, "check", None)
+        now = time.monotonic()
+        if check is None or now - self._checked_at < IDLE_CHECK_S:
+            return
+        self._checked_at = now
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - only a lost shard changes anything
+            if _replica_dead(exc):
+                self._fail_inflight(exc)
+            else:
+                log.warning("replica check failed: %s: %s", type(exc).__name__, exc)
+
+    def _fail_inflight(self, exc: BaseException) -> None:
+        """A step failed: every request in the engine ends. After a lost shard, those that
+        produced no token yet are kept for the rebuilt group instead."""
+        lost = _replica_dead(exc)
+        if lost:  # unhealthy before any caller hears of the loss
+            self._lose(exc)
+            err: GenerationError = ShardLostError(
+                f"a shard of the model was lost while this request ran ({_summary(exc)}); the "
+                "server is rebuilding the shard group, retry when GET /health answers 200")
+        else:
+            err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
+        for seq_id, item in list(self._live.items()):
+            try:
+                self.engine.abort(seq_id)
+            except Exception:  # noqa: BLE001 - a lost engine has nothing left to free
+                pass
+            self._ray_metrics.request_ended(seq_id)
+            if lost and not item.started:
+                self._replay[item.handle] = item
+            else:
+                item.fail(err)
+        self._live.clear()
+        self._seq_of.clear()
+        if self.state == "failed":
+            self._give_up()  # no rebuild left: the kept requests end too
+
+    def _lose(self, exc: BaseException) -> None:
+        """A shard is gone: stop serving; rebuild if the policy allows, else give up."""
+        self.dead = f"a shard was lost ({_summary(exc)})"
+        log.error("a shard was lost (%s: %s); %d rebuild(s) left (--max-rebuilds)",
+                  type(exc).__name__, exc, self.rebuild.left)
+        self.state = "rebuilding" if self.rebuild.left else "failed"
+
+    def _rebuild(self) -> None:
+        """Tear the whole group down, then build a new one (placement group, weights,
+        warmup) until one comes up, the budget is spent, or the server stops."""
+        self._teardown()
+        while not self._stop.is_set():
+            delay = self.rebuild.next_delay()
+            if delay is None:
+                self.state = "failed"
+                self._give_up()
+                return
+            log.warning("rebuilding the shard group in %.1fs (attempt %d of %d)", delay,
+                        self.rebuild.attempts + 1, self.rebuild.max_rebuilds)
+            if self._stop.wait(delay):
+                return
+            t0 = time.perf_counter()
+            try:
+                engine = self._build()
+            except Exception as exc:  # noqa: BLE001 - counted; the next attempt may succeed
+                self.rebuild.record(ok=False)
+                self.dead = f"a shard was lost, and rebuilding failed ({_summary(exc)})"
+                log.exception("rebuilding the shard group failed")
+                continue
+            self.rebuild.record(ok=True)
+            self.engine, self._engine_live = engine, True
+            self.dead, self.state = None, "serving"
+            self._ray_metrics.rebuilt()
+            log.warning("shard group rebuilt in %.1fs; serving again (%d rebuild(s) left)",
+                        time.perf_counter() - t0, self.rebuild.left)
+            self._drain(block=False)  # aborts of kept requests (deadline, disconnect) first
+            for item in list(self._replay.values()):  # in arrival order
+                del self._replay[item.handle]
+                self._handle(item)
+            return
+
+    def _give_up(self) -> None:
+        self._teardown()
+        log.error("not rebuilding the shard group: %s", self.not_ready_reason())
+        err = ShardLostError(self.not_ready_reason())
+        for item in self._replay.values():
+            item.fail(err)
+        self._replay.clear()
+
+    def _teardown(self) -> None:
+        """Kill every actor of the group and free its placement group (a dead rank cannot
+        take part in a clean shutdown, so the live ones are not asked to)."""
+        if not self._engine_live:
+            return
+        self._engine_live = False
+        kill = getattr(self.engine, "kill", None) or self.engine.shutdown
+        try:
+            kill()
+        except Exception:  # noqa: BLE001 - what is left of the group is unreachable anyway
+            log.exception("tearing down the lost shard group failed")
 
 
 def _replica_dead(exc: BaseException) -> bool:
     """A shard is gone (or stuck): the replica cannot serve until it is rebuilt."""
     return bool(getattr(exc, "replica_dead", False)) or type(exc).__name__ in (
-        "ActorDiedError", "RayActorError", "ActorUnavailableError")
+        "ActorDiedError", "RayActorError", "ActorUnavailableError", "GetTimeoutError")
+
+
+def _summary(exc: BaseException, limit: int = 300) -> str:
+    """One line for reasons and error bodies (Ray's messages run to many lines, and a 5xx
+    body keeps only the first); the log has the whole exception."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -16,6 +16,9 @@ from tpserve.worker.worker import LoadReport, Worker
 # How often the step path checks that the followers' loops are still running. A dead peer
 # also fails rank 0's next collective (gloo) or the driver's own watch (any backend).
 _WATCH_EVERY_S = 0.1
+# After a failed step, how long to wait for a dead follower's loop to be reported (Ray
+# notices a killed process within about a second; the collective fails at once).
+_GRACE_S = 5.0
 
 
 class Rank0Executor(Executor):
@@ -55,7 +58,23 @@ class Rank0Executor(Executor):
             if done:
                 raise ShardFailedError(f"shard {1 + self.loops.index(done[0])}'s step loop "
                                        "ended; the replica must be restarted")
-        return self.worker.execute(batch)
+        try:
+            return self.worker.execute(batch)
+        except Exception as exc:
+            if not self.loops:
+                raise
+            # A collective that fails because a peer died (gloo: "connection reset by
+            # peer") is a lost shard, not a bad step: the group cannot step again.
+            done, _ = ray.wait(self.loops, num_returns=1, timeout=_GRACE_S)
+            if done:
+                raise ShardFailedError(f"shard {1 + self.loops.index(done[0])} was lost "
+                                       f"(its step loop ended); rank 0 saw: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+            if collective_failed(exc):  # a hung peer: the collective timed out
+                raise ShardFailedError(f"a collective of the shard group failed (a peer is "
+                                       f"hung or unreachable): {type(exc).__name__}: "
+                                       f"{exc}") from exc
+            raise
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         refs = [f.health.remote() for f in self.followers]
@@ -70,3 +89,12 @@ class Rank0Executor(Executor):
         except Exception:  # noqa: BLE001 - a dead rank cannot be stopped; the launcher kills it
             pass
         self.worker.shutdown()
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """torch.distributed's own errors (NCCL and the c10d store), and gloo's, which arrive as
+    plain RuntimeErrors naming gloo (a reset connection, a timed-out receive)."""
+    from torch.distributed import DistError
+
+    text = str(exc).lower()
+    return isinstance(exc, DistError) or "gloo" in text or "nccl" in text

@@ -172,8 +172,8 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
             ready = backend.ready()
         except Exception:  # a backend that cannot answer is not healthy
             ready = False
-        if not ready:
-            raise NotReadyError("the model is not ready")
+        if not ready:  # with why: loading, draining, rebuilding a lost shard, given up
+            raise NotReadyError(not_ready_message(backend))
         return Response(status_code=200)
 
     @app.get("/info")

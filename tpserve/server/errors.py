@@ -19,7 +19,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tpserve.errors import GenerationError, NotReadyError, RequestTimeoutError, TPServeError
+from tpserve.errors import (
+    GenerationError,
+    NotReadyError,
+    RequestTimeoutError,
+    ShardLostError,
+    TPServeError,
+)
 from tpserve.protocol import describe_errors
 
 logger = logging.getLogger("tpserve.server")
@@ -31,7 +37,7 @@ _IPV6 = re.compile(r"\b(?:[0-9a-fA-F]{1,4}:){2,7}[0-9a-fA-F]{0,4}\b")
 _PID = re.compile(r"\b(pid)[=: ]+\d+", re.IGNORECASE)
 _HEX_ID = re.compile(r"\b[0-9a-f]{16,}\b")  # Ray actor / node / task ids
 _MAX_MESSAGE = 2000
-_EXPLAINED = (NotReadyError, RequestTimeoutError)
+_EXPLAINED = (NotReadyError, RequestTimeoutError, ShardLostError)
 
 
 def public_message(text: str, internal: bool) -> str:
