@@ -107,6 +107,8 @@ def profile_steps(engine, n: int, device: str) -> dict:
 
 
 def commit() -> str:
+    if (ROOT / "COMMIT").exists():  # an exported tree (git archive) names its commit
+        return (ROOT / "COMMIT").read_text().strip()
     try:
         return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                        text=True).strip()

@@ -177,6 +177,8 @@ async def measure(url: str, args, vocab: int) -> dict:
 
 
 def commit_of(tree: Path) -> str:
+    if (tree / "COMMIT").exists():  # an exported tree (git archive) names its commit
+        return (tree / "COMMIT").read_text().strip()
     try:
         return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
