@@ -277,7 +277,7 @@ def test_request_that_outlives_its_deadline_during_a_rebuild_is_dropped_not_serv
 def test_a_failed_collective_counts_as_a_lost_shard_and_a_model_error_does_not():
     from torch.distributed import DistBackendError
 
-    from tpserve.executor.rank0 import collective_failed
+    from tpserve.cluster.device import collective_failed
 
     reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
     hung = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms "

@@ -37,7 +37,6 @@ def test_batched_contract_results_reach_the_engine(monkeypatch):
                                top_logprobs=top.values if k else None)
 
     monkeypatch.setattr(sampling, "_sampler", SimpleNamespace(SampleRow=Row, sample=sample))
-    monkeypatch.setattr(sampling, "_NEW_CONTRACT", True)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 4.0, 1.0]])
     seqs = [SeqStep(4, [1], 7, [0], True, SamplingParams(top_n_tokens=2), history=[1, 2, 3],
                     num_generated=2),
@@ -51,7 +50,12 @@ def test_batched_contract_results_reach_the_engine(monkeypatch):
     assert seen[1].seed == 5
 
 
-def test_todays_sampler_is_adapted_until_the_batched_one_lands():
-    logits = torch.tensor([[0.0, 3.0, 1.0]])
-    out = sampling.sample_tokens(logits, [SeqStep(1, [1], 0, [0], True, SamplingParams())], 0)
-    assert out[0].token_id == 1
+def test_the_device_sampler_through_the_adapter():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.5, 1.5]])
+    seqs = [SeqStep(1, [1], 0, [0], True, SamplingParams(top_n_tokens=2)),
+            SeqStep(2, [1], 0, [0], True, SamplingParams())]
+    out = sampling.sample_tokens(logits, seqs, 0)
+    lp = logits.log_softmax(-1)
+    assert [t.token_id for t in out] == [1, 0]
+    assert abs(out[0].logprob - lp[0, 1].item()) < 1e-6
+    assert [i for i, _ in out[0].top] == [1, 2] and out[1].top == []

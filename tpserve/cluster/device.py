@@ -193,3 +193,12 @@ def local_cluster_gpus(device: str) -> int | None:
     if device == "xpu":
         return torch.xpu.device_count()
     return None
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """torch.distributed's own errors (NCCL and the c10d store), and gloo's, which arrive as
+    plain RuntimeErrors naming gloo (a reset connection, a timed-out receive)."""
+    from torch.distributed import DistError
+
+    text = str(exc).lower()
+    return isinstance(exc, DistError) or "gloo" in text or "nccl" in text

@@ -9,6 +9,7 @@ import time
 
 import ray
 
+from tpserve.cluster.device import collective_failed
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError
 from tpserve.worker.worker import LoadReport, Worker
@@ -89,12 +90,3 @@ class Rank0Executor(Executor):
         except Exception:  # noqa: BLE001 - a dead rank cannot be stopped; the launcher kills it
             pass
         self.worker.shutdown()
-
-
-def collective_failed(exc: BaseException) -> bool:
-    """torch.distributed's own errors (NCCL and the c10d store), and gloo's, which arrive as
-    plain RuntimeErrors naming gloo (a reset connection, a timed-out receive)."""
-    from torch.distributed import DistError
-
-    text = str(exc).lower()
-    return isinstance(exc, DistError) or "gloo" in text or "nccl" in text
