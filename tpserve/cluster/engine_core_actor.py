@@ -39,6 +39,9 @@ class EngineCoreActor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def __repr__(self) -> str:
+        # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
+        return f"EngineCore({self.worker!r})"
     def start(self, eos_ids: list[int]) -> dict:
         """Set up every rank, build the engine core, start the step loop; what the driver
         needs to validate and report."""

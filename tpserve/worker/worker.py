@@ -69,7 +69,7 @@ class Worker:
         self.control: ControlChannel | None = None  # tp > 1: rank 0 -> other ranks, per step
 
     def __repr__(self) -> str:
-        # rayops hook: the Ray dashboard's actors view shows this (rank and device).
+        # Shown by Ray's state API and the dashboard's actors view (rank and device).
         return (f"Worker(rank {self.rank}/{self.tp_size}, "
                 f"{self.device or self.cfg.parallel.device}, {self.cfg.model.model_id})")
 
