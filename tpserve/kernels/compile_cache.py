@@ -4,6 +4,7 @@ compilations are counted, so a test can prove that serving never compiles."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 from pathlib import Path
 
@@ -61,3 +62,23 @@ def compile_count(backend) -> int:
     if callable(own):
         return int(own())
     return dynamo_compile_count()
+
+
+# Triton's backend name for each torch device type.
+TRITON_TARGETS = {"cuda": "nvidia", "xpu": "intel"}
+
+
+def triton_missing(device_type: str) -> str | None:
+    """Why Triton cannot run kernels for this device type here, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    configure_triton_cache()
+    try:
+        import triton.backends
+    except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
+    target = TRITON_TARGETS.get(device_type)
+    if target and target not in getattr(triton.backends, "backends", {target: None}):
+        hint = " (install Intel's triton-xpu)" if device_type == "xpu" else ""
+        return f"this triton has no {target} backend for {device_type}{hint}"
+    return None

@@ -22,9 +22,9 @@ GATED_ACTS = {"silu": False, "swish": False, "gelu_pytorch_tanh": True, "gelu_ne
 
 @functools.cache
 def _triton_reason(device_type: str) -> str | None:
-    from tpserve.kernels.triton_backend import _triton_missing
+    from tpserve.kernels.compile_cache import triton_missing
 
-    return _triton_missing(device_type)
+    return triton_missing(device_type)
 
 
 _DISABLED = os.environ.get("TPSERVE_FUSED") == "0"  # read once: checked per layer call

@@ -23,7 +23,12 @@ import torch
 from tpserve.kernels import fused_ops
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import unknown_feature_reason
-from tpserve.kernels.compile_cache import cached_kernel_count, configure_triton_cache
+from tpserve.kernels.compile_cache import (
+    TRITON_TARGETS,
+    cached_kernel_count,
+    configure_triton_cache,
+    triton_missing,
+)
 from tpserve.kernels.fused_ops import rotary_write_kv_triton
 
 log = logging.getLogger(__name__)
@@ -32,28 +37,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
-# Triton's backend name for each torch device type.
-TRITON_TARGETS = {"cuda": "nvidia", "xpu": "intel"}
 
 
 def interpreting() -> bool:
     """TRITON_INTERPRET=1 runs the kernels in numpy on the CPU: slow, for debugging only."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _triton_missing(device_type: str) -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    configure_triton_cache()
-    try:
-        import triton.backends
-    except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
-        return f"triton cannot be imported ({type(exc).__name__}: {exc})"
-    target = TRITON_TARGETS.get(device_type)
-    if target and target not in getattr(triton.backends, "backends", {target: None}):
-        hint = " (install Intel's triton-xpu)" if device_type == "xpu" else ""
-        return f"this triton has no {target} backend for {device_type}{hint}"
-    return None
 
 
 def compute_units(device: torch.device) -> int:
@@ -160,7 +148,7 @@ class TritonAttentionBackend(AttentionBackend):
             if importlib.util.find_spec("triton") is None:
                 return "triton is not installed"
             return f"no CUDA or XPU device (this worker runs on {device.type})"
-        missing = _triton_missing("cpu" if on_cpu else device.type)
+        missing = triton_missing("cpu" if on_cpu else device.type)
         if missing:
             return missing
         if dtype not in DTYPES:
