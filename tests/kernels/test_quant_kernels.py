@@ -70,7 +70,15 @@ class _EntryPoint:
 
 
 def test_plugins_plug_in_by_name_through_the_entry_point_group(monkeypatch):
-    monkeypatch.setattr(registry, "_plugins", lambda: {"example-int4": _EntryPoint()})
+    from dataclasses import astuple
+
+    from tpserve.kernels.lazy_classes import LazyClasses
+
+    class WithPlugin(LazyClasses):
+        def plugins(self) -> dict[str, object]:
+            return {"example-int4": _EntryPoint()}
+
+    monkeypatch.setattr(registry, "_CLASSES", WithPlugin(*astuple(registry._CLASSES)))
     registry.select_quant_kernel.cache_clear()
     try:
         assert "example-int4" in registry.available_names()

@@ -6,14 +6,13 @@ IPEX, a SYCL plugin) never breaks `import tpserve`.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from importlib.metadata import entry_points
 
 import torch
 
 from tpserve.errors import KernelUnavailableError
 from tpserve.kernels.base import AttentionBackend, AttentionSpec
+from tpserve.kernels.lazy_classes import LazyClasses
 
 log = logging.getLogger(__name__)
 
@@ -27,42 +26,21 @@ BUILTIN: dict[str, str] = {
 }
 
 
-def _plugins() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+_CLASSES = LazyClasses("attention backend", ENTRY_POINT_GROUP, BUILTIN, AttentionBackend)
 
 
 def available_names() -> list[str]:
-    return list(BUILTIN) + [n for n in _plugins() if n not in BUILTIN]
+    return _CLASSES.names()
 
 
 def origin(name: str) -> str:
     """Where a backend comes from: "built-in" or the plugin's entry point."""
-    if name in BUILTIN:
-        return "built-in"
-    ep = _plugins().get(name)
-    return f"plugin {ep.value}" if ep is not None else "unknown"
+    return _CLASSES.origin(name)
 
 
 def load_backend_class(name: str) -> type[AttentionBackend]:
     """Import one backend class; raises KernelUnavailableError naming what failed."""
-    try:
-        if name in BUILTIN:
-            module, _, attr = BUILTIN[name].partition(":")
-            cls = getattr(importlib.import_module(module), attr)
-        else:
-            plugins = _plugins()
-            if name not in plugins:
-                raise KernelUnavailableError(
-                    f"unknown attention backend {name!r}; known: {', '.join(available_names())}"
-                )
-            cls = plugins[name].load()
-    except KernelUnavailableError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - an optional kernel failing to import is a reason
-        raise KernelUnavailableError(f"{name}: cannot import ({type(exc).__name__}: {exc})") from exc
-    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        raise KernelUnavailableError(f"{name}: {cls!r} is not an AttentionBackend subclass")
-    return cls
+    return _CLASSES.load(name)
 
 
 def why_not(name: str, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:

@@ -13,17 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _tanh(x):
-    # From exp, so it compiles on every backend and in the interpreter (as triton_kernels.py).
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    t = (1.0 - e) / (1.0 + e)
-    x2 = ax * ax
-    series = ax * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
-    t = tl.where(ax < 0.0625, series, t)
-    return tl.where(x < 0, -t, t)
+from tpserve.kernels.triton_kernels import _tanh  # one exp-based tanh for every backend
 
 
 @triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"])

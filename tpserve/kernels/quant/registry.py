@@ -6,13 +6,12 @@ module path, plugins (an IPEX or SYCL int4 GEMM) by entry point in group
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-from importlib.metadata import entry_points
 
 import torch
 
 from tpserve.errors import KernelUnavailableError
+from tpserve.kernels.lazy_classes import LazyClasses
 from tpserve.kernels.quant.base import QuantKernel
 
 log = logging.getLogger(__name__)
@@ -26,34 +25,16 @@ BUILTIN: dict[str, str] = {
 }
 
 
-def _plugins() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+_CLASSES = LazyClasses("quantized-matmul kernel", ENTRY_POINT_GROUP, BUILTIN, QuantKernel)
 
 
 def available_names() -> list[str]:
-    return list(BUILTIN) + [n for n in _plugins() if n not in BUILTIN]
+    return _CLASSES.names()
 
 
 def load_kernel_class(name: str) -> type[QuantKernel]:
     """Import one kernel class; raises KernelUnavailableError naming what failed."""
-    try:
-        if name in BUILTIN:
-            module, _, attr = BUILTIN[name].partition(":")
-            cls = getattr(importlib.import_module(module), attr)
-        else:
-            plugins = _plugins()
-            if name not in plugins:
-                raise KernelUnavailableError(
-                    f"unknown quantized-matmul kernel {name!r}; known: "
-                    f"{', '.join(available_names())}")
-            cls = plugins[name].load()
-    except KernelUnavailableError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - an optional kernel failing to import is a reason
-        raise KernelUnavailableError(f"{name}: cannot import ({type(exc).__name__}: {exc})") from exc
-    if not (isinstance(cls, type) and issubclass(cls, QuantKernel)):
-        raise KernelUnavailableError(f"{name}: {cls!r} is not a QuantKernel subclass")
-    return cls
+    return _CLASSES.load(name)
 
 
 def why_not(name: str, device: torch.device, dtype: torch.dtype, method: str) -> str | None:
