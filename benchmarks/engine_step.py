@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def llama3_dir(out: Path) -> Path:
-    from tiny_models import build_tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "tests" / "data" / "configs" / "Meta-Llama-3-8B.json", out / "config.json")
-    build_tokenizer(300).save_pretrained(out)
-    return out
+from gpu_engine import make_model_dir  # noqa: E402 - after the path set-up
 
 
 def build_engine(args, model: Path):
@@ -135,7 +128,7 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.dummy = args.model is None or not any(args.model.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or llama3_dir(Path(tmp) / "llama3-8b")
+        model = args.model or make_model_dir(Path(tmp) / "llama3-8b")
         engine = build_engine(args, model)
         rows = []
         try:

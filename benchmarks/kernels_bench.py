@@ -41,6 +41,18 @@ BLOCK = 16
 STEP_KERNELS = ("torch", "triton")
 
 
+
+def decode_meta(batch: int, ctx: int, dev: torch.device):
+    """Metadata of one decode step: `batch` sequences of `ctx` tokens in shuffled blocks."""
+    from tpserve.kernels.base import AttentionMetadata
+
+    nb = ctx // BLOCK
+    perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
+    return AttentionMetadata(
+        torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        torch.full((batch,), ctx, dtype=torch.int32, device=dev), perm.view(batch, nb),
+        torch.zeros(batch, dtype=torch.long, device=dev), 1, ctx, (1,) * batch, (ctx,) * batch)
+
 def make_model(out: Path) -> Path:
     from tiny_models import llama_config, save_model
 
@@ -124,18 +136,14 @@ def time_cuda(fn, iters: int = 50) -> float:
 
 
 def attention_only(batch: int, ctx: int) -> dict:
-    from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+    from tpserve.kernels.base import AttentionSpec
     from tpserve.kernels.torch_backend import TorchAttentionBackend
     from tpserve.kernels.triton_backend import TritonAttentionBackend
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     spec = AttentionSpec(8, 2, 128, 128**-0.5, block_size=BLOCK)
     nb = ctx // BLOCK
-    perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
-    meta = AttentionMetadata(
-        torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        torch.full((batch,), ctx, dtype=torch.int32, device=dev), perm.view(batch, nb),
-        torch.zeros(batch, dtype=torch.long, device=dev), 1, ctx, (1,) * batch, (ctx,) * batch)
+    meta = decode_meta(batch, ctx, dev)
     q = torch.randn(batch, 8, 128, dtype=dtype, device=dev)
     res = {}
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
@@ -172,15 +180,10 @@ def time_loop(fn, n: int = 100) -> float:
 
 
 def _split_row(split, single, spec, batch: int, ctx: int) -> dict:
-    from tpserve.kernels.base import AttentionMetadata
 
     dev, dtype = torch.device(TABLE_DEVICE), torch.bfloat16
     nb = ctx // BLOCK
-    perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
-    meta = AttentionMetadata(
-        torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        torch.full((batch,), ctx, dtype=torch.int32, device=dev), perm.view(batch, nb),
-        torch.zeros(batch, dtype=torch.long, device=dev), 1, ctx, (1,) * batch, (ctx,) * batch)
+    meta = decode_meta(batch, ctx, dev)
     q = torch.randn(batch, L3_HEADS, L3_D, dtype=dtype, device=dev)
     shape = split.kv_cache_shape(batch * nb, spec)
     kc, vc = (torch.randn(shape, dtype=dtype, device=dev) for _ in range(2))
