@@ -72,6 +72,22 @@ def served_tokens(url: str) -> dict[str, float]:
     return {r["replica_id"]: r.get("tokens_generated", 0.0) for r in replicas(url)}
 
 
+def settled_tokens(url: str) -> dict[str, float]:
+    """Tokens per replica once both replicas report and the counts stopped moving: the
+    replicas' stats arrive about once a second, so a read right after other traffic would
+    count that traffic as this test's."""
+    last: dict[str, float] = {}
+
+    def settled():
+        nonlocal last
+        now = served_tokens(url)
+        done = len(now) == 2 and now == last
+        last = now
+        return now if done else None
+
+    return wait_for(lambda: settled() or time.sleep(1.2), 60, "settled replica stats")
+
+
 def test_replicas_match_transformers_and_share_load(serve_url, llama_dir):
     tok = AutoTokenizer.from_pretrained(llama_dir)
     hf_ids = dict(zip(PROMPTS, hf_greedy(llama_dir, PROMPTS, NEW)))
@@ -96,13 +112,14 @@ def test_replicas_match_transformers_and_share_load(serve_url, llama_dir):
 
 
 def test_shared_prefix_lands_mostly_on_one_replica(serve_url):
-    before = wait_for(lambda: (lambda s: s if len(s) == 2 else None)(served_tokens(serve_url)),
-                      30, "two replicas")
     system = "You are a careful assistant who answers in one short sentence. " * 3
     prompts = [system + f"Question {i}?" for i in range(16)]
+    # One request first, so a replica holds the prefix before the burst: Serve may route
+    # several requests of a burst before the router has recorded where the first one went.
+    asyncio.run(generate_all(serve_url, [system + "Question?"]))
+    before = settled_tokens(serve_url)
     asyncio.run(generate_all(serve_url, prompts))
-    time.sleep(2.5)  # one routing-stats period and then some
-    after = served_tokens(serve_url)
+    after = settled_tokens(serve_url)
     delta = sorted(after[r] - before.get(r, 0.0) for r in after)
     assert delta[-1] >= 0.75 * sum(delta), delta
 
