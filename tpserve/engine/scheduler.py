@@ -61,11 +61,11 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         # Running sequences first, oldest first; make room by preempting the youngest.
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(seq.num_pending, budget)
-            if n <= 0:
+            if seq.status is not SeqStatus.RUNNING or seq.hold:
+                continue  # preempted earlier in this loop, or its last token is in flight
+            if budget <= 0:
                 break
+            n = min(seq.num_pending, budget)
             while not self.blocks.can_grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -79,6 +79,8 @@ class Scheduler:
         # Then admit waiting sequences in arrival order, without skipping ahead.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.hold:  # a preempted sequence whose last token is in flight: it ends soon
+                break
             fresh = seq.num_computed == 0
             if fresh:
                 self.blocks.reuse_prefix(seq)  # cached blocks count as computed

@@ -38,6 +38,9 @@ class Sequence:
     # Blocks holding every decoder layer's cross-attention K/V of the encoder output
     # (ceil(len(encoder_ids) / block_size) of them, allocated with the first decoder block).
     cross_block_table: list[int] = field(default_factory=list)
+    # Overlapped steps: the token sampled by the step in flight ends this sequence (its
+    # length limit), so it must not be scheduled again; the engine finishes it on collect.
+    hold: bool = False
 
     @property
     def num_input_tokens(self) -> int:
