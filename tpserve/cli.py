@@ -116,6 +116,10 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="run steps one at a time instead of preparing the next step on the host "
+                        "while the device runs the current one (same outputs; for debugging "
+                        "and comparison)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM: seconds to let in-flight requests finish (new ones "
                    "get 503) before stopping")
@@ -305,7 +309,8 @@ def engine_config(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_batch_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,
-                                  max_input_tokens=args.max_input_tokens),
+                                  max_input_tokens=args.max_input_tokens,
+                                  async_scheduling=not args.no_async_scheduling),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
     from tpserve.layers.quant.config import resolve_quant
 

@@ -55,6 +55,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_concurrent_requests: int = 128
     max_input_tokens: int | None = None  # default: max_model_len - 1
+    # Overlapped steps: prepare step n+1 on the host while the device runs step n.
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

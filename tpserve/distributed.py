@@ -92,3 +92,13 @@ def gather_last_dim_to_first(x: torch.Tensor) -> torch.Tensor | None:
     parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
     dist.gather(x, parts, dst=dst, group=_GROUP)
     return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """tp rank 0's x into x on every rank of the group, in place (on the device: no host
+    sync with NCCL/xccl)."""
+    if get_tp().size == 1:
+        return x
+    src = dist.get_global_rank(_GROUP, 0) if _GROUP is not None else 0
+    dist.broadcast(x, src=src, group=_GROUP)
+    return x

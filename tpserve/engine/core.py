@@ -21,7 +21,7 @@ from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
-from tpserve.engine.step import SeqStep, StepBatch, StepOutput
+from tpserve.engine.step import PENDING_TOKEN, SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, ValidationError
 
 if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
@@ -40,6 +40,17 @@ class CoreRequest:
     # manager replaces when it frees a sequence) and how many of its blocks they have.
     sent_table: list[int] | None = None
     sent_blocks: int = 0
+    # Tokens at the end of seq.output_ids still on the device (PENDING_TOKEN): sampled by
+    # launched steps not yet collected (overlapped steps).
+    unresolved: int = 0
+
+
+@dataclass
+class _Launched:
+    """A step on the device, not yet collected."""
+
+    handle: object  # the executor's
+    sync: bool  # must be collected before the next step is scheduled
 
 
 def decoder_start_token_id(path: str, hf_config) -> int:
@@ -73,6 +84,9 @@ class EngineCore:
         self._steps = itertools.count()
         self.steps_run = 0
         self._released: list[int] = []  # finished since the last step: workers drop tables
+        # Overlapped steps: step n+1 is scheduled and launched before step n is collected.
+        self.overlap = cfg.scheduler.async_scheduling
+        self._inflight: _Launched | None = None
 
     def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
         self.hf_config = hf_config
@@ -181,7 +195,7 @@ class EngineCore:
             self._released.append(seq_id)
 
     def has_work(self) -> bool:
-        return len(self.scheduler) > 0
+        return len(self.scheduler) > 0 or self._inflight is not None
 
     def stats(self) -> dict[str, float]:
         """Scheduler and KV-cache gauges (each a single read: safe from another thread)."""
@@ -211,6 +225,10 @@ class EngineCore:
             params=p, history=seq.all_ids if need_history else None,
             num_generated=len(seq.output_ids),
             prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
+        if state.unresolved and PENDING_TOKEN in step.token_ids:
+            # Sampled by the step still on the device (at most one token: step n+1 is
+            # scheduled after step n-1 was collected).
+            step.prev_at = step.token_ids.index(PENDING_TOKEN)
         if seq.encoder_ids is not None:
             step.prompt_logprobs = False
             step.encoder_len = len(seq.encoder_ids)
@@ -220,22 +238,65 @@ class EngineCore:
         return step
 
     def step(self, return_logits: bool = False) -> tuple[list[TokenOutput], StepOutput | None]:
-        """Run one step. Returns a TokenOutput for every token produced, and the raw output."""
+        """Run one step. Returns a TokenOutput for every token collected, and the raw output
+        of the last step collected.
+
+        Overlapped (the default): launch step n+1, then collect step n, so the host's work
+        (scheduling, building step n+1, processing step n's tokens) runs while the device
+        computes. Step n+1 is scheduled before step n's tokens are known: each sequence's
+        token from step n stands as PENDING_TOKEN and the workers fill it in on the device;
+        a sequence that step n ends (EOS) computed one more token in step n+1, which is
+        dropped, and length limits are known in advance (Sequence.hold). So outputs are the
+        same as one step at a time. A step whose sampling needs the host-side token history
+        (repetition or frequency penalties), or that returns logits, is collected at once."""
+        outputs: list[TokenOutput] = []
+        raw = None
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (prev.sync or return_logits or not self.overlap):
+            outputs, raw = self._collect(prev)
+            prev = None
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return [], None
-        batch = StepBatch(next(self._steps), [self._seq_step(s) for s in scheduled],
-                          return_logits, released=self._released)
+        cur = self._launch(scheduled, return_logits) if scheduled else None
+        if prev is not None:
+            got, raw = self._collect(prev)
+            outputs += got
+        if cur is not None:
+            if cur.sync or return_logits or not self.overlap:
+                got, raw = self._collect(cur)
+                outputs += got
+            else:
+                self._inflight = cur
+        return outputs, raw
+
+    def _launch(self, scheduled: list[ScheduledSeq], return_logits: bool) -> _Launched:
+        steps = [self._seq_step(s) for s in scheduled]
+        batch = StepBatch(next(self._steps), steps, return_logits, released=self._released)
         self._released = []
-        out = self.executor.execute_step(batch)
+        handle = self.executor.launch_step(batch)
         self.steps_run += 1
         self.scheduler.after_step(scheduled)
+        sync = False
+        for s, st in zip(scheduled, steps, strict=True):
+            if not st.sample:
+                continue
+            seq, p = s.seq, s.seq.params
+            sync = sync or st.history is not None
+            seq.output_ids.append(PENDING_TOKEN)
+            seq.output_logprobs.append(0.0)
+            self.requests[seq.seq_id].unresolved += 1
+            n = len(seq.output_ids)
+            if n >= p.max_new_tokens or seq.num_input_tokens + n >= self.max_model_len:
+                seq.hold = True  # this token is its last: schedule it no more
+        return _Launched(handle, sync)
+
+    def _collect(self, launched: _Launched) -> tuple[list[TokenOutput], StepOutput]:
+        out = self.executor.collect(launched.handle)
         for seq_id, lps in out.prompt_logprobs.items():
             self._record_prefill(seq_id, lps)
         outputs = []
         for tok in out.tokens:
             state = self.requests.get(tok.seq_id)
-            if state is not None:
+            if state is not None:  # else finished or aborted meanwhile: the token is dropped
                 outputs.append(self._append(state, tok))
         return outputs, out
 
@@ -252,10 +313,14 @@ class EngineCore:
                 state.prefill.append((ids[start + i], lp))
 
     def _append(self, state: CoreRequest, tok) -> TokenOutput:
+        """Put a collected token in its place: the oldest of the sequence's pending ones."""
         seq, p = state.seq, state.seq.params
-        seq.output_ids.append(tok.token_id)
-        seq.output_logprobs.append(tok.logprob)
-        out = TokenOutput(tok.seq_id, tok.token_id, tok.logprob, tok.top, len(seq.output_ids),
+        at = len(seq.output_ids) - state.unresolved
+        seq.output_ids[at] = tok.token_id
+        seq.output_logprobs[at] = tok.logprob
+        state.unresolved -= 1
+        count = at + 1
+        out = TokenOutput(tok.seq_id, tok.token_id, tok.logprob, tok.top, count,
                           seq.num_input_tokens)
         if p.prompt_logprobs and not state.prefill_sent:
             # Every prompt log-probability is known once the first token is sampled.
@@ -263,10 +328,12 @@ class EngineCore:
         reason = None
         if tok.token_id in self.eos_ids and not p.ignore_eos:
             reason = "eos_token"
-        elif len(seq.output_ids) >= p.max_new_tokens \
-                or seq.num_input_tokens + len(seq.output_ids) >= self.max_model_len:
+        elif count >= p.max_new_tokens or seq.num_input_tokens + count >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            # A later step may already be computing a token after this one: it is not output.
+            del seq.output_ids[count:], seq.output_logprobs[count:]
+            state.unresolved = 0
             self.finish(seq.seq_id, reason)
             out.finish_reason = reason
         return out

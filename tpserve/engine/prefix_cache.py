@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.sequence import Sequence
+from tpserve.engine.step import PENDING_TOKEN
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -48,7 +49,10 @@ class PrefixCachingBlockManager(BlockManager):
         while len(hashes) < upto_block:
             i = len(hashes)
             prev = hashes[-1] if hashes else 0
-            hashes.append(hash((prev, tuple(ids[i * bs : (i + 1) * bs]))))
+            block = tuple(ids[i * bs : (i + 1) * bs])
+            if PENDING_TOKEN in block:  # a token still on the device: named once known
+                break
+            hashes.append(hash((prev, block)))
         return hashes
 
     def reuse_prefix(self, seq: Sequence) -> None:

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from tpserve.engine.request import SamplingParams
 
+# A token the host does not know yet: sampled by the step still running on the device
+# (overlapped steps). It stands in the engine's token lists until that step is collected.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class SeqStep:
@@ -34,6 +38,9 @@ class SeqStep:
     encoder_len: int = 0
     cross_block_table: list[int] = field(default_factory=list)
     blocks_from: int = 0
+    # Overlapped steps: token_ids[prev_at] is PENDING_TOKEN, the token this sequence sampled
+    # in the previous step; the workers take it from that step's ids on the device. -1: none.
+    prev_at: int = -1
 
     @property
     def num_blocks(self) -> int:

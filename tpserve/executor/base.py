@@ -17,7 +17,8 @@ class ShardFailedError(RuntimeError):
 class Executor(ABC):
     """Runs steps on every shard of one model replica. Methods are called from one thread
     (the engine loop) in this order: start, available_blocks, allocate_cache, warmup, then
-    execute_step any number of times, health at any time after start, shutdown last."""
+    execute_step (or launch_step then collect) any number of times, health at any time after
+    start, shutdown last."""
 
     @abstractmethod
     def start(self) -> list[Any]:
@@ -38,6 +39,16 @@ class Executor(ABC):
     def execute_step(self, batch: StepBatch) -> StepOutput:
         """Run one step on every rank; rank 0's sampled tokens. Raises when any rank fails
         (never hangs on a dead one)."""
+
+    def launch_step(self, batch: StepBatch) -> Any:
+        """Start one step and return a handle for collect(), ideally before the device is
+        done (overlapped steps: the engine prepares the next step meanwhile). Steps run in
+        launch order. This default runs the whole step here."""
+        return self.execute_step(batch)
+
+    def collect(self, handle: Any) -> StepOutput:
+        """The output of a launched step (waits for its sampled tokens)."""
+        return handle
 
     @abstractmethod
     def health(self, timeout_s: float = 10.0) -> list[dict]:

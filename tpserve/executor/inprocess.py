@@ -5,6 +5,7 @@ from __future__ import annotations
 from tpserve.config import EngineConfig
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor
+from tpserve.worker.model_runner import PendingStep
 from tpserve.worker.worker import LoadReport, Worker
 
 
@@ -30,6 +31,12 @@ class InProcessExecutor(Executor):
 
     def execute_step(self, batch: StepBatch) -> StepOutput:
         return self.worker.execute(batch)
+
+    def launch_step(self, batch: StepBatch) -> PendingStep:
+        return self.worker.launch(batch)
+
+    def collect(self, handle: PendingStep) -> StepOutput:
+        return handle.result()
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         return [self.worker.health()]

@@ -12,6 +12,7 @@ import ray
 from tpserve.cluster.device import collective_failed
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError
+from tpserve.worker.model_runner import PendingStep
 from tpserve.worker.worker import LoadReport, Worker
 
 # How often the step path checks that the followers' loops are still running. A dead peer
@@ -52,6 +53,9 @@ class Rank0Executor(Executor):
         return seconds
 
     def execute_step(self, batch: StepBatch) -> StepOutput:
+        return self.collect(self.launch_step(batch))
+
+    def launch_step(self, batch: StepBatch) -> PendingStep:
         now = time.monotonic()
         if self.loops and now >= self._next_watch:
             self._next_watch = now + _WATCH_EVERY_S
@@ -60,22 +64,31 @@ class Rank0Executor(Executor):
                 raise ShardFailedError(f"shard {1 + self.loops.index(done[0])}'s step loop "
                                        "ended; the replica must be restarted")
         try:
-            return self.worker.execute(batch)
+            return self.worker.launch(batch)
         except Exception as exc:
-            if not self.loops:
-                raise
-            # A collective that fails because a peer died (gloo: "connection reset by
-            # peer") is a lost shard, not a bad step: the group cannot step again.
-            done, _ = ray.wait(self.loops, num_returns=1, timeout=_GRACE_S)
-            if done:
-                raise ShardFailedError(f"shard {1 + self.loops.index(done[0])} was lost "
-                                       f"(its step loop ended); rank 0 saw: "
-                                       f"{type(exc).__name__}: {exc}") from exc
-            if collective_failed(exc):  # a hung peer: the collective timed out
-                raise ShardFailedError(f"a collective of the shard group failed (a peer is "
-                                       f"hung or unreachable): {type(exc).__name__}: "
-                                       f"{exc}") from exc
-            raise
+            raise self._why(exc) from exc
+
+    def collect(self, handle: PendingStep) -> StepOutput:
+        try:
+            return handle.result()
+        except Exception as exc:  # a device error surfaces when its results are waited for
+            raise self._why(exc) from exc
+
+    def _why(self, exc: Exception) -> Exception:
+        """What a failed step means: a lost or hung shard (ShardFailedError), or exc."""
+        if not self.loops:
+            return exc
+        # A collective that fails because a peer died (gloo: "connection reset by peer")
+        # is a lost shard, not a bad step: the group cannot step again.
+        done, _ = ray.wait(self.loops, num_returns=1, timeout=_GRACE_S)
+        if done:
+            return ShardFailedError(f"shard {1 + self.loops.index(done[0])} was lost (its "
+                                    f"step loop ended); rank 0 saw: {type(exc).__name__}: "
+                                    f"{exc}")
+        if collective_failed(exc):  # a hung peer: the collective timed out
+            return ShardFailedError(f"a collective of the shard group failed (a peer is hung "
+                                    f"or unreachable): {type(exc).__name__}: {exc}")
+        return exc
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         refs = [f.health.remote() for f in self.followers]

@@ -104,9 +104,13 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
                         and s.num_blocks <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: list[SeqStep], seq_tables: np.ndarray) -> torch.Tensor | None:
+    def run(self, seqs: list[SeqStep], seq_tables: np.ndarray,
+            prev: tuple[np.ndarray, np.ndarray, torch.Tensor | None] | None = None
+            ) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] of one decode step, replayed from the smallest bucket
-        that holds the batch; seq_tables: [len(seqs), max_blocks] block ids."""
+        that holds the batch; seq_tables: [len(seqs), max_blocks] block ids. prev: (rows,
+        indices into ids, ids): those rows' input tokens are the previous step's sampled ids,
+        on the device (overlapped steps)."""
         b = len(seqs)
         bucket = next(x for x in self.buckets if x >= b)
         # The whole bucket goes over in one copy, padding rows included: they point at the
@@ -119,9 +123,12 @@ class DecodeGraphs:
         tables = np.full((bucket, self.max_blocks), self.scratch, dtype=np.int64)
         tables[:b] = seq_tables
         slots = tables[np.arange(bucket), pos // bs] * bs + pos % bs
-        ids_d, pos_d, slots_d, lens_d, tab_d = self.staging.to_device(
-            [ids, pos, slots, pos + 1, tables])
+        dst, src, prev_ids = prev if prev is not None else (np.zeros(0, np.int64),) * 2 + (None,)
+        ids_d, pos_d, slots_d, lens_d, tab_d, dst_d, src_d = self.staging.to_device(
+            [ids, pos, slots, pos + 1, tables, dst, src])
         self.ids[:bucket].copy_(ids_d)
+        if len(dst):
+            self.ids.index_copy_(0, dst_d, prev_ids.index_select(0, src_d))
         self.positions[:bucket].copy_(pos_d)
         self.slots[:bucket].copy_(slots_d)
         self.seq_lens[:bucket].copy_(lens_d)

@@ -34,6 +34,7 @@ class PagedInputs:
     ids: torch.Tensor  # int64 [T] on the device
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
+    extra: list[torch.Tensor]  # the caller's extra int64 arrays, on the device
 
 
 def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
@@ -47,9 +48,11 @@ def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
 
 
 def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
-                       tab: np.ndarray, block_size: int, staging: HostStaging) -> PagedInputs:
+                       tab: np.ndarray, block_size: int, staging: HostStaging,
+                       extra: list[np.ndarray] = ()) -> PagedInputs:
     """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns the blocks of
-    tab[i] (int64 [B, width], every entry a valid block id)."""
+    tab[i] (int64 [B, width], every entry a valid block id). `extra` int64 arrays travel in
+    the same copy."""
     q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
     start = np.asarray(starts_pos, dtype=np.int64)
     seq_lens = start + q_lens
@@ -59,26 +62,29 @@ def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
     positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][seq_of_token] + start[seq_of_token]
     slots = tab[seq_of_token, positions // block_size] * block_size + positions % block_size
     ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(cu[-1]))
-    ids_d, pos_d, slots_d, cu_d, lens_d, tab_d = staging.to_device(
-        [ids, positions, slots, cu, seq_lens, tab.reshape(-1)])
+    ids_d, pos_d, slots_d, cu_d, lens_d, tab_d, *extra_d = staging.to_device(
+        [ids, positions, slots, cu, seq_lens, tab.reshape(-1), *extra])
     meta = make_metadata(cu_d.int(), lens_d.int(), tab_d.view(tab.shape).int(), slots_d,
                          tuple(q_lens.tolist()), tuple(seq_lens.tolist()))
-    return PagedInputs(ids_d, pos_d, meta)
+    return PagedInputs(ids_d, pos_d, meta, extra_d)
 
 
 class HostStaging:
     """int64 arrays -> device tensors through one packed host buffer and one copy.
 
-    On an accelerator the buffer is pinned and preallocated (grown when a step needs more),
-    so the copy is asynchronous and nothing is allocated per step; before the buffer is
-    overwritten, the previous copy out of it is waited for (an event, not a device sync).
+    On an accelerator the buffers are pinned and preallocated (grown when a step needs more),
+    so the copy is asynchronous and nothing is allocated per step. Two buffers take turns:
+    with overlapped steps a step's copy waits on the device behind the step before it, and
+    the host, already preparing the step after, must not wait for that; before a buffer is
+    overwritten, the copy out of it (two steps back) is waited for by an event.
     On the CPU the packed array is used in place.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buf: torch.Tensor | None = None
-        self._copied: torch.Event | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.Event | None] = [None, None]
+        self._turn = 0
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
@@ -86,15 +92,16 @@ class HostStaging:
         if self.device.type == "cpu":
             return list(torch.from_numpy(np.concatenate(flat)).split(sizes))
         total = sum(sizes)
-        if self._buf is None or self._buf.numel() < total:
-            self._buf = torch.empty(max(total, 2 * (0 if self._buf is None else
-                                                    self._buf.numel())),
-                                    dtype=torch.int64, pin_memory=True)
-            self._copied = None
-        if self._copied is not None:
-            self._copied.synchronize()
-        np.concatenate(flat, out=self._buf.numpy()[:total])
-        packed = self._buf[:total].to(self.device, non_blocking=True)
-        self._copied = torch.Event(device=self.device)
-        self._copied.record()
+        t = self._turn = 1 - self._turn
+        buf = self._bufs[t]
+        if self._copied[t] is not None:
+            self._copied[t].synchronize()
+        if buf is None or buf.numel() < total:
+            buf = self._bufs[t] = torch.empty(
+                max(total, 2 * (0 if buf is None else buf.numel())), dtype=torch.int64,
+                pin_memory=True)
+        np.concatenate(flat, out=buf.numpy()[:total])
+        packed = buf[:total].to(self.device, non_blocking=True)
+        self._copied[t] = torch.Event(device=self.device)
+        self._copied[t].record()
         return list(packed.split(sizes))

@@ -1,42 +1,77 @@
 """Runs one step on a loaded shard: prepare inputs, run the model (eagerly or by replaying a
-decode graph), compute logits, sample on rank 0."""
+decode graph), compute logits, sample on rank 0.
+
+A step is launched, then collected: launch() queues the device work and the copy of the
+sampled tokens to the host and returns at once, so the engine can prepare the next step
+while the device runs this one (overlapped steps). A sequence whose input token is the one
+it sampled in the previous step, still unknown to the host, marks it with SeqStep.prev_at;
+the runner fills it in on the device from the previous step's sampled ids (every rank keeps
+them: rank 0 samples, the others receive them by a broadcast on the tensor-parallel group)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from tpserve.distributed import broadcast_from_first, get_tp
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.worker.block_tables import BlockTables
 from tpserve.worker.metadata import HostStaging, build_paged_inputs, make_metadata, padded_tables
-from tpserve.worker.sampling import sample_tokens
+from tpserve.worker.sampling import PendingTokens, sample_async
+
+
+class PendingStep:
+    """A launched step's result on rank 0: result() waits for its tokens only."""
+
+    def __init__(self, out: StepOutput, tokens: PendingTokens | None) -> None:
+        self._out, self._tokens = out, tokens
+
+    def result(self) -> StepOutput:
+        if self._tokens is not None:
+            self._out.tokens, self._tokens = self._tokens.tokens(), None
+        return self._out
 
 
 class ModelRunner:
     def __init__(self, model, kv_caches, backend, device: torch.device, rank: int,
-                 block_size: int, seed: int, graphs=None) -> None:
+                 block_size: int, seed: int, graphs=None, share_sampled: bool = False) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.device, self.rank, self.block_size, self.seed = device, rank, block_size, seed
         self.graphs = graphs  # DecodeGraphs (CUDA, a graph-safe backend) or None
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.staging = HostStaging(device)
         self.block_tables = BlockTables()
+        # Overlapped steps at tp > 1: rank 0 sends every step's sampled ids to the other
+        # ranks, which need them as the next step's inputs.
+        self.share_sampled = share_sampled and get_tp().size > 1
+        # The previous sampling step's ids on the device and each sequence's row in them.
+        self._prev_ids: torch.Tensor | None = None
+        self._prev_row: dict[int, int] = {}
+
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step to the end; rank 0 returns the sampled tokens, other ranks None."""
+        pending = self.launch(batch)
+        return None if pending is None else pending.result()
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepOutput | None:
-        """Rank 0 returns the sampled tokens, other ranks None."""
+    def launch(self, batch: StepBatch) -> PendingStep | None:
+        """Queue one step on the device; rank 0 returns its pending result, others None."""
         seqs = batch.seqs
         self.block_tables.release(batch.released)
         rows = self.block_tables.update(seqs)
+        dst, src = self._prev_fill(seqs)
         if self.graphs is not None and self.graphs.fits(seqs):
             tables = self.block_tables.gather(rows, self.graphs.max_blocks)
-            logits = self.graphs.run(seqs, tables)
-            return self._sample(batch, None if logits is None else logits.float(), [], [])
+            logits = self.graphs.run(seqs, tables, (dst, src, self._prev_ids))
+            return self._sample(batch, None if logits is None else logits.float(), seqs, [])
         tables = self.block_tables.gather(rows, max(1, max(s.num_blocks for s in seqs)))
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
-                                 tables, self.block_size, self.staging)
+                                 tables, self.block_size, self.staging, extra=[dst, src])
+        if len(dst):
+            d_dst, d_src = inp.extra
+            inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
         with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend, cross)):
             hidden = self.model(inp.ids, inp.positions)
@@ -48,32 +83,59 @@ class ModelRunner:
         for i in lp_seqs:
             rows.extend(range(ends[i] - q_lens[i], ends[i] - 1))
         if not rows:
-            return StepOutput(batch.step_id, []) if self.rank == 0 else None
+            self._prev_ids, self._prev_row = None, {}
+            return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         # compute_logits may gather to rank 0 only (None elsewhere).
-        return self._sample(batch, None if logits is None else logits.float(), sampled, lp_seqs)
+        return self._sample(batch, None if logits is None else logits.float(),
+                            [seqs[i] for i in sampled], lp_seqs)
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor | None, sampled: list[int],
-                lp_seqs: list[int]) -> StepOutput | None:
-        """logits: the sampled rows (every row when `sampled` is empty and no prompt
-        logprobs: a decode graph), then each lp_seqs chunk's rows but the last."""
+    def _prev_fill(self, seqs: list[SeqStep]) -> tuple[np.ndarray, np.ndarray]:
+        """Token offsets in this step's inputs to fill from the previous step's sampled ids,
+        and the rows of those ids."""
+        dst, src, at = [], [], 0
+        for s in seqs:
+            if s.prev_at >= 0:
+                row = self._prev_row.get(s.seq_id)
+                if row is None:
+                    raise RuntimeError(f"step input of sequence {s.seq_id} refers to a token "
+                                       "the previous step did not sample for it")
+                dst.append(at + s.prev_at)
+                src.append(row)
+            at += len(s.token_ids)
+        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | None, picked: list[SeqStep],
+                lp_seqs: list[int]) -> PendingStep | None:
+        """logits: the rows of `picked` (the sequences that sample), then each lp_seqs
+        chunk's rows but the last; None on ranks that do not sample."""
+        n = len(picked)
+        ids, tokens = None, None
+        if self.rank == 0 and logits is not None:
+            tokens = sample_async(logits[:n], picked, self.seed) if n else None
+            ids = tokens.ids if tokens is not None else None
+        if self.share_sampled and n:
+            if ids is None:
+                ids = torch.empty(n, dtype=torch.int64, device=self.device)
+            broadcast_from_first(ids)
+        self._prev_ids = ids
+        self._prev_row = {s.seq_id: i for i, s in enumerate(picked)} if ids is not None else {}
         if self.rank != 0 or logits is None:
             return None
-        seqs = batch.seqs
-        picked = [seqs[i] for i in sampled] if sampled or lp_seqs else seqs
-        n = len(picked)
-        out = StepOutput(batch.step_id,
-                         sample_tokens(logits[:n], picked, self.seed) if n else [])
-        row = n
+        out = StepOutput(batch.step_id, [])
+        seqs, row = batch.seqs, n
         for i in lp_seqs:
             k = len(seqs[i].token_ids) - 1
-            nxt = torch.tensor(seqs[i].token_ids[1:], device=logits.device)
+            # A recomputed chunk may end in a token still on the device (-1): its row is past
+            # the prompt, whose log-probabilities are all that is kept.
+            nxt = torch.tensor([max(t, 0) for t in seqs[i].token_ids[1:]],
+                               device=logits.device)
             lps = logits[row : row + k].log_softmax(-1).gather(1, nxt[:, None])[:, 0]
             out.prompt_logprobs[seqs[i].seq_id] = lps.tolist()
             row += k
         if batch.return_logits:
             out.logits = logits[:n].cpu().numpy()
-        return out
+        return PendingStep(out, tokens)
 
     def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:
         """Encoder-decoder models: run the encoder for the sequences whose decoder starts

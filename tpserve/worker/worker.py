@@ -28,7 +28,7 @@ from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_mod
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
 from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
-from tpserve.worker.model_runner import ModelRunner
+from tpserve.worker.model_runner import ModelRunner, PendingStep
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class Worker:
             if m.spec.paged:
                 m.spec = self._with_block(m.spec)
         self.runner = ModelRunner(self.model, self.kv_caches, self.backend, self.device,
-                                  self.rank, self.cfg.cache.block_size, self.cfg.seed)
+                                  self.rank, self.cfg.cache.block_size, self.cfg.seed,
+                                  share_sampled=self.cfg.scheduler.async_scheduling)
 
     @torch.inference_mode()  # as in execute(): compiled code guards on the grad mode
     def warmup(self, batch_sizes: tuple[int, ...] = (1,)) -> float:
@@ -230,6 +231,12 @@ class Worker:
     # --- serving ------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None."""
+        pending = self.launch(batch)
+        return None if pending is None else pending.result()
+
+    def launch(self, batch: StepBatch) -> PendingStep | None:
+        """Queue one step on the device (the other ranks get it over the control channel);
+        rank 0's pending result, whose result() waits for the sampled tokens."""
         if self.runner is None:
             raise RuntimeError("execute() before allocate_cache(): the engine sizes and "
                                "allocates the KV cache first")
@@ -239,7 +246,7 @@ class Worker:
         self.steps += 1
         if self.control is not None:
             self.control.send(encode_step(batch))
-        return self.runner.execute(batch)
+        return self.runner.launch(batch)
 
     def follow(self) -> int:
         """Ranks 1..tp-1: run every step rank 0 broadcasts until it sends STOP; returns the
@@ -253,4 +260,5 @@ class Worker:
             if int(msg[0]) == STOP:
                 return self.steps
             self.steps += 1
-            self.runner.execute(decode_step(msg))
+            # Launched, not waited for: this rank only has to keep the collectives paired.
+            self.runner.launch(decode_step(msg))
