@@ -15,7 +15,8 @@ from sampler_reference import distribution
 
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import SeqStep
-from tpserve.layers.sampler import SampleRow, gumbel_noise, row_key, sample, sample_seq_steps
+from tpserve.layers.sampler import SampleRow, gumbel_noise, row_key, sample
+from tpserve.worker.sampling import sample_tokens
 
 VOCAB = 50
 
@@ -184,7 +185,7 @@ def test_seq_step_adapter_reads_back_tokens_logprobs_and_top_n():
     seqs = [SeqStep(7, [1], 4, [0], True, SamplingParams(top_n_tokens=2)),
             SeqStep(8, [1], 4, [0], True, SamplingParams(do_sample=True), None, 2),
             SeqStep(9, [1], 4, [0], True, None)]
-    out = sample_seq_steps(logits, seqs, default_seed=5)
+    out = sample_tokens(logits, seqs, default_seed=5)
     assert [t.seq_id for t in out] == [7, 8, 9]
     assert out[0].token_id == int(logits[0].argmax()) and len(out[0].top) == 2
     assert out[0].top[0][0] == out[0].token_id and out[2].top == []

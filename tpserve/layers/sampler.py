@@ -4,7 +4,7 @@
 need) reach the device in one copy, every rule is a masked tensor op over the whole batch, and
 randomness is a counter-based Gumbel-max keyed by (seed, step), so a seeded row draws the same
 token whatever else shares its batch and nothing is kept between steps. The caller reads the
-result back once (`sample_seq_steps` does, for today's worker).
+result back once (tpserve/worker/sampling.py).
 
 Numerics: no accepted parameter may turn a row into NaN and poison the batch. Temperatures and
 penalties are clamped to ranges where float32 stays finite, +inf is clamped to a large finite
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.engine.request import SamplingParams
-from tpserve.engine.step import SampledToken, SeqStep
 from tpserve.kernels.fused_ops import gumbel_argmax_triton, use_triton
 
 # Temperatures below this already make the draw an arg-max for any real logit gap, and
@@ -282,31 +281,3 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         top_lp, top_ids = logp.topk(min(top_n, vocab), -1)
         return SampleResult(token, chosen, top_ids, top_lp)
     return SampleResult(token, chosen, None, None)
-
-
-def sample_seq_steps(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int = 0
-                     ) -> list[SampledToken]:
-    """Today's worker interface: sample, then read everything back in one transfer.
-
-    Unseeded rows draw with default_seed + seq_id, as before.
-    """
-    rows = []
-    for s in seqs:
-        p = s.params or SamplingParams()
-        seed = p.seed if p.seed is not None else default_seed + s.seq_id
-        rows.append(SampleRow(p, seed, s.num_generated,
-                              tuple(s.history) if s.history else None, s.num_generated))
-    res = sample(logits, rows)
-    # One float32 tensor (ids below 2**24 are exact in it; no float64, which some GPUs lack).
-    wide = torch.float32 if logits.shape[-1] < 2**24 else torch.float64
-    parts = [res.token_ids.to(wide), res.logprobs.to(wide)]
-    if res.top_ids is not None:
-        parts += [res.top_ids.to(wide), res.top_logprobs.to(wide)]
-    host = torch.cat([t.reshape(len(seqs), -1) for t in parts], 1).cpu().tolist()
-    k = res.top_ids.shape[1] if res.top_ids is not None else 0
-    out = []
-    for s, vals in zip(seqs, host):
-        n = (s.params.top_n_tokens if s.params else 0)
-        top = [(int(i), lp) for i, lp in zip(vals[2:2 + k][:n], vals[2 + k:][:n])]
-        out.append(SampledToken(s.seq_id, int(vals[0]), vals[1], top))
-    return out
