@@ -47,7 +47,8 @@ def build_engine(args, model: Path):
                                 cpus_per_shard=args.cpus),
         cache=CacheConfig(block_size=16, num_blocks=max_batch * blocks_per_seq + 8),
         scheduler=SchedulerConfig(max_num_seqs=max_batch,
-                                  max_num_batched_tokens=max(8192, args.context * 4)),
+                                  max_num_batched_tokens=max(8192, args.context * 4),
+                                  async_scheduling=not args.no_async_scheduling),
         kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
     return Engine(cfg, InProcessExecutor(cfg))
 
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="timed decode steps per batch")
     ap.add_argument("--cpus", type=int, default=1, help="CPU device: threads")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="steps one at a time (default: overlapped, as served)")
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -148,7 +151,8 @@ def main() -> None:
     lines = [f"\n### engine_step.py, {datetime.date.today()}, commit {commit()}", "",
              f"{model if args.model else 'Llama-3-8B shape, random weights'}, {args.device}, "
              f"{args.dtype}, kernel {args.kernel}, context ~{args.context}, graphs "
-             f"{'off' if args.no_cuda_graphs else 'on'}", "",
+             f"{'off' if args.no_cuda_graphs else 'on'}, overlapped steps "
+             f"{'off' if args.no_async_scheduling else 'on'}", "",
              "| batch | ms/step | tokens/s | profiled wall ms | GPU kernel ms | host share | "
              "D2H syncs/step |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for b, ms, p in rows:

@@ -69,7 +69,8 @@ def prompt(n: int, rng: random.Random, vocab: int) -> str:
 
 
 class Server:
-    def __init__(self, tree: Path, model: Path, args, log: Path) -> None:
+    def __init__(self, tree: Path, model: Path, args, log: Path,
+                 extra: list[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tpserve.cli", "launch", "--model", str(model),
@@ -77,7 +78,7 @@ class Server:
                "--tp", str(args.tp), "--port", str(self.port), "--no-dashboard",
                "--max-batch-size", str(args.max_batch_size),
                "--max-concurrent-requests", str(max(args.concurrency) * 2),
-               "--max-total-tokens", str(args.max_total_tokens), *args.launch_args]
+               "--max-total-tokens", str(args.max_total_tokens), *args.launch_args, *extra]
         env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(
                        [p for p in (os.environ.get("PYTHONPATH_PREFIX"), str(tree)) if p]))
@@ -238,15 +239,18 @@ def main() -> None:
     vocab = json.loads(args.model_config.read_text())["vocab_size"]
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
     rows = []
-    for label, path in trees:
+    for label, spec in trees:
+        # label=PATH or label=PATH::--flag --flag: this tree's own extra launch flags.
+        path, _, flags = spec.partition("::")
         tree = Path(path).resolve()
-        srv = Server(tree, model, args, args.logs / f"serve_{label}.log")
+        srv = Server(tree, model, args, args.logs / f"serve_{label}.log", flags.split())
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
             res = asyncio.run(measure(srv.url, args, vocab))
             print(f"[{label}] {res}", flush=True)
-            rows.append((label, commit_of(tree), ready, res))
+            rows.append((label + (f" ({flags.strip()})" if flags else ""), commit_of(tree),
+                         ready, res))
         finally:
             srv.stop()
     text = table(rows, args)
