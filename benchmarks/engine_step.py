@@ -97,7 +97,23 @@ def profile_steps(engine, n: int, device: str) -> dict:
                  and str(e.device_type).endswith("CUDA"))
     # Each device-to-host copy (.item(), .tolist(), .cpu()) waits for the device: one sync.
     syncs = sum(e.count for e in events if "Memcpy DtoH" in e.key)
-    return {"wall_ms": wall, "gpu_ms": gpu_us / 1e3 / n, "syncs": syncs / n}
+    kernels = sorted(((e.key, e.count / n, (e.self_device_time_total or 0) / n) for e in events
+                      if str(getattr(e, "device_type", "")).endswith("CUDA")
+                      and (e.self_device_time_total or 0) > 0), key=lambda k: -k[2])
+    return {"wall_ms": wall, "gpu_ms": gpu_us / 1e3 / n, "syncs": syncs / n,
+            "kernels": kernels}
+
+
+def kernel_table(batch: int, kernels: list, top: int) -> list[str]:
+    """The kernels that take the most GPU time per step (names shortened)."""
+    total = sum(k[2] for k in kernels)
+    lines = ["", f"Batch {batch}: the {top} kernels with the most GPU time per step "
+             f"(of {total / 1e3:.2f} ms in {sum(k[1] for k in kernels):.0f} launches):", "",
+             "| kernel | launches/step | us/step | share |", "| --- | --- | --- | --- |"]
+    for name, calls, us in kernels[:top]:
+        short = name.replace("|", "/")[:90]
+        lines.append(f"| `{short}` | {calls:.1f} | {us:.1f} | {us / total:.1%} |")
+    return lines
 
 
 def commit() -> str:
@@ -126,6 +142,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="steps one at a time (default: overlapped, as served)")
+    ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                    help="also list the N kernels with the most GPU time per step")
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -159,6 +177,9 @@ def main() -> None:
         share = 1 - p["gpu_ms"] / p["wall_ms"] if p["wall_ms"] and p["gpu_ms"] else float("nan")
         lines.append(f"| {b} | {ms:.2f} | {b / ms * 1e3:.0f} | {p['wall_ms']:.2f} | "
                      f"{p['gpu_ms']:.2f} | {share:.0%} | {p['syncs']:.1f} |")
+    if args.kernel_table:
+        for b, _, p in rows:
+            lines += kernel_table(b, p["kernels"], args.kernel_table)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
