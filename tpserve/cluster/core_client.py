@@ -109,20 +109,32 @@ class CoreClient:
         return ids
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams):
+        got = self.add_requests([(prompt_ids, params)])[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]]) -> list:
+        """Every request in one call, which the core answers at its next step boundary;
+        each one's handle (seq_id, params with the seed filled in) or the error refusing it."""
         self._check_followers()
         try:
             # The core answers between steps; a step never outlasts the collective timeout.
-            answer = ray.get(self.core.submit.remote(prompt_ids, params),
-                             timeout=self.cfg.parallel.dist_timeout_s)
+            answers = ray.get(self.core.submit_many.remote(requests),
+                              timeout=self.cfg.parallel.dist_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise ShardFailedError("the engine core did not take a request within the "
+            raise ShardFailedError("the engine core did not take requests within the "
                                    "collective timeout; the replica is stuck") from None
-        if answer[0] == "error":
-            cls = getattr(errors, answer[1], errors.ValidationError)
-            raise cls(answer[2])
-        _, seq_id, params = answer
-        self.output.add(seq_id, params)
-        return SimpleNamespace(seq_id=seq_id, params=params)
+        out: list = []
+        for answer in answers:
+            if answer[0] == "error":
+                cls = getattr(errors, answer[1], errors.ValidationError)
+                out.append(cls(answer[2]))
+                continue
+            _, seq_id, params = answer
+            self.output.add(seq_id, params)
+            out.append(SimpleNamespace(seq_id=seq_id, params=params))
+        return out
 
     def abort(self, seq_id: int) -> None:
         self.output.remove(seq_id)

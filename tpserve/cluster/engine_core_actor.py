@@ -60,8 +60,12 @@ class EngineCoreActor:
     # --- driver calls (other threads) ---------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple:
         """("ok", seq_id, params with the seed filled in) or ("error", class name, message)."""
+        return self.submit_many([(prompt_ids, params)])[0]
+
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
+        """submit() for several requests, taken together at the next step boundary."""
         fut: Future = Future()
-        self._inbox.put(("add", prompt_ids, params, fut))
+        self._inbox.put(("add", requests, None, fut))
         return fut.result()
 
     def abort(self, seq_ids: list[int]) -> None:
@@ -122,10 +126,10 @@ class EngineCoreActor:
                     self.core.abort(seq_id)
             else:
                 try:
-                    seq = self.core.add_request(a, b)
-                    fut.set_result(("ok", seq.seq_id, seq.params))
-                except TPServeError as exc:
-                    fut.set_result(("error", type(exc).__name__, str(exc)))
+                    fut.set_result([("error", type(r).__name__, str(r))
+                                    if isinstance(r, TPServeError)
+                                    else ("ok", r.seq_id, r.params)
+                                    for r in self.core.add_requests(a)])
                 except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
                     fut.set_exception(exc)
             try:

@@ -293,50 +293,80 @@ class AsyncEngine:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        items = []
         while item is not None:
-            self._handle(item)
+            items.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        # Consecutive submissions go to the engine in one call: the engine core takes new
+        # requests between steps, so one call per request would make a burst of N requests
+        # wait N steps to get in. Aborts keep their place in the order.
+        batch: list[_Submit] = []
+        for item in items:
+            if isinstance(item, _Abort):
+                self._submit(batch)
+                batch = []
+                self._abort(item)
+            else:
+                batch.append(item)
+        self._submit(batch)
 
-    def _handle(self, item) -> None:
-        if isinstance(item, _Abort):
-            if self._replay.pop(item.handle, None) is not None:
-                return
-            seq_id = self._seq_of.pop(item.handle, None)
-            if seq_id is not None:
-                self._live.pop(seq_id, None)
-                self.engine.abort(seq_id)
-                self._ray_metrics.request_ended(seq_id)
+    def _abort(self, item: _Abort) -> None:
+        if self._replay.pop(item.handle, None) is not None:
+            return
+        seq_id = self._seq_of.pop(item.handle, None)
+        if seq_id is not None:
+            self._live.pop(seq_id, None)
+            self.engine.abort(seq_id)
+            self._ray_metrics.request_ended(seq_id)
+
+    def _submit(self, items: list[_Submit]) -> None:
+        if not items:
             return
         if self.state == "rebuilding":  # raced with the loss: served after the rebuild
-            self._replay[item.handle] = item
+            for item in items:
+                self._replay[item.handle] = item
             return
         if self.state == "failed":
-            item.fail(NotReadyError(self.not_ready_reason()))
+            for item in items:
+                item.fail(NotReadyError(self.not_ready_reason()))
             return
+        many = getattr(self.engine, "add_requests", None)
         try:
-            seq = self.engine.add_request(item.prompt_ids, item.params)
-        except TPServeError as exc:
-            item.fail(exc)
-            return
+            if many is not None:
+                results = many([(item.prompt_ids, item.params) for item in items])
+            else:  # an engine that takes one request per call
+                results = []
+                for item in items:
+                    try:
+                        results.append(self.engine.add_request(item.prompt_ids, item.params))
+                    except TPServeError as exc:
+                        results.append(exc)
         except Exception as exc:  # noqa: BLE001 - the engine (or a shard) failed, not the input
-            log.exception("submitting a request failed")
+            log.exception("submitting requests failed")
             if _replica_dead(exc):
-                self._replay[item.handle] = item  # nothing of it ran: replay it
+                for item in items:
+                    self._replay[item.handle] = item  # nothing of them ran: replay them
                 self._lose(exc)
                 if self.state == "failed":
                     self._give_up()
             else:
-                item.fail(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))
+                for item in items:
+                    item.fail(GenerationError(f"generation failed: {type(exc).__name__}: "
+                                              f"{exc}"))
             return
-        self._live[seq.seq_id] = item
-        self._seq_of[item.handle] = seq.seq_id
-        self._ray_metrics.request_arrived(seq.seq_id)
-        if not item.answered:
-            item.answered = True
-            item.loop.call_soon_threadsafe(_set_result, item.accepted, item.handle)
+        for item, seq in zip(items, results, strict=True):
+            if isinstance(seq, BaseException):
+                item.fail(seq)
+                continue
+            self._live[seq.seq_id] = item
+            self._seq_of[item.handle] = seq.seq_id
+            self._ray_metrics.request_arrived(seq.seq_id)
+            if not item.answered:
+                item.answered = True
+                item.loop.call_soon_threadsafe(_set_result, item.accepted, item.handle)
 
     def _step(self) -> None:
         t0 = time.perf_counter()

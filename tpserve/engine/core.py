@@ -22,7 +22,7 @@ from tpserve.engine.request import SamplingParams
 from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import PENDING_TOKEN, SeqStep, StepBatch, StepOutput
-from tpserve.errors import CheckpointError, ValidationError
+from tpserve.errors import CheckpointError, TPServeError, ValidationError
 
 if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
     from tpserve.executor.base import Executor
@@ -187,6 +187,17 @@ class EngineCore:
         self.requests[seq.seq_id] = state
         self.scheduler.add(seq)
         return seq
+
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]]
+                     ) -> list[Sequence | TPServeError]:
+        """Several requests at once: each one's Sequence, or the error that refused it."""
+        out: list[Sequence | TPServeError] = []
+        for prompt_ids, params in requests:
+            try:
+                out.append(self.add_request(prompt_ids, params))
+            except TPServeError as exc:
+                out.append(exc)
+        return out
 
     def abort(self, seq_id: int) -> None:
         state = self.requests.pop(seq_id, None)
