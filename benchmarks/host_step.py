@@ -1,0 +1,274 @@
+"""Host (Python) cost of one decode step outside the model runner, on the CPU: the real
+scheduler, block manager, prefix cache, step building and output processor driven by a fake
+executor that returns a fixed token stream at once. Prints ms per step for each part at
+batch 32 and 256, for this tree and (with --old PATH, e.g. a `git archive` of an earlier
+commit) for another tree side by side, with the ratio old / new, and writes the table into
+docs/benchmarks.md.
+
+    python benchmarks/host_step.py [--old /tmp/main-tree] [--steps 48] [--out FILE]
+
+Each tree is measured in its own subprocess (its own `tpserve` import). The workload is the
+served benchmark's shape: 256-token prompts (distinct, so nothing is shared), greedy,
+ignore_eos; a quarter of the requests carry a stop string TGI-style (kept in the text) and a
+quarter OpenAI-style (cut), so the stop-string paths are paid for too. Outputs cross a pickle
+as the engine-core actor's poll does (pack, pickle, unpickle, unpack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("schedule", "build", "after_step", "append", "pack", "process", "stats")
+PART_DOC = {
+    "schedule": "Scheduler.schedule (block manager can_grow/grow)",
+    "build": "the per-sequence step messages (_seq_step)",
+    "after_step": "Scheduler.after_step (prefix-cache block hashing)",
+    "append": "the rest of EngineCore.step (appending tokens, EOS/length)",
+    "pack": "pack_outputs + pickle + unpickle + unpack_outputs",
+    "process": "OutputProcessor.process (detokenizer, stop strings, events)",
+    "stats": "EngineCore.stats (the engine-core actor's poll)",
+}
+
+
+# --- measuring one tree (runs in a subprocess with that tree first on sys.path) -----------
+class _Timer:
+    def __init__(self) -> None:
+        self.acc = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, obj, name: str, part: str) -> None:
+        """Time obj.name into `part` (an instance attribute shadows the method)."""
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.acc[part] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def _fake_executor(token_stream: list[int]):
+    from tpserve.engine.step import SampledToken, StepOutput
+    from tpserve.executor.base import Executor
+
+    class FakeExecutor(Executor):
+        """Every sampled row gets the next token of a fixed stream, at once."""
+
+        def start(self):
+            from types import SimpleNamespace
+
+            return [SimpleNamespace(param_bytes=0, backend="fake", passed_over={})]
+
+        def available_blocks(self) -> int:
+            return 1 << 15
+
+        def allocate_cache(self, num_blocks: int) -> None: ...
+
+        def warmup(self, batch_sizes) -> float:
+            return 0.0
+
+        def execute_step(self, batch):
+            n = len(token_stream)
+            return StepOutput(batch.step_id, [
+                SampledToken(s.seq_id, token_stream[(s.seq_id * 31 + s.num_generated) % n], -0.5)
+                for s in batch.seqs if s.sample])
+
+        def health(self, timeout_s: float = 10.0):
+            return [{}]
+
+        def shutdown(self) -> None: ...
+
+    return FakeExecutor()
+
+
+def _tokenizer(vocab: int):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import build_tokenizer
+
+    return build_tokenizer(vocab)
+
+
+def measure(batch: int, steps: int, prompt_len: int, prefix_caching: bool) -> dict:
+    from tpserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from tpserve.engine.core import EngineCore
+    from tpserve.engine.output_processor import OutputProcessor
+    from tpserve.engine.outputs import pack_outputs, unpack_outputs
+    from tpserve.engine.request import SamplingParams
+
+    tok = _tokenizer(512)
+    special = frozenset(tok.all_special_ids)
+    rng = random.Random(0)
+    usable = [i for i in range(len(tok)) if i not in special]
+    stream = [rng.choice(usable) for _ in range(4096)]
+    new = steps + 16
+    cfg = EngineConfig(
+        model=ModelConfig(path="unused", model_id="host-step", max_model_len=prompt_len + new + 8),
+        cache=CacheConfig(block_size=16, prefix_caching=prefix_caching),
+        # Every prompt in one step: main before this change failed on a chunked prefill
+        # with prefix caching (it named blocks past the computed ones).
+        scheduler=SchedulerConfig(max_num_seqs=batch,
+                                  max_num_batched_tokens=max(8192, batch * prompt_len),
+                                  max_concurrent_requests=batch))
+    hf = type("HF", (), {"architectures": ["LlamaForCausalLM"]})()
+    core = EngineCore(cfg, _fake_executor(stream), hf, eos_ids={tok.eos_token_id})
+    proc = OutputProcessor(tok, special)
+    styles = [SamplingParams(max_new_tokens=new, ignore_eos=True),
+              SamplingParams(max_new_tokens=new, ignore_eos=True, stop=("@@@", "\n\n\n")),
+              SamplingParams(max_new_tokens=new, ignore_eos=True),
+              SamplingParams(max_new_tokens=new, ignore_eos=True, stop=("@@@", "\n\n\n"),
+                             include_stop_str_in_output=False)]
+    for i in range(batch):
+        seq = core.add_request([rng.choice(usable) for _ in range(prompt_len)], styles[i % 4])
+        proc.add(seq.seq_id, seq.params)
+
+    timer = _Timer()
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(core.scheduler, "after_step", "after_step")
+    timer.wrap(core, "_seq_step", "build")
+    per_step: dict[str, list[float]] = {p: [] for p in (*PARTS, "total")}
+
+    def one_step(record: bool) -> int:
+        timer.acc = dict.fromkeys(PARTS, 0.0)
+        t0 = time.perf_counter()
+        outputs, _ = core.step()
+        t1 = time.perf_counter()
+        outs = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outputs))))
+        t2 = time.perf_counter()
+        events, stopped = proc.process(outs)
+        for seq_id in stopped:
+            core.finish(seq_id, "stop_sequence")
+        t3 = time.perf_counter()
+        core.stats()
+        t4 = time.perf_counter()
+        if record:
+            acc = timer.acc
+            acc["append"] = (t1 - t0) - acc["schedule"] - acc["build"] - acc["after_step"]
+            acc["pack"], acc["process"], acc["stats"] = t2 - t1, t3 - t2, t4 - t3
+            for p in PARTS:
+                per_step[p].append(acc[p] * 1e3)
+            per_step["total"].append((t4 - t0) * 1e3)
+        return len(events)
+
+    while any(not s.seq.output_ids for s in core.requests.values()):  # prefill
+        one_step(False)
+    for _ in range(4):  # warm
+        one_step(False)
+    for _ in range(steps):
+        if one_step(True) != batch:
+            raise RuntimeError("a request finished early: the timed steps must be full")
+    return {p: statistics.median(v) for p, v in per_step.items()}
+
+
+def _measure_main(args) -> None:
+    import tpserve
+
+    here = Path(tpserve.__file__).resolve()
+    if not here.is_relative_to(Path(args.tree).resolve()):
+        raise SystemExit(f"tpserve imported from {here}, not from {args.tree}: run the tree's "
+                         "benchmark with its directory first on sys.path")
+    res = {f"{b}/{int(pc)}": measure(b, args.steps, args.prompt_len, pc)
+           for b in args.batches for pc in (False, True)}
+    print(json.dumps(res))
+
+
+# --- the side-by-side table ---------------------------------------------------------------
+def _run_tree(tree: Path, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", "--tree", str(tree),
+           "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
+           "--batches", *map(str, args.batches)]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _commit(tree: Path) -> str:
+    marker = tree / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()[:12]
+    try:
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def table(new: dict, old: dict | None, new_name: str, old_name: str | None) -> str:
+    head = ["batch", "prefix cache", "part", f"new ms/step ({new_name})"]
+    if old is not None:
+        head += [f"old ms/step ({old_name})", "old / new"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for key, parts in new.items():
+        b, pc = key.split("/")
+        for p in (*PARTS, "total"):
+            row = [b, "on" if pc == "1" else "off", p if p != "total" else "**total**",
+                   f"{parts[p]:.3f}"]
+            if old is not None:
+                o = old[key][p]
+                row += [f"{o:.3f}", f"{o / parts[p]:.1f}x" if parts[p] > 1e-4 else "-"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def write_doc(path: Path, text: str) -> None:
+    """Replace this benchmark's section of the doc (or append it)."""
+    title = "### Host cost per decode step (benchmarks/host_step.py)"
+    doc = path.read_text() if path.exists() else ""
+    start = doc.find(title)
+    if start < 0:
+        path.write_text(doc.rstrip("\n") + "\n\n" + text + "\n")
+        return
+    end = doc.find("\n## ", start + len(title))
+    end2 = doc.find("\n### ", start + len(title))
+    end = min(e for e in (end, end2, len(doc)) if e >= 0)
+    path.write_text(doc[:start] + text + "\n" + doc[end:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", type=Path, help="another tree to measure side by side")
+    ap.add_argument("--steps", type=int, default=48, help="timed decode steps per case")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                    help="markdown file whose host-step section is replaced ('-': none)")
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", default=str(ROOT), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.measure:
+        _measure_main(args)
+        return
+    new = _run_tree(ROOT, args)
+    old = _run_tree(args.old.resolve(), args) if args.old else None
+    new_name, old_name = _commit(ROOT), _commit(args.old) if args.old else None
+    tab = table(new, old, new_name, old_name)
+    print(tab)
+    if str(args.out) == "-":
+        return
+    cpu = platform.processor() or platform.machine()
+    text = (f"### Host cost per decode step (benchmarks/host_step.py)\n\n"
+            f"{datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores "
+            f"(shared with other jobs), Python {platform.python_version()}. Median ms per "
+            f"decode step over {args.steps} steps, {args.prompt_len}-token prompts, a fake "
+            "executor that answers at once. Parts: "
+            + "; ".join(f"{k}: {v}" for k, v in PART_DOC.items()) + ".\n\n" + tab)
+    write_doc(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
