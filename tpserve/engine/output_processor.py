@@ -27,6 +27,7 @@ class _Request:
     ids: list[int] = field(default_factory=list)
     prefill: list[TokenInfo] = field(default_factory=list)
     emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
+    longest: int = 0  # the longest stop string's length (0: no stop strings)
 
 
 class OutputProcessor:
@@ -36,8 +37,9 @@ class OutputProcessor:
         self.requests: dict[int, _Request] = {}
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
-        self.requests[seq_id] = _Request(params, IncrementalDetokenizer(self.tokenizer,
-                                                                        self.special_ids))
+        self.requests[seq_id] = _Request(
+            params, IncrementalDetokenizer(self.tokenizer, self.special_ids),
+            longest=max(map(len, params.stop), default=0))
 
     def remove(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
@@ -69,12 +71,14 @@ class OutputProcessor:
         if out.prefill is not None:
             req.prefill = [self.token_info(t, lp) for t, lp in out.prefill]
         special = tid in self.special_ids
-        text = req.detok.add(tid)
+        text = new = req.detok.add(tid)
         if special:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
         reason = out.finish_reason
         # A stop string outranks length (as it did when one loop checked both), not EOS.
-        if reason != "eos_token" and p.stop and _find_stop(req.detok.text, p.stop, len(text)) >= 0:
+        # Only text this token added can complete one (earlier text was checked before).
+        if new and req.longest and reason != "eos_token" \
+                and _find_stop(req.detok.text, p.stop, len(new), req.longest) >= 0:
             reason = "stop_sequence"
         include = p.include_stop_str_in_output
         streamed = req.emitted
@@ -89,7 +93,7 @@ class OutputProcessor:
             return event
         final_text = self.tokenizer.decode(req.ids, skip_special_tokens=True)
         if not include:
-            cut = _find_stop(final_text, p.stop, len(final_text)) if p.stop else -1
+            cut = _find_stop(final_text, p.stop, len(final_text), req.longest) if p.stop else -1
             if cut >= 0:
                 final_text = final_text[:cut]
             if not special and final_text.startswith(req.detok.text[:streamed]):
@@ -111,27 +115,32 @@ class OutputProcessor:
     def _held_back(self, req: _Request, finishing: bool) -> str:
         """include_stop=False: the new text that cannot be part of a stop string."""
         seen = req.detok.text
-        hold = 0 if finishing else max(_overlap(seen, s) for s in req.params.stop) \
-            if req.params.stop else 0
+        hold = 0
+        if not finishing:
+            for stop in req.params.stop:
+                hold = max(hold, _overlap(seen, stop))
         end = max(req.emitted, len(seen) - hold)
         text, req.emitted = seen[req.emitted:end], end
         return text
 
 
-def _find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> int:
+def _find_stop(text: str, stops: tuple[str, ...], new_chars: int, longest: int) -> int:
     """Start of the earliest stop string in `text` that could involve the last new_chars
-    characters (earlier text was checked before), or -1."""
-    longest = max(len(s) for s in stops)
+    characters (earlier text was checked before), or -1. longest: the longest stop's length."""
     start = max(0, len(text) - new_chars - longest - 8)
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
+    best = -1
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
 
 
 def _overlap(text: str, stop: str) -> int:
-    """Characters at the end of `text` that may begin `stop` (all from a full match on)."""
-    at = text.find(stop)
-    if at >= 0:
-        return len(text) - at
+    """Characters at the end of `text` that may begin `stop`. Called only while no stop
+    string has matched (a match ends the request), so only proper prefixes can be there."""
+    if not text or text[-1] not in stop[:-1]:  # no prefix of stop ends with this character
+        return 0
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:k]):
             return k
