@@ -303,8 +303,11 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
 def work_tokens(seqs) -> int:
     """Tokens still to compute for these sequences (prompt rest plus tokens they may still
     generate): what a replica router weighs replicas by."""
-    return sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
-               for q in seqs)
+    total = 0
+    for q in seqs:  # num_pending + tokens left to generate, without the property calls
+        out = len(q.output_ids)
+        total += len(q.prompt_ids) + out - q.num_computed + max(0, q.params.max_new_tokens - out)
+    return total
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
