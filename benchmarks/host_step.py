@@ -137,6 +137,12 @@ def measure(batch: int, steps: int, prompt_len: int, prefix_caching: bool) -> di
         seq = core.add_request([rng.choice(usable) for _ in range(prompt_len)], styles[i % 4])
         proc.add(seq.seq_id, seq.params)
 
+    try:  # what serving does once a replica is built, in trees that do it
+        from tpserve.engine.heap import freeze_startup_objects
+
+        freeze_startup_objects()
+    except ImportError:
+        pass
     timer = _Timer()
     timer.wrap(core.scheduler, "schedule", "schedule")
     timer.wrap(core.scheduler, "after_step", "after_step")
@@ -172,7 +178,9 @@ def measure(batch: int, steps: int, prompt_len: int, prefix_caching: bool) -> di
     for _ in range(steps):
         if one_step(True) != batch:
             raise RuntimeError("a request finished early: the timed steps must be full")
-    return {p: statistics.median(v) for p, v in per_step.items()}
+    res = {p: statistics.median(v) for p, v in per_step.items()}
+    res["mean"] = statistics.fmean(per_step["total"])  # with the garbage collector's pauses
+    return res
 
 
 def _measure_main(args) -> None:
@@ -215,8 +223,9 @@ def table(new: dict, old: dict | None, new_name: str, old_name: str | None) -> s
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key, parts in new.items():
         b, pc = key.split("/")
-        for p in (*PARTS, "total"):
-            row = [b, "on" if pc == "1" else "off", p if p != "total" else "**total**",
+        for p in (*PARTS, "total", "mean"):
+            name = {"total": "**total** (median)", "mean": "total (mean, GC pauses in)"}.get(p, p)
+            row = [b, "on" if pc == "1" else "off", name,
                    f"{parts[p]:.3f}"]
             if old is not None:
                 o = old[key][p]

@@ -4,6 +4,8 @@ a burst reports settled values. work_tokens is checked against its definition.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import tpserve.cluster.engine_core_actor as actor_mod
 from tpserve.cluster.engine_core_actor import EngineCoreActor
 from tpserve.engine.core import work_tokens
@@ -50,3 +52,21 @@ def test_work_tokens_counts_pending_and_still_to_generate():
     expected = sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
                    for q in (a, b))
     assert work_tokens([a, b]) == expected == 6 + 5 + 1
+
+
+def test_serving_starts_with_the_startup_heap_frozen():
+    import gc
+
+    from tpserve.engine.async_engine import AsyncEngine
+
+    gc.unfreeze()
+    engine = AsyncEngine(lambda: SimpleNamespace(has_work=lambda: False, shutdown=lambda: None),
+                         "stub", 1)
+    engine.start()
+    try:
+        engine.wait_ready(timeout=10)
+        # Objects alive at start-up no longer cost a full collection mid-step.
+        assert gc.get_freeze_count() > 0
+    finally:
+        engine.stop()
+        gc.unfreeze()

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore
+from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
@@ -58,6 +59,7 @@ class EngineCoreActor:
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
         hf = AutoConfig.from_pretrained(self.cfg.model.path)
         self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
+        freeze_startup_objects()  # full collections would walk the model's objects mid-step
         self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)
         self._thread.start()
         c = self.core

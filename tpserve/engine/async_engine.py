@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import count
 
+from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams
@@ -274,6 +275,7 @@ class AsyncEngine:
             self.error = exc
             return
         self._engine_live, self.state = True, "serving"
+        freeze_startup_objects()
         self._ready.set()
         while not self._stop.is_set():
             if self.state == "rebuilding":
@@ -440,6 +442,7 @@ class AsyncEngine:
                 continue
             self.rebuild.record(ok=True)
             self.engine, self._engine_live = engine, True
+            freeze_startup_objects()
             self.dead, self.state = None, "serving"
             self._ray_metrics.rebuilt()
             log.warning("shard group rebuilt in %.1fs; serving again (%d rebuild(s) left)",
