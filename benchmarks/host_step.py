@@ -36,8 +36,10 @@ PART_DOC = {
     "build": "the per-sequence step messages (_seq_step)",
     "after_step": "Scheduler.after_step (prefix-cache block hashing)",
     "append": "the rest of EngineCore.step (appending tokens, EOS/length)",
-    "pack": "pack_outputs + pickle + unpickle + unpack_outputs",
-    "process": "OutputProcessor.process (detokenizer, stop strings, events)",
+    "pack": "pack_outputs + pickle + unpickle (the engine-core actor's poll to the driver)",
+    "process": "the driver's output processing as CoreClient.step does it (unpack_outputs + "
+               "OutputProcessor.process, or process_packed where the tree has it: "
+               "detokenizer, stop strings, events)",
     "stats": "EngineCore.stats (the engine-core actor's poll)",
 }
 
@@ -154,9 +156,12 @@ def measure(batch: int, steps: int, prompt_len: int, prefix_caching: bool) -> di
         t0 = time.perf_counter()
         outputs, _ = core.step()
         t1 = time.perf_counter()
-        outs = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outputs))))
+        packed = pickle.loads(pickle.dumps(pack_outputs(outputs)))
         t2 = time.perf_counter()
-        events, stopped = proc.process(outs)
+        if hasattr(proc, "process_packed"):
+            events, stopped = proc.process_packed(packed)
+        else:
+            events, stopped = proc.process(unpack_outputs(packed))
         for seq_id in stopped:
             core.finish(seq_id, "stop_sequence")
         t3 = time.perf_counter()

@@ -65,3 +65,23 @@ def test_random_streams_stop_where_a_full_decode_says(tok, include):
         assert final.generated_text == text, (ids, stops)
         assert "".join(e.token.text for e in events) == text, (ids, stops)
         assert not any(e.finished for e in events[:-1])
+
+
+def test_packed_outputs_give_the_same_events_as_token_outputs(tok):
+    from tpserve.engine.outputs import pack_outputs
+
+    ids = tok("The quick brown fox jumps over the lazy dog", add_special_tokens=False).input_ids
+    params = [SamplingParams(max_new_tokens=8, top_n_tokens=2, prompt_logprobs=True),
+              SamplingParams(max_new_tokens=8, stop=("fox",), include_stop_str_in_output=False),
+              SamplingParams(max_new_tokens=8)]
+    procs = [OutputProcessor(tok, frozenset(tok.all_special_ids)) for _ in range(2)]
+    for proc in procs:
+        for sid, p in enumerate(params):
+            proc.add(sid, p)
+    for step in range(len(ids) - 2):
+        outs = [TokenOutput(sid, ids[step + sid], -0.5 * sid, [(ids[0], -0.1), (ids[1], -2.0)],
+                            step + 1, 9, "length" if step == len(ids) - 3 else None,
+                            [(ids[0], None), (ids[1], -1.25)] if step == 0 and sid == 0
+                            else None)
+                for sid in range(3)]
+        assert procs[1].process_packed(pack_outputs(outs)) == procs[0].process(outs)

@@ -13,11 +13,12 @@ until it is known not to be one, so the streamed pieces always add up to generat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tpserve.engine.detokenizer import IncrementalDetokenizer
-from tpserve.engine.outputs import TokenOutput
-from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
+from tpserve.engine.outputs import TokenOutput, packed_rows
+from tpserve.engine.request import FinishReason, GenerationEvent, SamplingParams, TokenInfo
 
 
 @dataclass
@@ -48,33 +49,47 @@ class OutputProcessor:
                 ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
         """Events for the outputs of known requests, and the ids that hit a stop string
         (finish them in the engine core)."""
+        return self._process((o.seq_id, o.token_id, o.logprob, o.top, o.generated_tokens,
+                              o.prompt_tokens, o.finish_reason, o.prefill) for o in outputs)
+
+    def process_packed(self, packed: dict
+                       ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
+        """process(unpack_outputs(packed)) without building a TokenOutput per token."""
+        return self._process(packed_rows(packed))
+
+    def _process(self, rows: Iterable[tuple]
+                 ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
         events, stopped = [], []
-        for out in outputs:
-            req = self.requests.get(out.seq_id)
+        requests = self.requests
+        for row in rows:
+            seq_id = row[0]
+            req = requests.get(seq_id)
             if req is None:  # finished or aborted: a late token is dropped
                 continue
-            ev = self._event(req, out)
+            ev = self._event(req, *row[1:])
             if ev.finished:
-                self.requests.pop(out.seq_id, None)
-                if ev.finish_reason == "stop_sequence" and out.finish_reason is None:
-                    stopped.append(out.seq_id)
-            events.append((out.seq_id, ev))
+                requests.pop(seq_id, None)
+                if ev.finish_reason == "stop_sequence" and row[6] is None:
+                    stopped.append(seq_id)
+            events.append((seq_id, ev))
         return events, stopped
 
     def token_info(self, tid: int, logprob: float | None) -> TokenInfo:
         text = self.tokenizer.decode([tid], skip_special_tokens=False)
         return TokenInfo(tid, text, logprob, tid in self.special_ids)
 
-    def _event(self, req: _Request, out: TokenOutput) -> GenerationEvent:
-        p, tid = req.params, out.token_id
+    def _event(self, req: _Request, tid: int, logprob: float, top_ids: list, generated: int,
+               prompt_tokens: int, core_reason: FinishReason | None,
+               prefill: list | None) -> GenerationEvent:
+        p = req.params
         req.ids.append(tid)
-        if out.prefill is not None:
-            req.prefill = [self.token_info(t, lp) for t, lp in out.prefill]
+        if prefill is not None:
+            req.prefill = [self.token_info(t, lp) for t, lp in prefill]
         special = tid in self.special_ids
         text = new = req.detok.add(tid)
         if special:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
-        reason = out.finish_reason
+        reason = core_reason
         # A stop string outranks length (as it did when one loop checked both), not EOS.
         # Only text this token added can complete one (earlier text was checked before).
         if new and req.longest and reason != "eos_token" \
@@ -84,11 +99,10 @@ class OutputProcessor:
         streamed = req.emitted
         if not include and not special:
             text = self._held_back(req, reason is not None)
-        info = TokenInfo(tid, text, out.logprob, special)
-        top = [self.token_info(t, lp) for t, lp in out.top] if p.top_n_tokens else None
-        event = GenerationEvent(token=info, top_tokens=top,
-                                generated_tokens=out.generated_tokens,
-                                prompt_tokens=out.prompt_tokens)
+        info = TokenInfo(tid, text, logprob, special)
+        top = [self.token_info(t, lp) for t, lp in top_ids] if p.top_n_tokens else None
+        event = GenerationEvent(token=info, top_tokens=top, generated_tokens=generated,
+                                prompt_tokens=prompt_tokens)
         if reason is None:
             return event
         final_text = self.tokenizer.decode(req.ids, skip_special_tokens=True)

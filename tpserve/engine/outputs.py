@@ -3,6 +3,7 @@ processor turns these into GenerationEvents (text, stop strings)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,12 +46,19 @@ def pack_outputs(outputs: list[TokenOutput]) -> dict:
     return {"ints": ints, "logprobs": logprobs, "top": top, "prefill": prefill}
 
 
-def unpack_outputs(packed: dict) -> list[TokenOutput]:
+def packed_rows(packed: dict) -> Iterator[tuple]:
+    """(seq_id, token_id, logprob, top, generated_tokens, prompt_tokens, finish_reason,
+    prefill) per packed output: TokenOutput's fields in order, without the object."""
     top, prefill, reasons = packed["top"], packed["prefill"], _REASONS
     rows = zip(packed["ints"].tolist(), packed["logprobs"].tolist(), strict=True)
     if not top and not prefill:  # the usual step: no extras to look up
-        return [TokenOutput(seq_id, token_id, lp, [], generated, code >> 2, reasons[code & 3])
-                for (seq_id, token_id, generated, code), lp in rows]
-    return [TokenOutput(seq_id, token_id, lp, top.get(i, []), generated, code >> 2,
-                        reasons[code & 3], prefill.get(i))
-            for i, ((seq_id, token_id, generated, code), lp) in enumerate(rows)]
+        for (seq_id, token_id, generated, code), lp in rows:
+            yield seq_id, token_id, lp, [], generated, code >> 2, reasons[code & 3], None
+        return
+    for i, ((seq_id, token_id, generated, code), lp) in enumerate(rows):
+        yield (seq_id, token_id, lp, top.get(i, []), generated, code >> 2, reasons[code & 3],
+               prefill.get(i))
+
+
+def unpack_outputs(packed: dict) -> list[TokenOutput]:
+    return [TokenOutput(*row) for row in packed_rows(packed)]
