@@ -48,6 +48,22 @@ PART_DOC = {
 }
 
 
+READING = """\
+What the host-path work (issue 7) changed, part by part: the scheduler skips the block
+manager's allocation when a decode step needs no new block and reads lengths without
+property chains (schedule); the prefix cache hashes each block once, from slices of the
+prompt and output, and looks at a sequence's blocks again only after an eviction that could
+change the answer (after_step); stop strings are searched only when a token adds text and
+the OpenAI hold-back no longer rescans the whole text (process); the driver walks the packed
+arrays without building a TokenOutput per token (process, pack); the engine-core actor
+recomputes its gauges at most every 0.1 s while busy (stats, not in this table's loop); one
+event-loop wake-up per step instead of one per token (bridge); and serving freezes the
+start-up heap, so the garbage collector's full passes no longer walk the model's objects
+(the mean total, whose pauses the median hides). build and append are the engine core's
+step path (the overlapped-steps work), unchanged here. Absolute times are this shared CPU's;
+compare the ratios, and measure on the GPU host for its numbers."""
+
+
 # --- measuring one tree (runs in a subprocess with that tree first on sys.path) -----------
 class _Timer:
     def __init__(self) -> None:
@@ -327,8 +343,12 @@ def write_doc(path: Path, text: str) -> None:
     title = "### Host cost per decode step (benchmarks/host_step.py)"
     doc = path.read_text() if path.exists() else ""
     start = doc.find(title)
-    if start < 0:
-        path.write_text(doc.rstrip("\n") + "\n\n" + text + "\n")
+    if start < 0:  # first run: after the other CPU sections, else at the end
+        at = doc.find("\n## Reference figures")
+        if at < 0:
+            path.write_text(doc.rstrip("\n") + "\n\n" + text + "\n")
+        else:
+            path.write_text(doc[:at].rstrip("\n") + "\n\n" + text + "\n" + doc[at:])
         return
     end = doc.find("\n## ", start + len(title))
     end2 = doc.find("\n### ", start + len(title))
@@ -368,7 +388,8 @@ def main() -> None:
             f"(shared with other jobs), Python {platform.python_version()}. Median ms per "
             f"decode step over {args.steps} steps (best of {args.repeat} alternating runs), "
             f"{args.prompt_len}-token prompts, a fake executor that answers at once. Parts: "
-            + "; ".join(f"{k}: {v}" for k, v in PART_DOC.items()) + ".\n\n" + tab)
+            + "; ".join(f"{k}: {v}" for k, v in PART_DOC.items()) + ".\n\n" + tab
+            + "\n\n" + READING)
     write_doc(args.out, text)
 
 

@@ -304,9 +304,9 @@ def work_tokens(seqs) -> int:
     """Tokens still to compute for these sequences (prompt rest plus tokens they may still
     generate): what a replica router weighs replicas by."""
     total = 0
-    for q in seqs:  # num_pending + tokens left to generate, without the property calls
-        out = len(q.output_ids)
-        total += len(q.prompt_ids) + out - q.num_computed + max(0, q.params.max_new_tokens - out)
+    for q in seqs:
+        left = q.params.max_new_tokens - len(q.output_ids)
+        total += q.num_pending + (left if left > 0 else 0)
     return total
 
 

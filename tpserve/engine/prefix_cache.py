@@ -101,10 +101,12 @@ class PrefixCachingBlockManager(BlockManager):
     def after_compute(self, seq: Sequence) -> None:
         """Name the blocks seq has just filled, so later requests can find them."""
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
-        hashes = self._chain(seq, full)
-        upto = min(full, len(hashes))
         seen, epoch = self._named.get(seq.seq_id, (0, -1))
         start = seen if epoch == self._epoch else 0
+        if start >= full:  # most decode steps: no block filled since the last look
+            return
+        hashes = self._chain(seq, full)
+        upto = min(full, len(hashes))
         if start >= upto:
             return
         table, by_hash, hash_of = seq.block_table, self._by_hash, self._hash_of

@@ -67,8 +67,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its last token is in flight
             if budget <= 0:
                 break
-            # seq.num_pending, without the property calls (this loop runs per sequence)
-            n = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+            n = seq.num_pending
             if n > budget:
                 n = budget
             upto = seq.num_computed + n
