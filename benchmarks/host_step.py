@@ -50,8 +50,8 @@ PART_DOC = {
 
 READING = """\
 What the host-path work (issue 7) changed, part by part: the scheduler skips the block
-manager's allocation when a decode step needs no new block and reads lengths without
-property chains (schedule); the prefix cache hashes each block once, from slices of the
+manager's allocation when a decode step needs no new block and works out a sequence's
+block need once (schedule); the prefix cache hashes each block once, from slices of the
 prompt and output, and looks at a sequence's blocks again only after an eviction that could
 change the answer (after_step); stop strings are searched only when a token adds text and
 the OpenAI hold-back no longer rescans the whole text (process); the driver walks the packed
@@ -300,6 +300,16 @@ def _run_tree(tree: Path, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _best(a: dict | None, b: dict) -> dict:
     """Each case's and part's minimum over runs (noise on a shared machine only adds)."""
     if a is None:
@@ -382,13 +392,14 @@ def main() -> None:
     print(tab)
     if str(args.out) == "-":
         return
-    cpu = platform.processor() or platform.machine()
+    cpu = _cpu_name()
     text = (f"### Host cost per decode step (benchmarks/host_step.py)\n\n"
             f"{datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores "
             f"(shared with other jobs), Python {platform.python_version()}. Median ms per "
             f"decode step over {args.steps} steps (best of {args.repeat} alternating runs), "
-            f"{args.prompt_len}-token prompts, a fake executor that answers at once. Parts: "
-            + "; ".join(f"{k}: {v}" for k, v in PART_DOC.items()) + ".\n\n" + tab
+            f"{args.prompt_len}-token prompts, a fake executor that answers at once "
+            f"(`python benchmarks/host_step.py --old TREE`). Parts:\n\n"
+            + "\n".join(f"- {k}: {v}" for k, v in PART_DOC.items()) + "\n\n" + tab
             + "\n\n" + READING)
     write_doc(args.out, text)
 
