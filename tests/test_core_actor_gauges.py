@@ -1,6 +1,7 @@
 """The engine-core actor's poll recomputes the gauges (which walk every sequence) at most
 every STATS_PERIOD_S while the core is busy, and always once it is idle, so the last poll of
-a burst reports settled values. work_tokens is checked against its definition."""
+a burst reports settled values. work_tokens is checked against its definition, and serving
+starts with the start-up heap frozen (no full garbage collection walks it mid-step)."""
 
 from __future__ import annotations
 
