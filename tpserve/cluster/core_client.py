@@ -24,7 +24,6 @@ from tpserve.cluster.placement import place_shards, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
 from tpserve.engine.output_processor import OutputProcessor
-from tpserve.engine.outputs import unpack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.executor.base import ShardFailedError
 from tpserve.worker.worker import Worker
@@ -151,7 +150,7 @@ class CoreClient:
         if err is not None:
             self.output.requests.clear()  # the core dropped them
             raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
-        events, stopped = self.output.process(unpack_outputs(outputs))
+        events, stopped = self.output.process_packed(outputs)
         if stopped:
             self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
         return events, None

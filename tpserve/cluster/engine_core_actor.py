@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore
+from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
@@ -23,6 +25,11 @@ from tpserve.executor.rank0 import Rank0Executor
 from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
+
+# The gauges walk every sequence (work_tokens), in a poll thread that holds the GIL against
+# the step loop; polls come once per step, so they are recomputed at most this often
+# (always when the core is idle, so the last poll of a burst reports settled values).
+STATS_PERIOD_S = 0.1
 
 
 class EngineCoreActor:
@@ -38,6 +45,8 @@ class EngineCoreActor:
         self._error: tuple[str, str, bool] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stats: dict = {}
+        self._stats_at = float("-inf")
 
     def __repr__(self) -> str:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
@@ -50,6 +59,7 @@ class EngineCoreActor:
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
         hf = AutoConfig.from_pretrained(self.cfg.model.path)
         self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
+        freeze_startup_objects()  # full collections would walk the model's objects mid-step
         self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)
         self._thread.start()
         c = self.core
@@ -78,7 +88,15 @@ class EngineCoreActor:
             self._cv.wait_for(lambda: self._out or self._error, timeout=timeout_s)
             out, self._out = self._out, []
             err, self._error = self._error, None
-        return pack_outputs(out), self.core.stats() if self.core else {}, err
+        return pack_outputs(out), self._gauges(), err
+
+    def _gauges(self) -> dict:
+        core, now = self.core, time.monotonic()
+        if core is None:
+            return {}
+        if now - self._stats_at >= STATS_PERIOD_S or not core.requests:
+            self._stats, self._stats_at = core.stats(), now
+        return self._stats
 
     def health(self) -> dict:
         return self.worker.health()

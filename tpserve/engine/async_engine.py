@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import count
 
+from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams
@@ -274,6 +275,7 @@ class AsyncEngine:
             self.error = exc
             return
         self._engine_live, self.state = True, "serving"
+        freeze_startup_objects()
         self._ready.set()
         while not self._stop.is_set():
             if self.state == "rebuilding":
@@ -376,15 +378,23 @@ class AsyncEngine:
             log.exception("step failed; failing the requests in it")
             self._fail_inflight(exc)
             return
+        # One wake-up of each event loop per step (a call_soon_threadsafe per event writes
+        # to the loop's self-pipe once per token), events in the order the engine made them.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for seq_id, ev in events:
             item = self._live.get(seq_id)
             if item is None:
                 continue
             item.started = True
-            item.loop.call_soon_threadsafe(item.sink.put_nowait, ev)
+            batch = batches.get(item.loop)
+            if batch is None:
+                batch = batches[item.loop] = []
+            batch.append((item.sink, ev))
             if ev.finished:
                 self._live.pop(seq_id, None)
                 self._seq_of.pop(item.handle, None)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
         self.last_step_seconds = time.perf_counter() - t0
         self.steps += 1
         self._ray_metrics.step_done(events, self.last_step_seconds)
@@ -462,6 +472,7 @@ class AsyncEngine:
                 continue
             self.rebuild.record(ok=True)
             self.engine, self._engine_live = engine, True
+            freeze_startup_objects()
             self.dead, self.state = None, "serving"
             self._ray_metrics.rebuilt()
             log.warning("shard group rebuilt in %.1fs; serving again (%d rebuild(s) left)",
@@ -505,6 +516,11 @@ def _summary(exc: BaseException, limit: int = 300) -> str:
     lines = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, GenerationEvent]]) -> None:
+    for sink, ev in batch:
+        sink.put_nowait(ev)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

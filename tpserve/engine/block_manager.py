@@ -29,19 +29,27 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs to hold num_tokens tokens (and its cross K/V, if any)."""
-        return (max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-                + self.cross_blocks_needed(seq))
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need < 0:
+            need = 0
+        if seq.encoder_ids is not None and not seq.cross_block_table:
+            need += -(-len(seq.encoder_ids) // self.block_size)
+        return need
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self.blocks_needed(seq, num_tokens)
+        if need == 0:  # most decode steps: the last block still has room
+            return
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, have {len(self._free)}")
         cross = self.cross_blocks_needed(seq)
-        seq.cross_block_table.extend(self._take() for _ in range(cross))
-        seq.block_table.extend(self._take() for _ in range(need - cross))
+        take = self._take
+        if cross:
+            seq.cross_block_table.extend([take() for _ in range(cross)])
+        seq.block_table.extend([take() for _ in range(need - cross)])
 
     def _take(self) -> int:
         return self._free.pop()

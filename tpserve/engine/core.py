@@ -381,8 +381,11 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
 def work_tokens(seqs) -> int:
     """Tokens still to compute for these sequences (prompt rest plus tokens they may still
     generate): what a replica router weighs replicas by."""
-    return sum(q.num_pending + max(0, q.params.max_new_tokens - len(q.output_ids))
-               for q in seqs)
+    total = 0
+    for q in seqs:
+        left = q.params.max_new_tokens - len(q.output_ids)
+        total += q.num_pending + (left if left > 0 else 0)
+    return total
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:

@@ -13,11 +13,12 @@ until it is known not to be one, so the streamed pieces always add up to generat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tpserve.engine.detokenizer import IncrementalDetokenizer
-from tpserve.engine.outputs import TokenOutput
-from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
+from tpserve.engine.outputs import TokenOutput, packed_rows
+from tpserve.engine.request import FinishReason, GenerationEvent, SamplingParams, TokenInfo
 
 
 @dataclass
@@ -27,6 +28,7 @@ class _Request:
     ids: list[int] = field(default_factory=list)
     prefill: list[TokenInfo] = field(default_factory=list)
     emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
+    longest: int = 0  # the longest stop string's length (0: no stop strings)
 
 
 class OutputProcessor:
@@ -36,8 +38,9 @@ class OutputProcessor:
         self.requests: dict[int, _Request] = {}
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
-        self.requests[seq_id] = _Request(params, IncrementalDetokenizer(self.tokenizer,
-                                                                        self.special_ids))
+        self.requests[seq_id] = _Request(
+            params, IncrementalDetokenizer(self.tokenizer, self.special_ids),
+            longest=max(map(len, params.stop), default=0))
 
     def remove(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
@@ -46,50 +49,65 @@ class OutputProcessor:
                 ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
         """Events for the outputs of known requests, and the ids that hit a stop string
         (finish them in the engine core)."""
+        return self._process((o.seq_id, o.token_id, o.logprob, o.top, o.generated_tokens,
+                              o.prompt_tokens, o.finish_reason, o.prefill) for o in outputs)
+
+    def process_packed(self, packed: dict
+                       ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
+        """process(unpack_outputs(packed)) without building a TokenOutput per token."""
+        return self._process(packed_rows(packed))
+
+    def _process(self, rows: Iterable[tuple]
+                 ) -> tuple[list[tuple[int, GenerationEvent]], list[int]]:
         events, stopped = [], []
-        for out in outputs:
-            req = self.requests.get(out.seq_id)
+        requests = self.requests
+        for row in rows:
+            seq_id = row[0]
+            req = requests.get(seq_id)
             if req is None:  # finished or aborted: a late token is dropped
                 continue
-            ev = self._event(req, out)
+            ev = self._event(req, *row[1:])
             if ev.finished:
-                self.requests.pop(out.seq_id, None)
-                if ev.finish_reason == "stop_sequence" and out.finish_reason is None:
-                    stopped.append(out.seq_id)
-            events.append((out.seq_id, ev))
+                requests.pop(seq_id, None)
+                if ev.finish_reason == "stop_sequence" and row[6] is None:
+                    stopped.append(seq_id)
+            events.append((seq_id, ev))
         return events, stopped
 
     def token_info(self, tid: int, logprob: float | None) -> TokenInfo:
         text = self.tokenizer.decode([tid], skip_special_tokens=False)
         return TokenInfo(tid, text, logprob, tid in self.special_ids)
 
-    def _event(self, req: _Request, out: TokenOutput) -> GenerationEvent:
-        p, tid = req.params, out.token_id
+    def _event(self, req: _Request, tid: int, logprob: float, top_ids: list, generated: int,
+               prompt_tokens: int, core_reason: FinishReason | None,
+               prefill: list | None) -> GenerationEvent:
+        p = req.params
         req.ids.append(tid)
-        if out.prefill is not None:
-            req.prefill = [self.token_info(t, lp) for t, lp in out.prefill]
+        if prefill is not None:
+            req.prefill = [self.token_info(t, lp) for t, lp in prefill]
         special = tid in self.special_ids
-        text = req.detok.add(tid)
+        text = new = req.detok.add(tid)
         if special:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
-        reason = out.finish_reason
+        reason = core_reason
         # A stop string outranks length (as it did when one loop checked both), not EOS.
-        if reason != "eos_token" and p.stop and _find_stop(req.detok.text, p.stop, len(text)) >= 0:
+        # Only text this token added can complete one (earlier text was checked before).
+        if new and req.longest and reason != "eos_token" \
+                and _find_stop(req.detok.text, p.stop, len(new), req.longest) >= 0:
             reason = "stop_sequence"
         include = p.include_stop_str_in_output
         streamed = req.emitted
         if not include and not special:
             text = self._held_back(req, reason is not None)
-        info = TokenInfo(tid, text, out.logprob, special)
-        top = [self.token_info(t, lp) for t, lp in out.top] if p.top_n_tokens else None
-        event = GenerationEvent(token=info, top_tokens=top,
-                                generated_tokens=out.generated_tokens,
-                                prompt_tokens=out.prompt_tokens)
+        info = TokenInfo(tid, text, logprob, special)
+        top = [self.token_info(t, lp) for t, lp in top_ids] if p.top_n_tokens else None
+        event = GenerationEvent(token=info, top_tokens=top, generated_tokens=generated,
+                                prompt_tokens=prompt_tokens)
         if reason is None:
             return event
         final_text = self.tokenizer.decode(req.ids, skip_special_tokens=True)
         if not include:
-            cut = _find_stop(final_text, p.stop, len(final_text)) if p.stop else -1
+            cut = _find_stop(final_text, p.stop, len(final_text), req.longest) if p.stop else -1
             if cut >= 0:
                 final_text = final_text[:cut]
             if not special and final_text.startswith(req.detok.text[:streamed]):
@@ -111,27 +129,32 @@ class OutputProcessor:
     def _held_back(self, req: _Request, finishing: bool) -> str:
         """include_stop=False: the new text that cannot be part of a stop string."""
         seen = req.detok.text
-        hold = 0 if finishing else max(_overlap(seen, s) for s in req.params.stop) \
-            if req.params.stop else 0
+        hold = 0
+        if not finishing:
+            for stop in req.params.stop:
+                hold = max(hold, _overlap(seen, stop))
         end = max(req.emitted, len(seen) - hold)
         text, req.emitted = seen[req.emitted:end], end
         return text
 
 
-def _find_stop(text: str, stops: tuple[str, ...], new_chars: int) -> int:
+def _find_stop(text: str, stops: tuple[str, ...], new_chars: int, longest: int) -> int:
     """Start of the earliest stop string in `text` that could involve the last new_chars
-    characters (earlier text was checked before), or -1."""
-    longest = max(len(s) for s in stops)
+    characters (earlier text was checked before), or -1. longest: the longest stop's length."""
     start = max(0, len(text) - new_chars - longest - 8)
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
+    best = -1
+    for s in stops:
+        i = text.find(s, start)
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
 
 
 def _overlap(text: str, stop: str) -> int:
-    """Characters at the end of `text` that may begin `stop` (all from a full match on)."""
-    at = text.find(stop)
-    if at >= 0:
-        return len(text) - at
+    """Characters at the end of `text` that may begin `stop`. Called only while no stop
+    string has matched (a match ends the request), so only proper prefixes can be there."""
+    if not text or text[-1] not in stop[:-1]:  # no prefix of stop ends with this character
+        return 0
     for k in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:k]):
             return k

@@ -3,6 +3,7 @@ processor turns these into GenerationEvents (text, stop strings)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,29 +29,36 @@ class TokenOutput:
 _REASONS: tuple[FinishReason | None, ...] = (None, "eos_token", "length", "stop_sequence")
 
 
+_CODE = {r: i for i, r in enumerate(_REASONS)}
+
+
 def pack_outputs(outputs: list[TokenOutput]) -> dict:
     """Outputs as a few numpy arrays (cheap to pickle across processes, unlike a dataclass
-    per token); the rare extras (top-n, prompt log-probabilities) ride along as lists."""
-    n = len(outputs)
-    ints = np.empty((n, 4), dtype=np.int64)
-    logprobs = np.empty(n, dtype=np.float64)
-    top, prefill = {}, {}
-    for i, o in enumerate(outputs):
-        ints[i] = (o.seq_id, o.token_id, o.generated_tokens,
-                   o.prompt_tokens * 4 + _REASONS.index(o.finish_reason))
-        logprobs[i] = o.logprob
-        if o.top:
-            top[i] = o.top
-        if o.prefill is not None:
-            prefill[i] = o.prefill
+    per token); the rare extras (top-n, prompt log-probabilities) ride along as lists.
+    Built from one list each (a numpy row assignment per token costs more than the rest)."""
+    code = _CODE
+    ints = np.array([(o.seq_id, o.token_id, o.generated_tokens,
+                      o.prompt_tokens * 4 + code[o.finish_reason]) for o in outputs],
+                    dtype=np.int64).reshape(-1, 4)
+    logprobs = np.array([o.logprob for o in outputs], dtype=np.float64)
+    top = {i: o.top for i, o in enumerate(outputs) if o.top}
+    prefill = {i: o.prefill for i, o in enumerate(outputs) if o.prefill is not None}
     return {"ints": ints, "logprobs": logprobs, "top": top, "prefill": prefill}
 
 
+def packed_rows(packed: dict) -> Iterator[tuple]:
+    """(seq_id, token_id, logprob, top, generated_tokens, prompt_tokens, finish_reason,
+    prefill) per packed output: TokenOutput's fields in order, without the object."""
+    top, prefill, reasons = packed["top"], packed["prefill"], _REASONS
+    rows = zip(packed["ints"].tolist(), packed["logprobs"].tolist(), strict=True)
+    if not top and not prefill:  # the usual step: no extras to look up
+        for (seq_id, token_id, generated, code), lp in rows:
+            yield seq_id, token_id, lp, [], generated, code >> 2, reasons[code & 3], None
+        return
+    for i, ((seq_id, token_id, generated, code), lp) in enumerate(rows):
+        yield (seq_id, token_id, lp, top.get(i, []), generated, code >> 2, reasons[code & 3],
+               prefill.get(i))
+
+
 def unpack_outputs(packed: dict) -> list[TokenOutput]:
-    top, prefill = packed["top"], packed["prefill"]
-    out = []
-    for i, ((seq_id, token_id, generated, code), lp) in enumerate(
-            zip(packed["ints"].tolist(), packed["logprobs"].tolist(), strict=True)):
-        out.append(TokenOutput(seq_id, token_id, lp, top.get(i, []), generated, code // 4,
-                               _REASONS[code % 4], prefill.get(i)))
-    return out
+    return [TokenOutput(*row) for row in packed_rows(packed)]

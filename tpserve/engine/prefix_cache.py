@@ -5,7 +5,14 @@ instead of recomputing them.
 
 Blocks are reference-counted. A block nobody holds stays cached until it is needed for new
 tokens; the least recently released cached block is reused first. Only decoder-only models
-without a sliding window use it (the engine decides)."""
+without a sliding window use it (the engine decides).
+
+Per step the work is O(new blocks): a sequence's hashes are computed once, from slices of
+its prompt and output (never the whole token list), and only blocks filled since its last
+step are named. A block whose hash another block already holds is left unnamed; it is
+looked at again only after such a hash was evicted (the one event that can change the
+answer), which a counter records. A block holding a placeholder token (-1: a token still on
+the device with overlapped steps) is never hashed; a later call hashes it once resolved."""
 
 from __future__ import annotations
 
@@ -13,7 +20,6 @@ from collections import OrderedDict
 
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.sequence import Sequence
-from tpserve.engine.step import PENDING_TOKEN
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -26,6 +32,11 @@ class PrefixCachingBlockManager(BlockManager):
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self.hits = 0  # blocks reused, for metrics and tests
+        # Hashes some block was refused because another block held them; evicting one of
+        # them bumps _epoch, and a sequence named under an older epoch is looked at whole.
+        self._shadowed: set[int] = set()
+        self._epoch = 0
+        self._named: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks looked at, epoch)
 
     # --- allocation ---------------------------------------------------------------------
     def _take(self) -> int:
@@ -33,6 +44,9 @@ class PrefixCachingBlockManager(BlockManager):
         old = self._hash_of.pop(block, None)
         if old is not None:
             self._by_hash.pop(old, None)
+            if old in self._shadowed:
+                self._shadowed.discard(old)
+                self._epoch += 1
         self._refs[block] = 1
         return block
 
@@ -43,16 +57,28 @@ class PrefixCachingBlockManager(BlockManager):
             self._lru[block] = None  # stays cached until taken
 
     # --- sharing ------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self._named.pop(seq.seq_id, None)
+
     def _chain(self, seq: Sequence, upto_block: int) -> list[int]:
-        hashes = seq.block_hashes
-        ids, bs = seq.all_ids, self.block_size
+        """seq's block hashes, extended up to upto_block full blocks where known (a block
+        holding a placeholder -1 stops the chain until it is resolved)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        prompt, out = seq.prompt_ids, seq.output_ids
+        p = len(prompt)
         while len(hashes) < upto_block:
             i = len(hashes)
-            prev = hashes[-1] if hashes else 0
-            block = tuple(ids[i * bs : (i + 1) * bs])
-            if PENDING_TOKEN in block:  # a token still on the device: named once known
+            lo, hi = i * bs, (i + 1) * bs
+            if hi <= p:
+                block = tuple(prompt[lo:hi])
+            elif lo >= p:
+                block = tuple(out[lo - p : hi - p])
+            else:
+                block = tuple(prompt[lo:] + out[: hi - p])
+            if len(block) < bs or -1 in block:
                 break
-            hashes.append(hash((prev, block)))
+            hashes.append(hash((hashes[-1] if hashes else 0, block)))
         return hashes
 
     def reuse_prefix(self, seq: Sequence) -> None:
@@ -75,11 +101,25 @@ class PrefixCachingBlockManager(BlockManager):
     def after_compute(self, seq: Sequence) -> None:
         """Name the blocks seq has just filled, so later requests can find them."""
         full = min(seq.num_computed // self.block_size, len(seq.block_table))
-        for i, h in enumerate(self._chain(seq, full)):
-            block = seq.block_table[i]
-            if block >= 0 and block not in self._hash_of and h not in self._by_hash:
-                self._by_hash[h] = block
-                self._hash_of[block] = h
+        seen, epoch = self._named.get(seq.seq_id, (0, -1))
+        start = seen if epoch == self._epoch else 0
+        if start >= full:  # most decode steps: no block filled since the last look
+            return
+        hashes = self._chain(seq, full)
+        upto = min(full, len(hashes))
+        if start >= upto:
+            return
+        table, by_hash, hash_of = seq.block_table, self._by_hash, self._hash_of
+        for i in range(start, upto):
+            block, h = table[i], hashes[i]
+            if block < 0 or block in hash_of:
+                continue
+            if h in by_hash:
+                self._shadowed.add(h)
+            else:
+                by_hash[h] = block
+                hash_of[block] = h
+        self._named[seq.seq_id] = (upto, self._epoch)
 
 
 class _FreeView:

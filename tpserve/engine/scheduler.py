@@ -59,21 +59,26 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
+        blocks, running_status = self.blocks, SeqStatus.RUNNING
+        can_grow, grow = blocks.can_grow, blocks.grow
         # Running sequences first, oldest first; make room by preempting the youngest.
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.hold:
+            if seq.status is not running_status or seq.hold:
                 continue  # preempted earlier in this loop, or its last token is in flight
             if budget <= 0:
                 break
-            n = min(seq.num_pending, budget)
-            while not self.blocks.can_grow(seq, seq.num_computed + n):
+            n = seq.num_pending
+            if n > budget:
+                n = budget
+            upto = seq.num_computed + n
+            while not can_grow(seq, upto):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running_status:
                 continue
-            self.blocks.grow(seq, seq.num_computed + n)
+            grow(seq, upto)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         # Then admit waiting sequences in arrival order, without skipping ahead.
