@@ -478,9 +478,9 @@ class AsyncEngine:
             log.warning("shard group rebuilt in %.1fs; serving again (%d rebuild(s) left)",
                         time.perf_counter() - t0, self.rebuild.left)
             self._drain(block=False)  # aborts of kept requests (deadline, disconnect) first
-            for item in list(self._replay.values()):  # in arrival order
-                del self._replay[item.handle]
-                self._handle(item)
+            kept = list(self._replay.values())  # in arrival order
+            self._replay.clear()
+            self._submit(kept)
             return
 
     def _give_up(self) -> None:
