@@ -1,0 +1,208 @@
+"""The Triton kernels behind tpserve/kernels/quant/triton_kernel.py (import only when triton
+imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + j in bits
+4j.. of packed row r), scales and zeros [G, N]; fp8 weight [N, K] with a scale per column n.
+
+int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
+OR-ing a nibble into the mantissa of 2^23 (bits 0x4B000000) and reinterpreting the word gives
+2^23 + q exactly, so one subtraction yields q. The GEMV keeps nibble j where it sits (bits
+4(j % 4).. of the word or of the word shifted right by 16), which reads as q * 16^(j % 4), and
+scales that row's activation by 16^-(j % 4) instead (exact: powers of two). Zeros and scales
+are applied once per packed row: sum_j x_j (q_j - z) s = s (sum_j x_j q_j - z sum_j x_j).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
+TWO23: tl.constexpr = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _nibble_times_16pow(word, hi, J: tl.constexpr):
+    """Nibble J of each packed word as a float, times 16^(J % 4) (exact)."""
+    src = word if J < 4 else hi
+    bits = (src & (15 << (4 * (J % 4)))) | MAGIC
+    return bits.to(tl.float32, bitcast=True) - TWO23
+
+
+@triton.jit
+def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
+                     sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                     K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row. Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
+    BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
+    tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
+    2-D in registers and are reduced across rows once, at the end.
+    ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    rr = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        krow = k0 + 8 * rr  # first input row of each packed row
+        rmask = krow < K
+        mask = rmask[:, None] & nmask[None, :]
+        word = tl.load(qw_ptr + (k0 // 8 + rr)[:, None] * sqk + offs_n[None, :], mask=mask,
+                       other=0)
+        hi = word >> 16
+        if HAS_GIDX:
+            # Each input row has its own group: dequantize every nibble in full.
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
+                at = g[:, None] * ssg + offs_n[None, :]
+                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                q = _nibble_times_16pow(word, hi, j) * (1.0 / (1 << (4 * (j % 4))))
+                acc += xj[:, None] * ((q - z) * s)
+        else:
+            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+                xsum += xj
+                t += (xj * (1.0 / (1 << (4 * (j % 4)))))[:, None] * \
+                    _nibble_times_16pow(word, hi, j)
+            if ROW_SCALES:
+                at = (k0 // group_size) * ssg + offs_n
+                smask = nmask & (k0 < K)
+                s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+            else:  # a packed row's 8 inputs share a group (group sizes are multiples of 8)
+                at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
+                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            acc += (t - z * xsum[:, None]) * s
+    y = tl.sum(acc, axis=0)
+    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
+                    K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
+    along K; the per-column scale is applied once to the sum."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_ptr + offs_k * sxk, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    s = tl.load(scale_ptr + offs_n, mask=nmask, other=0.0)
+    y = tl.sum(acc, axis=1) * s
+    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, ssg,
+                   HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]."""
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :],
+                   mask=(rows[:, None] * 8 < K) & nmask[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    bits = ((word[:, None, :] >> shifts[None, :, None]) & 15) | MAGIC
+    q = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K, BLOCK_N))  # 2^23 + q
+    if ROW_SCALES:
+        at = (k0 // group_size) * ssg + offs_n
+        smask = nmask & (k0 < K)
+        s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        return (q - (z + TWO23)[None, :]) * s[None, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=kmask, other=0)
+    else:
+        g = offs_k // group_size
+    at = g[:, None] * ssg + offs_n[None, :]
+    mask = kmask[:, None] & nmask[None, :]
+    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    return (q - (z + TWO23)) * s
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+                sxm, sxk, sos, som, son, sw0, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
+                ROW_SCALES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr):
+    """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
+    tl.dot. int4: sw0 is qweight's row stride; fp8: weight [N, K] with row stride sw0 (its
+    scale, per column, multiplies the finished sum). M is not specialized on, so every batch
+    size of a bucket runs one compiled variant."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                    mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
+        if FP8:
+            w = tl.load(w_ptr + offs_n[None, :] * sw0 + offs_k[:, None],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+        else:
+            w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask,
+                               group_size, sw0, ssg, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
+        acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                      input_precision=PRECISION)
+    if FP8:
+        acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+    out = out_ptr + pid_k * sos + offs_m[:, None] * som + offs_n[None, :] * son
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["numel"])
+def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over the split axis of the float32 partials ws [SPLIT, numel], in y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sqk, ssg, swk,
+                        HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The whole int4 weight into w [K, N] (x's dtype), for a dense matmul on large M."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    k0 = tl.program_id(0) * BLOCK_K
+    w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk,
+                       ssg, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(offs_k[:, None] < K) & nmask[None, :])
+
+
+KERNELS = (int4_gemv_kernel, fp8_gemv_kernel, gemm_kernel, sum_splits_kernel,
+           int4_dequant_kernel)
