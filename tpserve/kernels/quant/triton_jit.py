@@ -3,11 +3,12 @@ imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + 
 4j.. of packed row r), scales and zeros [G, N]; fp8 weight [N, K] with a scale per column n.
 
 int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
-OR-ing a nibble into the mantissa of 2^23 (bits 0x4B000000) and reinterpreting the word gives
-2^23 + q exactly, so one subtraction yields q. The GEMV keeps nibble j where it sits (bits
-4(j % 4).. of the word or of the word shifted right by 16), which reads as q * 16^(j % 4), and
-scales that row's activation by 16^-(j % 4) instead (exact: powers of two). Zeros and scales
-are applied once per packed row: sum_j x_j (q_j - z) s = s (sum_j x_j q_j - z sum_j x_j).
+OR-ing a nibble into the mantissa of a float whose exponent makes the nibble's lowest bit
+worth 1 (2^23 for bits 0-3, 2^19 for bits 4-7, ...) gives that power of two plus q exactly,
+so one subtraction of (power + zero) yields q - zero, exact because zeros are small integers
+(unpacked nibbles). The GEMV reads nibbles where they sit, in the word or in the word shifted
+right by 16: one AND-OR, one subtraction and one multiply-add per weight, and the scale once
+per packed row.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _nibble_times_16pow(word, hi, J: tl.constexpr):
-    """Nibble J of each packed word as a float, times 16^(J % 4) (exact)."""
+def _plane(word, hi, J: tl.constexpr):
+    """2^(23 - 4 (J % 4)) + nibble J of each packed word, as an exact float."""
     src = word if J < 4 else hi
-    bits = (src & (15 << (4 * (J % 4)))) | MAGIC
-    return bits.to(tl.float32, bitcast=True) - TWO23
+    bits = (src & (15 << (4 * (J % 4)))) | ((150 - 4 * (J % 4)) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
                      sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                     K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """One activation row. Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
     tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
-    2-D in registers and are reduced across rows once, at the end.
+    2-D in registers and are reduced across rows once, at the end. PREFETCH: the next tile's
+    load is issued before this one is reduced (Triton does not pipeline loops without a dot).
     ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -43,50 +46,56 @@ def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_si
     rr = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPAN
+    ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=((k_lo + 8 * rr) < K)[:, None] & nmask[None, :], other=0)
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
         krow = k0 + 8 * rr  # first input row of each packed row
         rmask = krow < K
         mask = rmask[:, None] & nmask[None, :]
-        word = tl.load(qw_ptr + (k0 // 8 + rr)[:, None] * sqk + offs_n[None, :], mask=mask,
-                       other=0)
+        if PREFETCH:
+            word = nxt
+            more = ((krow + BLOCK_K) < K) & (kk + BLOCK_K < K_SPAN)
+            nxt = tl.load(ptrs + ((kk + BLOCK_K) // 8) * sqk, mask=more[:, None] & nmask[None, :],
+                          other=0)
+        else:
+            word = tl.load(ptrs + (kk // 8) * sqk, mask=mask, other=0)
         hi = word >> 16
-        if HAS_GIDX:
-            # Each input row has its own group: dequantize every nibble in full.
-            for j in tl.static_range(8):
-                xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+        if ROW_SCALES:
+            at = (k0 // group_size) * ssg + offs_n
+            smask = nmask & (k0 < K)
+            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+        elif not HAS_GIDX:  # a packed row's 8 inputs share a group (group sizes are 8 k)
+            at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
+            s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+            off = 1.0 * (1 << (23 - 4 * (j % 4)))
+            if HAS_GIDX:  # every input row has its own group
                 g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
                 at = g[:, None] * ssg + offs_n[None, :]
-                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                q = _nibble_times_16pow(word, hi, j) * (1.0 / (1 << (4 * (j % 4))))
-                acc += xj[:, None] * ((q - z) * s)
+                sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                t += xj[:, None] * ((_plane(word, hi, j) - (zj + off)) * sj)
+            else:
+                t += xj[:, None] * (_plane(word, hi, j) - (z + off))
+        if HAS_GIDX:
+            acc += t
         else:
-            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
-                xsum += xj
-                t += (xj * (1.0 / (1 << (4 * (j % 4)))))[:, None] * \
-                    _nibble_times_16pow(word, hi, j)
-            if ROW_SCALES:
-                at = (k0 // group_size) * ssg + offs_n
-                smask = nmask & (k0 < K)
-                s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
-                z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
-            else:  # a packed row's 8 inputs share a group (group sizes are multiples of 8)
-                at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
-                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            acc += (t - z * xsum[:, None]) * s
+            acc += t * s
     y = tl.sum(acc, axis=0)
     tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
 def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
-                    K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                    PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
     along K; the per-column scale is applied once to the sum."""
     pid_n = tl.program_id(0)
@@ -95,14 +104,19 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
     nmask = offs_n < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = pid_k * K_SPAN
-    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + offs_n[:, None] * swn + offs_k[None, :]
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
     for kk in range(0, K_SPAN, BLOCK_K):
-        k0 = k_lo + kk
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        x = tl.load(x_ptr + offs_k * sxk, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        kmask = offs_k + kk < K
+        x = tl.load(x_ptr + (offs_k + kk) * sxk, mask=kmask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            w = nxt
+            more = (offs_k + kk + BLOCK_K < K) & (kk + BLOCK_K < K_SPAN)
+            nxt = tl.load(ptrs + kk + BLOCK_K, mask=nmask[:, None] & more[None, :], other=0.0)
+        else:
+            w = tl.load(ptrs + kk, mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     s = tl.load(scale_ptr + offs_n, mask=nmask, other=0.0)
     y = tl.sum(acc, axis=1) * s
@@ -111,9 +125,10 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
 
 @triton.jit
 def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, ssg,
-                   HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]."""
+                   HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, SCALED: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]; with
+    ROW_SCALES and not SCALED, q - zero only (the caller applies the block's one scale)."""
     rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :],
                    mask=(rows[:, None] * 8 < K) & nmask[None, :], other=0)
@@ -125,7 +140,9 @@ def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size
         smask = nmask & (k0 < K)
         s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)
-        return (q - (z + TWO23)[None, :]) * s[None, :]
+        if SCALED:
+            return (q - (z + TWO23)[None, :]) * s[None, :]
+        return q - (z + TWO23)[None, :]
     offs_k = k0 + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
     if HAS_GIDX:
@@ -142,12 +159,15 @@ def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size
 @triton.jit(do_not_specialize=["M"])
 def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
                 sxm, sxk, sos, som, son, sw0, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
-                ROW_SCALES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr):
+                ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                K_SPAN: tl.constexpr):
     """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
-    tl.dot. int4: sw0 is qweight's row stride; fp8: weight [N, K] with row stride sw0 (its
-    scale, per column, multiplies the finished sum). M is not specialized on, so every batch
-    size of a bucket runs one compiled variant."""
+    tl.dot. int4: sw0 is qweight's row stride; FACTOR (with ROW_SCALES): the dot takes the
+    exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
+    one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
+    (its scale, per column, multiplies the finished sum). M is not specialized on, so every
+    batch size of a bucket runs one compiled variant."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -168,9 +188,16 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
         else:
             w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask,
-                               group_size, sw0, ssg, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
-        acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
-                      input_precision=PRECISION)
+                               group_size, sw0, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
+                               BLOCK_N)
+        if FACTOR:
+            s = tl.load(s_ptr + (k0 // group_size) * ssg + offs_n, mask=nmask & (k0 < K),
+                        other=0.0).to(tl.float32)
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                          input_precision=PRECISION) * s[None, :]
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                          input_precision=PRECISION)
     if FP8:
         acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0)[None, :]
     out = out_ptr + pid_k * sos + offs_m[:, None] * som + offs_n[None, :] * son
@@ -198,7 +225,7 @@ def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sq
     nmask = offs_n < N
     k0 = tl.program_id(0) * BLOCK_K
     w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk,
-                       ssg, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
+                       ssg, HAS_GIDX, ROW_SCALES, True, BLOCK_K, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
              mask=(offs_k[:, None] < K) & nmask[None, :])

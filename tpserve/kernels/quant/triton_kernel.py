@@ -49,6 +49,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     w, s = (t if t.stride(-1) == 1 else t.contiguous() for t in (w, s))
     if tile is None:
         tile = pick_tile("fp8" if fp8 else "int4", m, n, k, _num_sms(x.device))
+    if tile.dense:
+        return _dense(x, w, s, z, g, group_size, fp8)
     bk = tile.block_k
     k_span = triton.cdiv(triton.cdiv(k, tile.split), bk) * bk
     split = triton.cdiv(k, k_span)
@@ -65,21 +67,22 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         assert m == 1, "the GEMV tile takes one row"
         grid = (triton.cdiv(n, tile.block_n), split)
         if fp8:
-            jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos,
-                                      out.stride(-1), w.stride(0), K_SPAN=k_span, BLOCK_K=bk,
-                                      BLOCK_N=tile.block_n, **launch)
+            jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
+                                      w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
+                                      BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
         else:
             jit.int4_gemv_kernel[grid](x, out, w, s, z, g, n, k, group_size,
                                        x.stride(1), sos, out.stride(-1), w.stride(0),
                                        s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
-                                       K_SPAN=k_span, BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
+                                       PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
+                                       BLOCK_N=tile.block_n, **launch)
     else:
         grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
         jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, group_size, x.stride(0),
                               x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
                               0 if fp8 else s.stride(0), FP8=fp8, HAS_GIDX=has_gidx,
-                              ROW_SCALES=row_scales,
+                              ROW_SCALES=row_scales, FACTOR=tile.factor and row_scales,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, K_SPAN=k_span,
                               BLOCK_K=bk, **launch)
@@ -87,6 +90,16 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         jit.sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
     return y
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+           g: torch.Tensor | None, group_size: int, fp8: bool) -> torch.Tensor:
+    """Large batches: the weight dequantized into x's dtype (a temporary of K x N elements),
+    then the vendor matmul, which beats the fused tiles once the matmul is compute-bound."""
+    if fp8:  # e4m3 is exact in bf16, fp16 and fp32; the per-column scale goes on the output
+        y = x @ w.to(x.dtype).t()
+        return y.mul_(s)
+    return x @ int4_dequantize(w, s, z, group_size, g, x.dtype)
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

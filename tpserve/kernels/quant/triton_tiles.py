@@ -3,13 +3,16 @@
 A batch of M rows falls in one of four buckets (1, 2-16, 17-64, more); within a bucket the
 tile and the split of K depend only on the layer shape, and the kernels do not specialize on
 M, so each layer shape compiles one variant per bucket: warmup's decode batch sizes (powers
-of two) and its prefill step reach them all. The constants come from benchmarks/quant_sweep.py
-on one H200 (docs/quantization.md has the tables).
+of two) and its prefill step reach them all. The table comes from benchmarks/quant_sweep.py
+on one H200 (docs/quantization.md has the measurements); `set_tiles` swaps in another.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, replace
+
+BUCKET_MAX = (1, 16, 64, 1 << 62)  # largest M of each bucket
 
 
 @dataclass(frozen=True)
@@ -20,33 +23,30 @@ class Tile:
     warps: int = 4
     stages: int = 3
     split: int = 1  # K cut into this many spans; a second kernel sums their float32 partials
+    prefetch: bool = False  # GEMV: load the next K-block before reducing this one
+    factor: bool = False  # int4 GEMM: scale each K-block's dot, not each weight
+    dense: bool = False  # dequantize the whole weight, then torch.matmul (large M)
 
 
-# (bucket's largest M, tile) for the tensor-core path, int4 and fp8 alike.
-GEMM_TILES = (
-    (16, Tile(16, 64, 128, 4, 3)),
-    (64, Tile(64, 64, 128, 4, 3)),
-    (1 << 62, Tile(128, 128, 64, 8, 3)),
-)
-GEMV_TILES = {"int4": Tile(0, 64, 256, 4, 1), "fp8": Tile(0, 32, 256, 4, 1)}
-# Split K until the grid has this many programs per SM (while each keeps MIN_SPAN_BLOCKS
-# K-blocks): a GEMV over few output columns (o_proj, down_proj) would leave SMs idle.
-PROGRAMS_PER_SM = {"gemv": 2, "gemm": 1}
-MIN_SPAN_BLOCKS = 4
+# method -> bucket -> (tile, programs per SM that split-K aims for).
+TILES: dict[str, list[tuple[Tile, int]]] = {
+    "int4": [(Tile(0, 64, 512, 4, 3), 8), (Tile(16, 64, 128, 4, 3), 4),
+             (Tile(64, 64, 128, 4, 3), 2), (Tile(0, 0, 64, dense=True), 1)],
+    "fp8": [(Tile(0, 16, 512, 4, 3), 2), (Tile(16, 32, 256, 4, 3), 4),
+            (Tile(64, 64, 128, 4, 3), 2), (Tile(128, 128, 64, 8, 3), 1)],
+}
 MAX_SPLIT = 16
 
 
 def bucket(m: int) -> int:
-    """0 for one row (the GEMV), else the index of the GEMM bucket + 1."""
-    if m == 1:
-        return 0
-    return 1 + next(i for i, (hi, _) in enumerate(GEMM_TILES) if m <= hi)
+    return next(i for i, hi in enumerate(BUCKET_MAX) if m <= hi)
 
 
 def split_for(programs: int, k: int, block_k: int, sms: int, per_sm: int) -> int:
+    """Double the split while the grid has fewer than per_sm programs per SM and each span
+    keeps at least one K-block."""
     split = 1
-    while (programs * split < per_sm * sms and split < MAX_SPLIT
-           and k // (2 * split) >= MIN_SPAN_BLOCKS * block_k):
+    while programs * split < per_sm * sms and split < MAX_SPLIT and k // (2 * split) >= block_k:
         split *= 2
     return split
 
@@ -55,14 +55,32 @@ def pick_tile(method: str, m: int, n: int, k: int, sms: int) -> Tile:
     """The tile for x [m, k] against a weight with n output columns on a device of `sms`
     multiprocessors; independent of m within its bucket (see the module docstring)."""
     b = bucket(m)
-    if b == 0:
-        t = GEMV_TILES[method]
-        programs, per_sm = -(-n // t.block_n), PROGRAMS_PER_SM["gemv"]
-    else:
-        hi, t = GEMM_TILES[b - 1]
-        # The bucket's largest M (capped) stands for every M in it.
-        rows = min(hi, 256)
-        programs = -(-rows // t.block_m) * -(-n // t.block_n)
-        per_sm = PROGRAMS_PER_SM["gemm"]
-    split = split_for(programs, k, t.block_k, sms, per_sm)
-    return Tile(t.block_m, t.block_n, t.block_k, t.warps, t.stages, split)
+    tile, per_sm = TILES[method][b]
+    return with_split(tile, per_sm, b, n, k, sms)
+
+
+def with_split(tile: Tile, per_sm: int, b: int, n: int, k: int, sms: int) -> Tile:
+    """`tile` with the split-K its rule gives in bucket b (the bucket's largest M, capped,
+    stands for every M in it)."""
+    if tile.dense:
+        return tile
+    rows = min(BUCKET_MAX[b], 256)
+    programs = -(-rows // max(tile.block_m, 1)) * -(-n // tile.block_n)
+    return replace(tile, split=split_for(programs, k, tile.block_k, sms, per_sm))
+
+
+def set_tiles(table: dict[str, list[tuple[Tile, int]]]) -> None:
+    """Replace the table (all methods and buckets given), e.g. with a sweep's choice."""
+    for method, rules in table.items():
+        if len(rules) != len(BUCKET_MAX):
+            raise ValueError(f"{method}: one (tile, programs per SM) per bucket "
+                             f"({len(BUCKET_MAX)}), got {len(rules)}")
+        TILES[method] = list(rules)
+
+
+def tiles_to_json(table: dict[str, list[tuple[Tile, int]]]) -> str:
+    return json.dumps({m: [[asdict(t), p] for t, p in rules] for m, rules in table.items()})
+
+
+def tiles_from_json(text: str) -> dict[str, list[tuple[Tile, int]]]:
+    return {m: [(Tile(**t), p) for t, p in rules] for m, rules in json.loads(text).items()}
