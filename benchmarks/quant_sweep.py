@@ -327,8 +327,7 @@ def start_conformance(out: Path, dtypes: str) -> list[subprocess.Popen]:
         jobs += [(f"tiles-{t}", ["--kernels", "", "--dtypes", "bfloat16", "--tile-sets", t])
                  for t in tile_sets()]
     return [subprocess.Popen(
-        [sys.executable, script, "--device", "cuda", "--kernels", "triton", *extra, "--out",
-         str(out / f"conformance-{name}.md")],
+        [sys.executable, script, "--device", "cuda", "--kernels", "triton", *extra],
         stdout=open(out / f"conformance-{name}.log", "w"), stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}) for name, extra in jobs]
 
@@ -352,8 +351,13 @@ def main() -> int:
     for job in jobs:  # a GPU shared with the conformance runs would disturb the timings
         job.wait()
     print(f"conformance done at {time.time() - t0:.0f}s", flush=True)
-    for log in sorted(args.out.glob("conformance-*.log")):
+    # One file per output kind: the device tool brings back only a few files.
+    logs = sorted(args.out.glob("conformance-*.log"))
+    merged = "".join(f"## {log.stem}\n{log.read_text()}\n" for log in logs)
+    (args.out / "quant_conformance.log").write_text(merged)
+    for log in logs:
         print(log.name, log.read_text()[-900:], flush=True)
+        log.unlink()
     rows = time_all(todo, bad, args.out)
     print(f"timed in {time.time() - t0:.0f}s", flush=True)
     gpu = torch.cuda.get_device_name(0)
@@ -373,7 +377,9 @@ def main() -> int:
     set_tiles(table)
     picked = time_all(variants(True), {}, args.out)
     text = summary(picked, 0)
-    (args.out / "quant_picked.md").write_text(text)
+    with open(args.out / "quant_sweep.md", "a") as f:
+        f.write(f"\nChosen table: {tiles_to_json(table)}\n\nTimed with it:\n\n{text}\n")
+    (args.out / "quant_sweep.log").unlink(missing_ok=True)  # its rows are in the JSON
     print(text, flush=True)
     import quant_bench
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -32,11 +33,40 @@ else:
 SUM_BLOCK = 1024
 
 
+def _cdiv(a: int, b: int) -> int:  # triton.cdiv is a jit function: slow to call from Python
+    return -(-a // b)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 64  # XPU and the interpreter: a fixed guess, only steers split-K
+
+
+@functools.cache
+def _smem_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return 64 * 1024 if device.type == "xpu" else 1 << 30  # the interpreter has no limit
+
+
+@functools.cache
+def fit_shared_memory(tile: Tile, elem_bytes: int, limit: int) -> Tile:
+    """A tensor-core tile with fewer stages, then shorter K-blocks, until its shared memory
+    fits `limit`: per stage an x and a weight block, one converted weight block and the
+    output tile in 16 bits (Triton's layout; this reproduces the 237,568 bytes Triton asked
+    for a 64 x 64 x 128 three-stage tile with float32 activations on an H200)."""
+    def need(t: Tile) -> int:
+        return ((t.stages * (t.block_m + t.block_n) + t.block_n) * t.block_k * elem_bytes
+                + t.block_m * t.block_n * 2)
+
+    while need(tile) > limit and tile.stages > 1:
+        tile = replace(tile, stages=tile.stages - 1)
+    while need(tile) > limit and tile.block_k > 16:
+        tile = replace(tile, block_k=tile.block_k // 2)
+    return tile
 
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -51,9 +81,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         tile = pick_tile("fp8" if fp8 else "int4", m, n, k, _num_sms(x.device))
     if tile.dense:
         return _dense(x, w, s, z, g, group_size, fp8)
+    if tile.block_m:
+        tile = fit_shared_memory(tile, x.element_size(), _smem_limit(x.device))
     bk = tile.block_k
-    k_span = triton.cdiv(triton.cdiv(k, tile.split), bk) * bk
-    split = triton.cdiv(k, k_span)
+    k_span = _cdiv(_cdiv(k, tile.split), bk) * bk
+    split = _cdiv(k, k_span)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     sos = out.stride(0) if split > 1 else 0
@@ -65,7 +97,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     launch = dict(num_warps=tile.warps, num_stages=tile.stages)
     if tile.block_m == 0:
         assert m == 1, "the GEMV tile takes one row"
-        grid = (triton.cdiv(n, tile.block_n), split)
+        grid = (_cdiv(n, tile.block_n), split)
         if fp8:
             jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
                                       w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
@@ -77,7 +109,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                        PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
                                        BLOCK_N=tile.block_n, **launch)
     else:
-        grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split)
+        grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
         jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, group_size, x.stride(0),
                               x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
@@ -87,7 +119,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, K_SPAN=k_span,
                               BLOCK_K=bk, **launch)
     if split > 1:
-        jit.sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
     return y
 
@@ -109,7 +141,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty(k, n, device=qweight.device, dtype=dtype)
     has_gidx = g_idx is not None
-    jit.int4_dequant_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+    jit.int4_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, block_n))](
         w, qweight, scales, zeros, g_idx if has_gidx else scales, n, k, group_size,
         qweight.stride(0), scales.stride(0), w.stride(0), HAS_GIDX=has_gidx,
         ROW_SCALES=not has_gidx and group_size % block_k == 0, BLOCK_K=block_k,

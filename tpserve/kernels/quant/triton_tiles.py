@@ -28,12 +28,18 @@ class Tile:
     dense: bool = False  # dequantize the whole weight, then torch.matmul (large M)
 
 
-# method -> bucket -> (tile, programs per SM that split-K aims for).
+# method -> bucket -> (tile, programs per SM that split-K aims for): the choice of
+# benchmarks/quant_sweep.py on one H200 (2026-12-01; its OUT/quant_tiles.json), the least
+# time summed over the Llama-3-8B layers among 1,328 timed variants.
 TILES: dict[str, list[tuple[Tile, int]]] = {
-    "int4": [(Tile(0, 64, 512, 4, 3), 8), (Tile(16, 64, 128, 4, 3), 4),
-             (Tile(64, 64, 128, 4, 3), 2), (Tile(0, 0, 64, dense=True), 1)],
-    "fp8": [(Tile(0, 16, 512, 4, 3), 2), (Tile(16, 32, 256, 4, 3), 4),
-            (Tile(64, 64, 128, 4, 3), 2), (Tile(128, 128, 64, 8, 3), 1)],
+    "int4": [(Tile(0, 16, 512, 4, 3, prefetch=True), 2),
+             (Tile(16, 128, 128, 4, 3, factor=True), 1),
+             (Tile(64, 64, 128, 4, 3, factor=True), 1),
+             (Tile(0, 0, 64, dense=True), 1)],
+    "fp8": [(Tile(0, 8, 1024, 4, 3), 1),
+            (Tile(16, 32, 256, 4, 3), 2),
+            (Tile(64, 64, 64, 4, 4), 1),
+            (Tile(128, 128, 64, 8, 3), 1)],
 }
 MAX_SPLIT = 16
 
@@ -55,8 +61,14 @@ def pick_tile(method: str, m: int, n: int, k: int, sms: int) -> Tile:
     """The tile for x [m, k] against a weight with n output columns on a device of `sms`
     multiprocessors; independent of m within its bucket (see the module docstring)."""
     b = bucket(m)
-    tile, per_sm = TILES[method][b]
-    return with_split(tile, per_sm, b, n, k, sms)
+    key = (method, b, n, k, sms)
+    tile = _PICKED.get(key)
+    if tile is None:  # a few per layer shape: keep them, the lookup runs on every call
+        tile = _PICKED[key] = with_split(*TILES[method][b], b, n, k, sms)
+    return tile
+
+
+_PICKED: dict[tuple, Tile] = {}
 
 
 def with_split(tile: Tile, per_sm: int, b: int, n: int, k: int, sms: int) -> Tile:
@@ -76,6 +88,7 @@ def set_tiles(table: dict[str, list[tuple[Tile, int]]]) -> None:
             raise ValueError(f"{method}: one (tile, programs per SM) per bucket "
                              f"({len(BUCKET_MAX)}), got {len(rules)}")
         TILES[method] = list(rules)
+    _PICKED.clear()
 
 
 def tiles_to_json(table: dict[str, list[tuple[Tile, int]]]) -> str:
