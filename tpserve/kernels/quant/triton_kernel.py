@@ -46,9 +46,19 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.cache
 def _smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use (the limit Triton checks at launch)."""
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+        optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                        0)
+        if optin:
+            return int(optin)
+        try:  # an older torch: ask Triton's driver
+            from triton.runtime import driver
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+        except Exception:  # noqa: BLE001 - unknown: keep the tiles as chosen
+            return 1 << 30
     return 64 * 1024 if device.type == "xpu" else 1 << 30  # the interpreter has no limit
 
 
