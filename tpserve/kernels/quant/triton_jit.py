@@ -156,7 +156,7 @@ def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size
     return (q - (z + TWO23)) * s
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "sos"])
 def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
                 sxm, sxk, sos, som, son, sw0, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
@@ -166,8 +166,8 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
     tl.dot. int4: sw0 is qweight's row stride; FACTOR (with ROW_SCALES): the dot takes the
     exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
     one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
-    (its scale, per column, multiplies the finished sum). M is not specialized on, so every
-    batch size of a bucket runs one compiled variant."""
+    (its scale, per column, multiplies the finished sum). Neither M nor the split stride
+    M * N is specialized on, so every batch size of a bucket runs one compiled variant."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
