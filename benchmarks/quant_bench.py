@@ -3,6 +3,7 @@ to GPTQ-layout int4 and fp8 (Triton, and the torch reference), per layer and sum
 decoder layer x 32, for decode-sized batches.
 
     python3 benchmarks/quant_bench.py --out results/   # needs CUDA; writes markdown + JSON
+    python3 benchmarks/quant_bench.py --out results/ --tiles OUT/quant_tiles.json  # a sweep's
 
 Times are medians of CUDA-event timed replays (triton.testing.do_bench, L2 flushed between
 replays), so a weight is read from HBM each time, as in a decode step. "GB/s" is weight
@@ -78,12 +79,19 @@ def time_all(tri, ref, x, qw, s, z, wb, w8, s8) -> dict[str, float]:
             for key, fn in fns.items()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (run with TRITON_INTERPRET=1): checks the script")
-    args = ap.parse_args()
+    ap.add_argument("--tiles", type=Path,
+                    help="JSON tile table written by benchmarks/quant_sweep.py to use instead of "
+                    "tpserve/kernels/quant/triton_tiles.py's")
+    args = ap.parse_args(argv)
+    if args.tiles:
+        from tpserve.kernels.quant.triton_tiles import set_tiles, tiles_from_json
+
+        set_tiles(tiles_from_json(args.tiles.read_text()))
     global LAYERS, BATCHES
     if args.dry_run:
         LAYERS = tuple((name, k // 16, n // 16) for name, k, n in LAYERS)

@@ -2,9 +2,11 @@
 # Quantized kernels on a CUDA machine, from the repository root:
 #   bash benchmarks/run_gpu_quant.sh OUTDIR [PART]
 # PART kernels: conformance of torch and triton (int4 GEMV/GEMM with and without act-order,
-# fp8) in three dtypes, then int4 / fp8 / bf16 matmul timings at the Llama-3-8B layer shapes.
+# fp8; Triton's fixed tile sets too) in three dtypes, then int4 / fp8 / bf16 matmul timings
+# at the Llama-3-8B layer shapes. PART sweep: benchmarks/quant_sweep.py (tiles timed in CUDA
+# graphs, the chosen table in OUT/sweep/quant_tiles.json, quant_bench.py with it).
 # PART engine: the in-process engine on that shape in bf16, GPTQ int4 and fp8 (ms/token,
-# tok/s, GB per GPU). PART all (default): both.
+# tok/s, GB per GPU). PART all (default): kernels and engine.
 set -uo pipefail
 out="${1:-gpu-quant-results}"
 part="${2:-all}"
@@ -13,9 +15,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   date -u; } | tee "$out/machine.txt"
+if [ "$part" = sweep ]; then
+python3 benchmarks/quant_sweep.py --out "$out/sweep" > "$out/quant_sweep.log" 2>&1
+echo "sweep rc=$?"; tail -n 60 "$out/quant_sweep.log"
+exit 0
+fi
 if [ "$part" != engine ]; then
 python3 tests/kernels/quant_conformance.py --device cuda --kernels torch,triton \
-  --dtypes float32,bfloat16,float16 --out "$out/quant_conformance.md" \
+  --dtypes float32,bfloat16,float16 --tile-sets all --out "$out/quant_conformance.md" \
   > "$out/quant_conformance.log" 2>&1
 echo "conformance rc=$?"; tail -n 12 "$out/quant_conformance.log"
 python3 benchmarks/quant_bench.py --out "$out" > "$out/quant_bench.log" 2>&1

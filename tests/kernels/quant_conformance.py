@@ -1,10 +1,12 @@
 """Quantized-matmul conformance: every kernel (torch reference, Triton, plugins) against a
 float64 oracle built from the unpacked integers, over int4 with and without act-order g_idx,
 symmetric and not, group sizes 32/64/128, and fp8 with per-channel scales; batch sizes that
-take the GEMV path (1, 3) and the GEMM path (17, 64). Run on a GPU:
+take the GEMV path (1) and the tensor-core paths (3, 17, 64). Triton also runs with the fixed
+tiles of TILE_SETS, which reach the paths its tile table may not pick at these shapes.
+Run on a GPU:
 
     python3 tests/kernels/quant_conformance.py --device cuda --kernels torch,triton \
-        --dtypes float32,bfloat16,float16 --out results.md
+        --dtypes float32,bfloat16,float16 --tile-sets all --out results.md
 """
 
 from __future__ import annotations
@@ -20,6 +22,30 @@ SHAPES = ((256, 96), (384, 200), (1024, 64))
 GROUPS = (32, 64, 128)
 BATCHES = (1, 3, 17, 64)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def tile_sets() -> dict:
+    """name -> (tile for one row, tile for more rows) of the Triton kernel: prefetching and
+    plain GEMVs, split-K spans that run past K, factored scales, the dense fallback, and
+    blocks that leave tails in N and K (and cut groups of 32) at the SHAPES above."""
+    from tpserve.kernels.quant.triton_tiles import Tile
+
+    return {
+        "prefetch-split": (Tile(0, 64, 64, split=3, prefetch=True),
+                           Tile(16, 64, 32, split=3, factor=True)),
+        "plain-tails": (Tile(0, 64, 256), Tile(16, 64, 256, warps=8)),
+        "split-dense": (Tile(0, 64, 32, split=4, prefetch=True), Tile(0, 0, 64, dense=True)),
+    }
+
+
+def triton_with_tiles(name: str):
+    """The Triton kernel held to one of tile_sets()."""
+    from tpserve.kernels.quant.triton_kernel import TritonQuantKernel
+
+    one, more = tile_sets()[name]
+    kernel = TritonQuantKernel(lambda _method, m, _n, _k: one if m == 1 else more)
+    kernel.name = f"triton[{name}]"
+    return kernel
 
 
 @dataclass
@@ -119,17 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kernels", default="torch")
     ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--tile-sets", default="",
+                    help="also run Triton held to these fixed tiles (comma list, or all)")
+    ap.add_argument("--tiles", help="JSON tile table (benchmarks/quant_sweep.py) to apply first")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.tiles:
+        from tpserve.kernels.quant.triton_tiles import set_tiles, tiles_from_json
+
+        with open(args.tiles) as f:
+            set_tiles(tiles_from_json(f.read()))
     rows, bad = [], 0
-    for name in args.kernels.split(","):
+    kernels: list = [k for k in args.kernels.split(",") if k]
+    sets = list(tile_sets()) if args.tile_sets == "all" else \
+        [t for t in args.tile_sets.split(",") if t]
+    kernels += [triton_with_tiles(t) for t in sets]
+    for name in kernels:
         for dt in args.dtypes.split(","):
             r = run_quant_conformance(name, args.device, getattr(torch, dt))
             bad += len(r.failed)
-            rows.append(f"| {name} | {args.device} | {dt} | {r.cases} | {len(r.failed)} | "
+            rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | {len(r.failed)} | "
                         f"{r.worst:.2e} |")
             for f in r.failed[:5]:
-                print(f"FAILED {name} {dt}: {f}")
+                print(f"FAILED {r.kernel} {dt}: {f}")
     table = "\n".join(["| kernel | device | dtype | cases | failed | worst relative error |",
                        "| --- | --- | --- | --- | --- | --- |", *rows])
     print(table)

@@ -1,138 +1,40 @@
-"""Triton weight-only GEMM/GEMV for CUDA and XPU: int4 (w4a16) and fp8 (w8a16) weights are
-dequantized in registers, block by block, and never written back to memory, so a decode
-step reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
+"""Triton weight-only GEMV/GEMM for CUDA and XPU: int4 (w4a16) and fp8 (w8a16) weights are
+dequantized in registers, tile by tile, and never written back to memory, so a decode step
+reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
 
-One row (M = 1, single-stream decode) takes the GEMV kernel: each program reduces
-BLOCK_K x BLOCK_N tiles with multiply-and-sum. More rows take the tiled tl.dot GEMM (16-row
-tiles up to M = 16, then 64). When the output tiles alone are too few programs to fill the
-device, both split K across programs that add into a float32 output (split-K).
+One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32, no tensor
+cores); more rows take tensor-core tiles (tl.dot on tiles dequantized into x's dtype). When
+the output tiles are too few programs to fill the device, K is split across programs whose
+float32 partials a second small kernel sums into the output: two launches, no memset, no
+atomics. Tiles: triton_tiles.py; kernels: triton_jit.py.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from tpserve.kernels.quant.base import QuantKernel
+from tpserve.kernels.quant.triton_tiles import Tile, pick_tile
 
 try:  # Triton is optional: supports() says why when it is missing.
     import triton
-    import triton.language as tl
+
+    from tpserve.kernels.quant import triton_jit as jit
 except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
     triton = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 else:
     _IMPORT_ERROR = ""
 
-
-if triton is not None:
-
-    @triton.jit
-    def _int4_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, N, group_size,
-                   sqk, sqn, ssg, ssn, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Dequantized weight rows [k0, k0 + BLOCK_K) x offs_n, float32 [BLOCK_K, BLOCK_N]
-        (k0 a multiple of 8). Each packed int32 is loaded once and split into its 8 rows.
-        ROW_SCALES: the block lies in one group (group_size a multiple of BLOCK_K, no g_idx),
-        so one row of scales and zeros serves it."""
-        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        mask = (rows[:, None] < tl.cdiv(K, 8)) & (offs_n[None, :] < N)
-        packed = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :] * sqn, mask=mask,
-                         other=0)
-        shifts = tl.arange(0, 8) * 4
-        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
-        if ROW_SCALES:
-            at = (k0 // group_size) * ssg + offs_n * ssn
-            smask = (offs_n < N) & (k0 < K)  # a split-K tail block may start past K
-            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)
-            return (q - z[None, :]) * s[None, :]
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        if HAS_GIDX:
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
-        else:
-            g = offs_k // group_size
-        at = g[:, None] * ssg + offs_n[None, :] * ssn
-        s = tl.load(s_ptr + at, mask=kmask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + at, mask=kmask, other=0.0).to(tl.float32)
-        return (q - z) * s
-
-    @triton.jit
-    def _fp8_tile(w_ptr, scale_ptr, k0, K, offs_n, N, swn, swk, BLOCK_K: tl.constexpr):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        w = tl.load(w_ptr + offs_n[None, :] * swn + offs_k[:, None] * swk, mask=mask, other=0.0)
-        s = tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        return w.to(tl.float32) * s[None, :]
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
-                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K_SPAN: tl.constexpr,
-                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                     SPLIT_K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """x of one row (M = 1); [BLOCK_N] outputs per program; K split SPLIT_K ways
-        into spans of K_SPAN (a multiple of BLOCK_K; a constant, so the loop bounds are too:
-        one compiled variant per layer shape)."""
-        m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        k_start = pid_k * K_SPAN
-        for k0 in range(0, K_SPAN, BLOCK_K):
-            offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m * sxm + offs_k * sxk, mask=offs_k < K, other=0.0)
-            if FP8:
-                w = _fp8_tile(w_ptr, s_ptr, k_start + k0, K, offs_n, N, s0, s1, BLOCK_K)
-            else:
-                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, k_start + k0, K, offs_n, N,
-                               group_size, s0, s1, ssg, ssn, HAS_GIDX, ROW_SCALES, BLOCK_K,
-                               BLOCK_N)
-            acc += tl.sum(x.to(tl.float32)[:, None] * w, axis=0)
-        out = y_ptr + m * sym + offs_n * syn
-        if SPLIT_K == 1:
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=offs_n < N)
-        else:
-            tl.atomic_add(out, acc, mask=offs_n < N)
-
-    @triton.jit
-    def _gemm_kernel(x_ptr, y_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
-                     sxm, sxk, sym, syn, s0, s1, ssg, ssn, K_SPAN: tl.constexpr,
-                     FP8: tl.constexpr, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                     PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        k_start = tl.program_id(2) * K_SPAN
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, K_SPAN, BLOCK_K):
-            k0 = k_start + kk
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            if FP8:
-                w = _fp8_tile(w_ptr, s_ptr, k0, K, offs_n, N, s0, s1, BLOCK_K)
-            else:
-                w = _int4_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, N, group_size,
-                               s0, s1, ssg, ssn, HAS_GIDX, ROW_SCALES, BLOCK_K, BLOCK_N)
-            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
-        out = y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        if SPLIT_K == 1:
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(out, acc, mask=mask)
+SUM_BLOCK = 1024
 
 
-# Split-K tuning (not yet measured on a GPU: see benchmarks/quant_bench.py).
-PROGRAMS_PER_SM = 8
-MIN_K_BLOCKS = 2
+def _cdiv(a: int, b: int) -> int:  # triton.cdiv is a jit function: slow to call from Python
+    return -(-a // b)
 
 
 @functools.cache
@@ -142,50 +44,127 @@ def _num_sms(device: torch.device) -> int:
     return 64  # XPU and the interpreter: a fixed guess, only steers split-K
 
 
-def _split_k(tiles: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
-    """(splits, K span of each): enough programs for about PROGRAMS_PER_SM per SM when the
-    output tiles alone are fewer, keeping at least MIN_K_BLOCKS K-blocks per program.
-    Independent of the batch size within a path, so each layer shape compiles one variant
-    per path. Split-K costs a memset and a cast per call on top of the kernel."""
-    split = 1
-    while tiles * split < PROGRAMS_PER_SM * sms and k // (split * 2) >= MIN_K_BLOCKS * block_k:
-        split *= 2
-    return split, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+@functools.cache
+def _smem_limit(device: torch.device) -> int:
+    """Shared memory one program may use (the limit Triton checks at launch)."""
+    if device.type == "cuda":
+        optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                        0)
+        if optin:
+            return int(optin)
+        try:  # an older torch: ask Triton's driver
+            from triton.runtime import driver
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+        except Exception:  # noqa: BLE001 - unknown: keep the tiles as chosen
+            return 1 << 30
+    return 64 * 1024 if device.type == "xpu" else 1 << 30  # the interpreter has no limit
 
 
-def _launch(x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
-            g: torch.Tensor | None, group_size: int, fp8: bool) -> torch.Tensor:
+@functools.cache
+def fit_shared_memory(tile: Tile, elem_bytes: int, limit: int) -> Tile:
+    """A tensor-core tile with fewer stages, then shorter K-blocks, until its shared memory
+    fits `limit`: per stage an x and a weight block, one converted weight block and the
+    output tile in 16 bits (Triton's layout; this reproduces the 237,568 bytes Triton asked
+    for a 64 x 64 x 128 three-stage tile with float32 activations on an H200)."""
+    def need(t: Tile) -> int:
+        return ((t.stages * (t.block_m + t.block_n) + t.block_n) * t.block_k * elem_bytes
+                + t.block_m * t.block_n * 2)
+
+    while need(tile) > limit and tile.stages > 1:
+        tile = replace(tile, stages=tile.stages - 1)
+    while need(tile) > limit and tile.block_k > 16:
+        tile = replace(tile, block_k=tile.block_k // 2)
+    return tile
+
+
+def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                 g: torch.Tensor | None, group_size: int, fp8: bool,
+                 tile: Tile | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype."""
     m, k = x.shape
-    if fp8:
-        s0, s1, ssg, ssn = w.stride(0), w.stride(1), 0, 0
-    else:
-        s0, s1, ssg, ssn = w.stride(0), w.stride(1), s.stride(0), s.stride(1)
+    n = w.shape[0] if fp8 else w.shape[1]
+    # The kernels index the last dimension of the weight and scales with unit stride.
+    w, s = (t if t.stride(-1) == 1 else t.contiguous() for t in (w, s))
+    if tile is None:
+        tile = pick_tile("fp8" if fp8 else "int4", m, n, k, _num_sms(x.device))
+    if tile.dense:
+        return _dense(x, w, s, z, g, group_size, fp8)
+    if tile.block_m:
+        tile = fit_shared_memory(tile, x.element_size(), _smem_limit(x.device))
+    bk = tile.block_k
+    k_span = _cdiv(_cdiv(k, tile.split), bk) * bk
+    split = _cdiv(k, k_span)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    sos = out.stride(0) if split > 1 else 0
     has_gidx = g is not None and not fp8
+    row_scales = not fp8 and not has_gidx and group_size % bk == 0
     # Unused pointer arguments still need a tensor: pass the scales.
     z = z if z is not None else s
     g = g if g is not None else s
-    gemv = m == 1
-    bm, bn, bk = (1, 64, 128) if gemv else ((16, 64, 64) if m <= 16 else (64, 64, 64))
-    tiles = triton.cdiv(n, bn) * (1 if gemv else triton.cdiv(m, bm))
-    split, k_span = _split_k(tiles if m <= 16 else 4 * _num_sms(x.device), k, bk,
-                             _num_sms(x.device))
-    y = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split > 1 else \
-        torch.empty(m, n, device=x.device, dtype=x.dtype)
-    common = dict(K_SPAN=k_span, FP8=fp8, HAS_GIDX=has_gidx,
-                  ROW_SCALES=not has_gidx and group_size % bk == 0, SPLIT_K=split,
-                  BLOCK_K=bk, BLOCK_N=bn)
-    args = (x, y, w, s, z, g, m, n, k, group_size, x.stride(0), x.stride(1), y.stride(0),
-            y.stride(1), s0, s1, ssg, ssn)
-    if gemv:
-        _gemv_kernel[(1, triton.cdiv(n, bn), split)](*args, **common)
+    launch = dict(num_warps=tile.warps, num_stages=tile.stages)
+    if tile.block_m == 0:
+        assert m == 1, "the GEMV tile takes one row"
+        grid = (_cdiv(n, tile.block_n), split)
+        if fp8:
+            jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
+                                      w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
+                                      BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
+        else:
+            jit.int4_gemv_kernel[grid](x, out, w, s, z, g, n, k, group_size,
+                                       x.stride(1), sos, out.stride(-1), w.stride(0),
+                                       s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
+                                       PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
+                                       BLOCK_N=tile.block_n, **launch)
     else:
+        grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
-        _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-            *args, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm,
-            **common)
-    return y.to(x.dtype) if split > 1 else y
+        jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, group_size, x.stride(0),
+                              x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
+                              0 if fp8 else s.stride(0), FP8=fp8, HAS_GIDX=has_gidx,
+                              ROW_SCALES=row_scales, FACTOR=tile.factor and row_scales,
+                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                              BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, K_SPAN=k_span,
+                              BLOCK_K=bk, **launch)
+    if split > 1:
+        jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
+            out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
+    return y
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+           g: torch.Tensor | None, group_size: int, fp8: bool) -> torch.Tensor:
+    """Large batches: the weight dequantized into x's dtype (a temporary of K x N elements),
+    then the vendor matmul, which beats the fused tiles once the matmul is compute-bound."""
+    if fp8:  # e4m3 is exact in bf16, fp16 and fp32; the per-column scale goes on the output
+        y = x @ w.to(x.dtype).t()
+        return y.mul_(s)
+    return x @ int4_dequantize(w, s, z, group_size, g, x.dtype)
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, g_idx: torch.Tensor | None, dtype: torch.dtype,
+                    block_k: int = 64, block_n: int = 128) -> torch.Tensor:
+    """The int4 weight as a dense [K, N] tensor of dtype (for a dense matmul at large M)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, device=qweight.device, dtype=dtype)
+    has_gidx = g_idx is not None
+    jit.int4_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, block_n))](
+        w, qweight, scales, zeros, g_idx if has_gidx else scales, n, k, group_size,
+        qweight.stride(0), scales.stride(0), w.stride(0), HAS_GIDX=has_gidx,
+        ROW_SCALES=not has_gidx and group_size % block_k == 0, BLOCK_K=block_k,
+        BLOCK_N=block_n)
+    return w
+
+
 class TritonQuantKernel(QuantKernel):
     name = "triton"
+
+    def __init__(self, tile_for: Callable[[str, int, int, int], Tile] | None = None) -> None:
+        # tile_for(method, m, n, k): a fixed choice of tiles (tests and the sweep).
+        self.tile_for = tile_for
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, method: str) -> str | None:
@@ -205,8 +184,13 @@ class TritonQuantKernel(QuantKernel):
                 return f"fp8 weights need CUDA compute capability 8.9+, this GPU has {cap}"
         return None
 
+    def _tile(self, method: str, x: torch.Tensor, n: int) -> Tile | None:
+        return self.tile_for(method, x.shape[0], n, x.shape[1]) if self.tile_for else None
+
     def int4_matmul(self, x, qweight, scales, zeros, group_size, g_idx=None):
-        return _launch(x, qweight.shape[1], qweight, scales, zeros, g_idx, group_size, False)
+        tile = self._tile("int4", x, qweight.shape[1])
+        return quant_matmul(x, qweight, scales, zeros, g_idx, group_size, False, tile)
 
     def fp8_matmul(self, x, weight, scale):
-        return _launch(x, weight.shape[0], weight, scale, None, None, 1, True)
+        return quant_matmul(x, weight, scale, None, None, 1, True,
+                            self._tile("fp8", x, weight.shape[0]))

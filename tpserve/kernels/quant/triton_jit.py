@@ -1,0 +1,235 @@
+"""The Triton kernels behind tpserve/kernels/quant/triton_kernel.py (import only when triton
+imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + j in bits
+4j.. of packed row r), scales and zeros [G, N]; fp8 weight [N, K] with a scale per column n.
+
+int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
+OR-ing a nibble into the mantissa of a float whose exponent makes the nibble's lowest bit
+worth 1 (2^23 for bits 0-3, 2^19 for bits 4-7, ...) gives that power of two plus q exactly,
+so one subtraction of (power + zero) yields q - zero, exact because zeros are small integers
+(unpacked nibbles). The GEMV reads nibbles where they sit, in the word or in the word shifted
+right by 16: one AND-OR, one subtraction and one multiply-add per weight, and the scale once
+per packed row.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
+TWO23: tl.constexpr = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _plane(word, hi, J: tl.constexpr):
+    """2^(23 - 4 (J % 4)) + nibble J of each packed word, as an exact float."""
+    src = word if J < 4 else hi
+    bits = (src & (15 << (4 * (J % 4)))) | ((150 - 4 * (J % 4)) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
+                     sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """One activation row. Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
+    BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
+    tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
+    2-D in registers and are reduced across rows once, at the end. PREFETCH: the next tile's
+    load is issued before this one is reduced (Triton does not pipeline loops without a dot).
+    ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    rr = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=((k_lo + 8 * rr) < K)[:, None] & nmask[None, :], other=0)
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        krow = k0 + 8 * rr  # first input row of each packed row
+        rmask = krow < K
+        mask = rmask[:, None] & nmask[None, :]
+        if PREFETCH:
+            word = nxt
+            more = ((krow + BLOCK_K) < K) & (kk + BLOCK_K < K_SPAN)
+            nxt = tl.load(ptrs + ((kk + BLOCK_K) // 8) * sqk, mask=more[:, None] & nmask[None, :],
+                          other=0)
+        else:
+            word = tl.load(ptrs + (kk // 8) * sqk, mask=mask, other=0)
+        hi = word >> 16
+        if ROW_SCALES:
+            at = (k0 // group_size) * ssg + offs_n
+            smask = nmask & (k0 < K)
+            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+        elif not HAS_GIDX:  # a packed row's 8 inputs share a group (group sizes are 8 k)
+            at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
+            s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+            off = 1.0 * (1 << (23 - 4 * (j % 4)))
+            if HAS_GIDX:  # every input row has its own group
+                g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
+                at = g[:, None] * ssg + offs_n[None, :]
+                sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                t += xj[:, None] * ((_plane(word, hi, j) - (zj + off)) * sj)
+            else:
+                t += xj[:, None] * (_plane(word, hi, j) - (z + off))
+        if HAS_GIDX:
+            acc += t
+        else:
+            acc += t * s
+    y = tl.sum(acc, axis=0)
+    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
+                    PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
+    along K; the per-column scale is applied once to the sum."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + offs_n[:, None] * swn + offs_k[None, :]
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
+    for kk in range(0, K_SPAN, BLOCK_K):
+        kmask = offs_k + kk < K
+        x = tl.load(x_ptr + (offs_k + kk) * sxk, mask=kmask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            w = nxt
+            more = (offs_k + kk + BLOCK_K < K) & (kk + BLOCK_K < K_SPAN)
+            nxt = tl.load(ptrs + kk + BLOCK_K, mask=nmask[:, None] & more[None, :], other=0.0)
+        else:
+            w = tl.load(ptrs + kk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    s = tl.load(scale_ptr + offs_n, mask=nmask, other=0.0)
+    y = tl.sum(acc, axis=1) * s
+    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, ssg,
+                   HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, SCALED: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]; with
+    ROW_SCALES and not SCALED, q - zero only (the caller applies the block's one scale)."""
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :],
+                   mask=(rows[:, None] * 8 < K) & nmask[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    bits = ((word[:, None, :] >> shifts[None, :, None]) & 15) | MAGIC
+    q = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K, BLOCK_N))  # 2^23 + q
+    if ROW_SCALES:
+        at = (k0 // group_size) * ssg + offs_n
+        smask = nmask & (k0 < K)
+        s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)
+        if SCALED:
+            return (q - (z + TWO23)[None, :]) * s[None, :]
+        return q - (z + TWO23)[None, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=kmask, other=0)
+    else:
+        g = offs_k // group_size
+    at = g[:, None] * ssg + offs_n[None, :]
+    mask = kmask[:, None] & nmask[None, :]
+    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    return (q - (z + TWO23)) * s
+
+
+@triton.jit(do_not_specialize=["M", "sos"])
+def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+                sxm, sxk, sos, som, son, sw0, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
+                ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                K_SPAN: tl.constexpr):
+    """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
+    tl.dot. int4: sw0 is qweight's row stride; FACTOR (with ROW_SCALES): the dot takes the
+    exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
+    one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
+    (its scale, per column, multiplies the finished sum). Neither M nor the split stride
+    M * N is specialized on, so every batch size of a bucket runs one compiled variant."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * K_SPAN
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                    mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
+        if FP8:
+            w = tl.load(w_ptr + offs_n[None, :] * sw0 + offs_k[:, None],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+        else:
+            w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask,
+                               group_size, sw0, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
+                               BLOCK_N)
+        if FACTOR:
+            s = tl.load(s_ptr + (k0 // group_size) * ssg + offs_n, mask=nmask & (k0 < K),
+                        other=0.0).to(tl.float32)
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                          input_precision=PRECISION) * s[None, :]
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                          input_precision=PRECISION)
+    if FP8:
+        acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0)[None, :]
+    out = out_ptr + pid_k * sos + offs_m[:, None] * som + offs_n[None, :] * son
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["numel"])
+def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over the split axis of the float32 partials ws [SPLIT, numel], in y's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sqk, ssg, swk,
+                        HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The whole int4 weight into w [K, N] (x's dtype), for a dense matmul on large M."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    k0 = tl.program_id(0) * BLOCK_K
+    w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk,
+                       ssg, HAS_GIDX, ROW_SCALES, True, BLOCK_K, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(offs_k[:, None] < K) & nmask[None, :])
+
+
+KERNELS = (int4_gemv_kernel, fp8_gemv_kernel, gemm_kernel, sum_splits_kernel,
+           int4_dequant_kernel)
