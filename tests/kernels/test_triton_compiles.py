@@ -52,7 +52,7 @@ def test_decode_kernels_compile(split, flags):
              dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=split,
                   **flags))
     _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
-                                             "*": "*bf16"}, dict(HEAD_DIM=128))
+                                             "*": "*bf16"}, dict(HEAD_DIM=128, SPLITS_PAD=64))
 
 
 @pytest.mark.parametrize("flags", [ALL, NONE], ids=["all-features", "plain"])

@@ -37,6 +37,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
+# The reduction loads every split at once, padded to this power of two: one compiled
+# variant whatever the split count of a batch bucket.
+SPLITS_PAD = 1 << (MAX_SPLITS - 1).bit_length()
 
 
 def interpreting() -> bool:
@@ -227,7 +230,7 @@ class TritonAttentionBackend(AttentionBackend):
         if splits > 1:
             self._kernels().paged_decode_reduce_kernel[(b, heads)](
                 out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
-                out.stride(1), HEAD_DIM=d, num_warps=1 if d <= 64 else 2)
+                out.stride(1), HEAD_DIM=d, SPLITS_PAD=SPLITS_PAD, num_warps=4)
         return out
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):

@@ -126,28 +126,27 @@ def paged_decode_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ot",
                                "stride_oh"])
 def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt, stride_ph,
-                               stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+                               stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                               SPLITS_PAD: tl.constexpr):
     """One program per (sequence, query head): the splits' partial outputs weighed by
-    exp(max_s - max) * sum_s, as a running (online-softmax) combination."""
+    exp(max_s - max) * sum_s. Every split is loaded at once as one [SPLITS_PAD, HEAD_DIM]
+    tile (SPLITS_PAD: a power of two >= num_splits) rather than walked one after another:
+    a serial walk keeps a single load in flight and took longer than the split decode
+    itself at batch 1 (8 us against 4.5 us per layer on the H200)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
+    ok = s < num_splits
     base = seq * stride_pt + head * stride_ph
     ml_base = base // HEAD_DIM * 2
-    # Vectors rather than scalars: loop-carried values keep one type from the first pass.
-    m = tl.full([HEAD_DIM], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in range(0, num_splits):
-        m_s = tl.load(ml_ptr + ml_base + 2 * s)
-        l_s = tl.load(ml_ptr + ml_base + 2 * s + 1)
-        o_s = tl.load(part_ptr + base + s * HEAD_DIM + d)
-        m_new = tl.maximum(m, m_s)
-        a = tl.exp(m - m_new)
-        b = tl.exp(m_s - m_new) * l_s
-        acc = acc * a + o_s * b
-        total = total * a + b
-        m = m_new
+    m_s = tl.load(ml_ptr + ml_base + 2 * s, mask=ok, other=-1.0e30)
+    l_s = tl.load(ml_ptr + ml_base + 2 * s + 1, mask=ok, other=0.0)
+    o_s = tl.load(part_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                  other=0.0)
+    w = tl.exp(m_s - tl.max(m_s, axis=0)) * l_s
+    total = tl.sum(w, axis=0)
+    acc = tl.sum(o_s * w[:, None], axis=0)
     acc = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, acc.to(out_ptr.dtype.element_ty))
 
