@@ -37,9 +37,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
-# The reduction loads every split at once, padded to this power of two: one compiled
-# variant whatever the split count of a batch bucket.
-SPLITS_PAD = 1 << (MAX_SPLITS - 1).bit_length()
+
+
+def reduce_pad(splits: int) -> int:
+    """The split reduction loads every split at once, padded to this power of two (one
+    compiled variant per power; warmup builds them all, whatever the batch buckets)."""
+    return max(2, 1 << (splits - 1).bit_length())
 
 
 def interpreting() -> bool:
@@ -228,10 +231,17 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT=splits > 1, **flags)
         if splits > 1:
-            self._kernels().paged_decode_reduce_kernel[(b, heads)](
-                out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
-                out.stride(1), HEAD_DIM=d, SPLITS_PAD=SPLITS_PAD, num_warps=4)
+            self._reduce(out, part, ml)
         return out
+
+    def _reduce(self, out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor) -> None:
+        """out [b, heads, d] from the splits' partial outputs part [b, heads, splits, d]
+        and their (max, sum) ml [b, heads, splits, 2]."""
+        b, heads, splits, d = part.shape
+        self._kernels().paged_decode_reduce_kernel[(b, heads)](
+            out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
+            out.stride(1), HEAD_DIM=d, SPLITS_PAD=reduce_pad(splits),
+            num_warps=4 if splits > 8 else 2)
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
@@ -277,6 +287,7 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             for case in plan:
                 self._run_case(case, device, dtype, spec)
+            self._warm_reductions(device, dtype, spec)
             # The fused norm / activation kernels of the layers built in this process.
             fused_ops.warmup(device, dtype)
         finally:
@@ -297,6 +308,18 @@ class TritonAttentionBackend(AttentionBackend):
         log.info("triton warmup: %d kernel variant(s), %d compiled from source, the rest "
                  "loaded from %s; %d step shapes (batch sizes %s) in %.2fs", report.variants,
                  report.compiled_from_source, cache_dir, report.cases, sizes, report.seconds)
+
+    def _warm_reductions(self, device, dtype, spec: AttentionSpec) -> None:
+        """Every variant of the split reduction a decode step can pick (the split count
+        depends on the batch and the device's core count, not only on the buckets)."""
+        d, heads = spec.head_dim, spec.num_heads
+        out = torch.empty(1, heads, d, dtype=dtype, device=device)
+        splits = 2
+        while splits <= reduce_pad(MAX_SPLITS):
+            self._reduce(out, torch.zeros(1, heads, splits, d, dtype=torch.float32,
+                                          device=device),
+                         torch.zeros(1, heads, splits, 2, dtype=torch.float32, device=device))
+            splits *= 2
 
     def _run_case(self, case: WarmupCase, device, dtype, spec: AttentionSpec) -> None:
         bs = spec.block_size
