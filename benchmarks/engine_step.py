@@ -151,6 +151,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model_dir(Path(tmp) / "llama3-8b")
         engine = build_engine(args, model)
+        # As the server does once a replica is built: the start-up objects leave the
+        # garbage collector's generations, so full collections do not walk them mid-step.
+        from tpserve.engine.heap import freeze_startup_objects
+
+        freeze_startup_objects()
         rows = []
         try:
             for b in args.batches:

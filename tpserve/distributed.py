@@ -95,8 +95,8 @@ def gather_last_dim_to_first(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
-    """tp rank 0's x into x on every rank of the group, in place (on the device: no host
-    sync with NCCL/xccl)."""
+    """tp rank 0's x into x on every rank of the group, in place (with a device collective
+    backend, queued on the device's stream: the host does not wait)."""
     if get_tp().size == 1:
         return x
     src = dist.get_global_rank(_GROUP, 0) if _GROUP is not None else 0
