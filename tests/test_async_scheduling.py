@@ -103,6 +103,37 @@ def test_lengths_sampling_and_penalties_match_one_at_a_time(engines):
     assert all(reason == "length" for _, reason in on)
 
 
+def test_abort_and_stop_while_a_step_is_in_flight(engines, reference):
+    """A request aborted (client gone) or ended by a stop string in the driver while its
+    next token is on the device: its late tokens are dropped, its blocks come back, and the
+    requests beside it produce what they would alone."""
+    on, _ = engines
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    seqs = [on.add_request(on.tokenize(p), params) for p in PROMPTS]
+    victim, stopped = seqs[0], seqs[1]
+    steps = 0
+    while on.has_work():
+        events, _ = on.step()
+        steps += 1
+        assert steps < 2000
+        if steps == 4:
+            assert on._inflight is not None, "a step should be in flight between calls"
+            on.abort(victim.seq_id)
+            on.finish(stopped.seq_id, "stop_sequence")
+            cut_victim, cut_stopped = len(victim.output_ids), len(stopped.output_ids)
+        for sid, _ev in events:
+            assert steps <= 4 or sid not in (victim.seq_id, stopped.seq_id), \
+                "a token of an ended request was output"
+    assert [s.output_ids for s in seqs[2:]] == reference[2:]
+    # Only the tokens collected before the end remain (the one in flight then is dropped).
+    for seq, ref, cut in ((victim, reference[0], cut_victim), (stopped, reference[1],
+                                                              cut_stopped)):
+        assert 1 <= cut <= 5 and seq.output_ids == ref[:cut]
+    assert on.scheduler.blocks.num_free == on.num_blocks
+
+
+# Last: its in-process engine's shutdown resets this process's tensor-parallel info, which
+# the module's shared engines above still use.
 def test_preemption_and_prefix_caching_under_overlap(ray_cluster, llama_dir, reference):
     """A cache too small for every sequence at once: sequences are preempted (their last
     token may still be on the device) and recomputed; shared prefixes are reused. Greedy

@@ -202,6 +202,7 @@ class EngineCore:
     def abort(self, seq_id: int) -> None:
         state = self.requests.pop(seq_id, None)
         if state is not None:
+            _drop_pending(state)
             self.scheduler.finish(state.seq)
             self._released.append(seq_id)
 
@@ -342,10 +343,7 @@ class EngineCore:
         elif count >= p.max_new_tokens or seq.num_input_tokens + count >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            # A later step may already be computing a token after this one: it is not output.
-            del seq.output_ids[count:], seq.output_logprobs[count:]
-            state.unresolved = 0
-            self.finish(seq.seq_id, reason)
+            self.finish(seq.seq_id, reason)  # a token after this one, in flight, is dropped
             out.finish_reason = reason
         return out
 
@@ -353,6 +351,7 @@ class EngineCore:
         """End a sequence for `reason` (the output processor's stop strings come here too)."""
         state = self.requests.pop(seq_id, None)
         if state is not None:
+            _drop_pending(state)
             self.scheduler.finish(state.seq)
             state.seq.finish_reason = reason
             self._released.append(seq_id)
@@ -376,6 +375,14 @@ def eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     add(getattr(hf_config, "eos_token_id", None))
     add(tokenizer.eos_token_id)
     return ids
+
+
+def _drop_pending(state: CoreRequest) -> None:
+    """An ended sequence keeps only the tokens collected so far: those still on the device
+    (computed by a step launched before it ended) are never output."""
+    if state.unresolved:
+        del state.seq.output_ids[-state.unresolved:], state.seq.output_logprobs[-state.unresolved:]
+        state.unresolved = 0
 
 
 def work_tokens(seqs) -> int:
