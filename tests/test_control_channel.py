@@ -87,6 +87,27 @@ def test_failed_core_start_says_why_and_releases_the_cluster(ray_cluster, llama_
     assert ray.available_resources().get("CPU", 0) >= before
 
 
+def test_missing_tokenizer_says_so_and_releases_the_cluster(ray_cluster, llama_dir, tmp_path):
+    """The shard actors start while the tokenizer loads: when it cannot load, they go too."""
+    import shutil
+
+    from tpserve.errors import CheckpointError
+
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in llama_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and "token" not in f.name:
+            shutil.copy(f, bare / f.name)
+    before = ray.available_resources().get("CPU", 0)
+    with pytest.raises(CheckpointError, match="cannot load a tokenizer"):
+        core_client(bare, 2)
+    for _ in range(50):  # resource release is asynchronous in Ray
+        if ray.available_resources().get("CPU", 0) >= before:
+            break
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= before
+
+
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_engine_core_in_rank0_matches_transformers(ray_cluster, llama_dir, tp):
     from tiny_models import PROMPTS, hf_greedy

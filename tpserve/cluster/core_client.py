@@ -49,14 +49,17 @@ class CoreClient:
         self.cfg = cfg
         self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
         check_shardable(cfg, self.hf_config)  # fail before placing any actor
+        # The shard actors start (a process each: imports, device set-up) while the
+        # tokenizer loads here.
+        self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
+            self.shutdown()
             raise errors.CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
                                          f"{exc}") from exc
         special = frozenset(self.tokenizer.all_special_ids)
         self.output = OutputProcessor(self.tokenizer, special)
-        self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
             info = ray.get(self.core.start.remote(
                 sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer))))
