@@ -23,6 +23,7 @@ from tpserve.cluster.engine_core_actor import EngineCoreActor
 from tpserve.cluster.placement import place_shards, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
+from tpserve.engine.engine import tokenize
 from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.request import SamplingParams
 from tpserve.executor.base import ShardFailedError
@@ -105,10 +106,7 @@ class CoreClient:
     # --- the Engine shape AsyncEngine uses ------------------------------------------------
     def tokenize(self, prompt: str, truncate: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        if truncate is not None and len(ids) > truncate:
-            ids = ids[-truncate:]
-        return ids
+        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams):
         got = self.add_requests([(prompt_ids, params)])[0]

@@ -20,6 +20,15 @@ if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the
 __all__ = ["Engine", "decoder_start_token_id", "eos_token_ids"]
 
 
+def tokenize(tokenizer, prompt: str, truncate: int | None = None,
+             add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids; with `truncate`, only its last `truncate` (TGI's rule)."""
+    ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+    if truncate is not None and len(ids) > truncate:
+        ids = ids[-truncate:]
+    return ids
+
+
 class Engine(EngineCore):
     def __init__(self, cfg: EngineConfig, executor: Executor, hf_config=None) -> None:
         try:
@@ -41,10 +50,7 @@ class Engine(EngineCore):
 
     def tokenize(self, prompt: str, truncate: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        if truncate is not None and len(ids) > truncate:
-            ids = ids[-truncate:]
-        return ids
+        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = super().add_request(prompt_ids, params)
