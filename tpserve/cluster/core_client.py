@@ -98,7 +98,7 @@ class CoreClient:
         # Followers: 2 threads, so health() answers while follow() runs.
         self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
                           for r in range(1, tp)]
-        # Rank 0: the step loop, submit/abort and the long poll, health, shutdown.
+        # Rank 0: the step loop, submit_many/abort and the long poll, health, shutdown.
         self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg,
                                                                             self.followers)
         self.actors = [self.core, *self.followers]

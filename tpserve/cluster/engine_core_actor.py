@@ -2,7 +2,7 @@
 
 The scheduler and rank 0's model runner share one process, so at tp = 1 a step needs no
 inter-process call at all; ranks 1..tp-1 follow over the control channel. The step loop runs
-in its own thread; the driver's calls (submit, abort, and one long poll that returns every
+in its own thread; the driver's calls (submit_many, abort, and one long poll that returns every
 output produced since the last one) run in other threads of this threaded actor and only
 touch a queue and a condition variable, so they never block a step.
 """
@@ -68,12 +68,9 @@ class EngineCoreActor:
                 "max_model_len": c.max_model_len, "loops": executor.loops}
 
     # --- driver calls (other threads) ---------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple:
-        """("ok", seq_id, params with the seed filled in) or ("error", class name, message)."""
-        return self.submit_many([(prompt_ids, params)])[0]
-
     def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
-        """submit() for several requests, taken together at the next step boundary."""
+        """Requests taken together at the next step boundary; for each, ("ok", seq_id,
+        params with the seed filled in) or ("error", class name, message)."""
         fut: Future = Future()
         self._inbox.put(("add", requests, None, fut))
         return fut.result()
