@@ -71,11 +71,20 @@ def fill(engine, batch: int, context: int, new_tokens: int) -> list:
     return seqs
 
 
-def timed_steps(engine, n: int) -> float:
+def timed_steps(engine, n: int) -> dict:
+    """Mean ms per step, the median and slowest step, and per step the part spent waiting
+    for the device (the engine's own counters; the rest of a step is host work)."""
+    wait0 = engine.device_wait_seconds
+    times = []
     t0 = time.perf_counter()
     for _ in range(n):
+        t = time.perf_counter()
         engine.step()
-    return (time.perf_counter() - t0) / n * 1e3
+        times.append(time.perf_counter() - t)
+    mean = (time.perf_counter() - t0) / n * 1e3
+    times.sort()
+    return {"ms": mean, "median_ms": times[n // 2] * 1e3, "max_ms": times[-1] * 1e3,
+            "wait_ms": (engine.device_wait_seconds - wait0) / n * 1e3}
 
 
 def profile_steps(engine, n: int, device: str) -> dict:
@@ -161,12 +170,15 @@ def main() -> None:
             for b in args.batches:
                 seqs = fill(engine, b, args.context, new_tokens(args))
                 timed_steps(engine, 5)  # warm
-                ms = timed_steps(engine, args.steps)
+                t = timed_steps(engine, args.steps)
+                ms = t["ms"]
                 prof = profile_steps(engine, min(args.steps, 20), args.device)
                 for s in seqs:
                     engine.abort(s.seq_id)
-                rows.append((b, ms, prof))
-                print(f"batch {b:4d}: {ms:7.2f} ms/step ({b / ms * 1e3:8.0f} tokens/s); "
+                rows.append((b, t, prof))
+                print(f"batch {b:4d}: {ms:7.2f} ms/step ({b / ms * 1e3:8.0f} tokens/s; median "
+                      f"{t['median_ms']:.2f}, slowest {t['max_ms']:.2f}, device wait "
+                      f"{t['wait_ms']:.2f}); "
                       f"profiled wall {prof['wall_ms']:.2f} ms, GPU kernels "
                       f"{prof['gpu_ms']:.2f} ms, {prof['syncs']:.1f} syncs/step", flush=True)
         finally:
@@ -176,11 +188,14 @@ def main() -> None:
              f"{args.dtype}, kernel {args.kernel}, context ~{args.context}, graphs "
              f"{'off' if args.no_cuda_graphs else 'on'}, overlapped steps "
              f"{'off' if args.no_async_scheduling else 'on'}", "",
-             "| batch | ms/step | tokens/s | profiled wall ms | GPU kernel ms | host share | "
-             "D2H syncs/step |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for b, ms, p in rows:
+             "| batch | ms/step | median / slowest ms | device wait ms/step | tokens/s | "
+             "profiled wall ms | GPU kernel ms | host share | D2H syncs/step |",
+             "|" + " --- |" * 9]
+    for b, t, p in rows:
+        ms = t["ms"]
         share = 1 - p["gpu_ms"] / p["wall_ms"] if p["wall_ms"] and p["gpu_ms"] else float("nan")
-        lines.append(f"| {b} | {ms:.2f} | {b / ms * 1e3:.0f} | {p['wall_ms']:.2f} | "
+        lines.append(f"| {b} | {ms:.2f} | {t['median_ms']:.2f} / {t['max_ms']:.2f} | "
+                     f"{t['wait_ms']:.2f} | {b / ms * 1e3:.0f} | {p['wall_ms']:.2f} | "
                      f"{p['gpu_ms']:.2f} | {share:.0%} | {p['syncs']:.1f} |")
     if args.kernel_table:
         for b, _, p in rows:

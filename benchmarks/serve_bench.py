@@ -125,7 +125,40 @@ async def stream_once(client: httpx.AsyncClient, url: str, text: str, new: int):
     return stamps[0] - t0, gaps
 
 
-async def throughput(url: str, n: int, plen: int, new: int, vocab: int) -> tuple[float, int]:
+SPLIT_STATS = ("steps", "step_busy_seconds", "step_device_wait_seconds", "prefill_steps",
+               "step_tokens", "driver_poll_wait_seconds", "driver_process_seconds",
+               "bridge_step_seconds")
+
+
+def engine_stats(url: str) -> dict[str, float]:
+    """The server's cumulative engine gauges (tpserve_engine{stat=...} on /metrics)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('tpserve_engine{stat="'):
+            name, _, value = line[len('tpserve_engine{stat="'):].partition('"} ')
+            out[name] = float(value)
+    return out
+
+
+def split(before: dict, after: dict, wall: float) -> dict:
+    """Where a burst's wall time went, from the engine gauges' differences: the engine
+    core's steps (busy, of which waiting for the device) and idle time, and the driver's
+    poll and output processing."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPLIT_STATS}
+    steps = max(d["steps"], 1.0)
+    return {"wall_s": wall, "steps": d["steps"], "prefill_steps": d["prefill_steps"],
+            "tokens_per_step": d["step_tokens"] / steps,
+            "core_busy_pct": 100 * d["step_busy_seconds"] / wall,
+            "step_ms": 1e3 * d["step_busy_seconds"] / steps,
+            "device_wait_ms": 1e3 * d["step_device_wait_seconds"] / steps,
+            "host_ms": 1e3 * (d["step_busy_seconds"] - d["step_device_wait_seconds"]) / steps,
+            "driver_process_pct": 100 * d["driver_process_seconds"] / wall,
+            "driver_poll_wait_pct": 100 * d["driver_poll_wait_seconds"] / wall}
+
+
+async def throughput(url: str, n: int, plen: int, new: int, vocab: int
+                     ) -> tuple[float, int, dict]:
     rng = random.Random(n)
     texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
@@ -137,10 +170,12 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int) -> tuple
             r.raise_for_status()
             return r.json()["details"]["generated_tokens"]
 
+        before = engine_stats(url)
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(t) for t in texts))
         wall = time.perf_counter() - t0
-    return sum(counts) / wall, sum(counts)
+        after = engine_stats(url)
+    return sum(counts) / wall, sum(counts), split(before, after, wall)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -171,9 +206,10 @@ async def measure(url: str, args, vocab: int) -> dict:
                 t, g = await stream_once(client, url, prompt(n, rng, vocab), 64)
                 res[f"long{n}"] = (t * 1e3, statistics.median(g) * 1e3)
     for c in args.concurrency:
-        tps, toks = await throughput(url, c, args.prompt_len, args.new_tokens, vocab)
+        tps, toks, where = await throughput(url, c, args.prompt_len, args.new_tokens, vocab)
         res[f"tps_{c}"] = tps
         res[f"toks_{c}"] = toks
+        res[f"split_{c}"] = where
     return res
 
 
@@ -204,6 +240,22 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
         vals = [label, commit, f"{ready:.1f}", f"{r['ttft_ms']:.1f}", f"{r['itl_median_ms']:.2f}",
                 f"{r['itl_p99_ms']:.2f}"] + [f"{r[f'tps_{c}']:,.0f}" for c in args.concurrency]
         lines.append("| " + " | ".join(vals) + " |")
+    lines += ["", "Where each burst's time went (engine gauges on /metrics, differences across "
+              "the burst): the engine core's steps, the share of the wall time it was inside a "
+              "step, per step the time waiting for the device and the host's own time, and "
+              "the driver's share spent processing outputs (detokenization, stop strings).", "",
+              "| tree | requests | wall s | steps | prefill steps | tokens/step | core busy % | "
+              "ms/step | device wait ms/step | host ms/step | driver processing % |",
+              "|" + " --- |" * 11]
+    for label, _, _, r in rows:
+        for c in args.concurrency:
+            w = r.get(f"split_{c}")
+            if w:
+                lines.append(f"| {label} | {c} | {w['wall_s']:.2f} | {w['steps']:.0f} | "
+                             f"{w['prefill_steps']:.0f} | {w['tokens_per_step']:.0f} | "
+                             f"{w['core_busy_pct']:.0f} | {w['step_ms']:.2f} | "
+                             f"{w['device_wait_ms']:.2f} | {w['host_ms']:.2f} | "
+                             f"{w['driver_process_pct']:.0f} |")
     if args.long:
         lines += ["", "| tree | prompt tokens | TTFT ms | ITL median ms |", "| --- | --- | --- | --- |"]
         for label, _, _, r in rows:

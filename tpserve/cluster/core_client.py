@@ -11,6 +11,7 @@ when rank 0 is stuck in a collective with it.
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import ray
@@ -80,6 +81,11 @@ class CoreClient:
         self.executor = self  # health() for the driver, as Engine.executor.health()
         self._stats: dict[str, float] = {}
         self._to_abort: list[int] = []
+        # The driver's share of serving (gauges, cumulative): seconds waiting in the poll
+        # for the core's tokens, and seconds turning them into events (detokenization, stop
+        # strings). A benchmark takes differences across a burst.
+        self.poll_wait_seconds = 0.0
+        self.process_seconds = 0.0
 
     def _place(self, cfg: EngineConfig, namespace: str) -> None:
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
@@ -146,14 +152,18 @@ class CoreClient:
     def step(self):
         """One long poll: (seq_id, event) for every token since the last poll."""
         self._check_followers()
+        t0 = time.perf_counter()
         outputs, self._stats, err = ray.get(self.core.poll.remote(POLL_S),
                                             timeout=POLL_S + self.cfg.parallel.dist_timeout_s)
+        t1 = time.perf_counter()
+        self.poll_wait_seconds += t1 - t0
         if err is not None:
             self.output.requests.clear()  # the core dropped them
             raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
         events, stopped = self.output.process_packed(outputs)
         if stopped:
             self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
+        self.process_seconds += time.perf_counter() - t1
         return events, None
 
     def _check_followers(self) -> None:
@@ -182,7 +192,8 @@ class CoreClient:
         ray.get(self.core.health.remote(), timeout=CHECK_TIMEOUT_S)
 
     def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+        return {**self._stats, "driver_poll_wait_seconds": self.poll_wait_seconds,
+                "driver_process_seconds": self.process_seconds}
 
     def health(self, timeout_s: float = 10.0) -> list[dict]:
         return ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)

@@ -110,6 +110,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self.steps = 0
         self.last_step_seconds = 0.0
+        self.bridge_seconds = 0.0  # cumulative time in _step (the engine's step or poll too)
         # Metrics where the deployment looks (Ray's export: cluster/ray_metrics.py), given by
         # whoever launches the engine, so the engine imports nothing of Ray.
         self._ray_metrics = metrics_factory(self.stats) if metrics_factory else NullMetrics()
@@ -206,7 +207,8 @@ class AsyncEngine:
         return {"ready": float(self.ready()), "steps": float(self.steps),
                 **(e.stats() if self._engine_live else {}), **lifecycle,
                 "requests_inflight": float(self._inflight),
-                "last_step_seconds": self.last_step_seconds}
+                "last_step_seconds": self.last_step_seconds,
+                "bridge_step_seconds": self.bridge_seconds}
 
     def count_tokens(self, text: str) -> int:
         self._require_ready()
@@ -396,6 +398,7 @@ class AsyncEngine:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
         self.last_step_seconds = time.perf_counter() - t0
+        self.bridge_seconds += self.last_step_seconds
         self.steps += 1
         self._ray_metrics.step_done(events, self.last_step_seconds)
 

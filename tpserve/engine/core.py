@@ -83,6 +83,13 @@ class EngineCore:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self.steps_run = 0
+        # Cumulative step timing (gauges; a benchmark takes differences across a burst):
+        # seconds inside step(), the part of it spent waiting for the device to finish a
+        # step (collect), steps that prefilled something, and tokens computed.
+        self.busy_seconds = 0.0
+        self.device_wait_seconds = 0.0
+        self.prefill_steps = 0
+        self.step_tokens = 0
         self._released: list[int] = []  # finished since the last step: workers drop tables
         # Overlapped steps: step n+1 is scheduled and launched before step n is collected.
         self.overlap = cfg.scheduler.async_scheduling
@@ -216,6 +223,9 @@ class EngineCore:
                 "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
                 "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0)),
                 "steps": float(self.steps_run),
+                "step_busy_seconds": self.busy_seconds,
+                "step_device_wait_seconds": self.device_wait_seconds,
+                "prefill_steps": float(self.prefill_steps), "step_tokens": float(self.step_tokens),
                 "work_tokens": float(work_tokens([*s.running, *s.waiting]))}
 
     # --- one step -----------------------------------------------------------------------
@@ -261,6 +271,7 @@ class EngineCore:
         dropped, and length limits are known in advance (Sequence.hold). So outputs are the
         same as one step at a time. A step whose sampling needs the host-side token history
         (repetition or frequency penalties), or that returns logits, is collected at once."""
+        t0 = time.perf_counter()
         outputs: list[TokenOutput] = []
         raw = None
         prev, self._inflight = self._inflight, None
@@ -278,6 +289,7 @@ class EngineCore:
                 outputs += got
             else:
                 self._inflight = cur
+        self.busy_seconds += time.perf_counter() - t0
         return outputs, raw
 
     def _launch(self, scheduled: list[ScheduledSeq], return_logits: bool) -> _Launched:
@@ -286,6 +298,9 @@ class EngineCore:
         self._released = []
         handle = self.executor.launch_step(batch)
         self.steps_run += 1
+        self.step_tokens += sum(s.num_new for s in scheduled)
+        if any(not st.sample or len(st.token_ids) > 1 for st in steps):
+            self.prefill_steps += 1
         self.scheduler.after_step(scheduled)
         sync = False
         for s, st in zip(scheduled, steps, strict=True):
@@ -302,7 +317,9 @@ class EngineCore:
         return _Launched(handle, sync)
 
     def _collect(self, launched: _Launched) -> tuple[list[TokenOutput], StepOutput]:
+        t0 = time.perf_counter()
         out = self.executor.collect(launched.handle)
+        self.device_wait_seconds += time.perf_counter() - t0
         for seq_id, lps in out.prompt_logprobs.items():
             self._record_prefill(seq_id, lps)
         outputs = []
