@@ -11,7 +11,10 @@ ratios are side by side):
   median and p99 of the gaps between streamed tokens, median time to first token;
 - throughput: C concurrent /generate requests of ~256 prompt tokens and 256 new tokens
   (C = 32 and 256 by default); generated tokens / wall time;
-- optionally (--long) time to first token and token gaps for 1k/4k/8k-token prompts.
+- optionally (--long) time to first token and token gaps for 1k/4k/8k-token prompts;
+- optionally (--py-spy PATH) a py-spy profile of the engine-core and driver actors during the
+  largest burst (benchmarks/spy_summary.py reads them): where each thread's time went, and
+  which threads hold the GIL.
 
 The model is a config.json (random weights, --load-format dummy) with a WordLevel tokenizer
 over the whole vocabulary, so every sampled id decodes and prompt lengths are exact.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -157,7 +161,44 @@ def split(before: dict, after: dict, wall: float) -> dict:
             "driver_poll_wait_pct": 100 * d["driver_poll_wait_seconds"] / wall}
 
 
-async def throughput(url: str, n: int, plen: int, new: int, vocab: int
+class Profiler:
+    """py-spy on the engine-core and driver actors (found by their process titles) while a
+    burst runs: the core twice (every thread with idle time, and only GIL holders), the
+    driver once. Raw collapsed stacks go to LOGS/spy_LABEL_*.txt."""
+
+    TARGETS = (("core", "ray::EngineCore", ["--idle"]), ("core_gil", "ray::EngineCore", ["--gil"]),
+               ("driver", "ray::Driver", ["--idle"]))
+
+    def __init__(self, spy: str, logs: Path, label: str) -> None:
+        self.spy, self.logs, self.label = spy, logs, label
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Profiler:
+        for name, title, flags in self.TARGETS:
+            pids = subprocess.run(["pgrep", "-f", title], capture_output=True,
+                                  text=True).stdout.split()
+            if not pids:
+                print(f"[profile] no process titled {title}", flush=True)
+                continue
+            out = self.logs / f"spy_{self.label}_{name}.txt"
+            self.procs.append(subprocess.Popen(
+                [self.spy, "record", "--pid", pids[0], "--threads", "--nonblocking",
+                 "--rate", "500", "--format", "raw", "-o", str(out), *flags],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)  # py-spy attaches
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler=None
                      ) -> tuple[float, int, dict]:
     rng = random.Random(n)
     texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
@@ -171,9 +212,10 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int
             return r.json()["details"]["generated_tokens"]
 
         before = engine_stats(url)
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(t) for t in texts))
-        wall = time.perf_counter() - t0
+        with profiler or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one(t) for t in texts))
+            wall = time.perf_counter() - t0
         after = engine_stats(url)
     return sum(counts) / wall, sum(counts), split(before, after, wall)
 
@@ -183,7 +225,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def measure(url: str, args, vocab: int) -> dict:
+async def measure(url: str, args, vocab: int, label: str = "this") -> dict:
     rng = random.Random(0)
     res: dict = {}
     async with httpx.AsyncClient(timeout=600) as client:
@@ -206,7 +248,10 @@ async def measure(url: str, args, vocab: int) -> dict:
                 t, g = await stream_once(client, url, prompt(n, rng, vocab), 64)
                 res[f"long{n}"] = (t * 1e3, statistics.median(g) * 1e3)
     for c in args.concurrency:
-        tps, toks, where = await throughput(url, c, args.prompt_len, args.new_tokens, vocab)
+        profiler = (Profiler(args.py_spy, args.logs, f"{label}_{c}")
+                    if args.py_spy and c == max(args.concurrency) else None)
+        tps, toks, where = await throughput(url, c, args.prompt_len, args.new_tokens, vocab,
+                                            profiler)
         res[f"tps_{c}"] = tps
         res[f"toks_{c}"] = toks
         res[f"split_{c}"] = where
@@ -281,6 +326,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--long", action="store_true", help="also 1k/4k/8k-token prompts")
+    ap.add_argument("--py-spy", metavar="PATH",
+                    help="py-spy binary: profile the core and driver actors in the largest burst")
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--launch-args", nargs=argparse.REMAINDER, default=[],
                     help="further `tpserve launch` flags (last on the line)")
@@ -290,6 +337,7 @@ def main() -> None:
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
     vocab = json.loads(args.model_config.read_text())["vocab_size"]
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
+    args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
     for label, spec in trees:
         # label=PATH or label=PATH::--flag --flag: this tree's own extra launch flags.
@@ -299,7 +347,7 @@ def main() -> None:
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
-            res = asyncio.run(measure(srv.url, args, vocab))
+            res = asyncio.run(measure(srv.url, args, vocab, label))
             print(f"[{label}] {res}", flush=True)
             rows.append((label + (f" ({flags.strip()})" if flags else ""), commit_of(tree),
                          ready, res))
