@@ -67,25 +67,30 @@ class ModelRunner:
             logits = self.graphs.run(seqs, tables, (dst, src, self._prev_ids))
             return self._sample(batch, None if logits is None else logits.float(), seqs, [])
         tables = self.block_tables.gather(rows, max(1, max(s.num_blocks for s in seqs)))
+        # The hidden rows that need logits (each sampling sequence's last token, then the
+        # rows of prompt log-probabilities) are known from the chunk lengths alone, so they
+        # travel in the inputs' one copy: indexing with a list would copy it to the device
+        # synchronously, waiting for the forward pass just queued.
+        q_lens = [len(s.token_ids) for s in seqs]
+        ends = list(_cumsum(q_lens))
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        picks = [ends[i] - 1 for i in sampled]
+        lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
+        for i in lp_seqs:
+            picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
-                                 tables, self.block_size, self.staging, extra=[dst, src])
+                                 tables, self.block_size, self.staging,
+                                 extra=[dst, src, np.asarray(picks, dtype=np.int64)])
+        d_dst, d_src, d_picks = inp.extra
         if len(dst):
-            d_dst, d_src = inp.extra
             inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
         with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend, cross)):
             hidden = self.model(inp.ids, inp.positions)
-        q_lens = inp.meta.query_lens_host
-        ends = list(_cumsum(q_lens))
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
-        rows = [ends[i] - 1 for i in sampled]
-        lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
-        for i in lp_seqs:
-            rows.extend(range(ends[i] - q_lens[i], ends[i] - 1))
-        if not rows:
+        if not picks:
             self._prev_ids, self._prev_row = None, {}
             return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden.index_select(0, d_picks))
         # compute_logits may gather to rank 0 only (None elsewhere).
         return self._sample(batch, None if logits is None else logits.float(),
                             [seqs[i] for i in sampled], lp_seqs)
