@@ -137,7 +137,10 @@ SPLIT_STATS = ("steps", "step_busy_seconds", "step_device_wait_seconds", "prefil
 
 def engine_stats(url: str) -> dict[str, float]:
     """The server's cumulative engine gauges (tpserve_engine{stat=...} on /metrics)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    return parse_stats(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def parse_stats(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith('tpserve_engine{stat="'):
@@ -213,19 +216,47 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
     # 5 s, an aiohttp one over 0.2 s), which would be charged to the server.
     async with session(n) as client:
 
+        done: list[float] = []
+
         async def one(t: str) -> int:
             body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
             async with client.post(url + "/generate", json=body) as r:
                 r.raise_for_status()
-                return (await r.json())["details"]["generated_tokens"]
+                got = (await r.json())["details"]["generated_tokens"]
+            done.append(time.perf_counter())
+            return got
+
+        async def watch(samples: list) -> None:
+            """The engine's step count every 20 ms: when the core started and stopped."""
+            while True:
+                async with client.get(url + "/metrics") as r:
+                    text = await r.text()
+                samples.append((time.perf_counter(), parse_stats(text).get("steps", 0.0)))
+                await asyncio.sleep(0.02)
 
         before = engine_stats(url)
+        samples: list = []
         with profiler or contextlib.nullcontext():
+            watcher = asyncio.create_task(watch(samples))
             t0 = time.perf_counter()
             counts = await asyncio.gather(*(one(t) for t in texts))
             wall = time.perf_counter() - t0
+            watcher.cancel()
         after = engine_stats(url)
-    return sum(counts) / wall, sum(counts), split(before, after, wall)
+    where = split(before, after, wall)
+    where.update(timeline(samples, done, t0, before.get("steps", 0.0)))
+    return sum(counts) / wall, sum(counts), where
+
+
+def timeline(samples: list, done: list[float], t0: float, steps0: float) -> dict:
+    """Seconds from the burst's start: the first and last sight of a new engine step (the
+    gauges reach /metrics with each poll, so within a step or two), first and last response."""
+    moved = [t - t0 for t, steps in samples if steps > steps0]
+    last = max(steps for _, steps in samples) if samples else steps0
+    settled = [t - t0 for t, steps in samples if steps == last]
+    return {"first_step_s": moved[0] if moved else float("nan"),
+            "last_step_s": settled[0] if settled else float("nan"),
+            "first_done_s": min(done) - t0, "last_done_s": max(done) - t0}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -296,10 +327,14 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
     lines += ["", "Where each burst's time went (engine gauges on /metrics, differences across "
               "the burst): the engine core's steps, the share of the wall time it was inside a "
               "step, per step the time waiting for the device and the host's own time, and "
-              "the driver's share spent processing outputs (detokenization, stop strings).", "",
+              "the driver's share spent processing outputs (detokenization, stop strings); "
+              "then, in seconds from the burst's start, when the core was seen stepping (the "
+              "step counter on /metrics, sampled every 20 ms) and when the first and last "
+              "responses arrived.", "",
               "| tree | requests | wall s | steps | prefill steps | tokens/step | core busy % | "
-              "ms/step | device wait ms/step | host ms/step | driver processing % |",
-              "|" + " --- |" * 11]
+              "ms/step | device wait ms/step | host ms/step | driver processing % | "
+              "core stepping s | responses s |",
+              "|" + " --- |" * 13]
     for label, _, _, r in rows:
         for c in args.concurrency:
             w = r.get(f"split_{c}")
@@ -308,7 +343,9 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
                              f"{w['prefill_steps']:.0f} | {w['tokens_per_step']:.0f} | "
                              f"{w['core_busy_pct']:.0f} | {w['step_ms']:.2f} | "
                              f"{w['device_wait_ms']:.2f} | {w['host_ms']:.2f} | "
-                             f"{w['driver_process_pct']:.0f} |")
+                             f"{w['driver_process_pct']:.0f} | "
+                             f"{w['first_step_s']:.2f}-{w['last_step_s']:.2f} | "
+                             f"{w['first_done_s']:.2f}-{w['last_done_s']:.2f} |")
     if args.long:
         lines += ["", "| tree | prompt tokens | TTFT ms | ITL median ms |", "| --- | --- | --- | --- |"]
         for label, _, _, r in rows:

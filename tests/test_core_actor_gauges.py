@@ -18,10 +18,15 @@ class _Core:
     def __init__(self) -> None:
         self.requests = {1: object()}
         self.calls = 0
+        self.steps = 0
+
+    def counters(self) -> dict:
+        return {"steps": float(self.steps)}
 
     def stats(self) -> dict:
         self.calls += 1
-        return {"running_sequences": float(len(self.requests)), "calls": float(self.calls)}
+        return {"running_sequences": float(len(self.requests)), "calls": float(self.calls),
+                **self.counters()}
 
 
 def _actor(core) -> EngineCoreActor:
@@ -37,11 +42,14 @@ def test_gauges_are_throttled_while_busy_and_fresh_when_idle(monkeypatch):
     a = _actor(core)
     assert a._gauges()["calls"] == 1
     now[0] += actor_mod.STATS_PERIOD_S / 2
-    assert a._gauges()["calls"] == 1 and core.calls == 1  # within the period: cached
+    core.steps = 7
+    g = a._gauges()
+    assert g["calls"] == 1 and core.calls == 1  # within the period: cached
+    assert g["steps"] == 7  # but the step counters are read on every poll
     now[0] += actor_mod.STATS_PERIOD_S
     assert a._gauges()["calls"] == 2  # the period passed
     core.requests.clear()  # the last request finished: settled values at once
-    assert a._gauges() == {"running_sequences": 0.0, "calls": 3.0}
+    assert a._gauges() == {"running_sequences": 0.0, "calls": 3.0, "steps": 7.0}
 
 
 def test_work_tokens_counts_pending_and_still_to_generate():

@@ -168,7 +168,13 @@ def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
 
 
 class _WireModel(BaseModel):
-    """Base for responses: drops the keys TGI leaves out when they are empty."""
+    """Base for responses."""
+
+
+class _OmitEmpty(_WireModel):
+    """A response that drops the keys TGI leaves out when they are empty. Only the models
+    that need it carry this serializer: it runs in Python for every instance, and a
+    per-token model with it costs more than the whole rest of a response."""
 
     _omit_when_empty: ClassVar[tuple[str, ...]] = ()
 
@@ -195,7 +201,7 @@ class InputToken(_WireModel):
     logprob: float | None = None
 
 
-class Details(_WireModel):
+class Details(_OmitEmpty):
     _omit_when_empty = ("top_tokens",)
 
     finish_reason: FinishReason
@@ -206,7 +212,7 @@ class Details(_WireModel):
     top_tokens: list[list[Token]] | None = None
 
 
-class Response(_WireModel):
+class Response(_OmitEmpty):
     """Body of POST /generate; `details` is present only when requested."""
 
     _omit_when_empty = ("details",)

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 # The gauges walk every sequence (work_tokens), in a poll thread that holds the GIL against
 # the step loop; polls come once per step, so they are recomputed at most this often
-# (always when the core is idle, so the last poll of a burst reports settled values).
+# (always when the core is idle, so the last poll of a burst reports settled values). The
+# step counters are read on every poll.
 STATS_PERIOD_S = 0.1
 
 
@@ -97,7 +98,8 @@ class EngineCoreActor:
             return {}
         if now - self._stats_at >= STATS_PERIOD_S or not core.requests:
             self._stats, self._stats_at = core.stats(), now
-        return self._stats
+            return self._stats
+        return {**self._stats, **core.counters()}
 
     def health(self) -> dict:
         return self.worker.health()

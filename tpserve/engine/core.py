@@ -222,11 +222,15 @@ class EngineCore:
         return {"running_sequences": len(s.running), "waiting_sequences": len(s.waiting),
                 "kv_blocks_free": s.blocks.num_free, "kv_blocks_total": s.blocks.num_blocks,
                 "prefix_cache_hit_blocks": float(getattr(s.blocks, "hits", 0)),
-                "steps": float(self.steps_run),
-                "step_busy_seconds": self.busy_seconds,
+                "work_tokens": float(work_tokens([*s.running, *s.waiting])),
+                **self.counters()}
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative step counters alone: cheap enough to read on every poll."""
+        return {"steps": float(self.steps_run), "step_busy_seconds": self.busy_seconds,
                 "step_device_wait_seconds": self.device_wait_seconds,
-                "prefill_steps": float(self.prefill_steps), "step_tokens": float(self.step_tokens),
-                "work_tokens": float(work_tokens([*s.running, *s.waiting]))}
+                "prefill_steps": float(self.prefill_steps),
+                "step_tokens": float(self.step_tokens)}
 
     # --- one step -----------------------------------------------------------------------
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:

@@ -175,6 +175,9 @@ class TrackedStream:
         await _close(self._stream)
 
 
+_timeout_at = getattr(asyncio, "timeout_at", None)
+
+
 class Deadline:
     """A request's time limit, started when it is handed to the backend; `run` awaits within
     what is left of it."""
@@ -186,10 +189,15 @@ class Deadline:
     async def run(self, step: Awaitable[T]) -> T:
         if self.at is None:
             return await step
+        left = max(0.0, self.at - time.monotonic())
         try:
             # Cancelling the backend's iterator on expiry is what aborts the request.
-            return await asyncio.wait_for(step, max(0.0, self.at - time.monotonic()))
-        except TimeoutError:
+            if _timeout_at is None:  # Python 3.10
+                return await asyncio.wait_for(step, left)
+            # One timer per call, no task: this runs once per generated token.
+            async with _timeout_at(asyncio.get_running_loop().time() + left):
+                return await step
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             raise RequestTimeoutError(
                 f"the request did not finish within the server's limit of {self.seconds:g} s "
                 "(--request-timeout) and was aborted"
