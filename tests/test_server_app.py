@@ -517,3 +517,35 @@ def test_null_parameters_mean_defaults(http, backend):
     r = http.post("/generate", json={"inputs": "one two", "parameters": None})
     assert r.status_code == 200
     assert backend.calls[-1].params.max_new_tokens == 20
+
+
+@pytest.mark.parametrize("params", [
+    {},
+    {"details": True},
+    {"details": True, "decoder_input_details": True, "top_n_tokens": 2, "seed": 7},
+    {"details": True, "return_full_text": True},
+])
+def test_generate_body_has_the_wire_models_shape(params):
+    """/generate builds its body as plain data for speed: it must be exactly what the
+    documented wire.Response model gives for the same values."""
+    from tpserve import protocol as wire
+    from tpserve.engine.request import GenerationEvent, TokenInfo
+    from tpserve.server.app import TGIRoutes
+
+    req = wire.GenerateRequest(inputs="Hello", parameters=params)
+    top = [TokenInfo(5, " a", -0.5), TokenInfo(6, " b", -1.5)]
+    events = [GenerationEvent(TokenInfo(1, " x", -0.25), top_tokens=top),
+              GenerationEvent(TokenInfo(2, "</s>", -0.75, special=True), top_tokens=top,
+                              finished=True, generated_text=" x", finish_reason="eos_token",
+                              generated_tokens=2, seed=7, prompt_tokens=1,
+                              prefill=[TokenInfo(9, "Hello", None)])]
+    body = TGIRoutes.response(req, events)
+    assert wire.Response.model_validate(body).model_dump(mode="json") == body
+    assert body["generated_text"] == ("Hello x" if params.get("return_full_text") else " x")
+    if params.get("details"):
+        assert [t["id"] for t in body["details"]["tokens"]] == [1, 2]
+        assert ("top_tokens" in body["details"]) == bool(params.get("top_n_tokens"))
+        assert len(body["details"]["prefill"]) == (1 if params.get("decoder_input_details")
+                                                   else 0)
+    else:
+        assert "details" not in body

@@ -30,6 +30,11 @@ def token(info: TokenInfo) -> wire.Token:
     return wire.Token(id=info.id, text=info.text, logprob=info.logprob, special=info.special)
 
 
+def token_body(info: TokenInfo) -> dict:
+    """wire.Token's JSON form, as plain data."""
+    return {"id": info.id, "text": info.text, "logprob": info.logprob, "special": info.special}
+
+
 def info_body(info: ModelInfo) -> dict:
     body = {
         "model_id": info.model_id,
@@ -77,7 +82,7 @@ class TGIRoutes:
         events = await collect_or_abort(request, await self.start(req, stream=False))
         if isinstance(events, Response):
             return events
-        return JSONResponse(self.response(req, events).model_dump(mode="json"))
+        return JSONResponse(self.response(req, events))
 
     async def generate_stream(self, req: wire.GenerateRequest) -> EventStreamResponse:
         tracked = await self.start(req, stream=True)
@@ -90,7 +95,7 @@ class TGIRoutes:
         if isinstance(events, Response):
             return events
         # TGI's compat route answers a list, which text_generation.Client expects.
-        return JSONResponse([self.response(req, events).model_dump(mode="json")])
+        return JSONResponse([self.response(req, events)])
 
     async def _events(
         self, req: wire.GenerateRequest, tracked: TrackedStream
@@ -102,25 +107,30 @@ class TGIRoutes:
             yield sse(wire.ErrorResponse(**error_body(exc)).model_dump_json())
 
     @staticmethod
-    def response(req: wire.GenerateRequest, events: list[GenerationEvent]) -> wire.Response:
+    def response(req: wire.GenerateRequest, events: list[GenerationEvent]) -> dict:
+        """The body of a /generate answer: wire.Response's JSON form, built as plain data
+        (pydantic models cost four times as much with one Token per generated token, and
+        every request of a burst finishes at about the same time; tests hold the two to the
+        same shape)."""
         p = req.parameters
         final = events[-1]
         text = final_text(events)
         if p.return_full_text:
             text = req.inputs + text
         if not p.details:
-            return wire.Response(generated_text=text)
-        prefill = [wire.InputToken(id=t.id, text=t.text, logprob=t.logprob) for t in final.prefill]
-        top = [[token(t) for t in e.top_tokens or []] for e in events] if p.top_n_tokens else None
-        details = wire.Details(
-            finish_reason=final.finish_reason,
-            generated_tokens=final.generated_tokens,
-            seed=final.seed,
-            prefill=prefill if p.decoder_input_details else [],
-            tokens=[token(e.token) for e in events],
-            top_tokens=top,
-        )
-        return wire.Response(generated_text=text, details=details)
+            return {"generated_text": text}
+        details = {
+            "finish_reason": final.finish_reason,
+            "generated_tokens": final.generated_tokens,
+            "seed": final.seed,
+            "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob}
+                        for t in final.prefill] if p.decoder_input_details else [],
+            "tokens": [token_body(e.token) for e in events],
+        }
+        if p.top_n_tokens:
+            details["top_tokens"] = [[token_body(t) for t in e.top_tokens or []]
+                                     for e in events]
+        return {"generated_text": text, "details": details}
 
     @staticmethod
     def stream_event(req: wire.GenerateRequest, event: GenerationEvent) -> wire.StreamResponse:
