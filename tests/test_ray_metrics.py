@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tpserve.cluster.ray_metrics import EngineMetrics
+from tpserve.cluster.ray_metrics import MAX_OBSERVATIONS, EngineMetrics
 
 
 class FakeSink:
@@ -88,7 +88,26 @@ def test_engine_thread_makes_no_sink_call_until_published():
         m.step_done([(i, ev(finished=True))], 0.001)
     assert sink.calls == calls  # recording alone never reaches the sink (Ray)
     m.publish()
-    assert len(sink.observed["tpserve_time_to_first_token_seconds"]) == 1000
+    # Past MAX_OBSERVATIONS a publication hands Ray a uniform sample; counters stay exact.
+    ttft = sink.observed["tpserve_time_to_first_token_seconds"]
+    assert len(ttft) == MAX_OBSERVATIONS < 1000
+    assert sink.counters["tpserve_generated_tokens"] == 1000
+
+
+def test_a_sampled_histogram_keeps_the_distribution():
+    m = EngineMetrics(lambda: {}, "m", sink_factory=FakeSink)
+    m.publish()
+    sink = FakeSink.instances[-1]
+    values = [0.001 * (i % 100) for i in range(20 * MAX_OBSERVATIONS)]
+    with m._lock:  # noqa: SLF001 - recorded inter-token gaps, as step_done leaves them
+        m._pending.itl += values  # noqa: SLF001
+    m.publish()
+    got = sorted(sink.observed["tpserve_inter_token_latency_seconds"])
+    assert len(got) == MAX_OBSERVATIONS
+    assert set(got) <= set(values)
+    # Uniform: the sample's mean and median stay near the recorded ones (0.0495).
+    assert abs(sum(got) / len(got) - 0.0495) < 0.005
+    assert abs(got[len(got) // 2] - 0.0495) < 0.01
 
 
 def _export(ray) -> str:

@@ -14,11 +14,18 @@ Names as Prometheus sees them (Ray prefixes `ray_`; counters get `_total`):
   histograms  tpserve_time_to_first_token_seconds, tpserve_inter_token_latency_seconds,
               tpserve_step_seconds
 Every series carries the tag `model` (the served model id).
+
+Each observation costs about 12 us of the driver's GIL inside Ray (measured on the H200
+machine's Xeon: 0.8 s for the 65,536 tokens of a 256-request burst), so a histogram takes at
+most MAX_OBSERVATIONS values per publication, a uniform sample of what was recorded when
+there were more: quantiles and the mean keep their meaning, the `_count` series then counts
+the sample (tpserve_generated_tokens counts every token).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +40,7 @@ GAUGES = {  # Ray metric name -> key of the engine's stats() dict
     "tpserve_kv_blocks_free": "kv_blocks_free",
     "tpserve_ready": "ready",
 }
+MAX_OBSERVATIONS = 500  # per histogram and publication (every 0.5 s by default)
 LATENCY_BOUNDARIES = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                       1.0, 2.5, 5.0, 10.0, 30.0]
 HISTOGRAMS = {
@@ -104,6 +112,7 @@ class EngineMetrics:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sink = None
+        self._rng = random.Random(0)
 
     # --- engine thread ------------------------------------------------------------------
     def request_arrived(self, seq_id: int) -> None:
@@ -187,9 +196,12 @@ class EngineMetrics:
                             ("tpserve_rebuilds", p.rebuilds)):
             if value:
                 s.inc(name, float(value))
-        s.observe("tpserve_time_to_first_token_seconds", p.ttft)
-        s.observe("tpserve_inter_token_latency_seconds", p.itl)
-        s.observe("tpserve_step_seconds", p.step)
+        for name, values in (("tpserve_time_to_first_token_seconds", p.ttft),
+                             ("tpserve_inter_token_latency_seconds", p.itl),
+                             ("tpserve_step_seconds", p.step)):
+            if len(values) > MAX_OBSERVATIONS:
+                values = self._rng.sample(values, MAX_OBSERVATIONS)
+            s.observe(name, values)
 
     def _run(self) -> None:
         while True:
