@@ -10,9 +10,7 @@ touch a queue and a condition variable, so they never block a step.
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -50,8 +48,6 @@ class EngineCoreActor:
         self._thread: threading.Thread | None = None
         self._stats: dict = {}
         self._stats_at = float("-inf")
-        if os.environ.get("TPSERVE_SWITCH_INTERVAL_S"):  # experiment: GIL hand-over latency
-            sys.setswitchinterval(float(os.environ["TPSERVE_SWITCH_INTERVAL_S"]))
 
     def __repr__(self) -> str:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
