@@ -1,8 +1,11 @@
 """Quantized-matmul conformance: every kernel (torch reference, Triton, plugins) against a
 float64 oracle built from the unpacked integers, over int4 with and without act-order g_idx,
 symmetric and not, group sizes 32/64/128, and fp8 with per-channel scales; batch sizes that
-take the GEMV path (1) and the tensor-core paths (3, 17, 64). Triton also runs with the fixed
-tiles of TILE_SETS, which reach the paths its tile table may not pick at these shapes.
+take the GEMV path (1) and the tensor-core paths (2-16, 17, 64); odd N, and a K (200) that
+is a whole number of packed words but not of groups. int4 weights are handed over in the
+memory order the kernel asks for (int4_k_contiguous), as the layers hold them. Triton also
+runs with the fixed tiles of tile_sets(), which reach the paths its tile table may not pick at
+these shapes, and in GPTQ's row-major order (the "gptq-order" set).
 Run on a GPU:
 
     python3 tests/kernels/quant_conformance.py --device cuda --kernels torch,triton \
@@ -17,10 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# (K, N) pairs: odd N tiles, K that is not a multiple of the GEMV block, and split-K sizes.
-SHAPES = ((256, 96), (384, 200), (1024, 64))
+# (K, N) pairs: odd N tiles, K that is not a multiple of the GEMV block, split-K sizes, and
+# odd N with a K that cuts every group size's last group.
+SHAPES = ((256, 96), (384, 200), (1024, 64), (200, 97))
 GROUPS = (32, 64, 128)
-BATCHES = (1, 3, 17, 64)
+BATCHES = (1, 2, 5, 16, 17, 64)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -35,6 +39,11 @@ def tile_sets() -> dict:
                            Tile(16, 64, 32, split=3, factor=True)),
         "plain-tails": (Tile(0, 64, 256), Tile(16, 64, 256, warps=8)),
         "split-dense": (Tile(0, 64, 32, split=4, prefetch=True), Tile(0, 0, 64, dense=True)),
+        # GEMV K-blocks over several groups (chunks of gcd(group, block)), split past K.
+        "wide-gemv": (Tile(0, 16, 512, split=2, prefetch=True), Tile(16, 32, 128, factor=True)),
+        # qweight in the checkpoint's row-major order: the N-contiguous GEMV, strided tiles.
+        "gptq-order": (Tile(0, 16, 128, split=2, prefetch=True),
+                       Tile(16, 64, 64, split=2, factor=True)),
     }
 
 
@@ -45,7 +54,15 @@ def triton_with_tiles(name: str):
     one, more = tile_sets()[name]
     kernel = TritonQuantKernel(lambda _method, m, _n, _k: one if m == 1 else more)
     kernel.name = f"triton[{name}]"
+    kernel.int4_k_contiguous = name != "gptq-order"
     return kernel
+
+
+def in_kernel_order(qweight: torch.Tensor, kernel) -> torch.Tensor:
+    """qweight [K / 8, N] in the memory order `kernel` asks layers for (base.py)."""
+    if getattr(kernel, "int4_k_contiguous", False):
+        return qweight.t().contiguous().t()
+    return qweight
 
 
 @dataclass
@@ -120,7 +137,8 @@ def run_quant_conformance(kernel, device: str, dtype: torch.dtype,
                     # Layers store scales and zeros in float16 (float32 for float32 models):
                     # the oracle uses the same rounded values.
                     sdt = torch.float32 if dtype == torch.float32 else torch.float16
-                    y = kernel.int4_matmul(x.to(dev), qw.to(dev), s.to(dev, sdt),
+                    qw = in_kernel_order(qw.to(dev), kernel)
+                    y = kernel.int4_matmul(x.to(dev), qw, s.to(dev, sdt),
                                            z.to(dev, sdt), group,
                                            gi.to(dev) if gi is not None else None)
                     ref = _int4_ref(xd, q, s.to(sdt), z.to(sdt), group, gi)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_reference_on_cpu(dtype):
     result = run_quant_conformance("torch", "cpu", dtype)
-    assert result.cases == 120 and not result.failed, result.failed[:3]
+    assert result.cases == 240 and not result.failed, result.failed[:3]
 
 
 def test_triton_kernels_under_the_interpreter():

@@ -4,7 +4,10 @@ Stored layouts (what the linear layers hand a kernel, whatever the checkpoint fo
 - int4: qweight int32 [K // 8, N], input row 8 * r + i in bits 4i..4i+3 of row r (GPTQ's
   order; AWQ is repacked at load). scales and zeros [G, N] in float16 (float32 for float32
   models), so w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k] when act-order
-  gives one, else k // group_size.
+  gives one, else k // group_size. Where qweight sits in memory is the kernel's choice
+  (int4_k_contiguous): row-major as in the checkpoint, or K-contiguous (strides (1, K // 8):
+  [N, K // 8] row-major, each output column's packed inputs in one run), which the layer
+  allocates before its rank's slice is copied in.
 - fp8: weight float8_e4m3fn [N, K], scale [N] float32: w[n, k] = weight[n, k] * scale[n].
 Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts and
 never keeps a dequantized copy between calls.
@@ -21,6 +24,9 @@ METHODS = ("int4", "fp8")
 
 class QuantKernel(ABC):
     name: str = "abstract"
+    # True: layers hold qweight K-contiguous for this kernel (see the module docstring); a
+    # kernel reads either order correctly, this one fast.
+    int4_k_contiguous: bool = False
 
     @classmethod
     @abstractmethod
@@ -38,3 +44,10 @@ class QuantKernel(ABC):
     def fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor,
                    scale: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]."""
+
+
+def empty_qweight(k_words: int, n: int, k_contiguous: bool, device=None) -> torch.Tensor:
+    """An int32 qweight [k_words, N], K-contiguous (strides (1, k_words)) when asked."""
+    if k_contiguous:
+        return torch.empty(n, k_words, dtype=torch.int32, device=device).t()
+    return torch.empty(k_words, n, dtype=torch.int32, device=device)

@@ -1,14 +1,16 @@
 """The Triton kernels behind tpserve/kernels/quant/triton_kernel.py (import only when triton
 imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + j in bits
-4j.. of packed row r), scales and zeros [G, N]; fp8 weight [N, K] with a scale per column n.
+4j.. of packed row r) with strides (sqk, sqn), K-contiguous (sqk = 1) as the layers hold it
+for these kernels or row-major (sqn = 1) as in the checkpoint; scales and zeros [G, N]; fp8
+weight [N, K] with a scale per column n.
 
 int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
 OR-ing a nibble into the mantissa of a float whose exponent makes the nibble's lowest bit
 worth 1 (2^23 for bits 0-3, 2^19 for bits 4-7, ...) gives that power of two plus q exactly,
 so one subtraction of (power + zero) yields q - zero, exact because zeros are small integers
-(unpacked nibbles). The GEMV reads nibbles where they sit, in the word or in the word shifted
+(unpacked nibbles). The GEMVs read nibbles where they sit, in the word or in the word shifted
 right by 16: one AND-OR, one subtraction and one multiply-add per weight, and the scale once
-per packed row.
+per packed word.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ def _plane(word, hi, J: tl.constexpr):
 
 
 @triton.jit
-def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
-                     sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
-                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """One activation row. Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
-    BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
+def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
+                       sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
+                       ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
+    kept for other orders and for comparison). Program (n, s) reduces K rows
+    [s * K_SPAN, (s + 1) * K_SPAN) of BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
     tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
     2-D in registers and are reduced across rows once, at the end. PREFETCH: the next tile's
     load is issued before this one is reduced (Triton does not pipeline loops without a dot).
@@ -93,6 +96,71 @@ def int4_gemv_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_si
 
 
 @triton.jit
+def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
+                       sxk, sos, son, sqk, sqn, ssg, HAS_GIDX: tl.constexpr,
+                       PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, GPB: tl.constexpr,
+                       WPG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row against a K-contiguous qweight (sqk = 1: [N, K / 8] in memory).
+    Program (n, s) reduces inputs [s * K_SPAN, (s + 1) * K_SPAN) of BLOCK_N output columns
+    into out[s, n]. A K-block is GPB chunks of WPG packed words, each chunk inside one group,
+    so the tile [BLOCK_N, GPB, WPG] is BLOCK_N runs of 32 * GPB * WPG contiguous bytes (128-bit
+    loads) and the scales and zeros are one [BLOCK_N, GPB] load per block. Partial sums stay
+    in registers and are reduced once, at the end. HAS_GIDX:
+    act-order, each input row looks up its own group. BLOCK_K = 8 * GPB * WPG."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    n3 = offs_n[:, None, None]
+    nmask3 = nmask[:, None, None]
+    chunk = tl.arange(0, GPB)
+    kw = chunk[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GPB, WPG] words of a block
+    k_lo = pid_k * K_SPAN
+    ptrs = qw_ptr + n3 * sqn + (k_lo // 8 + kw)[None, :, :] * sqk
+    acc = tl.zeros((BLOCK_N, GPB, WPG), dtype=tl.float32)
+    if PREFETCH:
+        nxt = tl.load(ptrs, mask=nmask3 & ((k_lo + 8 * kw) < K)[None, :, :], other=0)
+    # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
+    for kk in range(0, K_SPAN, BLOCK_K):
+        k0 = k_lo + kk
+        krow = k0 + 8 * kw  # first input row of each packed word, [GPB, WPG]
+        rmask = krow < K
+        mask = nmask3 & rmask[None, :, :]
+        if PREFETCH:
+            word = nxt
+            more = ((krow + BLOCK_K) < K) & (kk + BLOCK_K < K_SPAN)
+            nxt = tl.load(ptrs + ((kk + BLOCK_K) // 8) * sqk, mask=nmask3 & more[None, :, :],
+                          other=0)
+        else:
+            word = tl.load(ptrs + (kk // 8) * sqk, mask=mask, other=0)
+        hi = word >> 16
+        if not HAS_GIDX:  # chunk c lies in group (k0 + 8 WPG c) // group_size
+            kc = k0 + chunk * (8 * WPG)
+            at = (kc // group_size)[None, :] * ssg + offs_n[:, None]
+            smask = nmask[:, None] & (kc < K)[None, :]
+            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[:, :, None]
+            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[:, :, None]
+        t = tl.zeros((BLOCK_N, GPB, WPG), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
+            off = 1.0 * (1 << (23 - 4 * (j % 4)))
+            if HAS_GIDX:
+                g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
+                at = g[None, :, :] * ssg + n3
+                sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                t += xj[None, :, :] * ((_plane(word, hi, j) - (zj + off)) * sj)
+            else:
+                t += xj[None, :, :] * (_plane(word, hi, j) - (z + off))
+        if HAS_GIDX:
+            acc += t
+        else:
+            acc += t * s
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_N: tl.constexpr):
@@ -124,13 +192,13 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
 
 
 @triton.jit
-def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, ssg,
+def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, sqn, ssg,
                    HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, SCALED: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]; with
     ROW_SCALES and not SCALED, q - zero only (the caller applies the block's one scale)."""
     rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :],
+    word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :] * sqn,
                    mask=(rows[:, None] * 8 < K) & nmask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
     bits = ((word[:, None, :] >> shifts[None, :, None]) & 15) | MAGIC
@@ -158,12 +226,12 @@ def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size
 
 @triton.jit(do_not_specialize=["M", "sos"])
 def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
-                sxm, sxk, sos, som, son, sw0, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
+                sxm, sxk, sos, som, son, sw0, sw1, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 K_SPAN: tl.constexpr):
     """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
-    tl.dot. int4: sw0 is qweight's row stride; FACTOR (with ROW_SCALES): the dot takes the
+    tl.dot. int4: (sw0, sw1) are qweight's strides, either order; FACTOR (with ROW_SCALES): the dot takes the
     exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
     one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
     (its scale, per column, multiplies the finished sum). Neither M nor the split stride
@@ -188,7 +256,7 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
         else:
             w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask,
-                               group_size, sw0, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
+                               group_size, sw0, sw1, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
                                BLOCK_N)
         if FACTOR:
             s = tl.load(s_ptr + (k0 // group_size) * ssg + offs_n, mask=nmask & (k0 < K),
@@ -217,7 +285,7 @@ def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sqk, ssg, swk,
+def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sqk, sqn, ssg, swk,
                         HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The whole int4 weight into w [K, N] (x's dtype), for a dense matmul on large M."""
@@ -225,11 +293,11 @@ def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sq
     nmask = offs_n < N
     k0 = tl.program_id(0) * BLOCK_K
     w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk,
-                       ssg, HAS_GIDX, ROW_SCALES, True, BLOCK_K, BLOCK_N)
+                       sqn, ssg, HAS_GIDX, ROW_SCALES, True, BLOCK_K, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
              mask=(offs_k[:, None] < K) & nmask[None, :])
 
 
-KERNELS = (int4_gemv_kernel, fp8_gemv_kernel, gemm_kernel, sum_splits_kernel,
+KERNELS = (int4_gemv_n_kernel, int4_gemv_k_kernel, fp8_gemv_kernel, gemm_kernel, sum_splits_kernel,
            int4_dequant_kernel)

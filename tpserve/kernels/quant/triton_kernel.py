@@ -2,8 +2,10 @@
 dequantized in registers, tile by tile, and never written back to memory, so a decode step
 reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
 
-One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32, no tensor
-cores); more rows take tensor-core tiles (tl.dot on tiles dequantized into x's dtype). When
+int4 weights are held K-contiguous (base.py: int4_k_contiguous), so the GEMV streams each
+output column's packed inputs; the kernels also read GPTQ's row-major order (the old GEMV
+stays for it). One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32,
+no tensor cores); more rows take tensor-core tiles (tl.dot on tiles dequantized into x's dtype). When
 the output tiles are too few programs to fill the device, K is split across programs whose
 float32 partials a second small kernel sums into the output: two launches, no memset, no
 atomics. Tiles: triton_tiles.py; kernels: triton_jit.py.
@@ -12,6 +14,7 @@ atomics. Tiles: triton_tiles.py; kernels: triton_jit.py.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -85,8 +88,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype."""
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
-    # The kernels index the last dimension of the weight and scales with unit stride.
-    w, s = (t if t.stride(-1) == 1 else t.contiguous() for t in (w, s))
+    s = s if s.stride(-1) == 1 else s.contiguous()
+    k_contig = not fp8 and _k_contiguous(w)
+    if not k_contig and w.stride(-1) != 1:
+        w = w.contiguous()
     if tile is None:
         tile = pick_tile("fp8" if fp8 else "int4", m, n, k, _num_sms(x.device))
     if tile.dense:
@@ -100,6 +105,9 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     sos = out.stride(0) if split > 1 else 0
     has_gidx = g is not None and not fp8
+    if not fp8 and not has_gidx and group_size % 8:
+        raise ValueError(f"int4 group size {group_size} is not a multiple of 8 (a packed word "
+                         "would straddle groups); pass g_idx")
     row_scales = not fp8 and not has_gidx and group_size % bk == 0
     # Unused pointer arguments still need a tensor: pass the scales.
     z = z if z is not None else s
@@ -112,19 +120,29 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
                                       w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
                                       BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
+        elif k_contig:
+            # Chunks of gcd(group, block) inputs lie in one group each (blocks start at
+            # multiples of bk); act-order looks groups up per input instead.
+            wpg = bk // 8 if has_gidx else math.gcd(group_size, bk) // 8
+            jit.int4_gemv_k_kernel[grid](x, out, w, s, z, g, n, k, group_size, x.stride(1),
+                                         sos, out.stride(-1), w.stride(0), w.stride(1),
+                                         s.stride(0), HAS_GIDX=has_gidx, PREFETCH=tile.prefetch,
+                                         K_SPAN=k_span, GPB=bk // (8 * wpg), WPG=wpg,
+                                         BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
         else:
-            jit.int4_gemv_kernel[grid](x, out, w, s, z, g, n, k, group_size,
-                                       x.stride(1), sos, out.stride(-1), w.stride(0),
-                                       s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
-                                       PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
-                                       BLOCK_N=tile.block_n, **launch)
+            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, n, k, group_size,
+                                         x.stride(1), sos, out.stride(-1), w.stride(0),
+                                         s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
+                                         PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
+                                         BLOCK_N=tile.block_n, **launch)
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
         jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, group_size, x.stride(0),
                               x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
-                              0 if fp8 else s.stride(0), FP8=fp8, HAS_GIDX=has_gidx,
-                              ROW_SCALES=row_scales, FACTOR=tile.factor and row_scales,
+                              1 if fp8 else w.stride(1), 0 if fp8 else s.stride(0), FP8=fp8,
+                              HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
+                              FACTOR=tile.factor and row_scales,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, K_SPAN=k_span,
                               BLOCK_K=bk, **launch)
@@ -132,6 +150,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
     return y
+
+
+def _k_contiguous(qweight: torch.Tensor) -> bool:
+    """qweight [K / 8, N] held K-contiguous (strides (1, K / 8)), as layers hold it for us."""
+    return qweight.stride(0) == 1 and qweight.shape[1] > 1 and qweight.stride(1) != 1
 
 
 def _dense(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -153,7 +176,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     has_gidx = g_idx is not None
     jit.int4_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, block_n))](
         w, qweight, scales, zeros, g_idx if has_gidx else scales, n, k, group_size,
-        qweight.stride(0), scales.stride(0), w.stride(0), HAS_GIDX=has_gidx,
+        qweight.stride(0), qweight.stride(1), scales.stride(0), w.stride(0), HAS_GIDX=has_gidx,
         ROW_SCALES=not has_gidx and group_size % block_k == 0, BLOCK_K=block_k,
         BLOCK_N=block_n)
     return w
@@ -161,6 +184,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 class TritonQuantKernel(QuantKernel):
     name = "triton"
+    int4_k_contiguous = True
 
     def __init__(self, tile_for: Callable[[str, int, int, int], Tile] | None = None) -> None:
         # tile_for(method, m, n, k): a fixed choice of tiles (tests and the sweep).

@@ -46,6 +46,19 @@ def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
     return select_quant_kernel(cfg.kernel, x.device, x.dtype, method)
 
 
+def _int4_qweight(cfg: QuantConfig, k_words: int, n: int) -> nn.Parameter:
+    """qweight [k_words, N] in the memory order of the int4 kernel this layer will run (chosen
+    for the device and dtype it is built with); the loader copies each rank's checkpoint slice
+    into it, so the repacking happens per rank, on its slice."""
+    from tpserve.kernels.quant.base import empty_qweight
+    from tpserve.kernels.quant.registry import select_quant_kernel
+
+    device = torch.get_default_device()
+    k_contiguous = device.type != "meta" and select_quant_kernel(
+        cfg.kernel, device, torch.get_default_dtype(), "int4").int4_k_contiguous
+    return nn.Parameter(empty_qweight(k_words, n, k_contiguous), requires_grad=False)
+
+
 class Int4Method(LinearMethod):
     """GPTQ and AWQ 4-bit. Column-parallel ranks take whole output columns (multiples of 8,
     the packing); row-parallel ranks take whole input groups, or, with act-order, their input
@@ -85,13 +98,12 @@ class Int4Method(LinearMethod):
         # model; the kernels compute in float32 either way. Zeros are small integers.
         dtype = torch.float32 if torch.get_default_dtype() == torch.float32 else torch.float16
         stored_q = ParamLayout(out_dim=1, in_dim=0, in_per=8)
+        qweight = _int4_qweight(cfg, in_per_rank // 8, out_per_rank)
         if awq:
-            layer.qweight = attach(_param((in_per_rank // 8, out_per_rank), torch.int32),
-                                   ParamLayout(out_dim=1, out_per=8, in_dim=0), stored_q,
+            layer.qweight = attach(qweight, ParamLayout(out_dim=1, out_per=8, in_dim=0), stored_q,
                                    convert=lambda t, _o: awq_qweight_to_rows(t))
         else:
-            layer.qweight = attach(_param((in_per_rank // 8, out_per_rank), torch.int32),
-                                   stored_q)
+            layer.qweight = attach(qweight, stored_q)
         group_layout = ParamLayout(out_dim=1, in_dim=0, in_per=group, in_sharded=split_groups)
         packed_zeros = ParamLayout(out_dim=1, out_per=8, in_dim=0, in_per=group,
                                    in_sharded=split_groups)
