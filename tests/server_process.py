@@ -38,8 +38,9 @@ def launched_process(args: list[str], log_path: Path, ready_timeout: float = 240
     env = dict(os.environ, RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
     env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "tpserve.cli", "launch", *args, "--port", str(port),
-           "--no-dashboard", "--cpus-per-shard", "1", "--log-level", "warning"]
+    # Quiet by default; a test that reads the log passes its own --log-level (the last wins).
+    cmd = [sys.executable, "-m", "tpserve.cli", "launch", "--log-level", "warning", *args,
+           "--port", str(port), "--no-dashboard", "--cpus-per-shard", "1"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import httpx
 import pytest
 from server_process import launched
@@ -14,10 +17,31 @@ PROMPTS = ["The quick brown fox", "Hello world, this is"]
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    with launched(["--model", str(llama_dir), "--tp", "2", "--num-blocks", "512"],
-                  tmp_path_factory.mktemp("logs") / "server.log") as url:
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, server_log):
+    # Info level: test_ready_line_splits_the_start_up reads the ready lines.
+    with launched(["--model", str(llama_dir), "--tp", "2", "--num-blocks", "512",
+                   "--log-level", "info"], server_log) as url:
         yield url
+
+
+def test_ready_line_splits_the_start_up(server, server_log):
+    """Where the launch's time went, one phase each, adding up to the ready time."""
+    deadline = time.monotonic() + 30  # /health turns 200 just before the line is logged
+    while "start-up:" not in (log := server_log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ready = float(re.search(r"ready ([0-9.]+)s after launch", log).group(1))
+    line = re.search(r"start-up: (.*)", log).group(1)
+    split = {name: float(sec) for name, sec in re.findall(r"([A-Za-z][A-Za-z ]*?) ([0-9.]+)s",
+                                                          line)}
+    for phase in ("checks", "ray", "driver", "imports", "device", "weights", "KV cache",
+                  "kernel warmup", "step loop"):
+        assert phase in split, (phase, line)
+    assert 0.5 * ready <= sum(split.values()) <= ready + 0.5, (ready, line)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpserve import __version__
 from tpserve.errors import CheckpointError
+from tpserve.startup import describe, phases
 
 log = logging.getLogger("tpserve")
 
@@ -409,9 +410,10 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
 
 
 def launch(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
     server = server_config(args)
+    checked = time.time()
 
     _check_replica_flags(args)
     import ray
@@ -422,6 +424,7 @@ def launch(args: argparse.Namespace) -> int:
         return launch_replicas(args, cfg, server)
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
     _start_ray(args, cfg)
+    ray_up = time.time()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
@@ -452,6 +455,10 @@ def launch(args: argparse.Namespace) -> int:
                  "ready %.1fs after launch, serving %s (placement %s)", tp, summary["backend"],
                  summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
                  time.perf_counter() - t0, url, cfg.parallel.placement)
+        log.info("start-up: %s", describe(
+            phases(wall0, [("checks", checked), ("ray", ray_up),
+                           ("driver", summary.get("placed_at"))])
+            + summary.get("startup", [])))
         print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
         while not stop.wait(1.0):
             pass

@@ -28,6 +28,7 @@ from tpserve.engine.engine import tokenize
 from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.request import SamplingParams
 from tpserve.executor.base import ShardFailedError
+from tpserve.startup import shard_startup
 from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class CoreClient:
         check_shardable(cfg, self.hf_config)  # fail before placing any actor
         # The shard actors start (a process each: imports, device set-up) while the
         # tokenizer loads here.
+        placed = time.time()
         self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -78,6 +80,8 @@ class CoreClient:
         self.max_input_tokens = info["max_input_tokens"]
         self.max_model_len = info["max_model_len"]
         self.loops = info["loops"]
+        self.placed_at = placed
+        self.startup = shard_startup(placed, info["marks"])
         self.executor = self  # health() for the driver, as Engine.executor.health()
         self._stats: dict[str, float] = {}
         self._to_abort: list[int] = []

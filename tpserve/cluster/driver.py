@@ -77,7 +77,10 @@ class Driver:
                 "passed_over": e.load_reports[0].passed_over,
                 "param_bytes_per_shard": [r.param_bytes for r in e.load_reports],
                 "load_seconds": max(r.seconds for r in e.load_reports),
-                "warmup_seconds": e.warmup_seconds}
+                "warmup_seconds": e.warmup_seconds,
+                # Where the start-up went (tpserve/startup.py), from the actors' request on.
+                "placed_at": getattr(e, "placed_at", None),
+                "startup": getattr(e, "startup", [])}
 
     def ready(self) -> bool:
         return self.backend is not None and self.backend.ready()

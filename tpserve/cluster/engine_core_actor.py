@@ -22,6 +22,7 @@ from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
 from tpserve.executor.rank0 import Rank0Executor
+from tpserve.startup import now
 from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,16 @@ class EngineCoreActor:
     def __repr__(self) -> str:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
         return f"EngineCore({self.worker!r})"
+
     def start(self, eos_ids: list[int]) -> dict:
         """Set up every rank, build the engine core, start the step loop; what the driver
         needs to validate and report."""
+        self.worker.marks["start"] = now()
         from transformers import AutoConfig
 
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
         hf = AutoConfig.from_pretrained(self.cfg.model.path)
+        self.worker.marks["config"] = now()
         self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
         freeze_startup_objects()  # full collections would walk the model's objects mid-step
         self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)
@@ -66,7 +70,8 @@ class EngineCoreActor:
         c = self.core
         return {"num_blocks": c.num_blocks, "load_reports": c.load_reports,
                 "warmup_seconds": c.warmup_seconds, "max_input_tokens": c.max_input_tokens,
-                "max_model_len": c.max_model_len, "loops": executor.loops}
+                "max_model_len": c.max_model_len, "loops": executor.loops,
+                "marks": {**self.worker.marks, "loop": now()}}
 
     # --- driver calls (other threads) ---------------------------------------------------
     def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
@@ -48,6 +49,8 @@ def warmup_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 def dynamo_compile_count() -> int:
     """Graphs torch.compile has built in this process (0 when nothing uses it)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0  # nothing compiled; importing dynamo just to read 0 costs seconds
     try:
         from torch._dynamo.utils import counters
     except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing

@@ -24,6 +24,7 @@ from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
+from tpserve.startup import now, process_started_at
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
@@ -67,6 +68,9 @@ class Worker:
         self.compiles_at_warmup: int | None = None
         self.runner: ModelRunner | None = None  # once the cache is allocated
         self.control: ControlChannel | None = None  # tp > 1: rank 0 -> other ranks, per step
+        # Wall-clock ends of the start-up phases (tpserve/startup.py): the process
+        # came up, this object exists (imports done), then each set-up call below.
+        self.marks: dict[str, float | None] = {"process": process_started_at(), "init": now()}
 
     def __repr__(self) -> str:
         # Shown by Ray's state API and the dashboard's actors view (rank and device).
@@ -100,6 +104,7 @@ class Worker:
             self.control = ControlChannel(self.tp_size, self.cfg.parallel.dist_timeout_s)
         else:
             set_tp(TPInfo(0, 1))
+        self.marks["device"] = now()
         return backend if self.tp_size > 1 else "none (tp=1)"
 
     def load_weights(self) -> LoadReport:
@@ -128,6 +133,7 @@ class Worker:
         self.backend, passed = select_backend(self.cfg.kernel, self.device, self.dtype, unique)
         params = sum(p.numel() * p.element_size()
                      for p in dict.fromkeys(self.model.parameters()))
+        self.marks["weights"] = now()
         return LoadReport(self.rank, time.perf_counter() - t0, params, stats.read_bytes,
                           stats.full_bytes, self.backend.name, passed, self._bytes_per_block())
 
@@ -168,6 +174,7 @@ class Worker:
             self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
                                    torch.zeros(shape, dtype=self.dtype, device=self.device)))
         self.specs = [self._with_block(s) for s in self.specs]
+        self.marks["cache"] = now()
         for m in self._attention_layers():
             if m.spec.paged:
                 m.spec = self._with_block(m.spec)
@@ -188,7 +195,9 @@ class Worker:
             sizes = tuple(sorted(set(sizes) | set(graph_buckets(max(sizes)))))
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, sizes)
+        self.marks["kernels"] = now()
         self._capture_graphs(batch_sizes)
+        self.marks["graphs"] = now()
         # Baseline for health()'s compiles_since_warmup: serving must never compile.
         self.compiles_at_warmup = compile_count(self.backend)
         return time.perf_counter() - t0
