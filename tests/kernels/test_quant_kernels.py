@@ -27,52 +27,111 @@ def test_torch_reference_on_cpu(dtype):
     assert result.cases == 240 and not result.failed, result.failed[:3]
 
 
-def test_triton_kernels_under_the_interpreter():
-    """The tile table's GEMV and tensor-core paths, int4 with and without g_idx, and fp8, in
-    numpy on the CPU. TRITON_INTERPRET is read when the kernels are defined, hence a fresh
-    process."""
+def _interpret(code: str) -> None:
+    """Run `code` in a fresh process under Triton's interpreter (TRITON_INTERPRET is read when
+    the kernels are defined); skipped without triton, never reported as passed."""
     try:
         import triton  # noqa: F401
     except ImportError:
         pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    code = textwrap.dedent("""
-        import sys, torch
-        sys.path.insert(0, "tests/kernels")
-        from quant_conformance import run_quant_conformance
-        for dt in (torch.float32, torch.float16):  # numpy has no bfloat16
-            r = run_quant_conformance("triton", "cpu", dt, shapes=((256, 96), (1024, 64)),
-                                      groups=(32, 128), batches=(1, 3, 17))
-            print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
-            assert r.cases == 42 and not r.failed
-    """)
+    head = "import sys, torch\nsys.path.insert(0, 'tests/kernels')\n"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("tile_set", ["prefetch-split", "plain-tails", "split-dense"])
+# (dtype, shapes, groups, batches, cases): float32 takes every group size and both int4
+# paths' batch sizes; float16 the GEMV and a 16-row tile at odd N and K; bfloat16 the GEMV
+# only: the interpreter's tl.dot has no bfloat16 (numpy), the GPU conformance covers it.
+TABLE_RUNS = [
+    ("float32", ((256, 96), (200, 97)), (32, 64, 128), (1, 5), 40),
+    ("float16", ((200, 97),), (64,), (1, 16), 8),
+    ("bfloat16", ((200, 97),), (32, 128), (1,), 7),
+]
+
+
+@pytest.mark.parametrize(("dtype", "shapes", "groups", "batches", "cases"), TABLE_RUNS,
+                         ids=[r[0] for r in TABLE_RUNS])
+def test_triton_table_under_the_interpreter(dtype, shapes, groups, batches, cases):
+    """The tile table's paths with weights in the order the kernel asks for (K-contiguous):
+    the GEMV, tensor-core tiles, int4 with and without g_idx, symmetric or not, and fp8."""
+    _interpret(f"""
+        from quant_conformance import run_quant_conformance
+        r = run_quant_conformance("triton", "cpu", torch.{dtype}, shapes={shapes!r},
+                                  groups={groups!r}, batches={batches!r})
+        print(r.cases, len(r.failed), r.worst, r.failed[:3])
+        assert r.cases == {cases} and not r.failed
+    """)
+
+
+@pytest.mark.parametrize("tile_set", ["prefetch-split", "plain-tails", "split-dense",
+                                      "wide-gemv", "gptq-order"])
 def test_triton_tile_sets_under_the_interpreter(tile_set):
     """Each fixed tile set of quant_conformance.py (prefetching GEMV, split-K spans that run
-    past K, factored scales, the dense fallback, tails in N and K) against the oracle."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    code = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, "tests/kernels")
+    past K, factored scales, the dense fallback, tails in N and K, GEMV blocks over several
+    groups, the checkpoint's row-major order) against the oracle."""
+    _interpret(f"""
         from quant_conformance import run_quant_conformance, triton_with_tiles
         r = run_quant_conformance(triton_with_tiles({tile_set!r}), "cpu", torch.float32,
-                                  shapes=((256, 96), (384, 200)), groups=(32, 128),
-                                  batches=(1, 3))
+                                  shapes=((200, 97),), groups=(32, 128), batches=(1, 3))
         print(r.cases, len(r.failed), r.worst, r.failed[:3])
-        assert r.cases == 28 and not r.failed
+        assert r.cases == 14 and not r.failed
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_the_oracle_catches_one_wrong_bit_per_word():
+    """The conformance check fails a GEMV that misreads the lowest bit of each packed word
+    (every eighth weight off by one step)."""
+    _interpret("""
+        from quant_conformance import run_quant_conformance
+        from tpserve.kernels.quant.triton_kernel import TritonQuantKernel
+
+        class OneBitOff(TritonQuantKernel):
+            def int4_matmul(self, x, qweight, *args):
+                return super().int4_matmul(x, qweight ^ 1, *args)
+
+        r = run_quant_conformance(OneBitOff(), "cpu", torch.float32, shapes=((200, 97),),
+                                  groups=(32,), batches=(1,))
+        print(r.cases, r.failed[:3])
+        assert r.cases == 4 and len(r.failed) == 3
+    """)
+
+
+@pytest.mark.parametrize(("fmt", "kwargs"), [("gptq", dict(sym=False, act_order=True)),
+                                           ("awq", {})])
+def test_layers_hold_qweight_in_the_kernels_order(models_dir, monkeypatch, fmt, kwargs):
+    """A kernel that asks for K-contiguous int4 weights gets them: each rank's slice (tp = 2,
+    rank 1: column-parallel output columns, row-parallel input rows) is taken from the
+    checkpoint's layout and copied into a qweight whose K // 8 words per column are
+    contiguous, holding the same values as the checkpoint-order load, and the layers compute
+    the same outputs."""
+    from engine_utils import load_rank
+    from quant_checkpoints import write_quantized
+    from tiny_models import llama_config, save_model
+
+    src = models_dir / "kc-float"
+    if not (src / "config.json").exists():
+        save_model(llama_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                num_key_value_heads=2), src)
+    path, _ = write_quantized(src, models_dir / f"kc-{fmt}", models_dir / f"kc-{fmt}-ref",
+                              fmt, group=32, **kwargs)
+    registry.select_quant_kernel.cache_clear()
+    rows, _ = load_rank(path, 1, 2)
+    monkeypatch.setattr(TorchQuantKernel, "int4_k_contiguous", True)
+    registry.select_quant_kernel.cache_clear()
+    try:
+        cols, _ = load_rank(path, 1, 2)
+    finally:
+        registry.select_quant_kernel.cache_clear()
+    for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        a = rows.get_submodule(f"model.layers.0.{proj}")
+        b = cols.get_submodule(f"model.layers.0.{proj}")
+        k_words = a.qweight.shape[0]
+        assert a.qweight.stride() == (a.qweight.shape[1], 1)
+        assert b.qweight.stride() == (1, k_words) and torch.equal(a.qweight, b.qweight)
+        x = torch.randn(3, k_words * 8)
+        torch.testing.assert_close(b.method.apply(b, x), a.method.apply(a, x), rtol=0, atol=0)
 
 
 def test_one_tile_per_batch_bucket_so_warmup_compiles_every_variant():
