@@ -1,6 +1,6 @@
 """Weight-only quantized matmuls on a GPU at the Llama-3-8B layer shapes: bf16 (torch) next
-to GPTQ-layout int4 and fp8 (Triton, and the torch reference), per layer and summed over one
-decoder layer x 32, for decode-sized batches.
+to int4 (held K-contiguous, as layers hold it for Triton) and fp8 (Triton, and the torch
+reference), per layer and summed over one decoder layer x 32, for decode-sized batches.
 
     python3 benchmarks/quant_bench.py --out results/   # needs CUDA; writes markdown + JSON
     python3 benchmarks/quant_bench.py --out results/ --tiles OUT/quant_tiles.json  # a sweep's
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[tuple[int, str], float] = {}
     for name, k, n in LAYERS:
         qw, s, z, wb, w8, s8 = tensors(k, n, dev, dt)
+        if tri.int4_k_contiguous:  # the memory order layers give the kernel (base.py)
+            qw = qw.t().contiguous().t()
         by = {"bf16": wb.numel() * 2, "int4": qw.numel() * 4 + s.numel() * 2 + z.numel() * 2,
               "fp8": w8.numel() + s8.numel() * 4}
         for m in BATCHES:

@@ -4,6 +4,10 @@ process each: batch-1 ms per token, batch-32 and 256 x 256/256 tokens/s, weight 
 GPU. Reuses benchmarks/gpu_engine.py's engine set-up and measurements.
 
     python3 benchmarks/quant_engine.py --out results/      # needs CUDA
+    python3 benchmarks/quant_engine.py --out results/ --formats gptq-int4 bf16 \
+        --tiles OUT/gemv_tiles.json                         # a sweep's tile table
+
+int4 layers hold qweight K-contiguous for the Triton kernels (tpserve/kernels/quant/base.py).
 """
 
 from __future__ import annotations
@@ -42,11 +46,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--tiles", type=Path, help="JSON tile table of benchmarks/quant_sweep.py")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         from gpu_engine import run_one
 
+        if args.tiles:
+            from tpserve.kernels.quant.triton_tiles import set_tiles, tiles_from_json
+
+            set_tiles(tiles_from_json(args.tiles.read_text()))
         print("RESULT " + json.dumps(run_one(args.one, "triton")), flush=True)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -54,21 +63,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         for name in args.formats:
             path = model_dir(Path(d) / name, FORMATS[name])
+            tiles = ["--tiles", str(args.tiles)] if args.tiles else []
             r = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--one",
-                                str(path)], capture_output=True, text=True)
+                                str(path), *tiles], capture_output=True, text=True)
             (args.out / f"quant_engine_{name}.log").write_text(r.stdout + r.stderr)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:
                 print(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
                 continue
             rows[name] = json.loads(line[0][7:])
+            print(f"{name}: {json.dumps(rows[name])}", flush=True)
     import torch
 
     base = rows.get("bf16", {}).get("b1_ms")
     text = (f"### Quantized weights on one {torch.cuda.get_device_name(0)} "
             f"({datetime.date.today().isoformat()})\n\nLlama-3-8B shape, random weights, tp = 1 "
             "in-process engine, Triton attention and quantized matmuls, decode graphs. "
-            "Weights: all parameters of the shard (embedding and LM head stay bf16).\n\n"
+            "Weights: all parameters of the shard (embedding and LM head stay bf16)."
+            + (f" Tiles: {args.tiles}." if args.tiles else "") + "\n\n"
             "| weights | GB per GPU | batch 1 ms/token | vs bf16 | batch 32 tok/s | "
             "256 x 256/256 tok/s | KV blocks | start-up s |\n" + "| --- " * 8 + "|\n")
     for name, r in rows.items():

@@ -4,6 +4,14 @@ tpserve/kernels/quant/triton_tiles.py.
 
     python3 benchmarks/quant_sweep.py --out OUT            # sweep, choose, bench the choice
     python3 benchmarks/quant_sweep.py --out OUT --picked   # only the tiles pick_tile chooses
+    python3 benchmarks/quant_sweep.py --out OUT --gemv     # int4 orders at M = 1 and 8 (below)
+
+--gemv (about a minute): the GPU conformance of the table's kernels in bfloat16 and float16
+(small shapes, M = 1-16; weights K-contiguous) while the variants compile, then at M = 1 and 8 and the Llama-3-8B shapes with the LM head, int4 in
+the checkpoint's row-major order (the previous table's tiles) against int4 K-contiguous, as
+layers now hold it (the table's tile and a few candidates), fp8 and bf16; writes
+OUT/gemv.md, OUT/gemv.json and OUT/gemv_tiles.json (the table with the fastest K-contiguous
+candidates for buckets 1 and 2-16).
 
 Every variant is compiled first, in parallel worker processes sharing one Triton cache (the
 conformance suite runs on the GPU meanwhile, with the fixed tile sets too), then timed in the
@@ -51,6 +59,8 @@ from tpserve.kernels.quant.triton_tiles import (  # noqa: E402
 
 LAYERS = (("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up_proj", 4096, 28672),
           ("down_proj", 14336, 4096))
+LM_HEAD = ("lm_head", 4096, 128256)
+SHAPES = {name: (k, n) for name, k, n in (*LAYERS, LM_HEAD)}
 GROUP = 128
 COPY_BYTES = 256 << 20
 REPS = 32
@@ -119,7 +129,7 @@ def tensors(k: int, n: int, dev: torch.device, copies: int = 1, seed: int = 0):
         w8 = (torch.randn(n, k, device=dev, generator=g) * 100).clamp(-448, 448).to(
             torch.float8_e4m3fn)
         s8 = torch.rand(n, device=dev, generator=g) * 1e-3
-        sets.append((qw, s, z, w8, s8))
+        sets.append((qw, s, z, w8, s8, qw.t().contiguous().t()))
     return sets
 
 
@@ -132,14 +142,16 @@ def weight_bytes(kind: str, k: int, n: int) -> int:
 
 
 def call(kind: str, x, tile, t, wb=None):
+    """kind: bf16, fp8, int4 (qweight K-contiguous, as layers hold it for Triton) or
+    int4-rows (the checkpoint's row-major order)."""
     from tpserve.kernels.quant.triton_kernel import quant_matmul
 
-    qw, s, z, w8, s8 = t
+    qw, s, z, w8, s8, qk = t
     if kind == "bf16":
         return torch.nn.functional.linear(x, wb)
     if kind == "fp8":
         return quant_matmul(x, w8, s8, None, None, 1, True, tile)
-    return quant_matmul(x, qw, s, z, None, GROUP, False, tile)
+    return quant_matmul(x, qw if kind == "int4-rows" else qk, s, z, None, GROUP, False, tile)
 
 
 def _compile_worker(chunk):
@@ -147,7 +159,7 @@ def _compile_worker(chunk):
     dev = torch.device("cuda")
     errors, cache = [], {}
     for name, m, kind, tile in chunk:
-        k, n = next((k, n) for lname, k, n in LAYERS if lname == name)
+        k, n = SHAPES[name]
         try:
             if (k, n) not in cache:
                 cache.clear()
@@ -166,7 +178,7 @@ def precompile(todo, workers: int) -> dict:
     for name, m, kind, tile in todo:
         if kind == "bf16":
             continue
-        k = next(k for lname, k, _ in LAYERS if lname == name)
+        k = SHAPES[name][0]
         key = (kind, k, tile or ("picked", m), m == 1, name if tile and tile.dense else "")
         if key not in seen:
             seen.add(key)
@@ -216,25 +228,27 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def time_all(todo, bad: dict, out: Path) -> list[dict]:
+def time_all(todo, bad: dict, out: Path, layers=LAYERS, batches=BATCHES) -> list[dict]:
     """Batch by batch (the decode-sized ones first), every layer's variants."""
     from tpserve.kernels.quant.torch_ref import TorchQuantKernel
 
     dev, ref = torch.device("cuda"), TorchQuantKernel()
     rows, log = [], open(out / "quant_sweep.log", "a")
     weights = {}
-    for name, k, n in LAYERS:
+    for name, k, n in layers:
         copies = {kind: max(2, min(48, math.ceil(COPY_BYTES / weight_bytes(kind, k, n))))
                   for kind in ("bf16", "int4", "fp8")}
+        copies["int4-rows"] = copies["int4"]
         wbs = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
                for _ in range(copies["bf16"])]
         weights[name] = (copies, tensors(k, n, dev, max(copies["int4"], copies["fp8"])), wbs)
-    for m in BATCHES:
-        for name, k, n in LAYERS:
+    for m in batches:
+        for name, k, n in layers:
             copies, sets, wbs = weights[name]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             refs = {"int4": ref.int4_matmul(x, *sets[0][:3], GROUP).float(),
-                    "fp8": ref.fp8_matmul(x, *sets[0][3:]).float()}
+                    "fp8": ref.fp8_matmul(x, *sets[0][3:5]).float()}
+            refs["int4-rows"] = refs["int4"]
             for _, _, kind, tile in (v for v in todo if v[0] == name and v[1] == m):
                 rows.append(time_one(name, k, n, m, kind, tile, x, refs, sets, wbs,
                                      copies[kind], bad))
@@ -318,12 +332,13 @@ def choose(rows: list[dict], sms: int) -> dict[str, list[tuple[Tile, int]]]:
     return table
 
 
-def start_conformance(out: Path, dtypes: str) -> list[subprocess.Popen]:
+def start_conformance(out: Path, dtypes: str, extra: tuple[str, ...] = (),
+                      with_tile_sets: bool = True) -> list[subprocess.Popen]:
     """Conformance on the GPU in parallel jobs: the tile table per dtype, the fixed tile sets
-    in bfloat16."""
+    in bfloat16; extra: more arguments of quant_conformance.py (shapes, batches)."""
     script = str(ROOT / "tests/kernels/quant_conformance.py")
-    jobs = [(f"table-{dt}", ["--dtypes", dt]) for dt in dtypes.split(",") if dt]
-    if dtypes:
+    jobs = [(f"table-{dt}", ["--dtypes", dt, *extra]) for dt in dtypes.split(",") if dt]
+    if dtypes and with_tile_sets:
         jobs += [(f"tiles-{t}", ["--kernels", "", "--dtypes", "bfloat16", "--tile-sets", t])
                  for t in tile_sets()]
     return [subprocess.Popen(
@@ -332,16 +347,151 @@ def start_conformance(out: Path, dtypes: str) -> list[subprocess.Popen]:
         env={**os.environ, "PYTHONPATH": str(ROOT)}) for name, extra in jobs]
 
 
+# --gemv: the previous table's int4 tiles (chosen for the row-major order) per bucket, and the
+# K-contiguous candidates: GEMV tiles at M = 1, tensor-core tiles at M = 8 (bucket 2-16).
+GEMV_BATCHES = (1, 8)
+ROWS_TILES = {1: (Tile(0, 16, 512, 4, 3, prefetch=True), 2),
+              8: (Tile(16, 128, 128, 4, 3, factor=True), 1)}
+GEMV_CANDIDATES = {
+    1: [(Tile(0, bn, bk, w, 3, prefetch=p), per_sm)
+        for bn, bk, w, p in ((8, 1024, 4, True), (8, 2048, 4, True), (16, 512, 4, True),
+                             (16, 1024, 4, True), (32, 256, 4, True), (32, 512, 4, True),
+                             (64, 128, 4, True), (16, 1024, 8, True), (16, 1024, 4, False),
+                             (32, 256, 4, False))
+        for per_sm in (1, 2, 4)],
+    8: [(Tile(16, bn, bk, w, st, factor=True), per_sm)
+        for bn, bk, w, st in ((128, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4),
+                              (64, 256, 4, 3), (32, 512, 4, 3))
+        for per_sm in (1, 2)],
+}
+
+
+def gemv_variants(sms: int) -> list[tuple[str, int, str, Tile | None]]:
+    out = []
+    for name, k, n in (*LAYERS, LM_HEAD):
+        for m in GEMV_BATCHES:
+            b = bucket(m)
+            out += [(name, m, "bf16", None), (name, m, "fp8", None), (name, m, "int4", None),
+                    (name, m, "int4-rows", with_split(*ROWS_TILES[m], b, n, k, sms))]
+            cands = {with_split(t, per_sm, b, n, k, sms) for t, per_sm in GEMV_CANDIDATES[m]}
+            out += [(name, m, "int4", t) for t in sorted(cands, key=str)]
+    return out
+
+
+def gemv_choose(rows: list[dict], sms: int) -> dict[str, list[tuple[Tile, int]]]:
+    """TILES with int4's buckets 1 and 2-16 set to the candidate (tile, programs per SM)
+    with the least time summed over the decoder layers (the LM head stays bf16 in the
+    engine), or kept when no candidate beats the table's tile."""
+    timed = {(r["layer"], r["M"], json.dumps(r["tile"], sort_keys=True)): r["ms"]
+             for r in rows if "ms" in r and r["kind"] == "int4" and r["tile"]}
+    table = {method: list(rules) for method, rules in TILES.items()}
+    for m in GEMV_BATCHES:
+        b = bucket(m)
+        best = (sum(r["ms"] for r in rows if r["kind"] == "int4" and r["M"] == m
+                    and not r["tile"] and "ms" in r and r["layer"] != LM_HEAD[0]),
+                TILES["int4"][b])
+        for tmpl, per_sm in GEMV_CANDIDATES[m]:
+            score = sum(timed.get((name, m, json.dumps(asdict(with_split(
+                tmpl, per_sm, b, n, k, sms)), sort_keys=True)), float("inf"))
+                for name, k, n in LAYERS)
+            if score < best[0]:
+                best = (score, (tmpl, per_sm))
+        table["int4"][b] = best[1]
+        print(f"gemv: int4 bucket {b} (M = {m}): {best[1]} ({best[0] * 1e3:.1f} us over the "
+              "four decoder layers)", flush=True)
+    return table
+
+
+def gemv_report(rows: list[dict], head: str) -> str:
+    """Per layer and M: microseconds and GB/s of bf16, fp8, int4 row-major (previous tiles),
+    int4 K-contiguous (table tile, fastest candidate); then sums over 32 decoder layers."""
+    by = {}
+    for r in rows:
+        if "ms" not in r:
+            continue
+        key = (r["layer"], r["M"])
+        kind = r["kind"] if r["kind"] != "int4" else ("int4-table" if not r["tile"] else
+                                                      "int4-best")
+        if kind != "int4-best" or r["ms"] < by.get(key, {}).get(kind, {"ms": 1e9})["ms"]:
+            by.setdefault(key, {})[kind] = r
+    kinds = ("bf16", "fp8", "int4-rows", "int4-table", "int4-best")
+    lines = [head, "", "| layer | K x N | M | " + " | ".join(f"{k} us (GB/s)" for k in kinds)
+             + " | best / bf16 | best K-contiguous tile |", "| --- " * 9 + "|"]
+    sums: dict[tuple[int, str], float] = {}
+    for (name, m), got in by.items():
+        k, n = SHAPES[name]
+        cells = []
+        for kind in kinds:
+            r = got.get(kind)
+            cells.append(f"{r['ms'] * 1e3:.1f} ({r['GB/s']:.0f})" if r else "-")
+            if r and name != LM_HEAD[0]:
+                sums[(m, kind)] = sums.get((m, kind), 0.0) + r["ms"] * 32
+        best, bf = got.get("int4-best"), got.get("bf16")
+        ratio = f"{best['ms'] / bf['ms']:.2f}" if best and bf else "-"
+        lines.append(f"| {name} | {k} x {n} | {m} | " + " | ".join(cells) + f" | {ratio} | "
+                     f"{best['variant'] if best else '-'} |")
+    lines += ["", "Summed over the 32 decoder layers' linears (ms per step, LM head excluded):",
+              "", "| M | " + " | ".join(kinds) + " | best / bf16 |", "| --- " * 7 + "|"]
+    for m in GEMV_BATCHES:
+        vals = [sums.get((m, kind), float("nan")) for kind in kinds]
+        lines.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in vals)
+                     + f" | {vals[4] / vals[0]:.2f} |")
+    errors = [r for r in rows if "error" in r]
+    lines.append(f"\n{len(errors)} variant(s) failed" + "".join(
+        f"\n- {r['layer']} M={r['M']} {r['variant']}: {r['error']}" for r in errors[:12]))
+    return "\n".join(lines) + "\n"
+
+
+def run_gemv(out: Path, workers: int, dtypes: str) -> int:
+    """Conformance of the table's kernels (K-contiguous int4) in `dtypes` at small shapes,
+    M = 1-16, while the variants compile; then the timings."""
+    t0 = time.time()
+    jobs = start_conformance(out, dtypes, ("--shapes", "256x96,200x97", "--batches",
+                                           "1,2,5,16"), with_tile_sets=False)
+    todo = gemv_variants(_sms())
+    bad = precompile(todo, workers)
+    print(f"gemv: compiled {len(todo)} variants in {time.time() - t0:.0f}s, {len(bad)} failed",
+          flush=True)
+    failed = 0
+    for job, dt in zip(jobs, dtypes.split(","), strict=False):
+        failed += job.wait() != 0
+        log = out / f"conformance-table-{dt}.log"
+        print(f"conformance {dt} (rc {job.returncode}):\n{log.read_text()[-1500:]}", flush=True)
+    print(f"gemv: conformance done at {time.time() - t0:.0f}s", flush=True)
+    rows = time_all(todo, bad, out, layers=(*LAYERS, LM_HEAD), batches=GEMV_BATCHES)
+    (out / "quant_sweep.log").unlink(missing_ok=True)
+    import triton
+    head = (f"int4 GEMV orders ({torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}"
+            f" UTC), group size {GROUP}; us per call in a CUDA graph, weights cold in L2; GB/s "
+            "= weight bytes (int4: with scales and zeros) / time; int4-rows: the checkpoint's "
+            "row-major order with the previous table's tile; int4-table / int4-best: "
+            "K-contiguous with the table's tile / the fastest candidate")
+    text = gemv_report(rows, head)
+    (out / "gemv.md").write_text(text)
+    (out / "gemv.json").write_text(json.dumps(rows, indent=0))
+    (out / "gemv_tiles.json").write_text(tiles_to_json(gemv_choose(rows, _sms())))
+    print(text, f"gemv: done in {time.time() - t0:.0f}s", flush=True)
+    return 1 if failed or any("MISMATCH" in r.get("error", "") for r in rows) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--picked", action="store_true", help="time only the tiles pick_tile picks")
     ap.add_argument("--workers", type=int, default=max(1, min(10, (os.cpu_count() or 2) - 6)))
     ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--conformance-dtypes", default="bfloat16,float16,float32",
-                    help="dtypes of the conformance run on the GPU ('' skips it)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="only the int4 orders at M = 1 and 8 (see the module docstring)")
+    ap.add_argument("--conformance-dtypes", default=None,
+                    help="dtypes of the conformance run on the GPU ('' skips it; default "
+                    "bfloat16,float16,float32, with --gemv bfloat16,float16)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.conformance_dtypes is None:
+        args.conformance_dtypes = "bfloat16,float16" + ("" if args.gemv else ",float32")
+    if args.gemv:
+        return run_gemv(args.out, args.workers, args.conformance_dtypes)
     t0 = time.time()
     jobs = start_conformance(args.out, args.conformance_dtypes)
     todo = variants(args.picked)

@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile-sets", default="",
                     help="also run Triton held to these fixed tiles (comma list, or all)")
     ap.add_argument("--tiles", help="JSON tile table (benchmarks/quant_sweep.py) to apply first")
+    ap.add_argument("--shapes", help="K x N pairs, e.g. 256x96,200x97 (default: SHAPES)")
+    ap.add_argument("--batches", help="batch sizes, e.g. 1,2,5,16 (default: BATCHES)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.tiles:
@@ -178,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     sets = list(tile_sets()) if args.tile_sets == "all" else \
         [t for t in args.tile_sets.split(",") if t]
     kernels += [triton_with_tiles(t) for t in sets]
+    shapes = tuple(tuple(int(v) for v in kn.split("x")) for kn in args.shapes.split(",")) \
+        if args.shapes else SHAPES
+    batches = tuple(int(m) for m in args.batches.split(",")) if args.batches else BATCHES
     for name in kernels:
         for dt in args.dtypes.split(","):
-            r = run_quant_conformance(name, args.device, getattr(torch, dt))
+            r = run_quant_conformance(name, args.device, getattr(torch, dt), shapes=shapes,
+                                      batches=batches)
             bad += len(r.failed)
             rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | {len(r.failed)} | "
                         f"{r.worst:.2e} |")
