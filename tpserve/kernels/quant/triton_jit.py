@@ -96,7 +96,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
 
 
 @triton.jit
-def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
+def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size,
                        sxk, sos, son, sqk, sqn, ssg, HAS_GIDX: tl.constexpr,
                        PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, GPB: tl.constexpr,
                        WPG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -106,7 +106,9 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     so the tile [BLOCK_N, GPB, WPG] is BLOCK_N runs of 32 * GPB * WPG contiguous bytes (128-bit
     loads) and the scales and zeros are one [BLOCK_N, GPB] load per block. Partial sums stay
     in registers and are reduced once, at the end. HAS_GIDX:
-    act-order, each input row looks up its own group. BLOCK_K = 8 * GPB * WPG."""
+    act-order, each input row looks up its own group. BLOCK_K = 8 * GPB * WPG. Masks compare
+    word indices with KW = K / 8 (specialized when a multiple of 16), so they are constant over
+    a vector and the loads stay 128-bit."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,16 +121,16 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     ptrs = qw_ptr + n3 * sqn + (k_lo // 8 + kw)[None, :, :] * sqk
     acc = tl.zeros((BLOCK_N, GPB, WPG), dtype=tl.float32)
     if PREFETCH:
-        nxt = tl.load(ptrs, mask=nmask3 & ((k_lo + 8 * kw) < K)[None, :, :], other=0)
+        nxt = tl.load(ptrs, mask=nmask3 & ((k_lo // 8 + kw) < KW)[None, :, :], other=0)
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
         krow = k0 + 8 * kw  # first input row of each packed word, [GPB, WPG]
-        rmask = krow < K
+        rmask = (k0 // 8 + kw) < KW
         mask = nmask3 & rmask[None, :, :]
         if PREFETCH:
             word = nxt
-            more = ((krow + BLOCK_K) < K) & (kk + BLOCK_K < K_SPAN)
+            more = ((k0 + BLOCK_K) // 8 + kw < KW) & (kk + BLOCK_K < K_SPAN)
             nxt = tl.load(ptrs + ((kk + BLOCK_K) // 8) * sqk, mask=nmask3 & more[None, :, :],
                           other=0)
         else:
@@ -192,14 +194,15 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
 
 
 @triton.jit
-def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk, sqn, ssg,
+def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, KW, offs_n, nmask, group_size, sqk, sqn,
+                   ssg,
                    HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr, SCALED: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized rows [k0, k0 + BLOCK_K) x offs_n as float32 [BLOCK_K, BLOCK_N]; with
     ROW_SCALES and not SCALED, q - zero only (the caller applies the block's one scale)."""
     rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     word = tl.load(qw_ptr + rows[:, None] * sqk + offs_n[None, :] * sqn,
-                   mask=(rows[:, None] * 8 < K) & nmask[None, :], other=0)
+                   mask=(rows[:, None] < KW) & nmask[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
     bits = ((word[:, None, :] >> shifts[None, :, None]) & 15) | MAGIC
     q = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_K, BLOCK_N))  # 2^23 + q
@@ -225,7 +228,7 @@ def _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size
 
 
 @triton.jit(do_not_specialize=["M", "sos"])
-def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
+def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_size,
                 sxm, sxk, sos, som, son, sw0, sw1, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -255,7 +258,7 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, group_size,
             w = tl.load(w_ptr + offs_n[None, :] * sw0 + offs_k[:, None],
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
         else:
-            w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask,
+            w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, KW, offs_n, nmask,
                                group_size, sw0, sw1, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
                                BLOCK_N)
         if FACTOR:
@@ -285,14 +288,15 @@ def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size, sqk, sqn, ssg, swk,
+def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size, sqk, sqn, ssg,
+                        swk,
                         HAS_GIDX: tl.constexpr, ROW_SCALES: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The whole int4 weight into w [K, N] (x's dtype), for a dense matmul on large M."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     k0 = tl.program_id(0) * BLOCK_K
-    w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_n, nmask, group_size, sqk,
+    w = _int4_dot_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, K, KW, offs_n, nmask, group_size, sqk,
                        sqn, ssg, HAS_GIDX, ROW_SCALES, True, BLOCK_K, BLOCK_N)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),

@@ -124,11 +124,12 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             # Chunks of gcd(group, block) inputs lie in one group each (blocks start at
             # multiples of bk); act-order looks groups up per input instead.
             wpg = bk // 8 if has_gidx else math.gcd(group_size, bk) // 8
-            jit.int4_gemv_k_kernel[grid](x, out, w, s, z, g, n, k, group_size, x.stride(1),
-                                         sos, out.stride(-1), w.stride(0), w.stride(1),
-                                         s.stride(0), HAS_GIDX=has_gidx, PREFETCH=tile.prefetch,
-                                         K_SPAN=k_span, GPB=bk // (8 * wpg), WPG=wpg,
-                                         BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
+            jit.int4_gemv_k_kernel[grid](x, out, w, s, z, g, n, k, k // 8, group_size,
+                                         x.stride(1), sos, out.stride(-1), w.stride(0),
+                                         w.stride(1), s.stride(0), HAS_GIDX=has_gidx,
+                                         PREFETCH=tile.prefetch, K_SPAN=k_span,
+                                         GPB=bk // (8 * wpg), WPG=wpg, BLOCK_K=bk,
+                                         BLOCK_N=tile.block_n, **launch)
         else:
             jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, n, k, group_size,
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
@@ -138,7 +139,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
-        jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, group_size, x.stride(0),
+        jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, k // 8, group_size, x.stride(0),
                               x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
                               1 if fp8 else w.stride(1), 0 if fp8 else s.stride(0), FP8=fp8,
                               HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
@@ -175,7 +176,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     w = torch.empty(k, n, device=qweight.device, dtype=dtype)
     has_gidx = g_idx is not None
     jit.int4_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, block_n))](
-        w, qweight, scales, zeros, g_idx if has_gidx else scales, n, k, group_size,
+        w, qweight, scales, zeros, g_idx if has_gidx else scales, n, k, k // 8, group_size,
         qweight.stride(0), qweight.stride(1), scales.stride(0), w.stride(0), HAS_GIDX=has_gidx,
         ROW_SCALES=not has_gidx and group_size % block_k == 0, BLOCK_K=block_k,
         BLOCK_N=block_n)
