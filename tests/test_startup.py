@@ -20,12 +20,12 @@ def test_a_mark_before_the_start_counts_as_zero_not_negative():
 
 
 def test_shard_phases_sum_to_the_last_mark():
-    marks = {"process": 10.5, "init": 12.0, "start": 12.5, "config": 13.0, "device": 14.0,
+    marks = {"process": 10.5, "init": 12.0, "config": 12.5, "start": 13.0, "device": 14.0,
              "weights": 20.0, "cache": 20.5, "kernels": 22.0, "graphs": 23.0, "loop": 23.25}
     got = shard_startup(10.0, marks)
-    assert [name for name, _ in got] == ["shard process", "imports", "tokenizer", "config",
-                                         "device", "weights", "KV cache", "kernel warmup",
-                                         "graphs", "step loop"]
+    assert [name for name, _ in got] == ["shard process", "imports", "config",
+                                         "waiting for the driver", "device", "weights",
+                                         "KV cache", "kernel warmup", "graphs", "step loop"]
     assert abs(sum(s for _, s in got) - 13.25) < 1e-9
     assert dict(got)["weights"] == 6.0
 

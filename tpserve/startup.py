@@ -38,10 +38,10 @@ def phases(start: float, marks: list[Mark]) -> list[tuple[str, float]]:
 
 # Rank 0's phases in the order they run, each with the mark that ends it. "shard process" is
 # Ray placing the actor and spawning its process; "imports" its Python start-up (Ray, torch,
-# tpserve); "tokenizer" the wait for the driver's start call (it loads the tokenizer then);
-# "config" reading the checkpoint's config (importing transformers the first time).
-SHARD_PHASES = (("shard process", "process"), ("imports", "init"), ("tokenizer", "start"),
-                ("config", "config"), ("device", "device"), ("weights", "weights"), ("KV cache", "cache"),
+# tpserve); "config" reading the checkpoint's config (importing transformers the first
+# time); "waiting for the driver" the wait for its start call (it loads the tokenizer).
+SHARD_PHASES = (("shard process", "process"), ("imports", "init"), ("config", "config"),
+                ("waiting for the driver", "start"), ("device", "device"), ("weights", "weights"), ("KV cache", "cache"),
                 ("kernel warmup", "kernels"), ("graphs", "graphs"), ("step loop", "loop"))
 
 

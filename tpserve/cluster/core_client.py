@@ -50,16 +50,23 @@ class CoreClient:
         from tpserve.worker.build import check_shardable
 
         self.cfg = cfg
-        self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
-        check_shardable(cfg, self.hf_config)  # fail before placing any actor
-        # The shard actors start (a process each: imports, device set-up) while the
-        # tokenizer loads here.
+        # The shard actors are placed first: each starts its process, imports and reads the
+        # config while this process reads the config and the tokenizer (seconds each, which
+        # used to come before the placement and so added to every launch).
         placed = time.time()
         self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
+            self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+            # The launcher checked this before Ray started; a rebuild or a Ray Serve replica
+            # builds its client here, so the check stays (it costs no device memory).
+            check_shardable(cfg, self.hf_config)
+        except BaseException:
+            self.kill()  # nothing started on the shards yet: no step loop to stop
+            raise
+        try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
-            self.shutdown()
+            self.kill()
             raise errors.CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
                                          f"{exc}") from exc
         special = frozenset(self.tokenizer.all_special_ids)

@@ -23,6 +23,7 @@ from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
 from tpserve.executor.rank0 import Rank0Executor
 from tpserve.startup import now
+from tpserve.weights import load_hf_config
 from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,8 @@ class EngineCoreActor:
         """Set up every rank, build the engine core, start the step loop; what the driver
         needs to validate and report."""
         self.worker.marks["start"] = now()
-        from transformers import AutoConfig
-
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
-        hf = AutoConfig.from_pretrained(self.cfg.model.path)
-        self.worker.marks["config"] = now()
+        hf = self.worker.hf_config or load_hf_config(self.cfg.model.path)
         self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
         freeze_startup_objects()  # full collections would walk the model's objects mid-step
         self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)

@@ -71,6 +71,13 @@ class Worker:
         # Wall-clock ends of the start-up phases (tpserve/startup.py): the process
         # came up, this object exists (imports done), then each set-up call below.
         self.marks: dict[str, float | None] = {"process": process_started_at(), "init": now()}
+        # The checkpoint's config, read now: the first read imports transformers' config
+        # machinery (seconds; 7-9 s on the H200 host, where it pulls in torchvision), which
+        # this way overlaps the driver's own config and tokenizer loading instead of
+        # following it. A node without the directory reads it in load_weights.
+        self.hf_config = (load_hf_config(Path(cfg.model.path))
+                          if Path(cfg.model.path).is_dir() else None)
+        self.marks["config"] = now()
 
     def __repr__(self) -> str:
         # Shown by Ray's state API and the dashboard's actors view (rank and device).
@@ -112,7 +119,8 @@ class Worker:
         m = self.cfg.model
         # rayops hook: a node without the launching node's directory resolves the hub id.
         path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
-        hf = load_hf_config(path)
+        same = self.hf_config is not None and Path(path) == Path(m.path)
+        hf = self.hf_config if same else load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()
         desc = f"shard {self.rank}/{self.tp_size} loading weights"
