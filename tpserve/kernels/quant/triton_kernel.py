@@ -2,9 +2,10 @@
 dequantized in registers, tile by tile, and never written back to memory, so a decode step
 reads 0.5 (int4) or 1 (fp8) byte per weight instead of 2.
 
-int4 weights are held K-contiguous (base.py: int4_k_contiguous), so the GEMV streams each
-output column's packed inputs; the kernels also read GPTQ's row-major order (the old GEMV
-stays for it). One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32,
+int4 weights are held in GPTQ's row-major order by default: on one H200 its GEMV beat the
+K-contiguous one (base.py: int4_k_contiguous), which streams each output column's packed
+inputs, by 16% summed over the Llama-3-8B layers at one row (2.58 against 3.08 ms,
+docs/quantization.md). The kernels read either order, chosen by the weight's strides. One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32,
 no tensor cores); more rows take tensor-core tiles (tl.dot on tiles dequantized into x's dtype). When
 the output tiles are too few programs to fill the device, K is split across programs whose
 float32 partials a second small kernel sums into the output: two launches, no memset, no
@@ -185,7 +186,8 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 class TritonQuantKernel(QuantKernel):
     name = "triton"
-    int4_k_contiguous = True
+    # Measured slower on the H200 (module docstring); kept for devices where it may win.
+    int4_k_contiguous = False
 
     def __init__(self, tile_for: Callable[[str, int, int, int], Tile] | None = None) -> None:
         # tile_for(method, m, n, k): a fixed choice of tiles (tests and the sweep).

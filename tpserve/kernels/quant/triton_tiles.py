@@ -30,11 +30,11 @@ class Tile:
 
 # method -> bucket -> (tile, programs per SM that split-K aims for): the choice of
 # benchmarks/quant_sweep.py on one H200 (2026-12-01; its OUT/quant_tiles.json), the least
-# time summed over the Llama-3-8B layers among 1,328 timed variants; except int4's one-row
-# tile, the GEMV of K-contiguous weights, not yet timed on a GPU (an fp8-like choice: runs of
-# 512 bytes per output column; the GEMV of the checkpoint's order chose n16 k512 pf, 2).
+# time summed over the Llama-3-8B layers among 1,328 timed variants. int4's one-row tile is
+# for the row-major order the layers hold; the K-contiguous GEMV's best on the same GPU
+# (2026-12-02) was n8 k1024 pf for the narrow layers and n64 k128 pf for the wide ones.
 TILES: dict[str, list[tuple[Tile, int]]] = {
-    "int4": [(Tile(0, 16, 1024, 4, 3, prefetch=True), 2),
+    "int4": [(Tile(0, 16, 512, 4, 3, prefetch=True), 2),
              (Tile(16, 128, 128, 4, 3, factor=True), 1),
              (Tile(64, 64, 128, 4, 3, factor=True), 1),
              (Tile(0, 0, 64, dense=True), 1)],
