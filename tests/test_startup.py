@@ -35,3 +35,17 @@ def test_this_process_started_in_the_past():
     if started is None:  # not Linux: the phase folds into the next, which the test above covers
         return
     assert time.time() - 3600 * 24 < started <= time.time() + 1
+
+
+def test_the_driver_places_a_shard_before_importing_torch():
+    """Everything the driver imports up to placing a single shard is free of torch and
+    transformers (seconds each: they would delay every launch; they load afterwards)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tpserve.cluster.driver, tpserve.cluster.core_client, "
+            "tpserve.engine.async_engine, tpserve.server.app, tpserve.cluster.ray_metrics; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[]", out

@@ -19,9 +19,8 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpserve import errors
-from tpserve.cluster.device import ray_bundle
 from tpserve.cluster.engine_core_actor import EngineCoreActor
-from tpserve.cluster.placement import place_shards, shard_names
+from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
 from tpserve.engine.engine import tokenize
@@ -29,7 +28,6 @@ from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.request import SamplingParams
 from tpserve.executor.base import ShardFailedError
 from tpserve.startup import shard_startup
-from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +43,18 @@ class CoreStepError(RuntimeError):
 
 class CoreClient:
     def __init__(self, cfg: EngineConfig, namespace: str | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from tpserve.worker.build import check_shardable
-
         self.cfg = cfg
         # The shard actors are placed first: each starts its process, imports and reads the
-        # config while this process reads the config and the tokenizer (seconds each, which
-        # used to come before the placement and so added to every launch).
+        # config while this process imports transformers (and torch, for the check below)
+        # and reads the config and the tokenizer: seconds each, which used to come before
+        # the placement and so added to every launch.
         placed = time.time()
         self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
+            from transformers import AutoConfig, AutoTokenizer
+
+            from tpserve.worker.build import check_shardable
+
             self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
             # The launcher checked this before Ray started; a rebuild or a Ray Serve replica
             # builds its client here, so the check stays (it costs no device memory).
@@ -112,9 +111,14 @@ class CoreClient:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=rank))
 
-        # Followers: 2 threads, so health() answers while follow() runs.
-        self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
-                          for r in range(1, tp)]
+        # Followers: 2 threads, so health() answers while follow() runs. Their class brings
+        # torch with it, so a single shard (no followers) is placed before torch is imported.
+        self.followers = []
+        if tp > 1:
+            from tpserve.worker.worker import Worker
+
+            self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
+                              for r in range(1, tp)]
         # Rank 0: the step loop, submit_many/abort and the long poll, health, shutdown.
         self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg,
                                                                             self.followers)

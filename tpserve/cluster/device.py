@@ -179,14 +179,6 @@ def resolve_dtype(requested: str, device: str, checkpoint_dtype) -> tuple[str, s
     return name, f"the checkpoint's dtype ({name})"
 
 
-def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
-    if device == "cpu":
-        return {"CPU": float(cpus_per_shard)}
-    # One GPU each: a CUDA GPU, or an Intel XPU tile (Ray counts Intel GPUs as "GPU" and sets
-    # ZE_AFFINITY_MASK when dpctl is installed; see accelerator_index otherwise).
-    return {"GPU": 1.0, "CPU": 1.0}
-
-
 def local_cluster_gpus(device: str) -> int | None:
     """GPUs to declare when tpserve starts a local Ray cluster: Ray finds Intel GPUs only
     through dpctl, so XPU tiles are counted with torch instead; None: Ray's own count."""

@@ -21,10 +21,7 @@ from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import TPServeError
-from tpserve.executor.rank0 import Rank0Executor
 from tpserve.startup import now
-from tpserve.weights import load_hf_config
-from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +36,10 @@ class EngineCoreActor:
     def __init__(self, cfg: EngineConfig, followers: list) -> None:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # Imported here, in the shard's process: the driver imports this module to create
+        # the actor and must not wait for torch first (seconds before the shards are placed).
+        from tpserve.worker.worker import Worker
+
         self.cfg, self.followers = cfg, followers
         self.worker = Worker(cfg, 0)
         self.core: EngineCore | None = None
@@ -58,6 +59,9 @@ class EngineCoreActor:
     def start(self, eos_ids: list[int]) -> dict:
         """Set up every rank, build the engine core, start the step loop; what the driver
         needs to validate and report."""
+        from tpserve.executor.rank0 import Rank0Executor
+        from tpserve.weights import load_hf_config
+
         self.worker.marks["start"] = now()
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
         hf = self.worker.hf_config or load_hf_config(self.cfg.model.path)

@@ -24,6 +24,15 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 log = logging.getLogger(__name__)
 
 
+def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
+    """What one shard asks of Ray: CPU cores, or one accelerator."""
+    if device == "cpu":
+        return {"CPU": float(cpus_per_shard)}
+    # One GPU each: a CUDA GPU, or an Intel XPU tile (Ray counts Intel GPUs as "GPU" and sets
+    # ZE_AFFINITY_MASK when dpctl is installed; see accelerator_index otherwise).
+    return {"GPU": 1.0, "CPU": 1.0}
+
+
 def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
                  timeout_s: float = 120.0, placement: str = "pack") -> PlacementGroup:
     """A ready placement group of tp bundles placed as --placement says; raises with what is

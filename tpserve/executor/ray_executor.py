@@ -10,8 +10,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tpserve.cluster.device import ray_bundle
-from tpserve.cluster.placement import place_shards, shard_names
+from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError

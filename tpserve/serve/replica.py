@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpserve.cluster.core_client import CoreClient
-from tpserve.cluster.device import ray_bundle
+from tpserve.cluster.placement import ray_bundle
 from tpserve.config import EngineConfig
 from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.info import ModelInfo
