@@ -247,3 +247,28 @@ def test_rebuild_flags_reach_the_parallel_config(llama_dir):
     p = engine_config(build_parser().parse_args(
         ["launch", "--model", str(llama_dir), "--device", "cpu"])).parallel
     assert (p.max_rebuilds, p.rebuild_backoff_s, p.dist_timeout_s) == (3, 1.0, 600.0)
+
+
+def test_launch_starts_its_own_ray_cluster_even_when_others_run(monkeypatch):
+    """Without --address, Ray's default joins the newest live local cluster (another tpserve,
+    or a test's) and then refuses num_cpus; tpserve asks for a new local one."""
+    import ray
+
+    from tpserve.cli import _start_ray
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+
+    seen = []
+
+    class Ctx:
+        dashboard_url = None
+
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw) or Ctx())
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    cfg = EngineConfig(model=ModelConfig(path="x", model_id="x"),
+                       parallel=ParallelConfig(tp_size=2, device="cpu", cpus_per_shard=1))
+    args = build_parser().parse_args(["launch", "--no-dashboard"])
+    _start_ray(args, cfg)
+    assert seen[-1]["address"] == "local" and seen[-1]["num_cpus"] >= 3
+    args = build_parser().parse_args(["launch", "--address", "auto"])
+    _start_ray(args, cfg)
+    assert seen[-1] == {"address": "auto", "namespace": "tpserve"}

@@ -395,7 +395,10 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
         ray.init(address=args.address, namespace="tpserve")
         log.info("ray: joined the cluster at %s (%s)", args.address, ray.cluster_resources())
         return
-    kwargs = {"include_dashboard": not args.no_dashboard, "namespace": "tpserve"}
+    # "local": a new cluster even when another one runs on this machine (a second tpserve, a
+    # test's): without it Ray joins the newest live local cluster, which refuses num_cpus.
+    kwargs = {"address": "local", "include_dashboard": not args.no_dashboard,
+              "namespace": "tpserve"}
     if device == "cpu":
         # Logical CPUs: enough for every shard to be placed even on a small machine.
         kwargs["num_cpus"] = max(os.cpu_count() or 1,
