@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from engine_step import commit, kernel_table  # noqa: E402 - after the path set-up
+from report import emit  # noqa: E402
 
 
 def build(args, model: Path):
@@ -152,11 +153,7 @@ def main() -> None:
                   f"{r['steps']} steps."]
         lines += kernel_table(args.requests, [(k, c / r["steps"], us / r["steps"])
                                               for k, c, us in p["kernels"]], args.top)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

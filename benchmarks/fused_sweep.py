@@ -13,6 +13,7 @@ import datetime
 from pathlib import Path
 
 import torch
+from report import emit
 
 from tpserve.kernels.fused_ops import _kernels
 
@@ -71,11 +72,7 @@ def main() -> None:
                                BLOCK=block, num_warps=warps))
                 lines.append(f"| gated_act | {m} | block {block} warps {warps} | {us:.2f} | "
                              f"{3 * m * n * 2 / us / 1e3:.0f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from report import emit
 
 SHAPES = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("lm_head", 128256, 4096))
@@ -88,11 +89,7 @@ def main() -> None:
         per = {md: sum(results[(s, m)][md] * (1 if s == "lm_head" else LAYERS)
                        for s, _, _ in SHAPES) / 1e3 for md in args.modes}
         lines.append(f"| {m} | " + " | ".join(f"{per[md]:.2f}" for md in args.modes) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
