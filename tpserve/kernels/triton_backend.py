@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -264,15 +265,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     # --- compiling ----------------------------------------------------------------------
     def compile_count(self) -> int:
-        """Kernel variants built in this process, the fused layer and sampling kernels
-        included (warmup launches them too). Under the interpreter there is
+        """Kernel variants built in this process, the fused layer, sampling and quantized
+        matmul kernels included (warmup launches them too). Under the interpreter there is
         no compiler, so the distinct launch keys stand in for it."""
         if interpreting():
             return len(self.launched)
         from tpserve.kernels import triton_fused, triton_sampling
 
+        kernels = self._kernels().KERNELS + triton_fused.KERNELS + triton_sampling.KERNELS
+        quant = sys.modules.get("tpserve.kernels.quant.triton_jit")
+        if quant is not None:  # the quantized matmuls, where a layer uses them
+            kernels += quant.KERNELS
         total = 0
-        for kernel in self._kernels().KERNELS + triton_fused.KERNELS + triton_sampling.KERNELS:
+        for kernel in kernels:
             caches = getattr(kernel, "device_caches", {}) or {}
             total += sum(len(c[0]) for c in caches.values())
         return total
