@@ -39,9 +39,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def shard_pid(launcher: int, actor_class: str = "Worker") -> int:
+def shard_pid(launcher: int, actor_class: str = "FollowerActor") -> int:
     """A shard's process: Ray titles an actor's process `ray::<class>` (rank 0 is the
-    `EngineCoreActor`, ranks 1.. are `Worker`s)."""
+    `EngineCoreActor`, ranks 1.. are `FollowerActor`s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for pid in descendants(launcher):

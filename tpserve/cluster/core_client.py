@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpserve import errors
 from tpserve.cluster.engine_core_actor import EngineCoreActor
+from tpserve.cluster.follower import FollowerActor
 from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
@@ -72,7 +73,8 @@ class CoreClient:
         self.output = OutputProcessor(self.tokenizer, special)
         try:
             info = ray.get(self.core.start.remote(
-                sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer))))
+                sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer)),
+                self.followers))
         except ray.exceptions.RayTaskError as exc:
             self.shutdown()
             cause = getattr(exc, "cause", None)
@@ -111,17 +113,12 @@ class CoreClient:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=self.pg, placement_group_bundle_index=rank))
 
-        # Followers: 2 threads, so health() answers while follow() runs. Their class brings
-        # torch with it, so a single shard (no followers) is placed before torch is imported.
-        self.followers = []
-        if tp > 1:
-            from tpserve.worker.worker import Worker
-
-            self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
-                              for r in range(1, tp)]
-        # Rank 0: the step loop, submit_many/abort and the long poll, health, shutdown.
-        self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg,
-                                                                            self.followers)
+        # Rank 0: the step loop, submit_many/abort and the long poll, health, shutdown; it
+        # gets the followers' handles with start(). Followers: 2 threads, so health()
+        # answers while follow() runs. Neither class brings torch into this process.
+        self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg)
+        self.followers = [ray.remote(FollowerActor).options(**opts(r, 2)).remote(cfg, r)
+                          for r in range(1, tp)]
         self.actors = [self.core, *self.followers]
 
     # --- the Engine shape AsyncEngine uses ------------------------------------------------

@@ -33,14 +33,16 @@ STATS_PERIOD_S = 0.1
 
 
 class EngineCoreActor:
-    def __init__(self, cfg: EngineConfig, followers: list) -> None:
+    def __init__(self, cfg: EngineConfig, followers: list | None = None) -> None:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # Imported here, in the shard's process: the driver imports this module to create
         # the actor and must not wait for torch first (seconds before the shards are placed).
         from tpserve.worker.worker import Worker
 
-        self.cfg, self.followers = cfg, followers
+        # Ranks 1..tp-1 (actor handles): given here or, so that rank 0 can be placed first,
+        # with start().
+        self.cfg, self.followers = cfg, list(followers or [])
         self.worker = Worker(cfg, 0)
         self.core: EngineCore | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -56,13 +58,15 @@ class EngineCoreActor:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
         return f"EngineCore({self.worker!r})"
 
-    def start(self, eos_ids: list[int]) -> dict:
+    def start(self, eos_ids: list[int], followers: list | None = None) -> dict:
         """Set up every rank, build the engine core, start the step loop; what the driver
         needs to validate and report."""
         from tpserve.executor.rank0 import Rank0Executor
         from tpserve.weights import load_hf_config
 
         self.worker.marks["start"] = now()
+        if followers is not None:
+            self.followers = list(followers)
         executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
         hf = self.worker.hf_config or load_hf_config(self.cfg.model.path)
         self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))

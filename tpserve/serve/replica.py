@@ -19,13 +19,13 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tpserve.cluster.core_client import CoreClient
+from tpserve.cluster.follower import FollowerActor
 from tpserve.cluster.placement import ray_bundle
 from tpserve.config import EngineConfig
 from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError
-from tpserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,10 @@ class ReplicaCoreClient(CoreClient):
 
         from tpserve.cluster.engine_core_actor import EngineCoreActor
 
-        self.followers = [ray.remote(Worker).options(**opts(r, 2)).remote(cfg, r)
+        # Rank 0 first, as CoreClient places it (the followers' handles go with start()).
+        self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg)
+        self.followers = [ray.remote(FollowerActor).options(**opts(r, 2)).remote(cfg, r)
                           for r in range(1, tp)]
-        self.core = ray.remote(EngineCoreActor).options(**opts(0, 8)).remote(cfg, self.followers)
         self.actors = [self.core, *self.followers]
 
     def shutdown(self) -> None:
