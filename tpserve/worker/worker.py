@@ -75,8 +75,12 @@ class Worker:
         # machinery (seconds; 7-9 s on the H200 host, where it pulls in torchvision), which
         # this way overlaps the driver's own config and tokenizer loading instead of
         # following it. A node without the directory reads it in load_weights.
-        self.hf_config = (load_hf_config(Path(cfg.model.path))
-                          if Path(cfg.model.path).is_dir() else None)
+        self.hf_config = None
+        try:
+            if Path(cfg.model.path).is_dir():
+                self.hf_config = load_hf_config(Path(cfg.model.path))
+        except Exception:  # noqa: BLE001 - load_weights reads it again and reports the error
+            self.hf_config = None
         self.marks["config"] = now()
 
     def __repr__(self) -> str:
