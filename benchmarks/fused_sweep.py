@@ -13,27 +13,14 @@ import datetime
 from pathlib import Path
 
 import torch
-from report import emit
+from report import emit, graph_us
 
 from tpserve.kernels.fused_ops import _kernels
 
 
 def timed(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * 10)
+    """us per launch of fn, ten to a graph."""
+    return graph_us(lambda: [fn() for _ in range(10)], 10, reps)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from report import emit
+from report import emit, graph_us
 
 SHAPES = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("lm_head", 128256, 4096))
@@ -25,26 +25,8 @@ LAYERS = 32
 
 def timed(x: torch.Tensor, weights: list[torch.Tensor], reps: int = 20) -> float:
     """us per matmul, replaying a graph that walks every weight copy once."""
-    torch.nn.functional.linear(x, weights[0])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for w in weights:  # warm (and, under TunableOp, tune) outside the capture
-            torch.nn.functional.linear(x, w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in weights:
-            torch.nn.functional.linear(x, w)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / (reps * len(weights))
+    return graph_us(lambda: [torch.nn.functional.linear(x, w) for w in weights],
+                    len(weights), reps)
 
 
 def main() -> None:

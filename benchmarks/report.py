@@ -11,3 +11,28 @@ def emit(lines: list[str], out: Path | None) -> None:
     if out:
         with open(out, "a") as f:
             f.write(text + "\n")
+
+
+def graph_us(step, calls: int, reps: int) -> float:
+    """Microseconds per call of `step`, a function making `calls` launches: run once on a
+    side stream (warm: compile, or tune under TunableOp), captured in one CUDA graph, and
+    that graph replayed `reps` times between two events."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (reps * calls)
