@@ -320,7 +320,11 @@ def engine_config(args: argparse.Namespace):
     from tpserve.worker.build import check_shardable
 
     check_shardable(cfg, hf)
-    return cfg
+    from dataclasses import replace
+
+    from tpserve.hf_config import snapshot
+
+    return replace(cfg, model=replace(cfg.model, hf_snapshot=snapshot(hf)))
 
 
 def _dashboard_token_note() -> str:

@@ -19,6 +19,10 @@ class ModelConfig:
     # unquantized checkpoint at load). quant_kernel: the int4/fp8 matmul kernel, or auto.
     quantize: str = "auto"
     quant_kernel: str = "auto"
+    # The launcher's checked transformers config as plain data (tpserve/hf_config.py), set
+    # once check_shardable passed: shards and the driver read it instead of importing
+    # transformers' config machinery again (seconds per process). Empty: read config.json.
+    hf_snapshot: str = field(default="", repr=False, compare=False)
 
 
 @dataclass(frozen=True)

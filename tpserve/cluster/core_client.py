@@ -28,6 +28,7 @@ from tpserve.engine.engine import tokenize
 from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.request import SamplingParams
 from tpserve.executor.base import ShardFailedError
+from tpserve.hf_config import ConfigData
 from tpserve.startup import shard_startup
 
 log = logging.getLogger(__name__)
@@ -52,18 +53,23 @@ class CoreClient:
         placed = time.time()
         self._place(cfg, namespace or ray.get_runtime_context().namespace)
         try:
-            from transformers import AutoConfig, AutoTokenizer
+            if cfg.model.hf_snapshot:
+                # The launcher read and checked the config before Ray started (a rebuild and
+                # a Ray Serve replica get the same snapshot): no second check, no torch here.
+                self.hf_config = ConfigData(cfg.model.hf_snapshot)
+            else:  # built by other code (the Python API): read and check it here
+                from transformers import AutoConfig
 
-            from tpserve.worker.build import check_shardable
+                from tpserve.worker.build import check_shardable
 
-            self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
-            # The launcher checked this before Ray started; a rebuild or a Ray Serve replica
-            # builds its client here, so the check stays (it costs no device memory).
-            check_shardable(cfg, self.hf_config)
+                self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+                check_shardable(cfg, self.hf_config)
         except BaseException:
             self.kill()  # nothing started on the shards yet: no step loop to stop
             raise
         try:
+            from transformers import AutoTokenizer
+
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
             self.kill()

@@ -20,6 +20,7 @@ from tpserve.cluster.device import dist_backend, local_device, memory_info
 from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
 from tpserve.engine.step import StepBatch, StepOutput
+from tpserve.hf_config import ConfigData
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
@@ -77,7 +78,9 @@ class Worker:
         # following it. A node without the directory reads it in load_weights.
         self.hf_config = None
         try:
-            if Path(cfg.model.path).is_dir():
+            if cfg.model.hf_snapshot:  # the launcher's, as data: no transformers import here
+                self.hf_config = ConfigData(cfg.model.hf_snapshot)
+            elif Path(cfg.model.path).is_dir():
                 self.hf_config = load_hf_config(Path(cfg.model.path))
         except Exception:  # noqa: BLE001 - load_weights reads it again and reports the error
             self.hf_config = None
@@ -123,7 +126,8 @@ class Worker:
         m = self.cfg.model
         # rayops hook: a node without the launching node's directory resolves the hub id.
         path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
-        same = self.hf_config is not None and Path(path) == Path(m.path)
+        # A snapshot describes the checkpoint wherever this node keeps it.
+        same = self.hf_config is not None and (bool(m.hf_snapshot) or Path(path) == Path(m.path))
         hf = self.hf_config if same else load_hf_config(path)
         self.model = build_model(self.cfg, hf, self.device)
         stats = LoadStats()
