@@ -20,14 +20,16 @@ def test_a_mark_before_the_start_counts_as_zero_not_negative():
 
 
 def test_shard_phases_sum_to_the_last_mark():
-    marks = {"process": 10.5, "init": 12.0, "config": 12.5, "start": 13.0, "device": 14.0,
-             "weights": 20.0, "cache": 20.5, "kernels": 22.0, "graphs": 23.0, "loop": 23.25}
+    marks = {"process": 10.5, "init": 12.0, "config": 12.5, "prepare": 13.0, "device": 14.0,
+             "weights": 20.0, "cache": 20.5, "kernels": 22.0, "graphs": 23.0, "start": 24.0,
+             "loop": 24.25}
     got = shard_startup(10.0, marks)
-    assert [name for name, _ in got] == ["shard process", "imports", "config",
-                                         "waiting for the driver", "device", "weights",
-                                         "KV cache", "kernel warmup", "graphs", "step loop"]
-    assert abs(sum(s for _, s in got) - 13.25) < 1e-9
+    assert [name for name, _ in got] == ["shard process", "imports", "config", "set-up call",
+                                         "device", "weights", "KV cache", "kernel warmup",
+                                         "graphs", "waiting for the driver", "step loop"]
+    assert abs(sum(s for _, s in got) - 14.25) < 1e-9
     assert dict(got)["weights"] == 6.0
+    assert dict(got)["waiting for the driver"] == 1.0
 
 
 def test_this_process_started_in_the_past():

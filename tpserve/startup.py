@@ -38,11 +38,14 @@ def phases(start: float, marks: list[Mark]) -> list[tuple[str, float]]:
 
 # Rank 0's phases in the order they run, each with the mark that ends it. "shard process" is
 # Ray placing the actor and spawning its process; "imports" its Python start-up (Ray, torch,
-# tpserve); "config" reading the checkpoint's config (importing transformers the first
-# time); "waiting for the driver" the wait for its start call (it loads the tokenizer).
+# tpserve); "config" reading the checkpoint's config (a snapshot from the launcher, or
+# transformers); "set-up call" the wait for the driver's prepare call; then the set-up itself;
+# "waiting for the driver" the wait for its start call, which comes once the driver has
+# loaded the tokenizer (the set-up runs meanwhile); "step loop" starting the loop.
 SHARD_PHASES = (("shard process", "process"), ("imports", "init"), ("config", "config"),
-                ("waiting for the driver", "start"), ("device", "device"), ("weights", "weights"), ("KV cache", "cache"),
-                ("kernel warmup", "kernels"), ("graphs", "graphs"), ("step loop", "loop"))
+                ("set-up call", "prepare"), ("device", "device"), ("weights", "weights"),
+                ("KV cache", "cache"), ("kernel warmup", "kernels"), ("graphs", "graphs"),
+                ("waiting for the driver", "start"), ("step loop", "loop"))
 
 
 def shard_startup(placed: float, marks: dict[str, float | None]) -> list[tuple[str, float]]:

@@ -43,6 +43,15 @@ class CoreStepError(RuntimeError):
         self.replica_dead = replica_dead
 
 
+def _settle(ref) -> None:
+    """Fetch a finished call whose outcome start() already reported, so Ray does not log
+    its error a second time as unhandled."""
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - reported by start()
+        pass
+
+
 class CoreClient:
     def __init__(self, cfg: EngineConfig, namespace: str | None = None) -> None:
         self.cfg = cfg
@@ -52,6 +61,9 @@ class CoreClient:
         # the placement and so added to every launch.
         placed = time.time()
         self._place(cfg, namespace or ray.get_runtime_context().namespace)
+        # The shards set up (weights, KV cache, warmup, graphs) while this process loads
+        # the tokenizer; start() below waits for that and reports its errors.
+        prepared = self.core.prepare.remote(self.followers)
         try:
             if cfg.model.hf_snapshot:
                 # The launcher read and checked the config before Ray started (a rebuild and
@@ -65,7 +77,7 @@ class CoreClient:
                 self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
                 check_shardable(cfg, self.hf_config)
         except BaseException:
-            self.kill()  # nothing started on the shards yet: no step loop to stop
+            self.kill()  # the shards may be setting up; no step loop runs yet
             raise
         try:
             from transformers import AutoTokenizer
@@ -82,12 +94,14 @@ class CoreClient:
                 sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer)),
                 self.followers))
         except ray.exceptions.RayTaskError as exc:
+            _settle(prepared)
             self.shutdown()
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, BaseException) else exc) from None
         except BaseException:
             self.shutdown()
             raise
+        _settle(prepared)
         self.num_blocks = info["num_blocks"]
         self.load_reports = info["load_reports"]
         self.warmup_seconds = info["warmup_seconds"]

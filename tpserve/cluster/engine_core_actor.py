@@ -45,6 +45,8 @@ class EngineCoreActor:
         self.cfg, self.followers = cfg, list(followers or [])
         self.worker = Worker(cfg, 0)
         self.core: EngineCore | None = None
+        self._prep_lock = threading.Lock()  # prepare() runs once; start() waits for it
+        self._prep_error: BaseException | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._out: list[TokenOutput] = []
@@ -58,25 +60,45 @@ class EngineCoreActor:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
         return f"EngineCore({self.worker!r})"
 
-    def start(self, eos_ids: list[int], followers: list | None = None) -> dict:
-        """Set up every rank, build the engine core, start the step loop; what the driver
-        needs to validate and report."""
-        from tpserve.executor.rank0 import Rank0Executor
-        from tpserve.weights import load_hf_config
+    def prepare(self, followers: list | None = None) -> None:
+        """Set up every rank (process group, weights, KV cache, warmup, graphs) and build the
+        engine core. The driver calls this as soon as the shards are placed, so the set-up
+        runs while it loads the tokenizer; start() then waits for it. Once only: a second
+        call (start's) waits for the first and raises its error, if any."""
+        with self._prep_lock:
+            if self._prep_error is not None:
+                raise self._prep_error
+            if self.core is not None:
+                return
+            from tpserve.executor.rank0 import Rank0Executor
+            from tpserve.weights import load_hf_config
 
+            self.worker.marks["prepare"] = now()
+            if followers is not None:
+                self.followers = list(followers)
+            try:
+                executor = Rank0Executor(self.worker, self.followers,
+                                         self.cfg.parallel.dist_timeout_s)
+                hf = self.worker.hf_config or load_hf_config(self.cfg.model.path)
+                # The end-of-sequence ids come with start(); no step runs before it.
+                self.core = EngineCore(self.cfg, executor, hf, set())
+            except BaseException as exc:
+                self._prep_error = exc
+                raise
+
+    def start(self, eos_ids: list[int], followers: list | None = None) -> dict:
+        """Set up (unless prepare() did), then start the step loop with the tokenizer's
+        end-of-sequence ids; what the driver needs to validate and report."""
+        self.prepare(followers)
         self.worker.marks["start"] = now()
-        if followers is not None:
-            self.followers = list(followers)
-        executor = Rank0Executor(self.worker, self.followers, self.cfg.parallel.dist_timeout_s)
-        hf = self.worker.hf_config or load_hf_config(self.cfg.model.path)
-        self.core = EngineCore(self.cfg, executor, hf, set(eos_ids))
+        self.core.eos_ids = frozenset(eos_ids)
         freeze_startup_objects()  # full collections would walk the model's objects mid-step
         self._thread = threading.Thread(target=self._loop, name="tpserve-core", daemon=True)
         self._thread.start()
         c = self.core
         return {"num_blocks": c.num_blocks, "load_reports": c.load_reports,
                 "warmup_seconds": c.warmup_seconds, "max_input_tokens": c.max_input_tokens,
-                "max_model_len": c.max_model_len, "loops": executor.loops,
+                "max_model_len": c.max_model_len, "loops": c.executor.loops,
                 "marks": {**self.worker.marks, "loop": now()}}
 
     # --- driver calls (other threads) ---------------------------------------------------
