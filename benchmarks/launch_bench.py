@@ -6,11 +6,12 @@ launcher logs after its ready line, and appends it (machine, date, commit) to --
         --pycache /tmp/tpserve-pyc --out docs-bench.md --launch-args --kernel triton
 
 Run 1 pays what a first launch pays on this machine (bytecode compiled, kernels built, page
-cache empty); later runs are "warm caches". --pycache DIR sets PYTHONPYCACHEPREFIX for every
-process of the launch: use it where site-packages is read-only (a container image without
-bytecode, as on the lent GPU machine), where Python otherwise compiles every imported module
-again in every process of every launch. A user's own install writes its bytecode next to
-the modules on first import, so this is what their second launch sees.
+cache empty); later runs are "warm caches". --pycache DIR sets PYTHONPYCACHEPREFIX (and
+unsets PYTHONDONTWRITEBYTECODE) for every process of the launch: use it where site-packages
+is read-only or bytecode writing is off (both on the lent GPU machine), where Python
+otherwise compiles every imported module from source in every process of every launch (10 s
+of the launcher's checks alone there, profiled). A user's own install writes its bytecode
+next to the modules on first import, so this is what their second launch sees.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def main() -> None:
     args = ap.parse_args()
     # Server() reads these serve_bench options.
     args.max_batch_size, args.max_total_tokens, args.concurrency = 256, 2048, [1]
-    if args.pycache:
+    if args.pycache:  # bytecode cached as a writable install caches it
         os.environ["PYTHONPYCACHEPREFIX"] = str(args.pycache)
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
     args.logs.mkdir(parents=True, exist_ok=True)
     tree = Path(args.tree).resolve()
