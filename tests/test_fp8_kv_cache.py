@@ -214,3 +214,48 @@ def test_t5_fp8_cache_quantizes_self_and_cross_attention(models_dir):
     finally:
         engine.shutdown()
     assert [out[0] for _, out, _ in runs] == [r[0] for r in ref]
+
+
+def test_triton_warmup_plans_the_fp8_variants():
+    """The fp8 kernels are other compile keys; warmup's plan holds them, so serving an fp8
+    cache compiles nothing after warmup (checked on the GPU below)."""
+    from dataclasses import replace
+
+    from tpserve.kernels.base import AttentionSpec
+    from tpserve.kernels.triton_backend import compile_key, warmup_plan
+
+    spec = AttentionSpec(8, 2, 128, 128**-0.5, block_size=16)
+    fp8 = replace(spec, kv_cache_dtype="fp8")
+    for kind in ("decode", "prefill"):
+        assert compile_key(kind, torch.bfloat16, fp8) != compile_key(kind, torch.bfloat16, spec)
+    keys = {c.key for c in warmup_plan(torch.bfloat16, fp8, (1, 8))}
+    assert keys == {compile_key("decode", torch.bfloat16, fp8),
+                    compile_key("prefill", torch.bfloat16, fp8)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fp8_cache_on_cuda_with_triton_and_graphs(llama_dir, hf_model):
+    """The Triton kernels (fused rotary + fp8 write, paged prefill, split-K decode inside
+    the captured decode graphs) over an fp8 cache: the same oracle as on the CPU, and no
+    kernel compiled after warmup."""
+    from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.engine.engine import Engine
+    from tpserve.executor.inprocess import InProcessExecutor
+
+    cfg = EngineConfig(model=ModelConfig(path=str(llama_dir), model_id="t", max_model_len=256),
+                       parallel=ParallelConfig(device="cuda"),
+                       cache=CacheConfig(block_size=16, num_blocks=128, kv_cache_dtype="fp8"),
+                       kernel="triton")
+    engine = Engine(cfg, InProcessExecutor(cfg))
+    try:
+        health = engine.executor.health()[0]
+        assert health["backend"] == "triton" and health["decode_graphs"]
+        assert engine.executor.worker.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        runs = engine_greedy(engine, PROMPTS, N_NEW)
+        assert engine.executor.health()[0]["compiles_since_warmup"] == 0
+    finally:
+        engine.shutdown()
+    stats = compare_with_transformers(hf_model, runs)
+    print(stats)
+    assert stats["max_dlp"] > 1e-3 and stats["steps"] >= len(runs) * N_NEW // 2, stats
