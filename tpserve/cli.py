@@ -591,7 +591,7 @@ def kernels(args: argparse.Namespace) -> int:
                 "head_dim 96": {"head_dim": 96, "scale": 96**-0.5},
                 # Encoder-decoder features, probed only where AttentionSpec has them.
                 "non_causal": {"causal": False}, "relative_bias": {"relative_bias": True},
-                "dense": {"paged": False}}
+                "dense": {"paged": False}, "fp8_kv_cache": {"kv_cache_dtype": "fp8"}}
     probes = {k: dataclasses.replace(base, **v) for k, v in variants.items() if set(v) <= fields}
     try:
         chosen = registry.select_backend("auto", dev, dtype, [base])[0].name
