@@ -15,13 +15,13 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                 max_model_len: int = 256, max_batch_tokens: int = 512, kernel: str = "auto",
                 local: bool = False, cpus_per_shard: int = 1,
                 prefix_caching: bool = False, quantize: str = "auto",
-                async_scheduling: bool = True) -> Engine:
+                async_scheduling: bool = True, kv_cache_dtype: str = "auto") -> Engine:
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=str(path), max_model_len=max_model_len,
                           quantize=quantize),
         parallel=ParallelConfig(tp_size=tp, device="cpu", cpus_per_shard=cpus_per_shard),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          prefix_caching=prefix_caching),
+                          prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_batch_tokens,
                                   async_scheduling=async_scheduling),
         kernel=kernel)

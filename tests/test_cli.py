@@ -272,3 +272,42 @@ def test_launch_starts_its_own_ray_cluster_even_when_others_run(monkeypatch):
     args = build_parser().parse_args(["launch", "--address", "auto"])
     _start_ray(args, cfg)
     assert seen[-1] == {"address": "auto", "namespace": "tpserve"}
+
+
+# --- --kv-cache-dtype ----------------------------------------------------------------------
+def test_kv_cache_dtype_bogus_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        apply_preset(build_parser(), ["launch", "--kv-cache-dtype", "bogus"])
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "invalid choice: 'bogus'" in err and "fp8" in err
+
+
+def test_kv_cache_dtype_fp8_reaches_the_cache_config(llama_dir):
+    from tpserve.cli import engine_config
+
+    args = apply_preset(build_parser(), ["launch", "--model", str(llama_dir),
+                                         "--kv-cache-dtype", "fp8"])
+    assert engine_config(args).cache.kv_cache_dtype == "fp8"
+    args = apply_preset(build_parser(), ["launch", "--model", str(llama_dir)])
+    assert engine_config(args).cache.kv_cache_dtype == "auto"  # the default: model dtype
+
+
+def test_kv_cache_dtype_from_a_preset_is_checked(llama_dir, tmp_path):
+    from tpserve.cli import engine_config
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"model: {llama_dir}\nkv-cache-dtype: int4\n")
+    with pytest.raises(ValueError, match="--kv-cache-dtype takes auto or fp8, not 'int4'"):
+        engine_config(apply_preset(build_parser(), ["launch", "--config", str(preset)]))
+
+
+def test_kv_cache_dtype_fp8_without_float8_in_torch_is_a_start_up_error(llama_dir, monkeypatch):
+    from tpserve.cli import engine_config
+    from tpserve.kernels import kv_quant
+
+    monkeypatch.setattr(kv_quant, "FP8_DTYPE", None)
+    args = apply_preset(build_parser(), ["launch", "--model", str(llama_dir),
+                                         "--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs torch.float8_e4m3fn.*"
+                                         "--kv-cache-dtype auto"):
+        engine_config(args)

@@ -98,6 +98,7 @@ def test_kernels_command_lists_backends_and_features(capsys):
     assert {"ipex", "triton", "torch"} <= set(blocks)
     assert "supports: prefill+decode, sliding_window, alibi, softcap" in blocks["torch"]
     assert "KV cache layout: [num_blocks, block_size, kv_heads, head_dim]" in blocks["torch"]
+    assert "dense, fp8_kv_cache" in blocks["torch"]
     if triton_reason():
         assert f"unavailable: {triton_reason()}" in blocks["triton"]
 
@@ -125,3 +126,39 @@ def test_launch_exits_nonzero_with_the_reason():
     assert proc.returncode != 0
     assert f"start-up failed: attention backend 'triton' cannot run here: {triton_reason()}" \
         in proc.stdout + proc.stderr
+
+
+def test_an_fp8_cache_goes_only_to_backends_that_declare_one(monkeypatch):
+    """auto passes IPEX over with the reason naming the backends that have an fp8 cache; a
+    backend whose supports() would accept anything is still refused by the registry unless
+    it sets fp8_kv_cache = True."""
+    from dataclasses import replace
+
+    from tpserve.errors import KernelUnavailableError
+    from tpserve.kernels import registry
+    from tpserve.kernels.base import AttentionBackend
+
+    fp8 = replace(SPEC, kv_cache_dtype="fp8")
+    backend, passed_over = select_backend("auto", CPU, torch.float32, [fp8])
+    assert backend.name == "torch"
+    assert passed_over["ipex"].startswith("the ipex backend has no fp8 KV cache (--kv-cache-"
+                                          "dtype fp8 runs on the torch and triton backends")
+    with pytest.raises(KernelUnavailableError, match="'ipex' cannot run here: the ipex "
+                                                     "backend has no fp8 KV cache"):
+        select_backend("ipex", CPU, torch.float32, [fp8])
+
+    class AcceptsAnything(AttentionBackend):
+        name = "old-plugin"
+
+        @classmethod
+        def supports(cls, device, dtype, spec):
+            return None
+
+        def prefill(self, *a, **k): ...
+
+        def decode(self, *a, **k): ...
+
+    monkeypatch.setattr(registry, "load_backend_class", lambda name: AcceptsAnything)
+    assert registry.why_not("old-plugin", CPU, torch.float32, SPEC) is None
+    assert "old-plugin backend has no fp8 KV cache" in registry.why_not(
+        "old-plugin", CPU, torch.float32, fp8)

@@ -109,6 +109,11 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="KV-cache blocks per shard (default: sized from memory)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="CPU device: KV-cache memory per shard")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV-cache storage: auto keeps the model dtype; fp8 stores float8 e4m3 "
+                   "(scale 1.0), half the bytes of a 16-bit cache, so about twice the blocks "
+                   "and half the bytes a decode step reads, at some accuracy cost (torch and "
+                   "triton backends; docs/kernels.md)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="accelerators: fraction of device memory for weights + KV cache")
     p.add_argument("--prefix-caching", action="store_true",
@@ -306,7 +311,8 @@ def engine_config(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_gb=args.kv_cache_memory_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          prefix_caching=args.prefix_caching),
+                          prefix_caching=args.prefix_caching,
+                          kv_cache_dtype=_kv_cache_dtype(args)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_batch_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,
@@ -325,6 +331,21 @@ def engine_config(args: argparse.Namespace):
     from tpserve.hf_config import snapshot
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=snapshot(hf)))
+
+
+def _kv_cache_dtype(args: argparse.Namespace) -> str:
+    """--kv-cache-dtype, checked against this torch build before anything starts (each
+    shard checks its own device again when it loads)."""
+    value = getattr(args, "kv_cache_dtype", "auto")
+    if value not in ("auto", "fp8"):  # a preset bypasses argparse's choices
+        raise ValueError(f"--kv-cache-dtype takes auto or fp8, not {value!r}")
+    if value == "fp8":
+        from tpserve.kernels.kv_quant import FP8_DTYPE, fp8_missing
+
+        if FP8_DTYPE is None:
+            raise ValueError(fp8_missing())
+        log.info("KV cache dtype: float8_e4m3fn (--kv-cache-dtype fp8, scale 1.0)")
+    return value
 
 
 def _dashboard_token_note() -> str:
@@ -574,7 +595,7 @@ def kernels(args: argparse.Namespace) -> int:
                 "head_dim 96": {"head_dim": 96, "scale": 96**-0.5},
                 # Encoder-decoder features, probed only where AttentionSpec has them.
                 "non_causal": {"causal": False}, "relative_bias": {"relative_bias": True},
-                "dense": {"paged": False}}
+                "dense": {"paged": False}, "fp8_kv_cache": {"kv_cache_dtype": "fp8"}}
     probes = {k: dataclasses.replace(base, **v) for k, v in variants.items() if set(v) <= fields}
     try:
         chosen = registry.select_backend("auto", dev, dtype, [base])[0].name

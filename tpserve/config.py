@@ -51,6 +51,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Reuse the KV blocks of a shared prompt prefix across requests (prefix_cache.py).
     prefix_caching: bool = False
+    # "auto": the cache holds the model dtype; "fp8": float8 e4m3 (half the bytes of 16-bit
+    # dtypes, about twice the blocks), on backends that support it (kernels/kv_quant.py).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

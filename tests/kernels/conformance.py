@@ -10,16 +10,23 @@ float64 on the CPU over the same (dtype-rounded) inputs, so only the kernel's ar
 error is measured. Cache slots no sequence owns hold large finite garbage: a kernel that
 reads the wrong slot fails loudly, and the float64 reference (whose masked probabilities are
 exactly zero) stays finite.
+
+An fp8 KV cache (`kv_cache_dtype="fp8"`) is checked twice per step. (1) The kernel against
+the float64 reference reading the *same* fp8 values (the reference quantizes the same
+dtype-rounded inputs with kv_quant.quantize, so a backend whose write differs by a bit shows
+too): the dtype's own tolerance, as for a float cache. (2) The fp8 output against the
+full-precision reference over the unquantized cache: FP8_TOLERANCE, derived below.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from tpserve.kernels import kv_quant
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.registry import load_backend_class
 from tpserve.kernels.torch_backend import TorchAttentionBackend
@@ -28,6 +35,18 @@ from tpserve.kernels.torch_backend import TorchAttentionBackend
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 1e-2,
              torch.bfloat16: 1e-2}
 GARBAGE = 1.0e4
+# fp8 vs full precision. e4m3 keeps 3 mantissa bits: a stored value is off by at most
+# u = 2^-4 of itself (round to nearest). V's errors reach the output through a convex
+# combination of rows, so at most u of the largest |v|. K's errors move each score by
+# scale * q.dk: for the unit-normal q and k here about u / sqrt(3) = 0.036 per standard
+# deviation, up to ~0.11 at three, which the softmax turns into a relative change of the
+# weights of up to e^0.11 - 1 = 0.12. Added: ~u + 0.12 ~ 0.18 at worst, measured against
+# max|reference output| (which a softmax average over a long context makes smaller than
+# max|v|, so the ratio can only grow there). 4u = 2^-2 covers that; measured on the CPU
+# (torch backend, float32 and bfloat16, scales 1/1 and 0.3/2.5, 384 steps): worst 0.108.
+# This check bounds the accuracy trade-off; the tight check against the same fp8 cache is
+# what catches a wrong kernel (a dropped scale, a different rounding, a wrong block).
+FP8_TOLERANCE = 2.0**-2
 STEP_KINDS = ("mixed", "decode", "long decode")
 
 # Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
@@ -55,6 +74,7 @@ class CaseResult:
     max_rel_err: float
     ok: bool
     detail: str = ""
+    fp8_vs_full: float | None = None  # fp8 cache: error against the unquantized reference
 
 
 @dataclass
@@ -69,11 +89,18 @@ class ConformanceResult:
     def failures(self) -> list[CaseResult]:
         return [c for c in self.cases if not c.ok]
 
+    @property
+    def worst_fp8_vs_full(self) -> float | None:
+        errs = [c.fp8_vs_full for c in self.cases if c.fp8_vs_full is not None]
+        return max(errs) if errs else None
+
     def summary(self) -> str:
         worst = max((c.max_rel_err for c in self.cases), default=float("nan"))
+        fp8 = self.worst_fp8_vs_full
         return (f"{self.backend} on {self.device} {self.dtype}: {len(self.cases)} steps, "
-                f"{len(self.failures)} failed, worst relative error {worst:.2e}, "
-                f"{len(self.declined)} configurations declined")
+                f"{len(self.failures)} failed, worst relative error {worst:.2e}"
+                + (f", worst fp8 vs full precision {fp8:.2e}" if fp8 is not None else "")
+                + f", {len(self.declined)} configurations declined")
 
 
 @dataclass
@@ -149,37 +176,58 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
 
     # The reference: torch backend, float64, CPU, standard layout.
     ref_backend = TorchAttentionBackend()
+    fp8 = spec.kv_cache_dtype == "fp8"
+    extra = {"spec": spec} if fp8 else {}
+    cache_dtype = kv_quant.cache_dtype(spec.kv_cache_dtype, torch.float64)
+    full_spec = replace(spec, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
+    ref_slopes = None if slopes is None else slopes.double()
     shape = ref_backend.kv_cache_shape(num_blocks, spec)
-    kc = torch.full(shape, GARBAGE, dtype=torch.float64)
-    vc = torch.full(shape, -GARBAGE, dtype=torch.float64)
-    ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping)
-    ref = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), spec,
-                              None if slopes is None else slopes.double())
+    kc, vc = _garbage(shape, cache_dtype, "cpu")
+    ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping, **extra)
+    ref = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), spec, ref_slopes)
+    full = None
+    if fp8:  # the same step over the unquantized cache
+        kc, vc = _garbage(shape, torch.float64, "cpu")
+        ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping)
+        full = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), full_spec, ref_slopes)
 
     # The backend under test: its own layout and write_kv, on its device.
     shape = backend.kv_cache_shape(num_blocks, spec)
-    kc = torch.full(shape, GARBAGE, dtype=dtype, device=device)
-    vc = torch.full(shape, -GARBAGE, dtype=dtype, device=device)
+    kc, vc = _garbage(shape, kv_quant.cache_dtype(spec.kv_cache_dtype, dtype), device)
     meta = meta_on(device)
-    backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping)
+    backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping, **extra)
     out = backend.forward(q.to(device), kc, vc, meta, spec,
                           None if slopes is None else slopes.float().to(device))
-    return out.detach().cpu(), ref
+    return out.detach().cpu(), ref, full
+
+
+def _garbage(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches whose every slot holds +-GARBAGE (an fp8 cache: its largest value)."""
+    k = torch.full(shape, GARBAGE, device=device)
+    if dtype == kv_quant.FP8_DTYPE:
+        return kv_quant.quantize(k, 1.0), kv_quant.quantize(-k, 1.0)
+    return k.to(dtype), (-k).to(dtype)
 
 
 def run_conformance(backend_name: str | type, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, *, head_dims: tuple[int, ...] = (64, 128),
                     block_sizes: tuple[int, ...] = (4, 16), seed: int = 0,
                     required: tuple[str, ...] = ("mha", "gqa", "mqa"),
-                    raise_on_failure: bool = True) -> ConformanceResult:
+                    raise_on_failure: bool = True, kv_cache_dtype: str = "auto",
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> ConformanceResult:
     """Run every configuration x head_dim x block_size through `backend_name` (a registry
     name, or an AttentionBackend class) and compare
     with the float64 reference. A configuration the backend declines through supports() is
-    recorded with its reason; declining one named in `required` is a failure."""
+    recorded with its reason; declining one named in `required` is a failure.
+    kv_cache_dtype="fp8": an e4m3 cache with (k_scale, v_scale) = kv_scales, checked as the
+    module docstring says."""
     device = torch.device(device)
     cls = load_backend_class(backend_name) if isinstance(backend_name, str) else backend_name
     backend = cls()
-    result = ConformanceResult(getattr(cls, "name", str(cls)), str(device), str(dtype).replace("torch.", ""))
+    label_dtype = str(dtype).replace("torch.", "")
+    if kv_cache_dtype == "fp8":
+        label_dtype += f" fp8 cache (scales {kv_scales[0]:g}, {kv_scales[1]:g})"
+    result = ConformanceResult(getattr(cls, "name", str(cls)), str(device), label_dtype)
     tol = TOLERANCE[dtype]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -188,9 +236,11 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
             for bs in block_sizes:
                 spec = AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                      scale=1.0 / math.sqrt(d), sliding_window=window,
-                                     alibi=alibi, softcap=softcap, block_size=bs)
+                                     alibi=alibi, softcap=softcap, block_size=bs,
+                                     kv_cache_dtype=kv_cache_dtype, k_scale=kv_scales[0],
+                                     v_scale=kv_scales[1])
                 label = f"{name} d={d} block={bs}"
-                reason = cls.supports(device, dtype, spec)
+                reason = _why_not(cls, device, dtype, spec)
                 if reason:
                     result.declined[label] = reason
                     if name in required:
@@ -209,10 +259,21 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
     return result
 
 
+def _why_not(cls, device, dtype, spec) -> str | None:
+    """The registry's check (an fp8 cache needs fp8_kv_cache = True), then supports()."""
+    if spec.kv_cache_dtype != "auto" and not getattr(cls, "fp8_kv_cache", False):
+        return kv_quant.fp8_refusal(getattr(cls, "name", None))
+    return cls.supports(device, dtype, spec)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+
+
 def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
            tol) -> CaseResult:
     try:
-        out, ref = _one_step(backend, spec, step, device, dtype, gen, rng, slopes)
+        out, ref, full = _one_step(backend, spec, step, device, dtype, gen, rng, slopes)
     except Exception as exc:  # noqa: BLE001 - a crash is a failed case, reported with the rest
         return CaseResult(label, kind, math.inf, False, f"{type(exc).__name__}: {exc}")
     if out.shape != ref.shape:
@@ -220,10 +281,14 @@ def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
                           f"{tuple(ref.shape)}")
     if not torch.isfinite(out).all():
         return CaseResult(label, kind, math.inf, False, "non-finite output")
-    err = (out.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-    detail = "" if err <= tol else (f"relative error {err:.3e} > {tol:g} (q_lens "
-                                    f"{step.query_lens}, seq_lens {step.seq_lens})")
-    return CaseResult(label, kind, err, err <= tol, detail)
+    err = _rel_err(out, ref)
+    where = f"(q_lens {step.query_lens}, seq_lens {step.seq_lens})"
+    detail = "" if err <= tol else f"relative error {err:.3e} > {tol:g} {where}"
+    fp8_err = None if full is None else _rel_err(out, full)
+    if fp8_err is not None and fp8_err > FP8_TOLERANCE:
+        detail += (f"{'; ' if detail else ''}fp8 against full precision: relative error "
+                   f"{fp8_err:.3e} > {FP8_TOLERANCE:g} {where}")
+    return CaseResult(label, kind, err, not detail, detail, fp8_err)
 
 
 def as_markdown(results: list[ConformanceResult]) -> str:
@@ -234,8 +299,11 @@ def as_markdown(results: list[ConformanceResult]) -> str:
         worst = max((c.max_rel_err for c in r.cases), default=float("nan"))
         lines.append(f"| {r.backend} | {r.device} | {r.dtype} | {len(r.cases)} | "
                      f"{len(r.failures)} | {worst:.2e} | {len(r.declined)} |")
-    notes = [f"- {r.backend} {r.dtype} declined {label}: {reason}"
-             for r in results for label, reason in r.declined.items()]
+    notes = [f"- {r.backend} {r.dtype}: worst fp8 against full precision "
+             f"{r.worst_fp8_vs_full:.2e} (tolerance {FP8_TOLERANCE:g})"
+             for r in results if r.worst_fp8_vs_full is not None]
+    notes += [f"- {r.backend} {r.dtype} declined {label}: {reason}"
+              for r in results for label, reason in r.declined.items()]
     notes += [f"- {r.backend} {r.dtype} FAILED {c.name} [{c.step}]: {c.detail}"
               for r in results for c in r.failures]
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -256,17 +324,20 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--block-sizes", default="4,16")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="auto, fp8 or auto,fp8")
     ap.add_argument("--out")
     args = ap.parse_args()
     results = []
     for name in args.backends.split(","):
         for dt in args.dtypes.split(","):
-            r = run_conformance(name, args.device, getattr(torch, dt),
-                                head_dims=tuple(int(x) for x in args.head_dims.split(",")),
-                                block_sizes=tuple(int(x) for x in args.block_sizes.split(",")),
-                                raise_on_failure=False)
-            print(r.summary(), flush=True)
-            results.append(r)
+            for kv in args.kv_cache_dtypes.split(","):
+                r = run_conformance(name, args.device, getattr(torch, dt),
+                                    head_dims=tuple(int(x) for x in args.head_dims.split(",")),
+                                    block_sizes=tuple(int(x) for x in
+                                                      args.block_sizes.split(",")),
+                                    raise_on_failure=False, kv_cache_dtype=kv)
+                print(r.summary(), flush=True)
+                results.append(r)
     dev = torch.device(args.device)
     machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                else platform.processor() or platform.machine())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conformance import CONFIGS, STEP_KINDS, run_conformance
+from conformance import CONFIGS, FP8_TOLERANCE, STEP_KINDS, run_conformance
 
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.registry import why_not
@@ -31,6 +31,82 @@ def test_torch_backend_on_cpu(dtype):
     result = run_conformance("torch", "cpu", dtype)
     assert not result.declined  # the reference supports every configuration
     assert len(result.cases) == len(STEP_KINDS) * len(CONFIGS) * 2 * 2
+
+
+# --- fp8 (e4m3) KV cache ---------------------------------------------------------------
+# Scales 1.0 (the default) and 0.3 / 2.5 (as a checkpoint's would be): a kernel that drops
+# or swaps the scales fails the second.
+FP8_SCALES = [(1.0, 1.0), (0.3, 2.5)]
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES, ids=["scale1", "scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_fp8_cache_on_cpu(dtype, scales):
+    """Every configuration (MHA/GQA/MQA, window, ALiBi, softcap), head_dim 64 and 128,
+    prefill, decode and long decode, against the reference reading the same fp8 cache
+    (the dtype's tolerance) and against full precision (FP8_TOLERANCE)."""
+    result = run_conformance("torch", "cpu", dtype, kv_cache_dtype="fp8", kv_scales=scales)
+    assert not result.declined
+    assert len(result.cases) == len(STEP_KINDS) * len(CONFIGS) * 2 * 2
+    # The quantization is really there: fp8 is measurably off the full-precision output.
+    assert 1e-3 < result.worst_fp8_vs_full <= FP8_TOLERANCE
+
+
+class IgnoresKVScales(TorchAttentionBackend):
+    """Reads an fp8 cache as if both scales were 1.0."""
+
+    name = "ignores-scales"
+
+    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, **kw):
+        from dataclasses import replace
+
+        return super().forward(q, k_cache, v_cache, meta, replace(spec, k_scale=1.0,
+                                                                  v_scale=1.0),
+                               alibi_slopes, **kw)
+
+
+class WritesE5M2(TorchAttentionBackend):
+    """Stores values rounded to e5m2 (2 mantissa bits) instead of e4m3."""
+
+    name = "writes-e5m2"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, spec=None):
+        def e5m2(x):
+            return x.to(torch.float8_e5m2).to(torch.float32)
+
+        super().write_kv(e5m2(k), e5m2(v), k_cache, v_cache, slot_mapping, spec=spec)
+
+
+def test_fp8_suite_fails_a_backend_that_ignores_the_scales():
+    result = run_conformance(IgnoresKVScales, "cpu", torch.float32, head_dims=(16,),
+                             block_sizes=(16,), raise_on_failure=False, kv_cache_dtype="fp8",
+                             kv_scales=(0.3, 2.5))
+    assert len(result.failures) == len(result.cases)
+    ok = run_conformance(IgnoresKVScales, "cpu", torch.float32, head_dims=(16,),
+                         block_sizes=(16,), raise_on_failure=False, kv_cache_dtype="fp8")
+    assert not ok.failures  # scales of 1.0 cannot tell
+
+
+def test_fp8_suite_fails_a_backend_that_rounds_differently():
+    result = run_conformance(WritesE5M2, "cpu", torch.float32, head_dims=(16,),
+                             block_sizes=(16,), raise_on_failure=False, kv_cache_dtype="fp8")
+    assert result.failures and all("relative error" in c.detail for c in result.failures)
+
+
+def test_backends_without_an_fp8_cache_are_declined():
+    """The example plugin (written before fp8 caches) and IPEX decline an fp8 spec, saying
+    which backends have one; the torch reference accepts it."""
+    from dataclasses import replace
+
+    from tpserve.kernels.capabilities import unknown_feature_reason
+    from tpserve.kernels.ipex_backend import IpexAttentionBackend
+
+    spec = replace(PROBE, kv_cache_dtype="fp8")
+    for reason in (why_not("ipex", torch.device("cpu"), torch.float32, spec),
+                   IpexAttentionBackend.supports(torch.device("cpu"), torch.float32, spec),
+                   unknown_feature_reason(spec)):
+        assert reason and "no fp8 KV cache" in reason and "torch and triton" in reason, reason
+    assert why_not("torch", torch.device("cpu"), torch.float32, spec) is None
 
 
 def test_example_plugin_backend_on_cpu(monkeypatch):
@@ -51,9 +127,12 @@ def test_ipex_backend_on_cpu():
         run_conformance("ipex", "cpu", dtype)
 
 
-def test_triton_kernels_under_the_interpreter():
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_triton_kernels_under_the_interpreter(kv):
     """Triton's interpreter runs the real kernels in numpy on the CPU. It reads
-    TRITON_INTERPRET when the kernels are defined, hence a fresh process."""
+    TRITON_INTERPRET when the kernels are defined, hence a fresh process. fp8: float32 and
+    float16 queries over an e4m3 cache with scales 0.3 / 2.5 (bfloat16 does not run under
+    the interpreter)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -68,16 +147,18 @@ def test_triton_kernels_under_the_interpreter():
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from conformance import run_conformance
-        r = run_conformance("triton", "cpu", torch.float32, head_dims=(16, 64),
-                            block_sizes=(4, 16))
-        assert not r.declined, r.declined
-        print(r.summary())
+        for dtype in ({kv!r} == "fp8" and (torch.float32, torch.float16)) or (torch.float32,):
+            r = run_conformance("triton", "cpu", dtype, head_dims=(16, 64),
+                                block_sizes=(4, 16), kv_cache_dtype={kv!r},
+                                kv_scales=(0.3, 2.5) if {kv!r} == "fp8" else (1.0, 1.0))
+            assert not r.declined, r.declined
+            print(r.summary())
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "0 failed" in proc.stdout
+    assert proc.stdout.count(" steps, 0 failed") == (2 if kv == "fp8" else 1), proc.stdout
 
 
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
@@ -159,5 +240,18 @@ def test_backends_on_cuda(backend, dtype):
     # Block size 4 runs on the CPU (interpreter); 16 here keeps the compile count down.
     result = run_conformance(backend, "cuda", dtype, head_dims=(64, 128, 256),
                              block_sizes=(16,))
+    assert not result.declined, result.declined
+    print(result.summary())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", FP8_SCALES, ids=["scale1", "scaled"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_cache_on_cuda(backend, dtype, scales):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    result = run_conformance(backend, "cuda", dtype, head_dims=(64, 128), block_sizes=(16,),
+                             kv_cache_dtype="fp8", kv_scales=scales)
     assert not result.declined, result.declined
     print(result.summary())

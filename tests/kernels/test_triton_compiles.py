@@ -8,7 +8,8 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-FLOATS = {"scale", "softcap", "eps", "offset"}
+FLOATS = {"scale", "softcap", "eps", "offset", "v_scale", "k_inv_scale", "v_inv_scale"}
+FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}  # --kv-cache-dtype fp8
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict) -> None:
@@ -37,17 +38,24 @@ def _have_nvidia_backend() -> bool:
 pytestmark = [pytest.mark.slow,  # ~1-2 s per variant on a busy CPU
               pytest.mark.skipif(not _have_nvidia_backend(), reason="no nvidia backend")]
 
-ALL = dict(HAS_WINDOW=True, HAS_ALIBI=True, HAS_SOFTCAP=True, DOT_PRECISION="tf32")
-NONE = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32")
+ALL = dict(HAS_WINDOW=True, HAS_ALIBI=True, HAS_SOFTCAP=True, DOT_PRECISION="tf32",
+           KV_FP8=False)
+NONE = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32",
+            KV_FP8=False)
+FP8 = dict(NONE, KV_FP8=True)
+FLAGS = [ALL, NONE, FP8]
+FLAG_IDS = ["all-features", "plain", "fp8-cache"]
 
 
-@pytest.mark.parametrize("flags", [ALL, NONE], ids=["all-features", "plain"])
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_kernels_compile(split, flags):
     from tpserve.kernels import triton_kernels as tk
 
     tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
               "part_ptr": "*fp32", "ml_ptr": "*fp32", "*": "*bf16"}
+    if flags["KV_FP8"]:
+        tables.update(FP8_CACHE)
     _compile(tk.paged_decode_kernel, tables,
              dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=split,
                   **flags))
@@ -55,12 +63,14 @@ def test_decode_kernels_compile(split, flags):
                                              "*": "*bf16"}, dict(HEAD_DIM=128, SPLITS_PAD=64))
 
 
-@pytest.mark.parametrize("flags", [ALL, NONE], ids=["all-features", "plain"])
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 def test_prefill_kernel_compiles(flags):
     from tpserve.kernels import triton_kernels as tk
 
     tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
               "alibi_ptr": "*fp32", "*": "*bf16"}
+    if flags["KV_FP8"]:
+        tables.update(FP8_CACHE)
     _compile(tk.paged_prefill_kernel, tables,
              dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, TOKENS=16, BLOCK_N=64,
                   **flags))
@@ -77,8 +87,11 @@ def test_fused_kernels_compile(dtype):
                      dict(HAS_RES=has_res, CAST_FIRST=cast_first, BLOCK=4096))
     for gelu in (False, True):
         _compile(tf.gated_act_kernel, {"*": ptr}, dict(GELU_TANH=gelu, BLOCK=1024))
-    _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr,
-                                         "*": ptr}, dict(NUM_HEADS=32, HEAD_DIM=128, ROT=128))
+    for fp8 in (False, True):
+        caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}
+        _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr,
+                                             "*": ptr, **caches},
+                 dict(NUM_HEADS=32, HEAD_DIM=128, ROT=128, KV_FP8=fp8))
 
 
 def test_sampling_kernel_compiles():

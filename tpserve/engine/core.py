@@ -138,7 +138,9 @@ class EngineCore:
         self.warmup_seconds = executor.warmup(buckets)
         log.info("warmup (kernel compilation) took %.2fs for batch sizes %s",
                  self.warmup_seconds, ",".join(map(str, buckets)))
-        log.info("KV cache: %d blocks x %d tokens per shard", num_blocks, cfg.cache.block_size)
+        log.info("KV cache: %d blocks x %d tokens per shard, %s (--kv-cache-dtype %s), %d "
+                 "bytes per block", num_blocks, cfg.cache.block_size, r0.cache_dtype or "?",
+                 cfg.cache.kv_cache_dtype, r0.cache_bytes_per_block)
 
     def _block_manager(self, window: int | None) -> BlockManager:
         if not self.cfg.cache.prefix_caching:

@@ -11,6 +11,11 @@ that lacks one refuses the spec through supports() (check spec.features):
   rel_bias to forward/prefill/decode/attend_dense; see RelBias.
 - "dense" (spec.paged=False): no cache at all; attend_dense() over this step's own K/V,
   sequences laid out varlen by query_start_loc (an encoder's self-attention).
+
+An fp8 KV cache (spec.kv_cache_dtype == "fp8", feature "fp8_kv_cache") stores e4m3fn values
+with the per-tensor scales spec.k_scale / spec.v_scale (kernels/kv_quant.py); write_kv and
+rotary_write_kv then receive the spec as a keyword. Only backends that set fp8_kv_cache =
+True are offered such a spec (registry.why_not), and their supports() still decides.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.kernels import kv_quant
 from tpserve.kernels.fused_ops import apply_rotary_torch
 
 # rel_bias: float [num_heads on this rank, 2 * R + 1]. The score of query position qp and key
@@ -45,6 +51,10 @@ class AttentionSpec:
     causal: bool = True  # False: each query sees every key of its sequence (cross, encoder)
     relative_bias: bool = False  # a rel_bias table is passed (T5's bucketed position bias)
     paged: bool = True  # False: no KV cache; attend_dense() on the step's own K/V
+    # "auto": the cache holds the model dtype; "fp8": float8_e4m3fn, read as stored * scale.
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0  # per-tensor scales of an fp8 cache (1.0 until a checkpoint has one)
+    v_scale: float = 1.0
 
     @property
     def features(self) -> frozenset[str]:
@@ -59,6 +69,8 @@ class AttentionSpec:
             f.add("alibi")
         if self.softcap:
             f.add("softcap")
+        if self.kv_cache_dtype == "fp8":
+            f.add(kv_quant.FP8_FEATURE)
         return frozenset(f)
 
 
@@ -90,6 +102,8 @@ class AttentionBackend(ABC):
     """One implementation of paged attention. Instances are per worker, stateless per step."""
 
     name: str = "abstract"
+    # True: write_kv / prefill / decode handle an fp8 cache (spec.kv_cache_dtype == "fp8").
+    fp8_kv_cache: bool = False
 
     @classmethod
     @abstractmethod
@@ -106,8 +120,13 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        spec: AttentionSpec | None = None,
     ) -> None:
-        """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
+        """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots. spec is
+        passed (as a keyword) for an fp8 cache only: its k_scale / v_scale quantize."""
+        if kv_quant.is_fp8(k_cache):
+            k = kv_quant.quantize(k, spec.k_scale if spec else 1.0)
+            v = kv_quant.quantize(v, spec.v_scale if spec else 1.0)
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
@@ -121,11 +140,14 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        spec: AttentionSpec | None = None,
     ) -> torch.Tensor:
         """Rotate q and k by the step's rotary cos/sin ([T, rot_dim], in q's dtype), store the
         rotated keys and the values (write_kv), return the rotated q. Backends with a fused
-        kernel override this; the default is the torch reference."""
-        self.write_kv(apply_rotary_torch(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+        kernel override this; the default is the torch reference. spec: as in write_kv."""
+        extra = {} if spec is None else {"spec": spec}
+        self.write_kv(apply_rotary_torch(k, cos, sin), v, k_cache, v_cache, slot_mapping,
+                      **extra)
         return apply_rotary_torch(q, cos, sin)
 
     @abstractmethod

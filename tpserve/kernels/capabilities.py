@@ -14,6 +14,7 @@ import functools
 import torch
 
 from tpserve.kernels.base import AttentionSpec
+from tpserve.kernels.kv_quant import FP8_FEATURE, fp8_refusal
 
 # The fields every backend in this package understands.
 CORE_FIELDS = frozenset({"num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window",
@@ -25,6 +26,8 @@ def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = C
                            known_features: frozenset[str] = CORE_FEATURES) -> str | None:
     """Why `spec` asks for something outside `known_*`, or None."""
     extra = sorted(set(getattr(spec, "features", frozenset())) - known_features)
+    if FP8_FEATURE in extra:
+        return fp8_refusal()
     if extra:
         return f"features not implemented: {', '.join(extra)}"
     if getattr(spec, "causal", True) is False:

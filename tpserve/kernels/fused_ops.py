@@ -181,9 +181,11 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
-def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Rotate q and k ([T, heads, head_dim]), store k and v at their cache slots (the default
-    layout [blocks, block_size, kv_heads, head_dim]) and return the rotated q, in one launch."""
+    layout [blocks, block_size, kv_heads, head_dim]) and return the rotated q, in one launch.
+    An fp8 (e4m3fn) cache stores clamp(x / scale, +-448) as kv_quant.quantize does."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -200,5 +202,7 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) ->
             q, k, v, cos, sin, slot_mapping, q_out, kc, vc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
-            NUM_HEADS=hq, HEAD_DIM=d, ROT=cos.shape[-1], num_warps=1 if d <= 64 else 2)
+            1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, HEAD_DIM=d, ROT=cos.shape[-1],
+            KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
+            num_warps=1 if d <= 64 else 2)
     return q_out

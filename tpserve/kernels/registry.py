@@ -12,6 +12,7 @@ import torch
 
 from tpserve.errors import KernelUnavailableError
 from tpserve.kernels.base import AttentionBackend, AttentionSpec
+from tpserve.kernels.kv_quant import fp8_refusal
 from tpserve.kernels.lazy_classes import LazyClasses
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,14 @@ def load_backend_class(name: str) -> type[AttentionBackend]:
 
 def why_not(name: str, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
     try:
-        return load_backend_class(name).supports(device, dtype, spec)
+        cls = load_backend_class(name)
     except KernelUnavailableError as exc:
         return str(exc)
+    # A backend (a plugin written before fp8 caches existed) must say it handles one: its
+    # supports() alone might accept the spec and then write fp8 bytes as if they were floats.
+    if spec.kv_cache_dtype != "auto" and not getattr(cls, "fp8_kv_cache", False):
+        return fp8_refusal(name)
+    return cls.supports(device, dtype, spec)
 
 
 def select_backend(

@@ -4,12 +4,15 @@ Decode is one vectorised gather over the block tables for the whole batch. Prefi
 sequence by sequence (bounded memory: scores are [heads, q_len, context] for one sequence)
 and batches any decode rows of a mixed step together. Dense (encoder) attention goes
 sequence by sequence too. Every base.py feature is supported, so this is the reference.
+An fp8 cache is read back to the query's dtype and scaled right after the gather
+(kv_quant.dequantize), so the arithmetic after it is the full-precision path's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tpserve.kernels import kv_quant
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec, RelBias
 
 
@@ -62,21 +65,27 @@ def attend_padded(
 
 
 def gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """[num_blocks, block, H, D] cache + [B, nb] tables -> [B, nb * block, H, D] (nb trimmed)."""
+    """[num_blocks, block, H, D] cache + [B, nb] tables -> [B, nb * block, H, D] (nb trimmed).
+    An fp8 cache comes back dequantized to `dtype` (stored * scale)."""
     block = cache.shape[1]
     nb = -(-max_len // block)
-    return cache[block_tables[:, :nb].long()].flatten(1, 2)
+    out = cache[block_tables[:, :nb].long()].flatten(1, 2)
+    return kv_quant.dequantize(out, scale, dtype) if kv_quant.is_fp8(cache) else out
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    fp8_kv_cache = True
 
     @classmethod
     def supports(cls, device, dtype, spec) -> str | None:
         if spec.num_heads % spec.num_kv_heads:
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
+        if spec.kv_cache_dtype == "fp8":
+            return kv_quant.fp8_unavailable(torch.device(device))
         return None
 
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
@@ -93,8 +102,8 @@ class TorchAttentionBackend(AttentionBackend):
                 # Past the table's end the positions are >= seq_len, so they are masked.
                 tables = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))
                 length, k_start = span * block, first * block
-        k = gather_context(k_cache, tables, length)
-        v = gather_context(v_cache, tables, length)
+        k = gather_context(k_cache, tables, length, spec.k_scale, q.dtype)
+        v = gather_context(v_cache, tables, length, spec.v_scale, q.dtype)
         out = attend_padded(q.unsqueeze(1), k, v, (seq_lens - 1).unsqueeze(1), seq_lens,
                             spec, alibi_slopes, rel_bias, k_start)
         return out.squeeze(1)
@@ -121,8 +130,8 @@ class TorchAttentionBackend(AttentionBackend):
             if n == 1:
                 continue
             s, ctx = starts[i], seq_lens[i]
-            k = gather_context(k_cache, meta.block_tables[i : i + 1], ctx)
-            v = gather_context(v_cache, meta.block_tables[i : i + 1], ctx)
+            k = gather_context(k_cache, meta.block_tables[i : i + 1], ctx, spec.k_scale, q.dtype)
+            v = gather_context(v_cache, meta.block_tables[i : i + 1], ctx, spec.v_scale, q.dtype)
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(0)
             ctx_t = torch.tensor([ctx], device=q.device)
             out[s : s + n] = attend_padded(q[s : s + n].unsqueeze(0), k, v, q_pos, ctx_t, spec,

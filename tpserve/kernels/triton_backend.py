@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpserve.kernels import fused_ops
+from tpserve.kernels import fused_ops, kv_quant
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
-from tpserve.kernels.capabilities import unknown_feature_reason
+from tpserve.kernels.capabilities import CORE_FEATURES, CORE_FIELDS, unknown_feature_reason
 from tpserve.kernels.compile_cache import (
     TRITON_TARGETS,
     cached_kernel_count,
@@ -38,6 +38,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
+# An fp8 cache (kv_quant.py) is one more thing these kernels know.
+KNOWN_FIELDS = CORE_FIELDS | {"kv_cache_dtype", "k_scale", "v_scale"}
+KNOWN_FEATURES = CORE_FEATURES | {kv_quant.FP8_FEATURE}
 
 
 def reduce_pad(splits: int) -> int:
@@ -92,7 +95,8 @@ def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
     """What Triton specialises a launch of `kind` on, given the launcher's guarantees
     (contiguous 16-byte-aligned tensors, runtime ints not specialised)."""
     cfg = launch_config(dtype, spec)
-    flags = (bool(spec.sliding_window), spec.alibi, bool(spec.softcap))
+    flags = (bool(spec.sliding_window), spec.alibi, bool(spec.softcap),
+             spec.kv_cache_dtype == "fp8")
     tiles = (cfg.group_pad, cfg.decode_block_n) if kind == "decode" else (cfg.block_m,
                                                                            cfg.block_n)
     return (kind, str(dtype), spec.num_heads // spec.num_kv_heads, spec.head_dim,
@@ -132,6 +136,7 @@ class WarmupReport:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    fp8_kv_cache = True
     # Decode reads sequence lengths and block tables from device memory and its grid
     # depends only on the batch size, so a captured launch replays correctly.
     cuda_graph_safe = True
@@ -166,7 +171,11 @@ class TritonAttentionBackend(AttentionBackend):
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         if spec.num_heads // spec.num_kv_heads > MAX_GROUP:
             return f"more than {MAX_GROUP} query heads per KV head"
-        return unknown_feature_reason(spec)
+        if spec.kv_cache_dtype == "fp8":
+            reason = fp8_reason(device, on_cpu)
+            if reason:
+                return reason
+        return unknown_feature_reason(spec, KNOWN_FIELDS, KNOWN_FEATURES)
 
     # --- launching ----------------------------------------------------------------------
     def _kernels(self):
@@ -195,10 +204,17 @@ class TritonAttentionBackend(AttentionBackend):
             if slopes is None:
                 slopes = self._dummy[q.device] = torch.zeros(1, device=q.device)
         cfg = launch_config(q.dtype, spec)
+        fp8 = spec.kv_cache_dtype == "fp8"
+        if fp8 != kv_quant.is_fp8(k_cache):
+            raise ValueError(f"triton: the spec's kv_cache_dtype {spec.kv_cache_dtype!r} does "
+                             f"not match a {k_cache.dtype} cache")
         flags = dict(HAS_WINDOW=bool(spec.sliding_window), HAS_ALIBI=bool(spec.alibi),
-                     HAS_SOFTCAP=bool(spec.softcap),
+                     HAS_SOFTCAP=bool(spec.softcap), KV_FP8=fp8,
                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-        scalars = (float(spec.scale), float(spec.softcap or 0.0), int(spec.sliding_window or 0),
+        # An fp8 cache's K scale folds into the score scale; V's scales the output.
+        scale = float(spec.scale) * (float(spec.k_scale) if fp8 else 1.0)
+        scalars = (scale, float(spec.softcap or 0.0), float(spec.v_scale) if fp8 else 1.0,
+                   int(spec.sliding_window or 0),
                    meta.block_tables.stride(0), q.stride(0), q.stride(1), out.stride(0),
                    out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         return q, out, slopes.float().contiguous(), cfg, flags, scalars
@@ -257,11 +273,14 @@ class TritonAttentionBackend(AttentionBackend):
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
         return out
 
-    def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        """One launch for rotary on q and k plus the K/V cache write (fused_ops.py)."""
+    def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, spec=None):
+        """One launch for rotary on q and k plus the K/V cache write (fused_ops.py); an fp8
+        cache is quantized with the spec's scales in the same launch."""
         self._record(("rotary", str(q.dtype), q.shape[1], k.shape[1], q.shape[2],
-                      cos.shape[-1]))
-        return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+                      cos.shape[-1], str(k_cache.dtype)))
+        scales = (spec.k_scale, spec.v_scale) if spec is not None else (1.0, 1.0)
+        return rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                      *scales)
 
     # --- compiling ----------------------------------------------------------------------
     def compile_count(self) -> int:
@@ -337,8 +356,9 @@ class TritonAttentionBackend(AttentionBackend):
             tables.append(ids[at : at + n] + [0] * (width - n))
             at += n
         shape = self.kv_cache_shape(len(ids), spec)
-        k_cache = torch.randn(shape, dtype=dtype, device=device)
-        v_cache = torch.randn(shape, dtype=dtype, device=device)
+        kv_dtype = kv_quant.cache_dtype(spec.kv_cache_dtype, dtype)
+        k_cache = torch.randn(shape, dtype=dtype, device=device).to(kv_dtype)
+        v_cache = torch.randn(shape, dtype=dtype, device=device).to(kv_dtype)
         starts = [0]
         for n in case.query_lens:
             starts.append(starts[-1] + n)
@@ -357,7 +377,26 @@ class TritonAttentionBackend(AttentionBackend):
             t = q.shape[0]
             kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
             cs = torch.randn(t, spec.head_dim, dtype=dtype, device=device)
-            self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping)
+            extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
+            self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping,
+                                 **extra)
+
+
+def fp8_reason(device: torch.device, on_cpu: bool) -> str | None:
+    """Why the kernels cannot use an fp8 cache on `device`, or None. Triton converts e4m3
+    (fp8e4nv) on NVIDIA GPUs of compute capability 8.9 and later (Ada, Hopper, Blackwell);
+    the interpreter emulates it."""
+    if kv_quant.FP8_DTYPE is None:
+        return kv_quant.fp8_missing()
+    if on_cpu:
+        return None
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return (f"an fp8 KV cache needs compute capability 8.9 or later in Triton (this GPU "
+                    f"is {cap[0]}.{cap[1]}); the torch backend reads it anywhere, slower")
+        return None
+    return f"an fp8 KV cache on {device.type} is not supported by the Triton kernels here"
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

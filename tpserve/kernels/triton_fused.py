@@ -77,6 +77,13 @@ def _rotate(x_row_ptr, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr, ROT: tl.
     return tl.where(rot, y, x)
 
 
+@triton.jit
+def _fp8_range(x, inv_scale):
+    """float32 -> x / scale clamped to e4m3's +-448, which the store then rounds to nearest
+    (kv_quant.quantize: e4m3's cast is not saturating everywhere)."""
+    return tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+
+
 @triton.jit(do_not_specialize=["stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                "stride_vt", "stride_vh", "stride_cs", "stride_ot",
                                "stride_oh", "stride_slot", "stride_ch"],
@@ -84,12 +91,13 @@ def _rotate(x_row_ptr, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr, ROT: tl.
 def rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_ot, stride_oh, stride_slot, stride_ch,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+    stride_ot, stride_oh, stride_slot, stride_ch, k_inv_scale, v_inv_scale,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One program per (token, head) over num_heads + num_kv_heads heads: a query head is
     rotated into q_out; a KV head's rotated key and its value go to the token's cache slot
-    (a negative slot writes nothing)."""
+    (a negative slot writes nothing). KV_FP8: the cache is e4m3; the rotated key is rounded
+    to the model dtype first, as the torch path stores it before quantizing."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -104,8 +112,11 @@ def rotary_write_kv_kernel(
         ok = (d < HEAD_DIM) & (slot >= 0)
         y = _rotate(k_ptr + t * stride_kt + kh * stride_kh, d, cos_row, sin_row, ROT // 2, ROT)
         dst = slot * stride_slot + kh * stride_ch + d
-        tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
         v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d)
+        if KV_FP8:
+            y = _fp8_range(y.to(k_ptr.dtype.element_ty).to(tl.float32), k_inv_scale)
+            v = _fp8_range(v.to(tl.float32), v_inv_scale)
+        tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 

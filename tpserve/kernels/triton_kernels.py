@@ -8,6 +8,11 @@ Every integer that changes from step to step (block-table width, counts) is excl
 specialisation: otherwise Triton would compile a new variant when such a value crosses a
 multiple of 16, on a live request. What remains in the compile key is fixed per model:
 dtype, head_dim, GQA group, block size and the feature flags, which warmup covers.
+
+KV_FP8: the cache holds float8 e4m3 (kernels/kv_quant.py). Keys and values are loaded as
+one byte each and widened to the query's dtype in registers (exact); the per-tensor K scale
+is folded into the score scale by the launcher and the V scale multiplies the output, so
+the rest of the kernel is the full-precision one.
 """
 
 from __future__ import annotations
@@ -51,13 +56,13 @@ def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
             do_not_specialize_on_alignment=_TABLES)
 def paged_decode_kernel(
     out_ptr, part_ptr, ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    alibi_ptr, scale, softcap, window, stride_bt,
+    alibi_ptr, scale, softcap, v_scale, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     num_splits, stride_pt, stride_ph,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
     are the rows of one tile, so each key is read once per group (GQA / MQA).
@@ -100,6 +105,9 @@ def paged_decode_kernel(
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         visible = k_ok[None, :] & (q_pos[:, None] >= 0)
         if HAS_WINDOW:
             visible &= (q_pos[:, None] - k_pos[None, :]) < window
@@ -112,6 +120,8 @@ def paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLIT:
         part = seq.to(tl.int64) * stride_pt + heads * stride_ph + split * HEAD_DIM
         tl.store(part_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
@@ -155,11 +165,12 @@ def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt,
             do_not_specialize_on_alignment=_TABLES + ["query_start_ptr"])
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    alibi_ptr, scale, softcap, window, stride_bt,
+    alibi_ptr, scale, softcap, v_scale, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program per (sequence, tile of TOKENS new tokens, KV head). The BLOCK_M rows of a
     tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
@@ -202,6 +213,9 @@ def paged_prefill_kernel(
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible &= (q_pos[:, None] - k_pos[None, :]) < window
@@ -214,6 +228,8 @@ def paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

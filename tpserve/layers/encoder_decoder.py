@@ -47,9 +47,10 @@ class PagedCrossAttention(AttentionLayer):
         head_dim]) at ctx.meta.slot_mapping, which the worker points at the cross blocks."""
         ctx, s = current(), self.spec
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        extra = {"spec": s} if s.kv_cache_dtype != "auto" else {}  # fp8: its scales
         ctx.backend.write_kv(k.view(-1, s.num_heads, s.head_dim),
                              v.view(-1, s.num_heads, s.head_dim), k_cache, v_cache,
-                             ctx.meta.slot_mapping)
+                             ctx.meta.slot_mapping, **extra)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """Under the decoder's context: q [T, heads * head_dim] attends to all encoder K/V

@@ -21,6 +21,7 @@ from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.hf_config import ConfigData
+from tpserve.kernels import kv_quant
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
@@ -45,6 +46,7 @@ class LoadReport:
     backend: str = ""
     passed_over: dict[str, str] = field(default_factory=dict)
     cache_bytes_per_block: int = 0
+    cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "bfloat16" or "float8_e4m3fn"
 
 
 class Worker:
@@ -57,6 +59,7 @@ class Worker:
         if cfg.parallel.device == "cpu":
             torch.set_num_threads(max(1, cfg.parallel.cpus_per_shard))
         self.dtype = getattr(torch, cfg.model.dtype)
+        self.kv_dtype: torch.dtype | None = None  # the cache's storage dtype, in load_weights
         self.device: torch.device | None = None
         self.model = None
         self.backend = None
@@ -142,6 +145,7 @@ class Worker:
         if [m.layer_index for m in owners] != list(range(len(owners))):
             raise RuntimeError(f"{type(self.model).__name__}: cache-owning attention layers "
                                "must have layer_index 0..n-1 (a tpserve bug)")
+        self._set_cache_dtype(layers)
         self.specs = [m.spec for m in owners]
         self.encoder_decoder = bool(getattr(self.model, "is_encoder_decoder", False))
         # Every layer's spec counts, cache or not (cross and dense attention too).
@@ -151,13 +155,28 @@ class Worker:
                      for p in dict.fromkeys(self.model.parameters()))
         self.marks["weights"] = now()
         return LoadReport(self.rank, time.perf_counter() - t0, params, stats.read_bytes,
-                          stats.full_bytes, self.backend.name, passed, self._bytes_per_block())
+                          stats.full_bytes, self.backend.name, passed, self._bytes_per_block(),
+                          str(self.kv_dtype).replace("torch.", ""))
 
     def _attention_layers(self) -> list[AttentionLayer]:
         return [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
 
+    def _set_cache_dtype(self, layers: list[AttentionLayer]) -> None:
+        """The cache's dtype (--kv-cache-dtype) on every layer that reads or writes the paged
+        cache (self and cross attention; an encoder's dense attention has none), before the
+        backend is chosen, so only backends that can read it are."""
+        kind = self.cfg.cache.kv_cache_dtype
+        if kind == "fp8":
+            why = kv_quant.fp8_unavailable(self.device)
+            if why:
+                raise RuntimeError(f"--kv-cache-dtype fp8 cannot run on {self.device}: {why}")
+        self.kv_dtype = kv_quant.cache_dtype(kind, self.dtype)
+        for m in layers:
+            if m.spec.paged:
+                m.spec = replace(m.spec, kv_cache_dtype=kind)
+
     def _bytes_per_block(self) -> int:
-        elt = torch.tensor([], dtype=self.dtype).element_size()
+        elt = torch.tensor([], dtype=self.kv_dtype).element_size()
         return sum(2 * elt * math.prod(self.backend.kv_cache_shape(1, self._with_block(spec)))
                    for spec in self.specs)
 
@@ -187,8 +206,8 @@ class Worker:
         self.num_blocks = num_blocks
         for spec in self.specs:
             shape = self.backend.kv_cache_shape(num_blocks + 1, self._with_block(spec))
-            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+            self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
         self.specs = [self._with_block(s) for s in self.specs]
         self.marks["cache"] = now()
         for m in self._attention_layers():
