@@ -46,7 +46,8 @@ def build(args, model: Path):
                           load_format="dummy" if args.dummy else "safetensors"),
         parallel=ParallelConfig(tp_size=1, device=args.device, cpus_per_shard=args.cpus),
         cache=CacheConfig(block_size=16,
-                          num_blocks=args.requests * -(-max_len // 16) + 8),
+                          num_blocks=args.requests * -(-max_len // 16) + 8,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.requests,
                                   max_num_batched_tokens=max(args.batch_tokens),
                                   async_scheduling=not args.no_async_scheduling),
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, nargs="+", default=[4096],
                     help="tokens per step (--max-batch-tokens); each value runs a burst")
     ap.add_argument("--cpus", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--profile", action="store_true",
@@ -137,7 +139,8 @@ def main() -> None:
 
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     lines = [f"### A {args.requests} x {args.prompt}/{args.new} burst in-process "
-             f"({dev}, {datetime.date.today().isoformat()}, commit {commit()})", "",
+             f"({dev}, {datetime.date.today().isoformat()}, commit {commit()}, KV cache "
+             f"{args.kv_cache_dtype})", "",
              "| tokens per step | tokens/s | wall s | steps | prefill steps | prefill s | "
              "decode steps | decode s | decode median ms |", "| --- " * 9 + "|"]
     for r in rows:
