@@ -53,6 +53,16 @@ def real_configs():
         out[path.stem] = CONFIG_MAPPING[d["model_type"]].from_dict(d)
     for name in ("llama", "mistral", "gemma", "bloom", "qwen2", "phi3"):
         out[f"tiny-{name}"] = getattr(tiny_models, f"{name}_config")()
+    # Quantized checkpoints: quantization_config steers how every linear layer is built.
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2)
+    for label, quant in (("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                   "desc_act": True, "sym": False}),
+                         ("awq", {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                  "zero_point": True, "version": "GEMM"})):
+        cfg = tiny_models.llama_config(**shape)
+        cfg.quantization_config = quant
+        out[f"tiny-llama-{label}"] = cfg
     return out
 
 
@@ -65,7 +75,8 @@ def reads_of(hf, tp: int) -> dict:
     cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
                        parallel=ParallelConfig(tp_size=tp))
     model_class(rec)
-    resolve_quant("auto", rec, "auto")
+    assert (resolve_quant("auto", rec, "auto") is None) == (
+        getattr(hf, "quantization_config", None) is None)
     decoder_start_token_id("/nonexistent", rec)
     with tp_context(0, tp):
         build_model(cfg, rec, torch.device("meta"))

@@ -87,7 +87,9 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     block_n = 64 if wide <= 256 else 32
     # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
     block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
-    return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=block_n,
+    # TPSERVE_DECODE_BLOCK_N=N fixes the decode tile's keys per iteration (measurements).
+    decode_block_n = int(os.environ.get("TPSERVE_DECODE_BLOCK_N") or 0) or block_n
+    return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=decode_block_n,
                         group_pad=group_pad, prefill_tokens=block_m // group)
 
 
