@@ -43,12 +43,12 @@ class CoreStepError(RuntimeError):
         self.replica_dead = replica_dead
 
 
-def _settle(ref) -> None:
-    """Fetch a finished call whose outcome start() already reported, so Ray does not log
-    its error a second time as unhandled."""
+def _settle(ref, wait_s: float = 0.0) -> None:
+    """Fetch a call whose outcome is already reported (by start(), or by the error that
+    killed the shards), so Ray does not log its error again as unhandled."""
     try:
-        ray.get(ref, timeout=0)
-    except Exception:  # noqa: BLE001 - reported by start()
+        ray.get(ref, timeout=wait_s)
+    except Exception:  # noqa: BLE001 - reported elsewhere
         pass
 
 
@@ -78,6 +78,7 @@ class CoreClient:
                 check_shardable(cfg, self.hf_config)
         except BaseException:
             self.kill()  # the shards may be setting up; no step loop runs yet
+            _settle(prepared, wait_s=2.0)
             raise
         try:
             from transformers import AutoTokenizer
@@ -85,6 +86,7 @@ class CoreClient:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
             self.kill()
+            _settle(prepared, wait_s=2.0)
             raise errors.CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
                                          f"{exc}") from exc
         special = frozenset(self.tokenizer.all_special_ids)
