@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import emit
 from serve_bench import ROOT, Server, commit_of, machine, make_model_dir
 
 START_UP = re.compile(r"start-up: (.*)$")
@@ -82,17 +83,12 @@ def main() -> None:
              "| --- | --- | --- |"]
     lines += [f"| {run}{' (cold)' if run == 1 else ''} | {ready:.1f} | {split} |"
               for run, ready, split in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        cfg = json.loads(args.model_config.read_text())
-        head = (f"\nMachine: {machine()}; {datetime.date.today().isoformat()}; commit "
-                f"{commit_of(tree)}; tp {args.tp}, {args.dtype}, {cfg.get('model_type')} "
-                f"{args.model_config.stem} (random weights), launch flags {args.launch_args}, "
-                f"PYTHONPYCACHEPREFIX {'set' if args.pycache else 'unset'}\n\n")
-        with open(args.out, "a") as f:
-            f.write(head + text + "\n")
-
+    cfg = json.loads(args.model_config.read_text())
+    head = (f"Machine: {machine()}; {datetime.date.today().isoformat()}; commit "
+            f"{commit_of(tree)}; tp {args.tp}, {args.dtype}, {cfg.get('model_type')} "
+            f"{args.model_config.stem} (random weights), launch flags {args.launch_args}, "
+            f"bytecode {'cached in ' + str(args.pycache) if args.pycache else 'as the host has it'}")
+    emit(["", head, "", *lines], args.out)
 
 if __name__ == "__main__":
     main()
