@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from report import emit
-from serve_bench import ROOT, Server, commit_of, machine, make_model_dir
+from serve_bench import ROOT, Server, commit_of, launch_options, machine, make_model_dir
 
 START_UP = re.compile(r"start-up: (.*)$")
 
@@ -54,11 +54,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--pycache", type=Path,
                     help="PYTHONPYCACHEPREFIX for every process (read-only site-packages)")
-    ap.add_argument("--ready-timeout", type=float, default=300)
-    ap.add_argument("--launch-args", nargs=argparse.REMAINDER, default=[],
-                    help="further `tpserve launch` flags (last on the line)")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    launch_options(ap)
     args = ap.parse_args()
     # Server() reads these serve_bench options.
     args.max_batch_size, args.max_total_tokens, args.concurrency = 256, 2048, [1]

@@ -356,6 +356,15 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
     return "\n".join(lines)
 
 
+def launch_options(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark that launches `tpserve launch` takes last."""
+    ap.add_argument("--ready-timeout", type=float, default=300)
+    ap.add_argument("--launch-args", nargs=argparse.REMAINDER, default=[],
+                    help="further `tpserve launch` flags (last on the line)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-config", type=Path,
@@ -373,11 +382,7 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="also 1k/4k/8k-token prompts")
     ap.add_argument("--py-spy", metavar="PATH",
                     help="py-spy binary: profile the core and driver actors in the largest burst")
-    ap.add_argument("--ready-timeout", type=float, default=300)
-    ap.add_argument("--launch-args", nargs=argparse.REMAINDER, default=[],
-                    help="further `tpserve launch` flags (last on the line)")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    launch_options(ap)
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
     vocab = json.loads(args.model_config.read_text())["vocab_size"]

@@ -38,6 +38,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
+# TPSERVE_DECODE_BLOCK_N=N fixes the decode tile's keys per iteration (measurements).
+FORCED_DECODE_BLOCK_N = int(os.environ.get("TPSERVE_DECODE_BLOCK_N") or 0)
 # An fp8 cache (kv_quant.py) is one more thing these kernels know.
 KNOWN_FIELDS = CORE_FIELDS | {"kv_cache_dtype", "k_scale", "v_scale"}
 KNOWN_FEATURES = CORE_FEATURES | {kv_quant.FP8_FEATURE}
@@ -87,8 +89,7 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     block_n = 64 if wide <= 256 else 32
     # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
     block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
-    # TPSERVE_DECODE_BLOCK_N=N fixes the decode tile's keys per iteration (measurements).
-    decode_block_n = int(os.environ.get("TPSERVE_DECODE_BLOCK_N") or 0) or block_n
+    decode_block_n = FORCED_DECODE_BLOCK_N or block_n
     return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=decode_block_n,
                         group_pad=group_pad, prefill_tokens=block_m // group)
 
