@@ -79,6 +79,7 @@ class LaunchConfig:
     prefill_tokens: int  # new tokens per prefill tile (block_m rows = tokens x group)
     num_warps: int = 4
     num_stages: int = 2
+    decode_stages: int = 2
 
 
 def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
@@ -89,9 +90,15 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     block_n = 64 if wide <= 256 else 32
     # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
     block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
-    decode_block_n = FORCED_DECODE_BLOCK_N or block_n
+    # Decode (benchmarks/decode_kv_bench.py on an H200, docs/benchmarks.md "Decode attention
+    # by KV-cache dtype"): an fp8 cache takes twice the keys per iteration, so an iteration
+    # moves as many bytes as a bfloat16 one (6-31% faster than 64 keys); a float cache gains
+    # 1-8% from a third pipeline stage.
+    fp8 = spec.kv_cache_dtype == "fp8"
+    decode_block_n = FORCED_DECODE_BLOCK_N or (2 * block_n if fp8 else block_n)
     return LaunchConfig(block_m=block_m, block_n=block_n, decode_block_n=decode_block_n,
-                        group_pad=group_pad, prefill_tokens=block_m // group)
+                        group_pad=group_pad, prefill_tokens=block_m // group,
+                        decode_stages=2 if fp8 else 3)
 
 
 def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
@@ -154,6 +161,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._cores: dict[torch.device, int] = {}
         # TPSERVE_DECODE_SPLITS=N fixes the split count (1: no split-K), for measurements.
         self.forced_splits = int(os.environ.get("TPSERVE_DECODE_SPLITS") or 0)
+        # Measurement switches (benchmarks/decode_kv_bench.py): a bfloat16 model's dots with
+        # an fp8 cache in float16 (KV_F16, the default) or in bfloat16; the decode tile as
+        # (keys per iteration, warps, stages) instead of launch_config's.
+        self.fp8_dots_in_f16 = True
+        self.decode_tile: tuple[int, int, int] | None = None
         self._k = None
 
     @classmethod
@@ -213,6 +225,7 @@ class TritonAttentionBackend(AttentionBackend):
                              f"not match a {k_cache.dtype} cache")
         flags = dict(HAS_WINDOW=bool(spec.sliding_window), HAS_ALIBI=bool(spec.alibi),
                      HAS_SOFTCAP=bool(spec.softcap), KV_FP8=fp8,
+                     KV_F16=fp8 and q.dtype == torch.bfloat16 and self.fp8_dots_in_f16,
                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
         # An fp8 cache's K scale folds into the score scale; V's scales the output.
         scale = float(spec.scale) * (float(spec.k_scale) if fp8 else 1.0)
@@ -248,11 +261,18 @@ class TritonAttentionBackend(AttentionBackend):
             out, part, ml, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
             slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
-            HEAD_DIM=d, BLOCK_SIZE=spec.block_size, BLOCK_N=cfg.decode_block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, SPLIT=splits > 1, **flags)
+            HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
+            **self._decode_launch(cfg), SPLIT=splits > 1, **flags)
         if splits > 1:
             self._reduce(out, part, ml)
         return out
+
+    def _decode_launch(self, cfg: LaunchConfig) -> dict:
+        if self.decode_tile is None:
+            return dict(BLOCK_N=cfg.decode_block_n, num_warps=cfg.num_warps,
+                        num_stages=cfg.decode_stages)
+        block_n, warps, stages = self.decode_tile
+        return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
     def _reduce(self, out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor) -> None:
         """out [b, heads, d] from the splits' partial outputs part [b, heads, splits, d]
@@ -298,6 +318,9 @@ class TritonAttentionBackend(AttentionBackend):
         quant = sys.modules.get("tpserve.kernels.quant.triton_jit")
         if quant is not None:  # the quantized matmuls, where a layer uses them
             kernels += quant.KERNELS
+        dense = sys.modules.get("tpserve.kernels.triton_gemv")
+        if dense is not None:  # the one-row GEMV, where warmup timed it
+            kernels += dense.KERNELS
         total = 0
         for kernel in kernels:
             caches = getattr(kernel, "device_caches", {}) or {}

@@ -12,7 +12,12 @@ dtype, head_dim, GQA group, block size and the feature flags, which warmup cover
 KV_FP8: the cache holds float8 e4m3 (kernels/kv_quant.py). Keys and values are loaded as
 one byte each and widened to the query's dtype in registers (exact); the per-tensor K scale
 is folded into the score scale by the launcher and the V scale multiplies the output, so
-the rest of the kernel is the full-precision one.
+the rest of the kernel is the full-precision one. KV_F16 (the launcher sets it for a
+bfloat16 model): the dots run in float16 instead, q converted once per program. e4m3 widens
+to float16 exactly and in one instruction per two values on CUDA, where bfloat16 takes a
+detour through float32 for every value, and at large batches that conversion bounded the
+fp8 decode (docs/benchmarks.md, "FP8 KV cache"). float16 keeps more of q's mantissa than
+bfloat16; its range is clamped (_f16).
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ def _tanh(x):
 
 
 @triton.jit
+def _f16(q):
+    """q as float16 for the dots with an fp8 cache (KV_F16), clamped to float16's range: a
+    bfloat16 query beyond it would otherwise become inf."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
             HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """q [M, D] x k [N, D] -> masked fp32 scores [M, N], in the reference's order:
@@ -62,7 +74,7 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr,
 ):
     """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
     are the rows of one tile, so each key is read once per group (GQA / MQA).
@@ -82,6 +94,8 @@ def paged_decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if KV_F16:
+        q = _f16(q)
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)
     slopes = tl.zeros([GROUP_PAD], dtype=tl.float32)
     if HAS_ALIBI:
@@ -170,7 +184,7 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_F16: tl.constexpr,
 ):
     """One program per (sequence, tile of TOKENS new tokens, KV head). The BLOCK_M rows of a
     tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
@@ -193,6 +207,8 @@ def paged_prefill_kernel(
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if KV_F16:
+        q = _f16(q)
     slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slopes += tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)

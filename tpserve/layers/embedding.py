@@ -16,6 +16,7 @@ from tpserve.distributed import (
     gather_last_dim_to_first,
     get_tp,
 )
+from tpserve.kernels import gemv
 from tpserve.layers.sharding import check_shape, copy_narrow
 from tpserve.weights import TensorSlice
 
@@ -55,6 +56,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden)
+        self.gemv_tile = None  # set by warmup where the one-row GEMV beats F.linear
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.rows_per_rank), requires_grad=False)
@@ -67,7 +69,10 @@ class ParallelLMHead(VocabParallelEmbedding):
                        ) -> torch.Tensor | None:
         """Full-vocabulary logits on every rank; with to_first_rank, only on tp rank 0 (the
         rank that samples) and None elsewhere, which moves 1/tp of the bytes."""
-        logits = F.linear(hidden, self.weight, self.bias)
+        if self.bias is None:
+            logits = gemv.linear(hidden, self.weight, self.gemv_tile)
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)
         if to_first_rank:
             logits = gather_last_dim_to_first(logits)
             return None if logits is None else logits[..., : self.vocab_size]

@@ -21,7 +21,7 @@ from tpserve.config import EngineConfig
 from tpserve.distributed import TPInfo, reset_tp, set_tp
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.hf_config import ConfigData
-from tpserve.kernels import kv_quant
+from tpserve.kernels import gemv, kv_quant
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
 from tpserve.kernels.registry import select_backend
@@ -68,6 +68,7 @@ class Worker:
         self.encoder_decoder = False
         self.steps = 0
         self.graphs = None  # DecodeGraphs once captured (CUDA, a graph-safe backend)
+        self.gemv_choices: dict = {}  # weight shape -> GemvChoice, from warmup (CUDA, XPU)
         self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
         self.runner: ModelRunner | None = None  # once the cache is allocated
@@ -230,6 +231,8 @@ class Worker:
             sizes = tuple(sorted(set(sizes) | set(graph_buckets(max(sizes)))))
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, sizes)
+        # Before the graphs: each captures whichever path (GEMV or F.linear) was chosen.
+        self.gemv_choices = gemv.assign(self.model.modules())
         self.marks["kernels"] = now()
         self._capture_graphs(batch_sizes)
         self.marks["graphs"] = now()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpserve.errors import CheckpointError, ShardingError
+from tpserve.kernels import gemv
 from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
 from tpserve.layers.quant.config import QuantConfig, current_quant
 from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
@@ -35,9 +35,10 @@ class LinearMethod:
 class UnquantizedMethod(LinearMethod):
     def create(self, layer, out_per_rank, in_per_rank, **_) -> None:
         layer.weight = attach(_param((out_per_rank, in_per_rank)), FLOAT_WEIGHT)
+        layer.gemv_tile = None  # set by warmup where the one-row GEMV beats F.linear
 
     def apply(self, layer, x):
-        return F.linear(x, layer.weight)
+        return gemv.linear(x, layer.weight, layer.gemv_tile)
 
 
 def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):

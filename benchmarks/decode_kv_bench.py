@@ -1,0 +1,133 @@
+"""Decode attention by KV-cache dtype and tile, on one CUDA GPU (Llama-3-8B heads: 32 query,
+8 KV heads of 128; bf16 queries; blocks of 16 tokens in shuffled order).
+
+    python benchmarks/decode_kv_bench.py [--out docs-fragment.md]
+
+For each (batch, context), one layer's decode attention is timed inside a CUDA graph over
+enough cache copies (at least 256 MB) that every call reads its keys and values from HBM,
+as a decode step does layer after layer. Rows: the bf16 cache, and the fp8 cache with its
+dots in float16 (KV_F16, what the Triton backend runs for a bf16 model) and in bfloat16 (the
+conversion it replaced), each with the default tile (triton_backend.launch_config: keys per
+iteration, warps, stages) and a few others. GB/s = the K and V bytes the step must read once / time; "vs bf16" is the
+time against the bf16 cache's default tile in the same run. Each fp8 output is checked
+against the bf16 cache's (max abs difference; e4m3 keeps 3 mantissa bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from report import emit, graph_us  # noqa: E402
+
+HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
+CASES = ((256, 384), (256, 1024), (32, 2048), (1, 8192))
+TILES = (None, (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))
+MIN_BYTES = 256 << 20
+DEVICE = "cuda"  # a dry run of the table code may set "cpu" (TRITON_INTERPRET=1)
+
+
+def meta_for(batch: int, ctx: int, dev: torch.device):
+    from tpserve.kernels.base import AttentionMetadata
+
+    nb = ctx // BLOCK
+    perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
+    return AttentionMetadata(
+        torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        torch.full((batch,), ctx, dtype=torch.int32, device=dev), perm.view(batch, nb),
+        torch.zeros(batch, dtype=torch.long, device=dev), 1, ctx, (1,) * batch, (ctx,) * batch)
+
+
+def caches(backend, spec, batch: int, ctx: int, dtype: torch.dtype, copies: int, dev):
+    """`copies` (K, V) pairs stored in `dtype` (fp8: quantized), the same values for every
+    dtype (seeded), so the fp8 outputs can be compared with the bf16 one."""
+    shape = backend.kv_cache_shape(batch * (ctx // BLOCK), spec)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for _ in range(copies):
+        pair = []
+        for _ in range(2):
+            t = torch.randn(shape, dtype=torch.bfloat16, device=dev, generator=gen)
+            pair.append(t.to(dtype) if dtype != torch.bfloat16 else t)
+        out.append(pair)
+    return out
+
+
+def run_case(batch: int, ctx: int) -> list[dict]:
+    from dataclasses import replace
+
+    from tpserve.kernels.base import AttentionSpec
+    from tpserve.kernels.kv_quant import FP8_DTYPE
+    from tpserve.kernels.triton_backend import TritonAttentionBackend
+
+    dev = torch.device(DEVICE)
+    spec = AttentionSpec(HEADS, KV_HEADS, D, D**-0.5, block_size=BLOCK)
+    fp8 = replace(spec, kv_cache_dtype="fp8")
+    meta = meta_for(batch, ctx, dev)
+    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
+    tokens = batch * ctx
+    rows, ref, base = [], None, None
+    for label, cdtype, sp, f16 in (("bf16", torch.bfloat16, spec, True),
+                                   ("fp8, f16 dots", FP8_DTYPE, fp8, True),
+                                   ("fp8, bf16 dots", FP8_DTYPE, fp8, False)):
+        be = TritonAttentionBackend()
+        be.fp8_dots_in_f16 = f16
+        kv_bytes = 2 * tokens * KV_HEADS * D * torch.tensor([], dtype=cdtype).element_size()
+        copies = max(1, -(-MIN_BYTES // kv_bytes))
+        kv = caches(be, sp, batch, ctx, cdtype, copies, dev)
+        for tile in TILES:
+            be.decode_tile = tile
+            try:
+                out = be.decode(q, kv[0][0], kv[0][1], meta, sp)
+
+                def step(be=be, sp=sp, kv=kv):
+                    for k, v in kv:
+                        be.decode(q, k, v, meta, sp)
+
+                us = graph_us(step, len(kv), 20)
+            except Exception as exc:  # noqa: BLE001 - a tile over the GPU's limits
+                print(f"{label} {tile}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            if ref is None:
+                ref = out.float()
+            if base is None:
+                base = us
+            row = {"batch": batch, "context": ctx, "cache": label,
+                   "tile": "default" if tile is None else "n{} w{} s{}".format(*tile), "us": us,
+                   "gbs": kv_bytes / us / 1e3, "vs": us / base,
+                   "diff": (out.float() - ref).abs().max().item()}
+            rows.append(row)
+            print(row, flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="append the table to this markdown file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_kv_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = [r for b, c in CASES for r in run_case(b, c)]
+    name = torch.cuda.get_device_name()
+    lines = [f"Decode attention, one layer, by KV-cache dtype and tile ({name}, torch "
+             f"{torch.__version__}); us per call in a CUDA graph, cache cold in L2:", "",
+             "| batch | context | cache | tile | us | GB/s | vs bf16 default | max abs diff vs bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['cache']} | {r['tile']} | "
+                     f"{r['us']:.1f} | {r['gbs']:.0f} | {r['vs']:.2f} | {r['diff']:.3f} |")
+    emit(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

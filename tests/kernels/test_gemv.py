@@ -1,0 +1,203 @@
+"""The one-row GEMV (tpserve/kernels/gemv.py, triton_gemv.py) against F.linear in float64,
+and how warmup chooses between it and F.linear.
+
+The kernel runs on the CPU under Triton's interpreter when triton is installed (CI without
+triton reports that test as skipped, with the reason) and on a CUDA machine (`-m gpu`). The
+choice and the dispatch are checked on the CPU with stand-ins for the timer and the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpserve.kernels import gemv as G
+
+# (N, K): even and ragged against every candidate tile's blocks; 1 output row; K below one
+# K-block.
+SHAPES = ((64, 2048), (13, 1100), (1, 256), (40, 100), (130, 1024))
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def gemv_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES + (G.DEFAULT_TILE,)):
+    """Every (shape, dtype, tile) whose relative error against float64 exceeds the dtype's
+    tolerance (the rounding of one output to the dtype); [] when all pass."""
+    fn = fn or G.gemv
+    gen = torch.Generator().manual_seed(0)
+    bad = []
+    for dtype in dtypes:
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+            x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+            ref = F.linear(x.double(), w.double())
+            for tile in tiles:
+                out = fn(x, w, tile)
+                assert out.dtype == dtype and out.shape == (1, n)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err <= TOLERANCE[dtype]:
+                    bad.append(f"{n}x{k} {dtype} {tile.label()}: relative error {err:.2e}")
+    return bad
+
+
+def test_the_check_fails_a_gemv_that_drops_the_last_k_block():
+    def drops_tail(x, w, tile):
+        k = w.shape[1] // tile.block_k * tile.block_k
+        return F.linear(x[:, :k], w[:, :k])
+
+    bad = gemv_failures("cpu", (torch.float32,), fn=drops_tail)
+    assert any("13x1100" in b for b in bad) and any("40x100" in b for b in bad)
+    assert not any(b.startswith("64x2048") for b in bad)  # whole blocks lose nothing
+    assert gemv_failures("cpu", (torch.float32,), fn=lambda x, w, t: F.linear(x, w)) == []
+
+
+@pytest.mark.slow  # Triton's interpreter
+def test_triton_gemv_under_the_interpreter():
+    """TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_gemv import gemv_failures
+        bad = gemv_failures("cpu", (torch.float32, torch.float16))
+        assert bad == [], bad
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_triton_gemv_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    assert gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
+    w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    choice = G.choose(w)
+    assert choice is not None and choice.vendor_us > 0 and choice.us <= choice.vendor_us
+
+
+def test_the_cpu_keeps_f_linear():
+    w = torch.randn(8, 16)
+    assert G.unavailable(w.device, torch.bfloat16) == "no Triton GEMV on cpu"
+    assert G.choose(w) is None
+    assert "float32" in G.unavailable(torch.device("cuda"), torch.float32)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """choose() on the CPU: every device counts as able, the 'kernel' is F.linear plus a
+    per-tile error, and the timer reads a table of microseconds per tile."""
+    monkeypatch.setattr(G, "unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(G, "_CHOSEN", {})
+    state = {"wrong": set(), "broken": set(), "calls": []}
+
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE):
+        state["calls"].append(tile)
+        if tile in state["broken"]:
+            raise RuntimeError("out of shared memory")
+        y = F.linear(x.reshape(1, -1), w)
+        return y * 1.5 if tile in state["wrong"] else y
+
+    monkeypatch.setattr(G, "gemv", fake_gemv)
+    return state
+
+
+def timer_from(times: dict):
+    """A timer that identifies what it times by running it once and seeing which tile (or
+    F.linear: no tile) the fake kernel was called with."""
+    def timer(fn):
+        before = len(calls)
+        fn()
+        tile = calls[-1] if len(calls) > before else None
+        return times[tile]
+    calls: list = []
+    return timer, calls
+
+
+def test_choose_keeps_the_fastest_path(fake_device):
+    a, b, c, d = G.CANDIDATES
+    timer, calls = timer_from({None: 10.0, a: 9.0, b: 7.5, c: 8.0, d: 12.0})
+    fake_device["calls"] = calls
+    w = torch.randn(32, 64)
+    choice = G.choose(w, timer)
+    assert choice.tile == b and choice.us == 7.5 and choice.vendor_us == 10.0
+    assert "Triton GEMV" in choice.describe(32, 64)
+    # Cached per device, dtype and shape: a second layer of that shape is not timed again.
+    assert G.choose(torch.randn(32, 64), lambda fn: pytest.fail("timed twice")) is choice
+
+
+def test_choose_keeps_f_linear_when_no_tile_is_faster(fake_device):
+    timer, calls = timer_from({None: 5.0, **{t: 6.0 for t in G.CANDIDATES}})
+    fake_device["calls"] = calls
+    choice = G.choose(torch.randn(16, 32), timer)
+    assert choice.tile is None and "F.linear" in choice.describe(16, 32)
+
+
+def test_choose_skips_tiles_that_fail_or_disagree(fake_device, caplog):
+    a, b, c, d = G.CANDIDATES
+    fake_device["broken"].add(a)
+    fake_device["wrong"].add(b)
+    timer, calls = timer_from({None: 10.0, a: 1.0, b: 1.0, c: 9.0, d: 9.5})
+    fake_device["calls"] = calls
+    with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
+        choice = G.choose(torch.randn(16, 32), timer)
+    assert choice.tile == c
+    assert "out of shared memory" in caplog.text and "relative error" in caplog.text
+
+
+def test_linear_dispatches_one_row_only(fake_device):
+    w = torch.randn(6, 4)
+    tile = G.CANDIDATES[0]
+    one = torch.randn(1, 1, 4)  # [batch, tokens, features] with one row
+    assert torch.allclose(G.linear(one, w, tile), F.linear(one, w))
+    assert fake_device["calls"] == [tile]
+    two = torch.randn(2, 4)
+    assert torch.allclose(G.linear(two, w, tile), F.linear(two, w))
+    assert G.linear(one, w, None).shape == (1, 1, 6)
+    assert fake_device["calls"] == [tile]  # neither two rows nor no tile took the GEMV
+
+
+def test_assign_sets_the_tile_on_linear_layers_and_the_lm_head(fake_device):
+    from tpserve.distributed import TPInfo, reset_tp, set_tp
+    from tpserve.layers.embedding import ParallelLMHead
+    from tpserve.layers.linear import ColumnParallelLinear
+
+    set_tp(TPInfo(0, 1))
+    try:
+        _assign_and_check(fake_device, [ColumnParallelLinear(32, 48, prefix="a"),
+                                        ColumnParallelLinear(32, 48, prefix="b"),
+                                        ParallelLMHead(100, 32)])
+    finally:
+        reset_tp()
+
+
+def _assign_and_check(fake_device, layers):
+    for m in layers:
+        m.weight.data.normal_()
+    fast = G.CANDIDATES[2]
+    timer, calls = timer_from({None: 10.0, **{t: (1.0 if t == fast else 20.0)
+                                               for t in G.CANDIDATES}})
+    fake_device["calls"] = calls
+    real_choose = G.choose
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "choose", lambda w: real_choose(w, timer))
+        chosen = G.assign([*layers, torch.nn.ReLU()])
+    assert set(chosen) == {(48, 32), (100, 32)}
+    assert all(m.gemv_tile == fast for m in layers)
+    hidden = torch.randn(1, 32)  # the LM head's one-row logits go through the GEMV too
+    calls.clear()
+    assert torch.allclose(layers[2].compute_logits(hidden), F.linear(hidden, layers[2].weight)[
+        :, :100])
+    assert calls == [fast]
