@@ -201,3 +201,13 @@ def _assign_and_check(fake_device, layers):
     assert torch.allclose(layers[2].compute_logits(hidden), F.linear(hidden, layers[2].weight)[
         :, :100])
     assert calls == [fast]
+
+
+def test_choose_keeps_f_linear_when_timing_fails(fake_device, caplog):
+    def out_of_memory(fn):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+
+    with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
+        assert G.choose(torch.randn(16, 32), out_of_memory) is None
+    assert "stays on F.linear" in caplog.text and "out of memory" in caplog.text
+    assert G.choose(torch.randn(16, 32), lambda fn: pytest.fail("timed again")) is None
