@@ -211,3 +211,69 @@ def test_choose_keeps_f_linear_when_timing_fails(fake_device, caplog):
         assert G.choose(torch.randn(16, 32), out_of_memory) is None
     assert "stays on F.linear" in caplog.text and "out of memory" in caplog.text
     assert G.choose(torch.randn(16, 32), lambda fn: pytest.fail("timed again")) is None
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py) only on CUDA 9.0+: the CPU (the
+    interpreter's device) and a GPU below sm_90 launch without it, and TPSERVE_PDL=0 turns
+    it off everywhere."""
+    from tpserve.kernels import pdl
+
+    assert pdl.launch(torch.device("cpu")) == {"PDL": False}
+    pdl.enabled.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not pdl.enabled(torch.device("cuda", 0))
+    pdl.enabled.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(pdl, "_DISABLED", True)
+    assert not pdl.enabled(torch.device("cuda", 0))
+    pdl.enabled.cache_clear()
+
+
+@pytest.mark.gpu
+def test_a_chain_of_pdl_kernels_in_a_cuda_graph_matches_torch():
+    """norm -> GEMV -> activation -> GEMV -> norm, captured in one CUDA graph with
+    programmatic dependent launch where the GPU has it, replayed on fresh inputs: every
+    replay equals the same chain computed eagerly by torch. A kernel that read its input
+    before the previous kernel's writes were visible (a wait in the wrong place) would fail
+    here with stale values."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from tpserve.kernels import fused_ops as fo
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hidden, inter = 4096, 14336
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w_up = torch.randn(2 * inter, hidden, device=dev, dtype=dt, generator=gen) * 0.02
+    w_down = torch.randn(hidden, inter, device=dev, dtype=dt, generator=gen) * 0.02
+    norm_w = torch.rand(hidden, device=dev, dtype=dt, generator=gen) + 0.5
+    x = torch.zeros(1, hidden, device=dev, dtype=dt)
+    res = torch.zeros(1, hidden, device=dev, dtype=dt)
+    up, down = G.CANDIDATES[0], G.CANDIDATES[1]
+
+    def chain():
+        h, r = fo.add_rms_norm_triton(x, res, norm_w, 1e-5)
+        a = fo.gated_act_triton(G.gemv(h, w_up, up), False)
+        return fo.add_rms_norm_triton(G.gemv(a, w_down, down), r, norm_w, 1e-5)
+
+    def reference():
+        h, r = fo.add_rms_norm_torch(x, res, norm_w, 1e-5)
+        a = fo.gated_act_torch(F.linear(h, w_up), F.silu)
+        return fo.add_rms_norm_torch(F.linear(a, w_down), r, norm_w, 1e-5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_res = chain()
+    for _ in range(20):
+        x.copy_(torch.randn(1, hidden, device=dev, dtype=dt, generator=gen))
+        res.copy_(torch.randn(1, hidden, device=dev, dtype=dt, generator=gen))
+        graph.replay()
+        ref, ref_res = reference()
+        assert torch.equal(out_res, ref_res)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2e-2, err

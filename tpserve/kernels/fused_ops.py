@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from tpserve.kernels import pdl
+
 # Devices whose Triton backend runs these kernels (Triton's names: nvidia, intel).
 _TRITON_DEVICES = ("cuda", "xpu")
 GATED_ACTS = {"silu": False, "swish": False, "gelu_pytorch_tanh": True, "gelu_new": True,
@@ -125,7 +127,7 @@ def add_rms_norm_triton(x, residual, weight, eps, offset=0.0, cast_first=True):
             x2, res_in, weight, out, res_out, cols, float(eps), float(offset),
             x2.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
             HAS_RES=residual is not None, CAST_FIRST=cast_first, BLOCK=block,
-            num_warps=min(16, max(4, block // 1024)))
+            num_warps=min(16, max(4, block // 1024)), **pdl.launch(x.device))
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
 
 
@@ -155,7 +157,7 @@ def gated_act_triton(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x2.shape[0]:
         _kernels().gated_act_kernel[(x2.shape[0], -(-cols // block))](
             x2, out, cols, x2.stride(0), out.stride(0), GELU_TANH=gelu_tanh, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl.launch(x.device))
     return out.view(*x.shape[:-1], cols)
 
 
@@ -204,5 +206,5 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             cos.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
             1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, HEAD_DIM=d, ROT=cos.shape[-1],
             KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
-            num_warps=1 if d <= 64 else 2)
+            num_warps=1 if d <= 64 else 2, **pdl.launch(q.device))
     return q_out

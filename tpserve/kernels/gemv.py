@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpserve.kernels import pdl
+
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -165,5 +167,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE) -
     triton_gemv.gemv_kernel[grid](
         x, weight, out, n, k, weight.stride(0), EVEN_N=n % tile.block_n == 0,
         EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.warps)
+        BLOCK_K=tile.block_k, num_warps=tile.warps, **pdl.launch(x.device))
     return out

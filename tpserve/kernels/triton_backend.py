@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpserve.kernels import fused_ops, kv_quant
+from tpserve.kernels import fused_ops, kv_quant, pdl
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import CORE_FEATURES, CORE_FIELDS, unknown_feature_reason
 from tpserve.kernels.compile_cache import (
@@ -262,7 +262,7 @@ class TritonAttentionBackend(AttentionBackend):
             slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
-            **self._decode_launch(cfg), SPLIT=splits > 1, **flags)
+            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device))
         if splits > 1:
             self._reduce(out, part, ml)
         return out
@@ -281,7 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels().paged_decode_reduce_kernel[(b, heads)](
             out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
             out.stride(1), HEAD_DIM=d, SPLITS_PAD=reduce_pad(splits),
-            num_warps=4 if splits > 8 else 2)
+            num_warps=4 if splits > 8 else 2, **pdl.launch(out.device))
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)

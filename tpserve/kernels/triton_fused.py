@@ -14,15 +14,17 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.triton_kernels import _tanh  # one exp-based tanh for every backend
+from tpserve.kernels.triton_pdl import pdl_enter
 
 
 @triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"])
 def add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps, offset,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, CAST_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, CAST_FIRST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row: res_out = x + res (rounded to the dtype), out = rmsnorm(res_out)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -45,8 +47,9 @@ def add_rms_norm_kernel(
 
 @triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_o"])
 def gated_act_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o,
-                     GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+                     GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = act(gate) * up over x = [gate; up]: one program per (row, BLOCK columns)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -93,11 +96,13 @@ def rotary_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_ot, stride_oh, stride_slot, stride_ch, k_inv_scale, v_inv_scale,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (token, head) over num_heads + num_kv_heads heads: a query head is
     rotated into q_out; a KV head's rotated key and its value go to the token's cache slot
     (a negative slot writes nothing). KV_FP8: the cache is e4m3; the rotated key is rounded
     to the model dtype first, as the torch path stores it before quantizing."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)

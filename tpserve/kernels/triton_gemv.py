@@ -5,8 +5,8 @@ Imported only by gemv.py once Triton is known to be importable. Why it exists: a
 decode step is a chain of weight reads, and the vendor GEMM reads the small projections
 (QKV, o_proj) at about 75% of the copy bandwidth and splits some shapes' K into a second
 reduction kernel (docs/benchmarks.md). Here every program owns BLOCK_N whole output rows,
-so there is no reduction pass, and the weight tile of the next iteration is loaded before
-this one is reduced (PREFETCH: Triton does not pipeline loops without a dot).
+so there is no reduction pass, and the weight tile of the next iteration can be loaded
+before this one is reduced (PREFETCH: Triton does not pipeline loops without a dot).
 """
 
 from __future__ import annotations
@@ -14,42 +14,51 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _w_tile(ptrs, k0, K, nmask, offs_k, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile at K offset k0 (masked off entirely once k0 >= K)."""
+    if EVEN:  # one mask for the whole tile: whether it lies before K
+        return tl.load(ptrs + k0, mask=k0 < K, other=0.0)
+    return tl.load(ptrs + k0, mask=nmask[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PDL: tl.constexpr):
     """Program n: out[n * BLOCK_N + i] = sum_k x[k] W[n * BLOCK_N + i, k], in float32. The
     products stay a [BLOCK_N, BLOCK_K] tile in registers and are summed once, at the end.
-    EVEN_N / EVEN_K: N and K are multiples of the block (no masks, so loads stay 128-bit)."""
+    EVEN_N / EVEN_K: N and K are multiples of the block (no masks, so loads stay 128-bit).
+    The first weight tile is loaded before anything else: with PDL (kernels/pdl.py) that load
+    overlaps the previous kernel, since weights do not change; x is read only after the wait.
+    PREFETCH: each next tile is loaded before this one is reduced, else after."""
+    if PDL:
+        gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * swn + offs_k[None, :]
+    EVEN: tl.constexpr = EVEN_N and EVEN_K
+    w = _w_tile(ptrs, 0, K, nmask, offs_k, EVEN, BLOCK_K)
+    if PDL:
+        gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH:
-        if EVEN_N and EVEN_K:
-            nxt = tl.load(ptrs)
-        else:
-            nxt = tl.load(ptrs, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        kmask = kk < K
         if PREFETCH:
-            w = nxt
-            if EVEN_N and EVEN_K:  # one mask for the whole tile: past the last block
-                nxt = tl.load(ptrs + k0 + BLOCK_K, mask=k0 + BLOCK_K < K, other=0.0)
-            else:
-                nxt = tl.load(ptrs + k0 + BLOCK_K,
-                              mask=nmask[:, None] & (kk + BLOCK_K < K)[None, :], other=0.0)
-        elif EVEN_N and EVEN_K:
-            w = tl.load(ptrs + k0)
-        else:
-            w = tl.load(ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            nxt = _w_tile(ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
-            x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
+        if PREFETCH:
+            w = nxt
+        else:
+            w = _w_tile(ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
     y = tl.sum(acc, axis=1)
     if EVEN_N:
         tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty))
