@@ -92,7 +92,7 @@ def main() -> int:
         rows.append(f"| {name} | {n} x {k} | {cublas:.1f} ({gb / cublas:.0f}) | {us:.1f} "
                     f"({gb / us:.0f}) | {tile.label()} | {us / cublas:.2f} | "
                     + ", ".join(f"{t.label()} {u:.1f}" for u, t in results[1:4]) + " |")
-        choices.append(f"| {name} | {choose(ws[0]).describe(n, k)} |")
+        choices.append(f"| {name} | {choose(ws).describe(n, k)} |")
         del ws
         torch.cuda.empty_cache()
     tot_c = sum(best[s][0] * c for s, c in STEP.items())
@@ -106,7 +106,7 @@ def main() -> int:
              f"One step (32 layers + LM head, tp = 1): cuBLAS {tot_c / 1e3:.3f} ms, the faster "
              f"of the two per shape {tot_t / 1e3:.3f} ms.", "",
              "What warmup would choose (kernels/gemv.py `choose`: F.linear or one of "
-             "its candidate tiles, timed by Triton's benchmarker with L2 flushed):", "",
+             "its candidate tiles, timed in a CUDA graph over the weight copies):", "",
              "| layer | choice |", "| --- | --- |", *choices]
     emit(lines, args.out)
     return 0

@@ -84,14 +84,14 @@ def test_triton_gemv_on_cuda():
         pytest.skip("no CUDA device")
     assert gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-    choice = G.choose(w)
+    choice = G.choose([w])
     assert choice is not None and choice.vendor_us > 0 and choice.us <= choice.vendor_us
 
 
 def test_the_cpu_keeps_f_linear():
     w = torch.randn(8, 16)
     assert G.unavailable(w.device, torch.bfloat16) == "no Triton GEMV on cpu"
-    assert G.choose(w) is None
+    assert G.choose([w]) is None
     assert "float32" in G.unavailable(torch.device("cuda"), torch.float32)
 
 
@@ -117,9 +117,10 @@ def fake_device(monkeypatch):
 def timer_from(times: dict):
     """A timer that identifies what it times by running it once and seeing which tile (or
     F.linear: no tile) the fake kernel was called with."""
-    def timer(fn):
+    def timer(run, n_calls):
         before = len(calls)
-        fn()
+        run()
+        assert n_calls >= 1
         tile = calls[-1] if len(calls) > before else None
         return times[tile]
     calls: list = []
@@ -131,17 +132,17 @@ def test_choose_keeps_the_fastest_path(fake_device):
     timer, calls = timer_from({None: 10.0, a: 9.0, b: 7.5, c: 8.0, d: 12.0})
     fake_device["calls"] = calls
     w = torch.randn(32, 64)
-    choice = G.choose(w, timer)
+    choice = G.choose([w, torch.randn(32, 64)], timer)
     assert choice.tile == b and choice.us == 7.5 and choice.vendor_us == 10.0
     assert "Triton GEMV" in choice.describe(32, 64)
     # Cached per device, dtype and shape: a second layer of that shape is not timed again.
-    assert G.choose(torch.randn(32, 64), lambda fn: pytest.fail("timed twice")) is choice
+    assert G.choose([torch.randn(32, 64)], lambda run, n: pytest.fail("timed twice")) is choice
 
 
 def test_choose_keeps_f_linear_when_no_tile_is_faster(fake_device):
     timer, calls = timer_from({None: 5.0, **{t: 6.0 for t in G.CANDIDATES}})
     fake_device["calls"] = calls
-    choice = G.choose(torch.randn(16, 32), timer)
+    choice = G.choose([torch.randn(16, 32)], timer)
     assert choice.tile is None and "F.linear" in choice.describe(16, 32)
 
 
@@ -152,7 +153,7 @@ def test_choose_skips_tiles_that_fail_or_disagree(fake_device, caplog):
     timer, calls = timer_from({None: 10.0, a: 1.0, b: 1.0, c: 9.0, d: 9.5})
     fake_device["calls"] = calls
     with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
-        choice = G.choose(torch.randn(16, 32), timer)
+        choice = G.choose([torch.randn(16, 32)], timer)
     assert choice.tile == c
     assert "out of shared memory" in caplog.text and "relative error" in caplog.text
 
@@ -191,10 +192,12 @@ def _assign_and_check(fake_device, layers):
                                                for t in G.CANDIDATES}})
     fake_device["calls"] = calls
     real_choose = G.choose
+    seen: list[int] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(G, "choose", lambda w: real_choose(w, timer))
+        mp.setattr(G, "choose", lambda ws: seen.append(len(ws)) or real_choose(ws, timer))
         chosen = G.assign([*layers, torch.nn.ReLU()])
     assert set(chosen) == {(48, 32), (100, 32)}
+    assert sorted(seen) == [1, 2]  # the two 48x32 layers timed together, once
     assert all(m.gemv_tile == fast for m in layers)
     hidden = torch.randn(1, 32)  # the LM head's one-row logits go through the GEMV too
     calls.clear()
@@ -204,13 +207,13 @@ def _assign_and_check(fake_device, layers):
 
 
 def test_choose_keeps_f_linear_when_timing_fails(fake_device, caplog):
-    def out_of_memory(fn):
+    def out_of_memory(run, n_calls):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
 
     with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
-        assert G.choose(torch.randn(16, 32), out_of_memory) is None
+        assert G.choose([torch.randn(16, 32)], out_of_memory) is None
     assert "stays on F.linear" in caplog.text and "out of memory" in caplog.text
-    assert G.choose(torch.randn(16, 32), lambda fn: pytest.fail("timed again")) is None
+    assert G.choose([torch.randn(16, 32)], lambda run, n: pytest.fail("timed again")) is None
 
 
 def test_pdl_is_off_where_it_cannot_run(monkeypatch):
@@ -277,3 +280,13 @@ def test_a_chain_of_pdl_kernels_in_a_cuda_graph_matches_torch():
         for got, want in ((out, ref), (out_res, ref_res)):
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert err < 2e-2, err
+
+
+def test_pdl_is_for_launches_of_a_few_rows(monkeypatch):
+    from tpserve.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    assert pdl.launch(cuda) == pdl.launch(cuda, pdl.MAX_ROWS) == {"PDL": True,
+                                                                   "launch_pdl": True}
+    assert pdl.launch(cuda, pdl.MAX_ROWS + 1) == {"PDL": False}

@@ -67,15 +67,16 @@ def warmup(device: torch.device, dtype: torch.dtype) -> int:
     if not use_triton(torch.empty(0, device=device)):
         return 0
     n = 0
-    for hidden, offset, cast_first in sorted(_PLANNED_NORMS):
-        x = torch.zeros(1, hidden, dtype=dtype, device=device)
-        w = torch.ones(hidden, dtype=dtype, device=device)
-        for res in (None, x):
-            add_rms_norm_triton(x, res, w, 1e-6, offset, cast_first)
+    for rows in (1, pdl.MAX_ROWS + 1):  # launches of a few rows and of many (kernels/pdl.py)
+        for hidden, offset, cast_first in sorted(_PLANNED_NORMS):
+            x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+            w = torch.ones(hidden, dtype=dtype, device=device)
+            for res in (None, x):
+                add_rms_norm_triton(x, res, w, 1e-6, offset, cast_first)
+                n += 1
+        for gelu in sorted(_PLANNED_ACTS):
+            gated_act_triton(torch.zeros(rows, 32, dtype=dtype, device=device), gelu)
             n += 1
-    for gelu in sorted(_PLANNED_ACTS):
-        gated_act_triton(torch.zeros(1, 32, dtype=dtype, device=device), gelu)
-        n += 1
     gumbel_argmax_triton(torch.zeros(2, 8, device=device),
                          torch.zeros(2, dtype=torch.int64, device=device))
     return n + 1
@@ -127,7 +128,7 @@ def add_rms_norm_triton(x, residual, weight, eps, offset=0.0, cast_first=True):
             x2, res_in, weight, out, res_out, cols, float(eps), float(offset),
             x2.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
             HAS_RES=residual is not None, CAST_FIRST=cast_first, BLOCK=block,
-            num_warps=min(16, max(4, block // 1024)), **pdl.launch(x.device))
+            num_warps=min(16, max(4, block // 1024)), **pdl.launch(x.device, n))
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else x)
 
 
@@ -157,7 +158,7 @@ def gated_act_triton(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x2.shape[0]:
         _kernels().gated_act_kernel[(x2.shape[0], -(-cols // block))](
             x2, out, cols, x2.stride(0), out.stride(0), GELU_TANH=gelu_tanh, BLOCK=block,
-            num_warps=4, **pdl.launch(x.device))
+            num_warps=4, **pdl.launch(x.device, x2.shape[0]))
     return out.view(*x.shape[:-1], cols)
 
 
@@ -206,5 +207,5 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             cos.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
             1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, HEAD_DIM=d, ROT=cos.shape[-1],
             KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
-            num_warps=1 if d <= 64 else 2, **pdl.launch(q.device))
+            num_warps=1 if d <= 64 else 2, **pdl.launch(q.device, t))
     return q_out

@@ -4,9 +4,9 @@ and XPU, where the vendor GEMM leaves bandwidth unused on the small projections 
 triton_gemv.py); the CPU always takes F.linear.
 
 Which path a weight shape takes is measured, not assumed: at warmup `choose` times F.linear
-and a few GEMV tiles on the layer's own weight with the L2 cache flushed between calls (as a
-decode step meets its weights) and keeps the fastest, the vendor GEMM included, so a GPU or
-shape where the GEMV loses keeps F.linear. The layer holds the choice (`gemv_tile`) and
+and a few GEMV tiles over the model's own weights of that shape, one after another in a CUDA
+graph (as a decode step meets them: each read from memory, launches back to back), and keeps
+the fastest, the vendor GEMM included, so a GPU or shape where the GEMV loses keeps F.linear. The layer holds the choice (`gemv_tile`) and
 `linear` dispatches on it with no lookup per call. TPSERVE_GEMV=0 keeps F.linear everywhere
 (A/B measurements).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,31 +82,64 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _bench_us(fn: Callable[[], object]) -> float:
-    """Median microseconds of fn() with the L2 cache flushed before each call (Triton's
-    benchmarker: CUDA and XPU events)."""
+Timer = Callable[[Callable[[], object], int], float]  # (run, calls in run) -> us per call
+
+
+def _graph_us(run: Callable[[], object], calls: int, reps: int = 10) -> float:
+    """Microseconds per call of `run` (which makes `calls` launches) captured in one CUDA
+    graph and replayed back to back, as decode replays its step: launch gaps and PDL
+    overlap count as they will when serving."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def _bench_us(run: Callable[[], object], calls: int) -> float:
+    """Microseconds per call of `run` by Triton's benchmarker (CUDA and XPU events, L2
+    flushed before each run): the timer where CUDA graphs are not available."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+    return do_bench(run, warmup=5, rep=20, return_mode="median") * 1e3 / calls
 
 
-def choose(weight: torch.Tensor, timer: Callable[[Callable[[], object]], float] | None = None
-           ) -> GemvChoice | None:
-    """The fastest one-row path for `weight` [N, K] (cached per device, dtype and shape), or
-    None where the GEMV cannot run. Each GEMV tile is checked against F.linear before it is
-    timed; a tile that fails to build or disagrees is skipped, and logged."""
-    if weight.dim() != 2 or unavailable(weight.device, weight.dtype) or weight.stride(1) != 1:
+def _default_timer(device: torch.device) -> Timer:
+    return _graph_us if device.type == "cuda" else _bench_us
+
+
+def choose(weights: Sequence[torch.Tensor], timer: Timer | None = None) -> GemvChoice | None:
+    """The fastest one-row path for weights of one shape [N, K] (cached per device, dtype
+    and shape), or None where the GEMV cannot run. Each path is timed over all of `weights`
+    one after another (a model's layers of that shape: together larger than the L2 cache, so
+    each is read from memory as in a decode step). Each GEMV tile is checked against
+    F.linear first; a tile that fails to build or disagrees is skipped, and logged."""
+    w0 = weights[0]
+    if (w0.dim() != 2 or unavailable(w0.device, w0.dtype)
+            or any(w.stride(1) != 1 or w.shape != w0.shape for w in weights)):
         return None
-    n, k = weight.shape
-    key = (weight.device, weight.dtype, n, k)
+    n, k = w0.shape
+    key = (w0.device, w0.dtype, n, k)
     if key in _CHOSEN:
         return _CHOSEN[key]
-    timer = timer or _bench_us
-    x = torch.randn(1, k, dtype=weight.dtype, device=weight.device)
-    ref = F.linear(x, weight).float()
-    try:  # the benchmarker flushes L2 through a 256 MB buffer: the KV cache may leave less
-        vendor = timer(lambda: F.linear(x, weight))
-    except (RuntimeError, torch.OutOfMemoryError) as exc:
+    timer = timer or _default_timer(w0.device)
+    x = torch.randn(1, k, dtype=w0.dtype, device=w0.device)
+    ref = F.linear(x, w0).float()
+    calls = len(weights)
+    try:
+        vendor = timer(lambda: [F.linear(x, w) for w in weights], calls)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. no memory for the timing
         log.warning("one-row matmul %dx%d stays on F.linear: timing it failed (%s)", n, k,
                     str(exc).splitlines()[0][:200])
         _CHOSEN[key] = None
@@ -114,10 +147,10 @@ def choose(weight: torch.Tensor, timer: Callable[[Callable[[], object]], float] 
     best: tuple[float, GemvTile | None] = (vendor, None)
     for tile in CANDIDATES:
         try:
-            err = (gemv(x, weight, tile).float() - ref).norm() / ref.norm().clamp(min=1e-30)
+            err = (gemv(x, w0, tile).float() - ref).norm() / ref.norm().clamp(min=1e-30)
             if err > 1e-2:
                 raise ValueError(f"relative error {float(err):.2e} against F.linear")
-            us = timer(lambda t=tile: gemv(x, weight, t))
+            us = timer(lambda t=tile: [gemv(x, w, t) for w in weights], calls)
         except Exception as exc:  # noqa: BLE001 - a tile this device cannot build or run
             log.warning("one-row GEMV tile %s skipped for %dx%d: %s", tile.label(), n, k, exc)
             continue
@@ -130,16 +163,21 @@ def choose(weight: torch.Tensor, timer: Callable[[Callable[[], object]], float] 
 
 def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoice]:
     """Set `gemv_tile` on every module that holds one (the float linear layers and the LM
-    head) from `choose` on its weight; returns the choice per weight shape."""
-    chosen = {}
+    head) from `choose` over all weights of its shape; returns the choice per shape."""
+    groups: dict[tuple, list[torch.nn.Module]] = {}
     for m in modules:
         weight = getattr(m, "weight", None)
-        if not hasattr(m, "gemv_tile") or not isinstance(weight, torch.Tensor):
-            continue
-        choice = choose(weight)
-        m.gemv_tile = choice.tile if choice else None
+        if hasattr(m, "gemv_tile") and isinstance(weight, torch.Tensor):
+            groups.setdefault((weight.device, weight.dtype, *weight.shape), []).append(m)
+    chosen = {}
+    for group in groups.values():
+        # A tied LM head shares the embedding's tensor: time each tensor once.
+        weights = list({id(m.weight): m.weight for m in group}.values())
+        choice = choose(weights)
+        for m in group:
+            m.gemv_tile = choice.tile if choice else None
         if choice:
-            chosen[tuple(weight.shape)] = choice
+            chosen[tuple(weights[0].shape)] = choice
     return chosen
 
 

@@ -41,8 +41,17 @@ def enabled(device: torch.device) -> bool:
     return True
 
 
-def launch(device: torch.device) -> dict:
-    """The launch keywords of a PDL kernel on `device`: its PDL constexpr, and Triton's
-    launch option where enabled."""
-    on = enabled(device)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+# Rows (tokens, sequences) up to which a launch uses PDL. A single-sequence decode step gains
+# 0.4 ms on the H200 (4.70 -> 4.29 ms); at 256 rows the served burst was 2% slower with it
+# (early-launched kernels hold SM slots while the GEMMs before them finish), so large
+# launches keep the plain launch.
+MAX_ROWS = 8
+_OFF = {"PDL": False}
+_ON = {"PDL": True, "launch_pdl": True}
+
+
+def launch(device: torch.device, rows: int = 1) -> dict:
+    """The launch keywords of a PDL-capable kernel over `rows` rows on `device`: its PDL
+    constexpr, and Triton's launch option where used. A model compiles both variants during
+    warmup (its one-row and its largest decode batches)."""
+    return _ON if rows <= MAX_ROWS and enabled(device) else _OFF

@@ -262,7 +262,7 @@ class TritonAttentionBackend(AttentionBackend):
             slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
-            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device))
+            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b))
         if splits > 1:
             self._reduce(out, part, ml)
         return out
@@ -281,7 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels().paged_decode_reduce_kernel[(b, heads)](
             out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
             out.stride(1), HEAD_DIM=d, SPLITS_PAD=reduce_pad(splits),
-            num_warps=4 if splits > 8 else 2, **pdl.launch(out.device))
+            num_warps=4 if splits > 8 else 2, **pdl.launch(out.device, b))
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
@@ -363,13 +363,15 @@ class TritonAttentionBackend(AttentionBackend):
         """Every variant of the split reduction a decode step can pick (the split count
         depends on the batch and the device's core count, not only on the buckets)."""
         d, heads = spec.head_dim, spec.num_heads
-        out = torch.empty(1, heads, d, dtype=dtype, device=device)
-        splits = 2
-        while splits <= reduce_pad(MAX_SPLITS):
-            self._reduce(out, torch.zeros(1, heads, splits, d, dtype=torch.float32,
-                                          device=device),
-                         torch.zeros(1, heads, splits, 2, dtype=torch.float32, device=device))
-            splits *= 2
+        for b in (1, pdl.MAX_ROWS + 1):  # a few sequences and many (kernels/pdl.py)
+            out = torch.empty(b, heads, d, dtype=dtype, device=device)
+            splits = 2
+            while splits <= reduce_pad(MAX_SPLITS):
+                self._reduce(out, torch.zeros(b, heads, splits, d, dtype=torch.float32,
+                                              device=device),
+                             torch.zeros(b, heads, splits, 2, dtype=torch.float32,
+                                         device=device))
+                splits *= 2
 
     def _run_case(self, case: WarmupCase, device, dtype, spec: AttentionSpec) -> None:
         bs = spec.block_size
@@ -406,6 +408,9 @@ class TritonAttentionBackend(AttentionBackend):
             extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
             self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping,
                                  **extra)
+            # and a decode row's launch (a different variant where PDL is on, kernels/pdl.py)
+            self.rotary_write_kv(q[:1], kv[:1], kv[:1], cs[:1], cs[:1], k_cache, v_cache,
+                                 meta.slot_mapping[:1], **extra)
 
 
 def fp8_reason(device: torch.device, on_cpu: bool) -> str | None:
