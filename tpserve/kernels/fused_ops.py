@@ -49,10 +49,15 @@ def _kernels():
 # act: tanh GELU or not), so warmup can compile them before the first request.
 _PLANNED_NORMS: set[tuple[int, float, bool]] = set()
 _PLANNED_ACTS: set[bool] = set()
+_PLANNED_VOCABS: set[int] = set()  # the greedy reduction's tile count follows the vocabulary
 
 
 def plan_norm(hidden: int, offset: float, cast_first: bool) -> None:
     _PLANNED_NORMS.add((hidden, float(offset), bool(cast_first)))
+
+
+def plan_greedy(vocab: int) -> None:
+    _PLANNED_VOCABS.add(int(vocab))
 
 
 def plan_act(name: str) -> None:
@@ -79,7 +84,35 @@ def warmup(device: torch.device, dtype: torch.dtype) -> int:
             n += 1
     gumbel_argmax_triton(torch.zeros(2, 8, device=device),
                          torch.zeros(2, dtype=torch.int64, device=device))
+    for vocab in sorted(_PLANNED_VOCABS):
+        greedy_triton(torch.zeros(1, vocab, device=device))
+        n += 1
     return n + 1
+
+
+GREEDY_CHUNK = 4096  # logits per program of the greedy reduction (32 programs per 128k row)
+
+
+def greedy_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, log_softmax at the argmax) per row of float32 logits x [n, vocab], as
+    x.argmax(-1) and x.log_softmax(-1).gather(...) give them (first index on ties, NaN
+    counted as the largest; a row without a finite maximum gets NaN), in two launches."""
+    from tpserve.kernels.triton_sampling import greedy_chunk_kernel, greedy_combine_kernel
+
+    x = x.contiguous()
+    n, vocab = x.shape
+    chunks = -(-vocab // GREEDY_CHUNK)
+    m = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(n, chunks, dtype=torch.int32, device=x.device)
+    s = torch.empty(n, chunks, dtype=torch.float32, device=x.device)
+    tok = torch.empty(n, dtype=torch.int64, device=x.device)
+    lp = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n:
+        greedy_chunk_kernel[(n, chunks)](x, m, idx, s, vocab, x.stride(0), CHUNK=GREEDY_CHUNK,
+                                         BLOCK=1024, num_warps=4)
+        greedy_combine_kernel[(n,)](m, idx, s, tok, lp, chunks,
+                                    CHUNKS=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    return tok, lp
 
 
 def gumbel_argmax_triton(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

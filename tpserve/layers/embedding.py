@@ -16,7 +16,7 @@ from tpserve.distributed import (
     gather_last_dim_to_first,
     get_tp,
 )
-from tpserve.kernels import gemv
+from tpserve.kernels import fused_ops, gemv
 from tpserve.layers.sharding import check_shape, copy_narrow
 from tpserve.weights import TensorSlice
 
@@ -57,6 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden)
         self.gemv_tile = None  # set by warmup where the one-row GEMV beats F.linear
+        fused_ops.plan_greedy(vocab_size)  # the sampler's kernels for these logits
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.rows_per_rank), requires_grad=False)

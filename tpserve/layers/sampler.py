@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.engine.request import SamplingParams
-from tpserve.kernels.fused_ops import gumbel_argmax_triton, use_triton
+from tpserve.kernels.fused_ops import greedy_triton, gumbel_argmax_triton, use_triton
 
 # Temperatures below this already make the draw an arg-max for any real logit gap, and
 # dividing by them keeps float32 finite; above the upper one every row is uniform anyway.
@@ -267,6 +267,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         is_greedy = greedy.bool()
         dist = torch.where(is_greedy[:, None], x, f)
         token = torch.where(is_greedy, x.argmax(-1), drawn)
+    elif x is raw and not top_n and use_triton(x):
+        # All greedy on raw logits: arg-max and its log-probability in two parallel passes
+        # (kernels/triton_sampling.py) instead of torch's two single-block reductions.
+        token, chosen = greedy_triton(raw)
+        return SampleResult(token, chosen, None, None)
     else:
         dist, token = x, x.argmax(-1)
     if dist is not raw:

@@ -1,0 +1,88 @@
+"""The greedy sampler's two-pass arg-max + log-probability (kernels/triton_sampling.py,
+fused_ops.greedy_triton) against torch's argmax and log_softmax: ties, -inf, +inf and NaN
+logits, vocabularies that end inside a chunk, several rows. Under Triton's interpreter on
+the CPU when triton is installed (CI without triton reports the test as skipped, with the
+reason), and on CUDA (`-m gpu`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def greedy_failures(device: str, fn=None) -> list[str]:
+    """Rows where fn(x) = (token, logp) differs from torch: the token exactly, logp within
+    1e-5 (NaN where torch gives NaN)."""
+    from tpserve.kernels.fused_ops import GREEDY_CHUNK, greedy_triton
+
+    fn = fn or greedy_triton
+    gen = torch.Generator().manual_seed(0)
+    bad = []
+    for vocab in (17, GREEDY_CHUNK, GREEDY_CHUNK + 5, 3 * GREEDY_CHUNK - 1):
+        x = torch.randn(6, vocab, generator=gen) * 4
+        x[1, vocab // 2] = x[1].max() + 1  # a clear maximum in the middle
+        x[1, vocab - 1] = x[1, vocab // 2]  # ... tied at the end: the first index wins
+        x[2] = float("-inf")  # no finite logit
+        x[3, : vocab // 2] = float("-inf")
+        x[4, vocab // 3] = float("nan")
+        x[5, vocab - 1] = float("inf")
+        x = x.to(device)
+        tok, lp = fn(x)
+        ref_tok = x.argmax(-1)
+        ref_lp = x.log_softmax(-1).gather(1, ref_tok[:, None])[:, 0]
+        for r in range(x.shape[0]):
+            t, rt = int(tok[r]), int(ref_tok[r])
+            a, b = float(lp[r]), float(ref_lp[r])
+            same_lp = (a != a and b != b) or abs(a - b) <= 1e-5 * max(1.0, abs(b))
+            if t != rt or not same_lp:
+                bad.append(f"vocab {vocab} row {r}: token {t} vs {rt}, logp {a} vs {b}")
+    return bad
+
+
+def test_the_check_catches_a_wrong_greedy():
+    def last_index_on_ties(x):
+        flipped = x.flip(-1)
+        tok = x.shape[1] - 1 - flipped.argmax(-1)
+        return tok, x.log_softmax(-1).gather(1, tok[:, None])[:, 0]
+
+    def softmax_not_log(x):
+        tok = x.argmax(-1)
+        return tok, x.softmax(-1).gather(1, tok[:, None])[:, 0]
+
+    assert any("row 1:" in b for b in greedy_failures("cpu", last_index_on_ties))
+    assert greedy_failures("cpu", softmax_not_log)
+    exact = lambda x: (x.argmax(-1), x.log_softmax(-1).gather(1, x.argmax(-1)[:, None])[:, 0])  # noqa: E731
+    assert greedy_failures("cpu", exact) == []
+
+
+@pytest.mark.slow  # Triton's interpreter
+def test_greedy_kernels_under_the_interpreter():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_greedy_sampler import greedy_failures
+        bad = greedy_failures("cpu")
+        assert bad == [], bad
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_greedy_kernels_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    assert greedy_failures("cuda") == []
