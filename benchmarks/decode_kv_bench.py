@@ -24,24 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from kernels_bench import BLOCK, decode_meta  # noqa: E402
 from report import emit, graph_us  # noqa: E402
 
-HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
+HEADS, KV_HEADS, D = 32, 8, 128
 CASES = ((256, 384), (256, 1024), (32, 2048), (1, 8192))
 TILES = (None, (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))
 MIN_BYTES = 256 << 20
 DEVICE = "cuda"  # a dry run of the table code may set "cpu" (TRITON_INTERPRET=1)
-
-
-def meta_for(batch: int, ctx: int, dev: torch.device):
-    from tpserve.kernels.base import AttentionMetadata
-
-    nb = ctx // BLOCK
-    perm = torch.randperm(batch * nb, device=dev, dtype=torch.int32)
-    return AttentionMetadata(
-        torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        torch.full((batch,), ctx, dtype=torch.int32, device=dev), perm.view(batch, nb),
-        torch.zeros(batch, dtype=torch.long, device=dev), 1, ctx, (1,) * batch, (ctx,) * batch)
 
 
 def caches(backend, spec, batch: int, ctx: int, dtype: torch.dtype, copies: int, dev):
@@ -69,7 +59,7 @@ def run_case(batch: int, ctx: int) -> list[dict]:
     dev = torch.device(DEVICE)
     spec = AttentionSpec(HEADS, KV_HEADS, D, D**-0.5, block_size=BLOCK)
     fp8 = replace(spec, kv_cache_dtype="fp8")
-    meta = meta_for(batch, ctx, dev)
+    meta = decode_meta(batch, ctx, dev)
     q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
     tokens = batch * ctx
     rows, ref, base = [], None, None

@@ -7,16 +7,11 @@ catch a wrong kernel. On a CUDA machine (`-m gpu`): every dtype and head_dims 64
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from fused_conformance import run_fused_conformance
+from interpreter import run_interpreted
 
 from tpserve.kernels import fused_ops as fo
 from tpserve.kernels import kv_quant
@@ -28,14 +23,8 @@ def test_cpu_tensors_take_the_torch_path():
 
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
 def test_triton_fused_kernels_under_the_interpreter():
-    """TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+    out = run_interpreted("""
+        import torch
         from fused_conformance import run_fused_conformance, as_markdown
         cases = run_fused_conformance("cpu", (torch.float32, torch.bfloat16, torch.float16),
                                       head_dims=(64, 256))
@@ -44,13 +33,9 @@ def test_triton_fused_kernels_under_the_interpreter():
         # stack up in the fp8-cache bfloat16 cases: reported, not held to the tolerance.
         assert all(c.ok for c in cases if not ("[fp8]" in c.kernel and c.dtype == "bfloat16"))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rotary_write_kv | bfloat16 | 12 | 0" in proc.stdout
-    assert "rotary_write_kv (fp8 cache) | float32 | 12 | 0" in proc.stdout
-    assert "rotary_write_kv (fp8 cache) | float16 | 12 | 0" in proc.stdout
+    assert "rotary_write_kv | bfloat16 | 12 | 0" in out
+    assert "rotary_write_kv (fp8 cache) | float32 | 12 | 0" in out
+    assert "rotary_write_kv (fp8 cache) | float16 | 12 | 0" in out
 
 
 def test_suite_fails_wrong_kernels(monkeypatch):

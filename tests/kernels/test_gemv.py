@@ -8,15 +8,10 @@ choice and the dispatch are checked on the CPU with stand-ins for the timer and 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import run_interpreted
 
 from tpserve.kernels import gemv as G
 
@@ -59,23 +54,14 @@ def test_the_check_fails_a_gemv_that_drops_the_last_k_block():
 
 @pytest.mark.slow  # Triton's interpreter
 def test_triton_gemv_under_the_interpreter():
-    """TRITON_INTERPRET is read when the kernels are defined, hence a fresh process."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+    out = run_interpreted("""
+        import torch
         from test_gemv import gemv_failures
         bad = gemv_failures("cpu", (torch.float32, torch.float16))
         assert bad == [], bad
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    assert "ok" in out
 
 
 @pytest.mark.gpu

@@ -6,14 +6,9 @@ reason), and on CUDA (`-m gpu`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter import run_interpreted
 
 
 def greedy_failures(device: str, fn=None) -> list[str]:
@@ -63,22 +58,13 @@ def test_the_check_catches_a_wrong_greedy():
 
 @pytest.mark.slow  # Triton's interpreter
 def test_greedy_kernels_under_the_interpreter():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+    out = run_interpreted("""
         from test_greedy_sampler import greedy_failures
         bad = greedy_failures("cpu")
         assert bad == [], bad
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    assert "ok" in out
 
 
 @pytest.mark.gpu
