@@ -39,17 +39,19 @@ pytestmark = [pytest.mark.slow,  # ~1-2 s per variant on a busy CPU
               pytest.mark.skipif(not _have_nvidia_backend(), reason="no nvidia backend")]
 
 ALL = dict(HAS_WINDOW=True, HAS_ALIBI=True, HAS_SOFTCAP=True, DOT_PRECISION="tf32",
-           KV_FP8=False)
+           KV_FP8=False, KV_F16=False)
 NONE = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32",
-            KV_FP8=False)
-FP8 = dict(NONE, KV_FP8=True)
+            KV_FP8=False, KV_F16=False)
+FP8 = dict(NONE, KV_FP8=True, KV_F16=True)  # a bfloat16 model's fp8 cache: float16 dots
 FLAGS = [ALL, NONE, FP8]
 FLAG_IDS = ["all-features", "plain", "fp8-cache"]
+PDL = [False, True]  # programmatic dependent launch (kernels/pdl.py): sm_90's griddepcontrol
 
 
+@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 @pytest.mark.parametrize("split", [False, True])
-def test_decode_kernels_compile(split, flags):
+def test_decode_kernels_compile(split, flags, pdl):
     from tpserve.kernels import triton_kernels as tk
 
     tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
@@ -57,10 +59,11 @@ def test_decode_kernels_compile(split, flags):
     if flags["KV_FP8"]:
         tables.update(FP8_CACHE)
     _compile(tk.paged_decode_kernel, tables,
-             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=split,
-                  **flags))
+             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
+                  BLOCK_N=128 if flags["KV_FP8"] else 64, SPLIT=split, PDL=pdl, **flags))
     _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
-                                             "*": "*bf16"}, dict(HEAD_DIM=128, SPLITS_PAD=64))
+                                             "*": "*bf16"},
+             dict(HEAD_DIM=128, SPLITS_PAD=64, PDL=pdl))
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
@@ -76,22 +79,36 @@ def test_prefill_kernel_compiles(flags):
                   **flags))
 
 
+@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_fused_kernels_compile(dtype):
+def test_fused_kernels_compile(dtype, pdl):
     from tpserve.kernels import triton_fused as tf
 
     ptr = "*" + dtype
     for has_res in (False, True):
         for cast_first in (False, True):
             _compile(tf.add_rms_norm_kernel, {"*": ptr},
-                     dict(HAS_RES=has_res, CAST_FIRST=cast_first, BLOCK=4096))
+                     dict(HAS_RES=has_res, CAST_FIRST=cast_first, BLOCK=4096, PDL=pdl))
     for gelu in (False, True):
-        _compile(tf.gated_act_kernel, {"*": ptr}, dict(GELU_TANH=gelu, BLOCK=1024))
+        _compile(tf.gated_act_kernel, {"*": ptr}, dict(GELU_TANH=gelu, BLOCK=1024, PDL=pdl))
     for fp8 in (False, True):
         caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}
         _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr,
                                              "*": ptr, **caches},
-                 dict(NUM_HEADS=32, HEAD_DIM=128, ROT=128, KV_FP8=fp8))
+                 dict(NUM_HEADS=32, HEAD_DIM=128, ROT=128, KV_FP8=fp8, PDL=pdl))
+
+
+@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gemv_kernel_compiles(dtype, pdl):
+    from tpserve.kernels import triton_gemv as tg
+    from tpserve.kernels.gemv import CANDIDATES
+
+    for tile in CANDIDATES:
+        for even in (False, True):
+            _compile(tg.gemv_kernel, {"*": "*" + dtype},
+                     dict(EVEN_N=even, EVEN_K=even, PREFETCH=tile.prefetch,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl))
 
 
 def test_sampling_kernel_compiles():
@@ -99,3 +116,7 @@ def test_sampling_kernel_compiles():
 
     _compile(ts.gumbel_argmax_kernel, {"keys_ptr": "*i64", "out_ptr": "*i64", "*": "*fp32"},
              dict(BLOCK=1024))
+    _compile(ts.greedy_chunk_kernel, {"i_ptr": "*i32", "*": "*fp32"},
+             dict(CHUNK=4096, BLOCK=1024))
+    _compile(ts.greedy_combine_kernel, {"i_ptr": "*i32", "tok_ptr": "*i64", "*": "*fp32"},
+             dict(CHUNKS=32))
