@@ -214,6 +214,10 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     assert not pdl.enabled(torch.device("cuda", 0))
     pdl.enabled.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.1")  # graph capture of PDL needs 12.3
+    assert not pdl.enabled(torch.device("cuda", 0))
+    pdl.enabled.cache_clear()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(pdl, "_DISABLED", True)
     assert not pdl.enabled(torch.device("cuda", 0))
     pdl.enabled.cache_clear()

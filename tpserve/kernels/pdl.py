@@ -32,6 +32,10 @@ def enabled(device: torch.device) -> bool:
         return False
     if torch.cuda.get_device_capability(device) < (9, 0):
         return False
+    # Launches with the PDL attribute inside graph capture need CUDA 12.3 or later.
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if cuda < (12, 3):
+        return False
     if importlib.util.find_spec("triton") is None:
         return False
     try:
