@@ -28,3 +28,16 @@ def run_interpreted(body: str, timeout: int = 900) -> str:
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def assert_no_failures_interpreted(module: str, call: str) -> None:
+    """Under the interpreter, `call` (an expression in `module` of tests/kernels returning
+    the list of failed cases) must return []."""
+    out = run_interpreted(f"""
+        import torch
+        from {module} import *
+        bad = {call}
+        assert bad == [], bad
+        print("no failures")
+    """)
+    assert "no failures" in out

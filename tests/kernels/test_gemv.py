@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter import run_interpreted
+from interpreter import assert_no_failures_interpreted
 
 from tpserve.kernels import gemv as G
 
@@ -54,14 +54,7 @@ def test_the_check_fails_a_gemv_that_drops_the_last_k_block():
 
 @pytest.mark.slow  # Triton's interpreter
 def test_triton_gemv_under_the_interpreter():
-    out = run_interpreted("""
-        import torch
-        from test_gemv import gemv_failures
-        bad = gemv_failures("cpu", (torch.float32, torch.float16))
-        assert bad == [], bad
-        print("ok")
-    """)
-    assert "ok" in out
+    assert_no_failures_interpreted("test_gemv", 'gemv_failures("cpu", (torch.float32, torch.float16))')
 
 
 @pytest.mark.gpu
@@ -254,14 +247,7 @@ def test_a_chain_of_pdl_kernels_in_a_cuda_graph_matches_torch():
         a = fo.gated_act_torch(F.linear(h, w_up), F.silu)
         return fo.add_rms_norm_torch(F.linear(a, w_down), r, norm_w, 1e-5)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, out_res = chain()
+    graph, (out, out_res) = G.capture(chain)
     for _ in range(20):
         x.copy_(torch.randn(1, hidden, device=dev, dtype=dt, generator=gen))
         res.copy_(torch.randn(1, hidden, device=dev, dtype=dt, generator=gen))

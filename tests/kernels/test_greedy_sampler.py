@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter import run_interpreted
+from interpreter import assert_no_failures_interpreted
 
 
 def greedy_failures(device: str, fn=None) -> list[str]:
@@ -58,13 +58,7 @@ def test_the_check_catches_a_wrong_greedy():
 
 @pytest.mark.slow  # Triton's interpreter
 def test_greedy_kernels_under_the_interpreter():
-    out = run_interpreted("""
-        from test_greedy_sampler import greedy_failures
-        bad = greedy_failures("cpu")
-        assert bad == [], bad
-        print("ok")
-    """)
-    assert "ok" in out
+    assert_no_failures_interpreted("test_greedy_sampler", 'greedy_failures("cpu")')
 
 
 @pytest.mark.gpu

@@ -85,18 +85,25 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 Timer = Callable[[Callable[[], object], int], float]  # (run, calls in run) -> us per call
 
 
+def capture(run: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`run` captured in a CUDA graph (run once before on a side stream, so that it compiles
+    outside the capture), and what the captured call returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = run()
+    return graph, result
+
+
 def _graph_us(run: Callable[[], object], calls: int, reps: int = 10) -> float:
     """Microseconds per call of `run` (which makes `calls` launches) captured in one CUDA
     graph and replayed back to back, as decode replays its step: launch gaps and PDL
     overlap count as they will when serving."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture(run)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
