@@ -90,8 +90,8 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     block_n = 64 if wide <= 256 else 32
     # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
     block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
-    # Decode (benchmarks/decode_kv_bench.py on an H200, docs/benchmarks.md "Decode attention
-    # by KV-cache dtype"): an fp8 cache takes twice the keys per iteration, so an iteration
+    # Decode (benchmarks/decode_kv_bench.py on an H200; docs/benchmarks.md, "a one-row GEMV,
+    # decode tiles by cache dtype"): an fp8 cache takes twice the keys per iteration, so an iteration
     # moves as many bytes as a bfloat16 one (6-31% faster than 64 keys); a float cache gains
     # 1-8% from a third pipeline stage.
     fp8 = spec.kv_cache_dtype == "fp8"
