@@ -19,14 +19,9 @@ def graph_us(step, calls: int, reps: int) -> float:
     that graph replayed `reps` times between two events."""
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    from tpserve.kernels.gemv import capture
+
+    g, _ = capture(step)
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
