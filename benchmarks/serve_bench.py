@@ -87,6 +87,12 @@ class Server:
         env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(
                        [p for p in (os.environ.get("PYTHONPATH_PREFIX"), str(tree)) if p]))
+        self.trace = None
+        if getattr(args, "step_trace", False):  # the engine's timeline (step_trace.py)
+            self.trace = log.with_suffix(".steps.jsonl")
+            self.trace.unlink(missing_ok=True)
+            Path(str(self.trace) + ".driver").unlink(missing_ok=True)
+            env["TPSERVE_STEP_TRACE"] = str(self.trace)
         self.log = open(log, "w")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log,
@@ -207,8 +213,8 @@ def session(connections: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=600))
 
 
-async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler=None
-                     ) -> tuple[float, int, dict]:
+async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler=None,
+                     trace: Path | None = None) -> tuple[float, int, dict]:
     rng = random.Random(n)
     texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
     # aiohttp, as TGI's own client uses: httpx's connection pool costs seconds at this
@@ -238,14 +244,50 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
         samples: list = []
         with profiler or contextlib.nullcontext():
             watcher = asyncio.create_task(watch(samples))
-            t0 = time.perf_counter()
+            t0_wall, t0 = time.time(), time.perf_counter()
             counts = await asyncio.gather(*(one(t) for t in texts))
             wall = time.perf_counter() - t0
             watcher.cancel()
         after = engine_stats(url)
     where = split(before, after, wall)
     where.update(timeline(samples, done, t0, before.get("steps", 0.0)))
+    if trace is not None:
+        await asyncio.sleep(0.5)  # the core and the driver write their traces once idle
+        where["trace"] = trace_split(trace, t0_wall, wall, [d - t0 for d in done])
     return sum(counts) / wall, sum(counts), where
+
+
+def trace_split(path: Path, t0: float, wall: float, done: list[float]) -> dict:
+    """A burst read off the engine's step trace (TPSERVE_STEP_TRACE), in seconds from the
+    client's start: when requests reached the driver's engine bridge and the core, when the
+    core stepped, how long it sat idle in between, and the steps that ran while requests
+    were still arriving."""
+    from tpserve.engine.step_trace import read
+
+    core = read(str(path), t0)
+    drv = read(str(path) + ".driver", t0)
+
+    def times(rows: list[dict], kind: str) -> list[float]:
+        return [r["t"] - t0 for r in rows if r["kind"] == kind and r["t"] - t0 <= wall + 1]
+
+    steps = [r for r in core if r["kind"] == "step" and r["t"] - t0 <= wall]
+    if not steps:
+        return {}
+    arrive, add = times(drv, "arrive"), times(core, "add")
+    first, end = steps[0]["t"] - t0, max(r["t"] + r["dt"] for r in steps) - t0
+    busy = sum(r["dt"] for r in steps)
+    last_add = add[-1] if add else first
+    ramp = [r for r in steps if r["t"] - t0 <= last_add]
+    nan = float("nan")
+    return {"first_arrive": arrive[0] if arrive else nan,
+            "last_arrive": arrive[-1] if arrive else nan,
+            "first_add": add[0] if add else nan, "last_add": last_add, "adds": len(add),
+            "first_step": first, "last_step_end": end, "steps": len(steps),
+            "idle": (end - first) - busy, "wait": sum(r["wait"] for r in steps),
+            "ramp_steps": len(ramp),
+            "ramp_tokens": sum(r["tokens"] for r in ramp) / max(len(ramp), 1),
+            "prefill_steps": sum(r["prefill"] for r in steps),
+            "last_done": max(done) if done else nan}
 
 
 def timeline(samples: list, done: list[float], t0: float, steps0: float) -> dict:
@@ -264,7 +306,8 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def measure(url: str, args, vocab: int, label: str = "this") -> dict:
+async def measure(url: str, args, vocab: int, label: str = "this",
+                  trace: Path | None = None) -> dict:
     rng = random.Random(0)
     res: dict = {}
     async with session(8) as client:
@@ -290,7 +333,7 @@ async def measure(url: str, args, vocab: int, label: str = "this") -> dict:
         profiler = (Profiler(args.py_spy, args.logs, f"{label}_{c}")
                     if args.py_spy and c == max(args.concurrency) else None)
         tps, toks, where = await throughput(url, c, args.prompt_len, args.new_tokens, vocab,
-                                            profiler)
+                                            profiler, trace)
         res[f"tps_{c}"] = tps
         res[f"toks_{c}"] = toks
         res[f"split_{c}"] = where
@@ -346,6 +389,24 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
                              f"{w['driver_process_pct']:.0f} | "
                              f"{w['first_step_s']:.2f}-{w['last_step_s']:.2f} | "
                              f"{w['first_done_s']:.2f}-{w['last_done_s']:.2f} |")
+    traced = [(label, c, r[f"split_{c}"]["trace"]) for label, _, _, r in rows
+              for c in args.concurrency if r.get(f"split_{c}", {}).get("trace")]
+    if traced:
+        lines += ["", "The same bursts on the engine's step trace (TPSERVE_STEP_TRACE), seconds "
+                  "from the client's start: requests reaching the driver's engine bridge "
+                  "(first-last), batches the core admitted (first-last, count), the core's "
+                  "steps (first start - last end), the core's idle time between its first "
+                  "and last step, the steps that ran while requests were still being admitted "
+                  "(count, mean tokens), and the last response.", "",
+                  "| tree | requests | arrivals s | core admissions s (batches) | steps s | "
+                  "steps | core idle s | steps while admitting (tokens/step) | last response s |",
+                  "|" + " --- |" * 9]
+        for label, c, t in traced:
+            lines.append(f"| {label} | {c} | {t['first_arrive']:.3f}-{t['last_arrive']:.3f} | "
+                         f"{t['first_add']:.3f}-{t['last_add']:.3f} ({t['adds']}) | "
+                         f"{t['first_step']:.3f}-{t['last_step_end']:.3f} | {t['steps']} | "
+                         f"{t['idle']:.3f} | {t['ramp_steps']} ({t['ramp_tokens']:.0f}) | "
+                         f"{t['last_done']:.3f} |")
     if args.long:
         lines += ["", "| tree | prompt tokens | TTFT ms | ITL median ms |", "| --- | --- | --- | --- |"]
         for label, _, _, r in rows:
@@ -380,6 +441,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--long", action="store_true", help="also 1k/4k/8k-token prompts")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="trace the engine's steps (TPSERVE_STEP_TRACE) and split each burst "
+                         "by it (the trees must have tpserve/engine/step_trace.py)")
     ap.add_argument("--py-spy", metavar="PATH",
                     help="py-spy binary: profile the core and driver actors in the largest burst")
     launch_options(ap)
@@ -397,7 +461,7 @@ def main() -> None:
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
-            res = asyncio.run(measure(srv.url, args, vocab, label))
+            res = asyncio.run(measure(srv.url, args, vocab, label, srv.trace))
             print(f"[{label}] {res}", flush=True)
             rows.append((label + (f" ({flags.strip()})" if flags else ""), commit_of(tree),
                          ready, res))

@@ -20,6 +20,7 @@ from tpserve.engine.core import EngineCore
 from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
+from tpserve.engine.step_trace import StepTrace
 from tpserve.errors import TPServeError
 from tpserve.startup import now
 
@@ -55,6 +56,7 @@ class EngineCoreActor:
         self._thread: threading.Thread | None = None
         self._stats: dict = {}
         self._stats_at = float("-inf")
+        self._trace = StepTrace.from_env()  # TPSERVE_STEP_TRACE: a timeline of the steps
 
     def __repr__(self) -> str:
         # What `ray list actors` and the dashboard's actors view show: rank 0 hosts the core.
@@ -143,11 +145,15 @@ class EngineCoreActor:
 
     # --- step loop (its own thread) -----------------------------------------------------
     def _loop(self) -> None:
-        core = self.core
+        core, trace = self.core, self._trace
         while not self._stop.is_set():
+            if trace is not None and not core.has_work():
+                trace.flush()  # idle: the file write costs no step
             self._drain(block=not core.has_work())
             if self._stop.is_set() or not core.has_work():
                 continue
+            if trace is not None:
+                before, t0, p0 = core.counters(), time.time(), time.perf_counter()
             try:
                 outputs, _ = core.step()
             except Exception as exc:  # noqa: BLE001 - reported to the driver through poll
@@ -159,10 +165,14 @@ class EngineCoreActor:
                     self._error = (type(exc).__name__, str(exc), dead)
                     self._cv.notify_all()
                 continue
+            if trace is not None:
+                trace.step(t0, time.perf_counter() - p0, before, core.counters(), len(outputs))
             if outputs:
                 with self._cv:
                     self._out.extend(outputs)
                     self._cv.notify_all()
+        if trace is not None:
+            trace.flush()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -175,6 +185,8 @@ class EngineCoreActor:
                 for seq_id in a:
                     self.core.abort(seq_id)
             else:
+                if self._trace is not None:
+                    self._trace.event("add", len(a))
                 try:
                     fut.set_result([("error", type(r).__name__, str(r))
                                     if isinstance(r, TPServeError)

@@ -26,6 +26,7 @@ from tpserve.engine.heap import freeze_startup_objects
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams
+from tpserve.engine.step_trace import StepTrace
 from tpserve.errors import (
     GenerationError,
     NotReadyError,
@@ -120,6 +121,8 @@ class AsyncEngine:
         # Metrics where the deployment looks (Ray's export: cluster/ray_metrics.py), given by
         # whoever launches the engine, so the engine imports nothing of Ray.
         self._ray_metrics = metrics_factory(self.stats) if metrics_factory else NullMetrics()
+        # TPSERVE_STEP_TRACE: this side's timeline, next to the engine core's.
+        self._trace = StepTrace.from_env(".driver")
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -257,6 +260,8 @@ class AsyncEngine:
             sink: asyncio.Queue = asyncio.Queue()
             accepted = loop.create_future()
             handle = next(self._handles)
+            if self._trace is not None:
+                self._trace.event("arrive", 1)
             self._inbox.put(_Submit(handle, ids, params, sink, loop, accepted))
             await accepted  # raises ValidationError from the engine's checks
             while True:
@@ -302,6 +307,8 @@ class AsyncEngine:
                 self._check_idle()
 
     def _drain(self, block: bool) -> None:
+        if block and self._trace is not None:
+            self._trace.flush()  # idle: the file write delays nothing
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -347,6 +354,8 @@ class AsyncEngine:
                 item.fail(NotReadyError(self.not_ready_reason()))
             return
         many = getattr(self.engine, "add_requests", None)
+        if self._trace is not None:
+            self._trace.event("submit", len(items))
         try:
             if many is not None:
                 results = many([(item.prompt_ids, item.params) for item in items])
@@ -406,6 +415,11 @@ class AsyncEngine:
                 self._seq_of.pop(item.handle, None)
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
+        if self._trace is not None and events:
+            self._trace.event("events", len(events))
+            done = sum(1 for _, ev in events if ev.finished)
+            if done:
+                self._trace.event("done", done)
         self.last_step_seconds = time.perf_counter() - t0
         self.bridge_seconds += self.last_step_seconds
         self.steps += 1
