@@ -76,6 +76,7 @@ class TGIRoutes:
             req.inputs,
             wire.to_sampling_params(req.parameters),
             truncate=req.parameters.truncate,
+            streamed=stream,
         )
 
     async def generate(self, req: wire.GenerateRequest, request: Request) -> Response:

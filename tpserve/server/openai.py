@@ -217,7 +217,8 @@ class OpenAIRoutes:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
-        tracked = await self.metrics.open_stream(self.backend, req.text, params)
+        tracked = await self.metrics.open_stream(self.backend, req.text, params,
+                                                 streamed=bool(req.stream))
         base = self._envelope("cmpl", "text_completion", info)
         prefix = req.text if req.echo else ""
 
@@ -247,7 +248,7 @@ class OpenAIRoutes:
         params = req.sampling_params(info, max_new)
         # The chat template already contains the BOS/special tokens it wants.
         tracked = await self.metrics.open_stream(
-            self.backend, prompt, params, add_special_tokens=False
+            self.backend, prompt, params, add_special_tokens=False, streamed=bool(req.stream)
         )
 
         if req.stream:
