@@ -114,7 +114,6 @@ class FakeBackend:
         params: SamplingParams,
         truncate: int | None = None,
         add_special_tokens: bool = True,
-        stream: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
         self.calls.append(Call(prompt, params, truncate, add_special_tokens))
         if self.raise_on_generate is not None:

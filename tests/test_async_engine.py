@@ -72,32 +72,3 @@ def test_too_long_prompt_is_a_validation_error_and_nothing_is_queued(backend):
         asyncio.run(_collect(backend, "Hello", 200))
     assert not backend.engine.has_work() and backend.inflight == 0
     assert len(asyncio.run(_collect(backend, "Hello", 3))) == 3
-
-
-def test_unstreamed_request_gets_the_same_events_in_two_hand_overs(backend, monkeypatch):
-    """stream=False (a /generate without streaming): the events are those of a stream, but
-    the handler is woken twice (the first event, then the rest with the last), not once per
-    token."""
-    import tpserve.engine.async_engine as mod
-
-    handed: list[int] = []
-    deliver = mod._deliver
-
-    def counting(batch):
-        handed.extend(len(p) if isinstance(p, list) else 1 for _, p in batch)
-        deliver(batch)
-
-    monkeypatch.setattr(mod, "_deliver", counting)
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-
-    async def run(stream: bool):
-        return [ev async for ev in backend.generate("Hello world", params, stream=stream)]
-
-    streamed = asyncio.run(run(True))
-    assert handed == [1] * 12
-    handed.clear()
-    held = asyncio.run(run(False))
-    assert handed == [1, 11]
-    assert [(e.token.id, e.token.text, e.finished, e.generated_tokens) for e in held] == \
-        [(e.token.id, e.token.text, e.finished, e.generated_tokens) for e in streamed]
-    assert held[-1].generated_text == streamed[-1].generated_text

@@ -56,9 +56,6 @@ class _Submit:
     accepted: asyncio.Future
     answered: bool = False  # `accepted` was resolved (engine thread's view)
     started: bool = False  # a token was sent: replaying it would repeat output
-    # Not streamed (the caller wants the whole answer): events after the first wait here
-    # and go over as one list with the last, so the handler wakes twice, not per token.
-    held: list | None = None
 
     def fail(self, exc: BaseException) -> None:
         if self.answered:
@@ -244,14 +241,7 @@ class AsyncEngine:
             raise NotReadyError(self.not_ready_reason())
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
-                       add_special_tokens: bool = True, stream: bool = True
-                       ) -> AsyncIterator[GenerationEvent]:
-        """stream=False: the caller collects every event before answering (a /generate
-        without streaming). The first event still comes at once (time to first token,
-        errors before any response byte); the rest reach the event loop together with the
-        last one, instead of one wake-up per token: at 256 requests that was 256 task
-        switches per step on the loop, competing for the GIL with this bridge (and the
-        last responses of a burst came 0.2 s after the last step on one H200)."""
+                       add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
         self._require_ready()
         with self._lock:
             if self._inflight >= self.max_concurrent:
@@ -272,19 +262,13 @@ class AsyncEngine:
             handle = next(self._handles)
             if self._trace is not None:
                 self._trace.event("arrive", 1)
-            self._inbox.put(_Submit(handle, ids, params, sink, loop, accepted,
-                                    held=None if stream else []))
+            self._inbox.put(_Submit(handle, ids, params, sink, loop, accepted))
             await accepted  # raises ValidationError from the engine's checks
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     handle = None  # the engine already dropped it
                     raise item
-                if isinstance(item, list):  # held events, the finished one last
-                    handle = None
-                    for ev in item:
-                        yield ev
-                    return
                 if item.finished:
                     handle = None  # closing after the last event is not an abort
                 yield item
@@ -421,17 +405,11 @@ class AsyncEngine:
             item = self._live.get(seq_id)
             if item is None:
                 continue
-            payload = ev
-            if item.held is not None and item.started:
-                item.held.append(ev)
-                if not ev.finished:
-                    continue
-                payload = item.held
             item.started = True
             batch = batches.get(item.loop)
             if batch is None:
                 batch = batches[item.loop] = []
-            batch.append((item.sink, payload))
+            batch.append((item.sink, ev))
             if ev.finished:
                 self._live.pop(seq_id, None)
                 self._seq_of.pop(item.handle, None)

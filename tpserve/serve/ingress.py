@@ -98,10 +98,8 @@ class ReplicaSetBackend:
                                                       "num_replicas": len(self._table)})
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
-                       add_special_tokens: bool = True, stream: bool = True
-                       ) -> AsyncIterator[GenerationEvent]:
-        # `stream` rides along: a replica holds a non-streamed answer's events for one send.
-        stream, first = await self._start(prompt, params, truncate, add_special_tokens, stream)
+                       add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
+        stream, first = await self._start(prompt, params, truncate, add_special_tokens)
         finished = False
         try:
             for event in first:
@@ -119,13 +117,13 @@ class ReplicaSetBackend:
             if not finished:  # the client left: cancelling aborts it on the replica
                 stream.cancel()
 
-    async def _start(self, prompt, params, truncate, add_special_tokens, streamed=True):
+    async def _start(self, prompt, params, truncate, add_special_tokens):
         """Send the request and wait for its first events. A replica that cannot serve (a
         shard died and Serve has not replaced it yet) fails before generating anything, so
         the request is sent again and the router picks another replica."""
         for attempt in range(RETRIES + 1):
             stream = self.handle.options(stream=True).generate.remote(
-                prompt, params, truncate, add_special_tokens, streamed)
+                prompt, params, truncate, add_special_tokens)
             try:
                 return stream, await stream.__anext__()
             except (asyncio.CancelledError, GeneratorExit):

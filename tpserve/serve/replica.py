@@ -105,7 +105,7 @@ class TPReplica:
         log.info("replica %s ready (tp=%d)", self.replica_id, cfg.parallel.tp_size)
 
     async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
-                       add_special_tokens: bool = True, stream: bool = True
+                       add_special_tokens: bool = True
                        ) -> AsyncIterator[list[GenerationEvent]]:
         """The request's events in lists: each list holds every event that was ready when
         the previous one was sent. Each list is one streamed Ray object, so a replica whose
@@ -115,7 +115,7 @@ class TPReplica:
         async def pump() -> None:
             try:
                 async for event in self.backend.generate(prompt, params, truncate,
-                                                         add_special_tokens, stream):
+                                                         add_special_tokens):
                     ready.put_nowait(event)
                 ready.put_nowait(_END)
             except Exception as exc:  # noqa: BLE001 - re-raised to the caller below

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tpserve import protocol as wire
@@ -19,6 +19,7 @@ from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
 from tpserve.server.security import ALWAYS_PUBLIC, APIKeyMiddleware, BodyLimitMiddleware
 from tpserve.server.streaming import (
+    AnswerResponse,
     EventStreamResponse,
     collect_or_abort,
     final_text,
@@ -76,14 +77,13 @@ class TGIRoutes:
             req.inputs,
             wire.to_sampling_params(req.parameters),
             truncate=req.parameters.truncate,
-            streamed=stream,
         )
 
     async def generate(self, req: wire.GenerateRequest, request: Request) -> Response:
         events = await collect_or_abort(request, await self.start(req, stream=False))
         if isinstance(events, Response):
             return events
-        return JSONResponse(self.response(req, events))
+        return AnswerResponse(self.response(req, events))
 
     async def generate_stream(self, req: wire.GenerateRequest) -> EventStreamResponse:
         tracked = await self.start(req, stream=True)
@@ -96,7 +96,7 @@ class TGIRoutes:
         if isinstance(events, Response):
             return events
         # TGI's compat route answers a list, which text_generation.Client expects.
-        return JSONResponse([self.response(req, events)])
+        return AnswerResponse([self.response(req, events)])
 
     async def _events(
         self, req: wire.GenerateRequest, tracked: TrackedStream

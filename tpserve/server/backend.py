@@ -26,14 +26,11 @@ class EngineBackend(Protocol):
         params: SamplingParams,
         truncate: int | None = None,
         add_special_tokens: bool = True,
-        stream: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
         """Queue one request and stream its events; the last one has finished=True.
 
         Raises tpserve.errors.ValidationError (prompt too long, ...) or OverloadedError
         before the first event. Closing the iterator early aborts the request.
-        stream=False: the caller collects the whole answer, so events after the first may
-        be handed over together with the last (fewer wake-ups); the events are the same.
         """
 
     def apply_chat_template(self, messages: list[dict]) -> str:

@@ -100,7 +100,6 @@ class Metrics:
         params: SamplingParams,
         truncate: int | None = None,
         add_special_tokens: bool = True,
-        streamed: bool = True,
     ) -> TrackedStream:
         """Start a generation and wait for its first event.
 
@@ -114,8 +113,7 @@ class Metrics:
         self.inflight.inc()  # queued requests count too; TrackedStream.aclose() undoes it
         try:
             stream = backend.generate(
-                prompt, params, truncate=truncate, add_special_tokens=add_special_tokens,
-                stream=streamed,
+                prompt, params, truncate=truncate, add_special_tokens=add_special_tokens
             )
             if inspect.isawaitable(stream):  # tolerate an `async def` returning the iterator
                 stream = await stream

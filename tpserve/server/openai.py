@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tpserve.engine.info import ModelInfo
@@ -35,7 +35,13 @@ from tpserve.fields import (
 from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
-from tpserve.server.streaming import EventStreamResponse, collect_or_abort, final_text, sse
+from tpserve.server.streaming import (
+    AnswerResponse,
+    EventStreamResponse,
+    collect_or_abort,
+    final_text,
+    sse,
+)
 
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -217,8 +223,7 @@ class OpenAIRoutes:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
-        tracked = await self.metrics.open_stream(self.backend, req.text, params,
-                                                 streamed=bool(req.stream))
+        tracked = await self.metrics.open_stream(self.backend, req.text, params)
         base = self._envelope("cmpl", "text_completion", info)
         prefix = req.text if req.echo else ""
 
@@ -237,7 +242,7 @@ class OpenAIRoutes:
             "choices": [choice(text, _FINISH[final.finish_reason])],
             "usage": _usage(final),
         }
-        return JSONResponse(body)
+        return AnswerResponse(body)
 
     async def chat(self, req: ChatRequest, request: Request) -> Response:
         info = self._info()
@@ -248,7 +253,7 @@ class OpenAIRoutes:
         params = req.sampling_params(info, max_new)
         # The chat template already contains the BOS/special tokens it wants.
         tracked = await self.metrics.open_stream(
-            self.backend, prompt, params, add_special_tokens=False, streamed=bool(req.stream)
+            self.backend, prompt, params, add_special_tokens=False
         )
 
         if req.stream:
@@ -275,7 +280,7 @@ class OpenAIRoutes:
             "choices": [choice],
             "usage": _usage(final),
         }
-        return JSONResponse(body)
+        return AnswerResponse(body)
 
     def _stream(
         self,

@@ -9,15 +9,46 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tpserve.engine.request import GenerationEvent
 from tpserve.server.metrics import TrackedStream
 
+try:  # a dependency; the standard library's encoder stands in if it is missing
+    import orjson
+except ImportError:  # tests/test_answer_response.py runs this path too
+    orjson = None
+
 # nginx's "client closed request": never seen by the client, but visible in metrics.
 CLIENT_CLOSED_STATUS = 499
+
+
+class AnswerResponse(JSONResponse):
+    """A whole generation's JSON answer, encoded by orjson. With details on, a /generate
+    answer holds a dict per token; json.dumps took ~0.2 ms for 256 of them (on this project's
+    CPU machine; the H200 host's CPU is slower), and every request of a burst is
+    answered within the last ~17 steps, so the encoding sat on the burst's critical path
+    (the last response came 0.2-0.3 s after the last step on one H200). orjson writes the
+    same JSON ~10x faster; a NaN log-probability becomes null (JSON has no NaN; the
+    standard encoder, as Starlette calls it, refuses it with an error)."""
+
+    def render(self, content) -> bytes:
+        if orjson is None:
+            return super().render(_nan_to_none(content))
+        return orjson.dumps(content)
+
+
+def _nan_to_none(obj):
+    """obj with every NaN float replaced by None (what orjson writes for it)."""
+    if isinstance(obj, float):
+        return None if obj != obj else obj
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_nan_to_none(v) for v in obj]
+    return obj
 
 
 def sse(payload: dict | str, space: bool = False) -> str:
