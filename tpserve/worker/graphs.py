@@ -9,6 +9,7 @@ the step does not fill point at a scratch KV block that no sequence owns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -18,6 +19,7 @@ import torch
 from tpserve.cluster.device import graph_api, synchronize
 from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
+from tpserve.kernels.gemm_tuning import GemmTuning
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.worker.metadata import HostStaging, make_metadata
 
@@ -81,15 +83,19 @@ class DecodeGraphs:
         self.tables.fill_(self.scratch)
         self.seq_lens.fill_(1)
 
-    def capture(self) -> float:
+    def capture(self, tuning: GemmTuning | None = None) -> float:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool.
-        Every rank captures the same buckets in the same order, so their collectives pair."""
+        Every rank captures the same buckets in the same order, so their collectives pair.
+        tuning: times the GEMM algorithms of each bucket's eager run (gemm_tuning.py), so
+        the graph captures the fastest."""
         t0 = time.perf_counter()
         graph_cls, capturing = graph_api(self.device)
         self._fill_padding()
         pool = None
         for b in reversed(self.buckets):
-            self._forward(b)  # lazy initialisations (cuBLAS workspaces, NCCL) happen outside
+            # Lazy initialisations (cuBLAS workspaces, NCCL) happen outside the capture.
+            with tuning.tune(b) if tuning is not None else contextlib.nullcontext():
+                self._forward(b)
             synchronize(self.device)
             graph = graph_cls()
             with capturing(graph, pool=pool):

@@ -24,6 +24,7 @@ from tpserve.hf_config import ConfigData
 from tpserve.kernels import gemv, kv_quant
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.compile_cache import compile_count
+from tpserve.kernels.gemm_tuning import GemmTuning
 from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
 from tpserve.startup import now, process_started_at
@@ -252,7 +253,10 @@ class Worker:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.device,
                                    graph_buckets(max(batch_sizes)), -(-self.cfg.model.max_model_len // bs), bs,
                                    scratch_block=self.num_blocks)
-        seconds = self.graphs.capture()
+        tuning = GemmTuning(self.device, self.rank)
+        tuning.start()
+        seconds = self.graphs.capture(tuning)
+        tuning.finish()
         self.runner.graphs = self.graphs
         log.info("captured decode graphs for batch sizes %s in %.2fs",
                  ",".join(map(str, self.graphs.buckets)), seconds)
