@@ -75,7 +75,7 @@ def prompt(n: int, rng: random.Random, vocab: int) -> str:
 
 class Server:
     def __init__(self, tree: Path, model: Path, args, log: Path,
-                 extra: list[str] = ()) -> None:
+                 extra: list[str] = (), env_extra: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tpserve.cli", "launch", "--model", str(model),
@@ -86,7 +86,8 @@ class Server:
                "--max-total-tokens", str(args.max_total_tokens), *args.launch_args, *extra]
         env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(
-                       [p for p in (os.environ.get("PYTHONPATH_PREFIX"), str(tree)) if p]))
+                       [p for p in (os.environ.get("PYTHONPATH_PREFIX"), str(tree)) if p]),
+                   **(env_extra or {}))
         self.trace = None
         if getattr(args, "step_trace", False):  # the engine's timeline (step_trace.py)
             self.trace = log.with_suffix(".steps.jsonl")
@@ -454,16 +455,20 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
     for label, spec in trees:
-        # label=PATH or label=PATH::--flag --flag: this tree's own extra launch flags.
+        # label=PATH or label=PATH::--flag --flag NAME=VALUE: this tree's own extra launch
+        # flags and environment variables (e.g. TPSERVE_TUNE_GEMMS=0 for an A/B of one tree).
         path, _, flags = spec.partition("::")
         tree = Path(path).resolve()
-        srv = Server(tree, model, args, args.logs / f"serve_{label}.log", flags.split())
+        env = dict(f.split("=", 1) for f in flags.split() if not f.startswith("-") and "=" in f)
+        flags = " ".join(f for f in flags.split() if f.startswith("-") or "=" not in f)
+        srv = Server(tree, model, args, args.logs / f"serve_{label}.log", flags.split(), env)
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
             res = asyncio.run(measure(srv.url, args, vocab, label, srv.trace))
             print(f"[{label}] {res}", flush=True)
-            rows.append((label + (f" ({flags.strip()})" if flags else ""), commit_of(tree),
+            extra = " ".join([flags.strip(), *(f"{k}={v}" for k, v in env.items())]).strip()
+            rows.append((label + (f" ({extra})" if extra else ""), commit_of(tree),
                          ready, res))
         finally:
             srv.stop()
