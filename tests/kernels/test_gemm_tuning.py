@@ -4,6 +4,8 @@ give the default's results, write their file and are reused without tuning again
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +54,23 @@ def test_tuned_bucket_matches_default_and_is_kept(tmp_path, monkeypatch):
         torch.testing.assert_close(small, ref[:-1], rtol=2e-2, atol=2e-2)
     finally:
         torch.cuda.tunable.enable(False)
+
+
+def test_a_torch_without_tunableop_pieces_starts_untuned(monkeypatch):
+    """A TunableOp call missing from this torch turns tuning off with a warning; the start
+    goes on (it is an optional speed-up)."""
+    from types import SimpleNamespace
+
+    calls = []
+    fake = SimpleNamespace(set_filename=lambda *a: (_ for _ in ()).throw(AttributeError("x")),
+                           tuning_enable=lambda v: calls.append(("tuning", v)),
+                           enable=lambda v: calls.append(("enable", v)))
+    monkeypatch.setattr(torch.cuda, "tunable", fake, raising=False)
+    monkeypatch.setattr(gemm_tuning, "wanted", lambda device: True)
+    monkeypatch.setattr(gemm_tuning, "results_file", lambda device, rank: Path("/nonexistent/x"))
+    t = GemmTuning(torch.device("cuda"), 0)
+    assert t.start() is False and not t.on
+    assert ("enable", False) in calls
+    with t.tune(256):
+        pass
+    t.finish()  # nothing to write

@@ -59,20 +59,41 @@ class GemmTuning:
         self.path: Path | None = None
 
     def start(self) -> bool:
+        """Enable TunableOp with this process's results file; False (and serving goes on
+        with the library's defaults) where it is off or this torch lacks what it needs."""
         if not wanted(self.device):
             return False
+        try:
+            self._start()
+        except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops a start
+            log.warning("GEMM tuning is off: TunableOp could not start (%s: %s)",
+                        type(exc).__name__, exc)
+            self._disable()
+            return False
+        self.on = True
+        return True
+
+    def _start(self) -> None:
         tunable = torch.cuda.tunable
         self.path = results_file(self.device, self.rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tunable.set_filename(str(self.path))
-        tunable.write_file_on_exit(False)  # finish() writes; an actor may be killed instead
+        on_exit = getattr(tunable, "write_file_on_exit", None)  # not in every torch
+        if on_exit is not None:
+            on_exit(False)  # finish() writes; an actor may be killed instead of exiting
         tunable.set_max_tuning_duration(MAX_TUNING_MS)
         tunable.tuning_enable(False)
         tunable.enable(True)
         if self.path.exists():
             tunable.read_file(str(self.path))
-        self.on = True
-        return True
+
+    @staticmethod
+    def _disable() -> None:
+        try:
+            torch.cuda.tunable.tuning_enable(False)
+            torch.cuda.tunable.enable(False)
+        except Exception:  # noqa: BLE001 - nothing was enabled
+            pass
 
     @contextlib.contextmanager
     def tune(self, rows: int) -> Iterator[None]:
