@@ -74,3 +74,18 @@ def test_a_torch_without_tunableop_pieces_starts_untuned(monkeypatch):
     with t.tune(256):
         pass
     t.finish()  # nothing to write
+
+
+def test_results_file_is_tunableops_format(tmp_path):
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(
+        get_validators=lambda: [("PT_VERSION", "2.11.0"), ("CUBLASLT_VERSION", "130000")],
+        get_results=lambda: [("GemmTunableOp_BFloat16_TN", "tn_4096_256_4096_ld_4096_4096_4096",
+                              "Gemm_Cublaslt_7", 0.0123)])
+    path = tmp_path / "r.csv"
+    gemm_tuning.write_results(fake, path)
+    assert path.read_text().splitlines() == [
+        "Validator,PT_VERSION,2.11.0", "Validator,CUBLASLT_VERSION,130000",
+        "GemmTunableOp_BFloat16_TN,tn_4096_256_4096_ld_4096_4096_4096,Gemm_Cublaslt_7,0.0123"]
+    assert not (tmp_path / "r.tmp").exists()

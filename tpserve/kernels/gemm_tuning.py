@@ -115,6 +115,20 @@ class GemmTuning:
         if not self.on:
             return
         tunable = torch.cuda.tunable
-        tunable.write_file(str(self.path))
+        try:
+            write_results(tunable, self.path)
+        except Exception as exc:  # noqa: BLE001 - the next start tunes again, that is all
+            log.warning("could not keep the GEMM tuning results in %s: %s", self.path, exc)
         log.info("GEMM tuning (TunableOp) for decode batches of %d+ rows: %.1fs, %d results "
                  "in %s", MIN_ROWS, self.seconds, len(tunable.get_results()), self.path)
+
+
+def write_results(tunable, path: Path) -> None:
+    """The results as TunableOp's own file (validators, then one line per tuned GEMM, the
+    format read_file() reads), written now: torch writes it only when the process exits,
+    and a shard actor is often killed instead; newer torch has no write_file() either."""
+    lines = [f"Validator,{k},{v}" for k, v in tunable.get_validators()]
+    lines += [",".join(str(f) for f in row) for row in tunable.get_results()]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
