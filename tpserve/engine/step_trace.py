@@ -1,5 +1,6 @@
 """A timeline of the engine core's steps and admissions, for finding where a served burst's
-time goes (benchmarks/serve_bench.py --step-trace reads it; docs/troubleshooting.md).
+time goes (benchmarks/serve_bench.py reads it with its step-trace option; see
+docs/troubleshooting.md).
 
 Off unless TPSERVE_STEP_TRACE names a file. Then the step loop appends one JSON line per
 step and per batch of admitted requests, stamped with the wall clock (time.time(), so a client on
