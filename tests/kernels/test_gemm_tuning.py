@@ -24,6 +24,8 @@ def test_off_on_the_cpu_and_when_asked():
 
 
 def test_switch(monkeypatch):
+    monkeypatch.delenv(gemm_tuning.ENV, raising=False)
+    assert not gemm_tuning.wanted(torch.device("cuda"))  # off by default
     monkeypatch.setenv(gemm_tuning.ENV, "0")
     assert not gemm_tuning.wanted(torch.device("cuda"))
     monkeypatch.setenv(gemm_tuning.ENV, "1")
@@ -34,6 +36,7 @@ def test_switch(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_tuned_bucket_matches_default_and_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(gemm_tuning.ENV, "1")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
