@@ -31,12 +31,28 @@ def test_same_json_as_the_standard_encoder(with_orjson, monkeypatch):
 
 
 @pytest.mark.parametrize("with_orjson", [True, False])
-def test_nan_logprob_becomes_null(with_orjson, monkeypatch):
+def test_nan_and_infinite_logprobs_become_null(with_orjson, monkeypatch):
     if not with_orjson:
         monkeypatch.setattr(streaming, "orjson", None)
-    body = {"tokens": [{"id": 1, "logprob": math.nan}, {"id": 2, "logprob": -0.5}],
-            "nested": [[math.nan]]}
+    body = {"tokens": [{"id": 1, "logprob": math.nan}, {"id": 2, "logprob": -0.5},
+                       {"id": 3, "logprob": -math.inf}], "nested": [[math.nan]]}
     got = json.loads(AnswerResponse(body).body)
-    assert got == {"tokens": [{"id": 1, "logprob": None}, {"id": 2, "logprob": -0.5}],
-                   "nested": [[None]]}
+    assert got == {"tokens": [{"id": 1, "logprob": None}, {"id": 2, "logprob": -0.5},
+                              {"id": 3, "logprob": None}], "nested": [[None]]}
     assert body["tokens"][0]["logprob"] != body["tokens"][0]["logprob"]  # input untouched
+
+
+@pytest.mark.parametrize("with_orjson", [True, False])
+def test_numpy_scalars_are_written_as_numbers(with_orjson, monkeypatch):
+    np = pytest.importorskip("numpy")
+    if not with_orjson:
+        monkeypatch.setattr(streaming, "orjson", None)
+    body = {"logprob": np.float64(-0.25), "id": np.int64(7), "ok": True}
+    if not with_orjson:  # the standard encoder writes float64 (a float) but not int64
+        body["id"] = 7
+    assert json.loads(AnswerResponse(body).body) == {"logprob": -0.25, "id": 7, "ok": True}
+
+
+def test_unknown_objects_still_fail_loudly():
+    with pytest.raises(TypeError):
+        AnswerResponse({"x": object()})
