@@ -120,22 +120,3 @@ def test_sampling_kernel_compiles():
              dict(CHUNK=4096, BLOCK=1024))
     _compile(ts.greedy_combine_kernel, {"i_ptr": "*i32", "tok_ptr": "*i64", "*": "*fp32"},
              dict(CHUNKS=32))
-
-
-@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
-def test_quant_gemv_kernels_compile(pdl):
-    """The one-row int4 (row-major, the layers' order) and fp8 GEMVs with and without
-    programmatic dependent launch, at the table's one-row tiles."""
-    from tpserve.kernels.quant import triton_jit as qj
-    from tpserve.kernels.quant.triton_tiles import TILES
-
-    int4 = TILES["int4"][0][0]
-    for gidx in (False, True):
-        _compile(qj.int4_gemv_n_kernel, {"qw_ptr": "*i32", "g_ptr": "*i32", "*": "*bf16"},
-                 dict(HAS_GIDX=gidx, ROW_SCALES=not gidx, PREFETCH=int4.prefetch,
-                      K_SPAN=4096, BLOCK_K=int4.block_k, BLOCK_N=int4.block_n, PDL=pdl))
-    fp8 = TILES["fp8"][0][0]
-    _compile(qj.fp8_gemv_kernel, {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*fp32",
-                                  "*": "*bf16"},
-             dict(PREFETCH=True, K_SPAN=4096, BLOCK_K=fp8.block_k, BLOCK_N=fp8.block_n,
-                  PDL=pdl))

@@ -18,8 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
-
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
 TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
@@ -36,18 +34,14 @@ def _plane(word, hi, J: tl.constexpr):
 def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
                        sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     kept for other orders and for comparison). Program (n, s) reduces K rows
     [s * K_SPAN, (s + 1) * K_SPAN) of BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
     tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
     2-D in registers and are reduced across rows once, at the end. PREFETCH: the next tile's
     load is issued before this one is reduced (Triton does not pipeline loops without a dot).
-    ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0).
-    PDL (kernels/pdl.py): the first packed tile (constant weights) is loaded before waiting
-    for the previous kernel; x and the output only after."""
-    if PDL:
-        gdc_launch_dependents()
+    ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,8 +52,6 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
     if PREFETCH:
         nxt = tl.load(ptrs, mask=((k_lo + 8 * rr) < K)[:, None] & nmask[None, :], other=0)
-    if PDL:
-        gdc_wait()
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
@@ -173,11 +165,9 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
 @triton.jit
 def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr):
     """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
-    along K; the per-column scale is applied once to the sum. PDL: as int4_gemv_n_kernel."""
-    if PDL:
-        gdc_launch_dependents()
+    along K; the per-column scale is applied once to the sum."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,8 +178,6 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
     ptrs = w_ptr + offs_n[:, None] * swn + offs_k[None, :]
     if PREFETCH:
         nxt = tl.load(ptrs, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
-    if PDL:
-        gdc_wait()
     for kk in range(0, K_SPAN, BLOCK_K):
         kmask = offs_k + kk < K
         x = tl.load(x_ptr + (offs_k + kk) * sxk, mask=kmask, other=0.0).to(tl.float32)

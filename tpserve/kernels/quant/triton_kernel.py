@@ -21,7 +21,6 @@ from dataclasses import replace
 
 import torch
 
-from tpserve.kernels import pdl
 from tpserve.kernels.quant.base import QuantKernel
 from tpserve.kernels.quant.triton_tiles import Tile, pick_tile
 
@@ -118,13 +117,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     if tile.block_m == 0:
         assert m == 1, "the GEMV tile takes one row"
         grid = (_cdiv(n, tile.block_n), split)
-        # The one-row GEMVs join the decode step's dependent launches (kernels/pdl.py); the
-        # split-K sum after them launches plainly, so it waits for all of their partials.
-        gemv_launch = {**launch, **pdl.launch(x.device)}
         if fp8:
             jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
                                       w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
-                                      BLOCK_K=bk, BLOCK_N=tile.block_n, **gemv_launch)
+                                      BLOCK_K=bk, BLOCK_N=tile.block_n, **launch)
         elif k_contig:
             # Chunks of gcd(group, block) inputs lie in one group each (blocks start at
             # multiples of bk); act-order looks groups up per input instead.
@@ -140,7 +136,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
                                          s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
                                          PREFETCH=tile.prefetch, K_SPAN=k_span, BLOCK_K=bk,
-                                         BLOCK_N=tile.block_n, **gemv_launch)
+                                         BLOCK_N=tile.block_n, **launch)
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
