@@ -156,16 +156,16 @@ def serve(args, model: Path):
 
 
 def client(url: str, n: int, plen: int, new: int, vocab: int, q) -> None:
-    """One burst from another process: (t0 wall, [response wall times], tokens)."""
+    """One burst from another process, with serve_bench's prompts and client session:
+    (t0 wall, [response wall times], tokens)."""
     import random
 
-    import aiohttp
+    from serve_bench import prompt, session
 
     async def run():
         rng = random.Random(n)
-        texts = [" ".join(f"w{rng.randrange(1000, vocab)}" for _ in range(plen))
-                 for _ in range(n)]
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n + 8)) as c:
+        texts = [prompt(plen, rng, vocab) for _ in range(n)]
+        async with session(n) as c:
             async def one(t):
                 body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
                 async with c.post(url + "/generate", json=body) as r:
