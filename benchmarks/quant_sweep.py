@@ -6,12 +6,12 @@ tpserve/kernels/quant/triton_tiles.py.
     python3 benchmarks/quant_sweep.py --out OUT --picked   # only the tiles pick_tile chooses
     python3 benchmarks/quant_sweep.py --out OUT --gemv     # int4 orders at M = 1 and 8 (below)
 
---gemv (about a minute): the GPU conformance of the table's kernels in bfloat16 and float16
-(small shapes, M = 1-16; weights K-contiguous) while the variants compile, then at M = 1 and 8 and the Llama-3-8B shapes with the LM head, int4 in
-the checkpoint's row-major order (the previous table's tiles) against int4 K-contiguous, as
-layers now hold it (the table's tile and a few candidates), fp8 and bf16; writes
-OUT/gemv.md, OUT/gemv.json and OUT/gemv_tiles.json (the table with the fastest K-contiguous
-candidates for buckets 1 and 2-16).
+--gemv (a few minutes): the GPU conformance of the table's kernels in bfloat16 and float16
+(small shapes, M = 1-16; weights in the order layers hold) while the variants compile, then
+at M = 1 and 8 and the Llama-3-8B shapes with the LM head: int4 with the previous table's
+tiles (int4-rows), int4 in the order layers hold (the table's tile and the candidates
+below), fp8 and bf16; writes OUT/gemv.md, OUT/gemv.json and OUT/gemv_tiles.json (the table
+with the fastest candidates for buckets 1 and 2-16).
 
 Every variant is compiled first, in parallel worker processes sharing one Triton cache (the
 conformance suite runs on the GPU meanwhile, with the fixed tile sets too), then timed in the
@@ -142,16 +142,17 @@ def weight_bytes(kind: str, k: int, n: int) -> int:
 
 
 def call(kind: str, x, tile, t, wb=None):
-    """kind: bf16, fp8, int4 (qweight K-contiguous, as layers hold it for Triton) or
-    int4-rows (the checkpoint's row-major order)."""
-    from tpserve.kernels.quant.triton_kernel import quant_matmul
+    """kind: bf16, fp8, int4 (qweight in the order layers hold it for Triton:
+    TritonQuantKernel.int4_k_contiguous) or int4-rows (the checkpoint's row-major order)."""
+    from tpserve.kernels.quant.triton_kernel import TritonQuantKernel, quant_matmul
 
     qw, s, z, w8, s8, qk = t
     if kind == "bf16":
         return torch.nn.functional.linear(x, wb)
     if kind == "fp8":
         return quant_matmul(x, w8, s8, None, None, 1, True, tile)
-    return quant_matmul(x, qw if kind == "int4-rows" else qk, s, z, None, GROUP, False, tile)
+    k_contiguous = kind == "int4" and TritonQuantKernel.int4_k_contiguous
+    return quant_matmul(x, qk if k_contiguous else qw, s, z, None, GROUP, False, tile)
 
 
 def _compile_worker(chunk):
@@ -347,17 +348,18 @@ def start_conformance(out: Path, dtypes: str, extra: tuple[str, ...] = (),
         env={**os.environ, "PYTHONPATH": str(ROOT)}) for name, extra in jobs]
 
 
-# --gemv: the previous table's int4 tiles (chosen for the row-major order) per bucket, and the
-# K-contiguous candidates: GEMV tiles at M = 1, tensor-core tiles at M = 8 (bucket 2-16).
+# --gemv: the previous table's int4 tiles per bucket (int4-rows), and the candidates in the
+# order layers hold (row-major): GEMV tiles at M = 1 (K-blocks of 64 and 128 lie in one
+# group of 128, so their scales and zero offsets load once per block), tensor-core tiles at
+# M = 8 (bucket 2-16).
 GEMV_BATCHES = (1, 8)
 ROWS_TILES = {1: (Tile(0, 16, 512, 4, 3, prefetch=True), 2),
               8: (Tile(16, 128, 128, 4, 3, factor=True), 1)}
 GEMV_CANDIDATES = {
-    1: [(Tile(0, bn, bk, w, 3, prefetch=p), per_sm)
-        for bn, bk, w, p in ((8, 1024, 4, True), (8, 2048, 4, True), (16, 512, 4, True),
-                             (16, 1024, 4, True), (32, 256, 4, True), (32, 512, 4, True),
-                             (64, 128, 4, True), (16, 1024, 8, True), (16, 1024, 4, False),
-                             (32, 256, 4, False))
+    1: [(Tile(0, bn, bk, w, 3, prefetch=True), per_sm)
+        for bn, bk, w in ((16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4),
+                          (128, 128, 4), (64, 64, 4), (128, 64, 4), (64, 128, 2),
+                          (128, 128, 8), (256, 64, 4), (32, 128, 1), (64, 128, 1))
         for per_sm in (1, 2, 4)],
     8: [(Tile(16, bn, bk, w, st, factor=True), per_sm)
         for bn, bk, w, st in ((128, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4),
@@ -404,7 +406,7 @@ def gemv_choose(rows: list[dict], sms: int) -> dict[str, list[tuple[Tile, int]]]
 
 def gemv_report(rows: list[dict], head: str) -> str:
     """Per layer and M: microseconds and GB/s of bf16, fp8, int4 row-major (previous tiles),
-    int4 K-contiguous (table tile, fastest candidate); then sums over 32 decoder layers."""
+    int4 as layers hold it (table tile, fastest candidate); then sums over 32 decoder layers."""
     by = {}
     for r in rows:
         if "ms" not in r:
@@ -416,7 +418,7 @@ def gemv_report(rows: list[dict], head: str) -> str:
             by.setdefault(key, {})[kind] = r
     kinds = ("bf16", "fp8", "int4-rows", "int4-table", "int4-best")
     lines = [head, "", "| layer | K x N | M | " + " | ".join(f"{k} us (GB/s)" for k in kinds)
-             + " | best / bf16 | best K-contiguous tile |", "| --- " * 9 + "|"]
+             + " | best / bf16 | best int4 tile |", "| --- " * 9 + "|"]
     sums: dict[tuple[int, str], float] = {}
     for (name, m), got in by.items():
         k, n = SHAPES[name]
@@ -443,7 +445,7 @@ def gemv_report(rows: list[dict], head: str) -> str:
 
 
 def run_gemv(out: Path, workers: int, dtypes: str) -> int:
-    """Conformance of the table's kernels (K-contiguous int4) in `dtypes` at small shapes,
+    """Conformance of the table's kernels (int4 as layers hold it) in `dtypes` at small shapes,
     M = 1-16, while the variants compile; then the timings."""
     t0 = time.time()
     jobs = start_conformance(out, dtypes, ("--shapes", "256x96,200x97", "--batches",
@@ -466,7 +468,8 @@ def run_gemv(out: Path, workers: int, dtypes: str) -> int:
             f" UTC), group size {GROUP}; us per call in a CUDA graph, weights cold in L2; GB/s "
             "= weight bytes (int4: with scales and zeros) / time; int4-rows: the checkpoint's "
             "row-major order with the previous table's tile; int4-table / int4-best: "
-            "K-contiguous with the table's tile / the fastest candidate")
+            "the order layers hold (TritonQuantKernel.int4_k_contiguous) with the table's "
+            "tile / the fastest candidate")
     text = gemv_report(rows, head)
     (out / "gemv.md").write_text(text)
     (out / "gemv.json").write_text(json.dumps(rows, indent=0))

@@ -7,8 +7,8 @@
 # graphs, the chosen table in OUT/sweep/quant_tiles.json, quant_bench.py with it).
 # PART engine: the in-process engine on that shape in bf16, GPTQ int4 and fp8 (ms/token,
 # tok/s, GB per GPU). PART all (default): kernels and engine.
-# PART gemv (~1.5 min): CUDA conformance of the K-contiguous int4 kernels in bf16 and fp16
-# first (small shapes, M = 1-16), then int4 row-major (previous tiles) vs K-contiguous (table
+# PART gemv (a few minutes): CUDA conformance of the int4 kernels in bf16 and fp16
+# first (small shapes, M = 1-16), then int4 with the previous tiles vs the order layers hold (table
 # tile, candidates) vs fp8 vs bf16 at M = 1 and 8 in CUDA graphs, Llama-3-8B shapes and the
 # LM head (OUT/gemv/gemv.md; the fastest candidates in OUT/gemv/gemv_tiles.json).
 # PART int4 (under 4 min): gemv, then the engine in GPTQ int4 (with gemv's tiles) and bf16.
@@ -24,13 +24,13 @@ if [ "$part" = gemv ] || [ "$part" = int4 ]; then
 # One Triton cache for the sweep and the engine (the engine's default), so the engine reuses
 # the GEMVs the sweep compiled; timeout ends each step's whole process group.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.cache/tpserve/triton}"
-timeout 110 python3 benchmarks/quant_sweep.py --gemv --out "$out/gemv" > "$out/gemv.log" 2>&1
+timeout 300 python3 benchmarks/quant_sweep.py --gemv --out "$out/gemv" > "$out/gemv.log" 2>&1
 echo "gemv rc=$?"; grep -E "^conformance|^\| (triton|kernel)|FAILED|^gemv" "$out/gemv.log"
 cat "$out/gemv/gemv.md" 2>/dev/null
 [ "$part" = gemv ] && exit 0
 tiles=()
 [ -s "$out/gemv/gemv_tiles.json" ] && tiles=(--tiles "$out/gemv/gemv_tiles.json")
-timeout 110 python3 benchmarks/quant_engine.py --out "$out" --formats gptq-int4 bf16 \
+timeout 240 python3 benchmarks/quant_engine.py --out "$out" --formats gptq-int4 bf16 \
   ${tiles[@]+"${tiles[@]}"} > "$out/quant_engine.log" 2>&1
 echo "engine rc=$?"; tail -n 12 "$out/quant_engine.log"
 exit 0

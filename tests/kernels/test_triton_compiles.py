@@ -120,3 +120,23 @@ def test_sampling_kernel_compiles():
              dict(CHUNK=4096, BLOCK=1024))
     _compile(ts.greedy_combine_kernel, {"i_ptr": "*i32", "tok_ptr": "*i64", "*": "*fp32"},
              dict(CHUNKS=32))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_int4_gemv_compiles(dtype):
+    """The row-major int4 GEMV in every variant: its inline PTX (one lop3 per weight) and
+    the bfloat16 input pairs are only checked by a real compile (the interpreter runs the
+    plain AND-OR and per-input loads)."""
+    from tpserve.kernels.quant import triton_jit as jit
+
+    ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
+            "*": "*" + dtype}
+    if dtype == "fp32":
+        ptrs.update(s_ptr="*fp32", z_ptr="*fp32")
+    for gidx, row_scales, even, prefetch in [(False, True, True, True), (False, True, False, True),
+                                             (False, False, True, False), (True, False, False,
+                                                                           True)]:
+        _compile(jit.int4_gemv_n_kernel, ptrs,
+                 dict(HAS_GIDX=gidx, ROW_SCALES=row_scales, PREFETCH=prefetch, K_SPAN=1024,
+                      BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
+                      PACKED=dtype == "bf16" and not gidx))

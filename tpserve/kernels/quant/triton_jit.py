@@ -31,68 +31,216 @@ def _plane(word, hi, J: tl.constexpr):
 
 
 @triton.jit
+def _nibble_float(src, J: tl.constexpr, ASM: tl.constexpr):
+    """2^(23 - 4 (J % 4)) + nibble J of each packed word (src: the word, or for J >= 4 the
+    word shifted right by 16), as an exact float: one AND-OR. ASM (CUDA): written as one
+    PTX lop3, because ptxas otherwise splits it in two (a LOP3 holds only one immediate)."""
+    mask: tl.constexpr = 15 << (4 * (J % 4))
+    exp: tl.constexpr = (150 - 4 * (J % 4)) << 23
+    if ASM:
+        bits = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+            [src, tl.full(src.shape, mask, tl.int32), tl.full(src.shape, exp, tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (src & mask) | exp
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_rows(x_ptr, xw_ptr, krow, J: tl.constexpr, xw, K, sxk, EVEN: tl.constexpr,
+            XPAIRS: tl.constexpr):
+    """Input J of each packed row (rows krow) as float32, and the int32 pair it came from.
+    XPAIRS (bfloat16 x, unit stride): inputs 2i and 2i + 1 arrive as one 32-bit load and
+    widen by a shift and an AND, half the loads and no conversion instruction."""
+    if XPAIRS:
+        if J % 2 == 0:
+            if EVEN:
+                xw = tl.load(xw_ptr + krow // 2 + J // 2)
+            else:
+                xw = tl.load(xw_ptr + krow // 2 + J // 2, mask=krow < K, other=0)
+            return (xw << 16).to(tl.float32, bitcast=True), xw
+        return (xw & -65536).to(tl.float32, bitcast=True), xw
+    if EVEN:
+        return tl.load(x_ptr + (krow + J) * sxk).to(tl.float32), xw
+    return tl.load(x_ptr + (krow + J) * sxk, mask=krow < K, other=0.0).to(tl.float32), xw
+
+
+@triton.jit
+def _x_pairs(xw_ptr, krow, K, EVEN: tl.constexpr):
+    """The 8 bfloat16 inputs of each packed row (rows krow) as 4 bfloat16x2 words, input i
+    beside input i + 4 (the order of _dot8_bf16x2's nibble pairs): 4 loads and 4 PRMTs per
+    row, shared by all the columns a thread holds."""
+    base = xw_ptr + krow // 2
+    if EVEN:
+        a0 = tl.load(base)
+        a1 = tl.load(base + 1)
+        a2 = tl.load(base + 2)
+        a3 = tl.load(base + 3)
+    else:
+        a0 = tl.load(base, mask=krow < K, other=0)
+        a1 = tl.load(base + 1, mask=krow < K, other=0)
+        a2 = tl.load(base + 2, mask=krow < K, other=0)
+        a3 = tl.load(base + 3, mask=krow < K, other=0)
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632; "
+        "prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;",
+        "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot8_bf16x2(word, p0, p1, p2, p3, zz):
+    """sum over the 8 nibbles q_j of a packed word of x_j (q_j - z), as float32, in packed
+    bfloat16x2 arithmetic (CUDA sm_90): nibbles j and j + 4 become the pair (128 + q_j,
+    128 + q_{j+4}) with one lop3, zz = (128 + z, 128 + z) is subtracted exactly, and the
+    pairs meet the inputs p_j = (x_j, x_{j+4}) in a chain of four bfloat16x2 multiply-adds:
+    per weight about a quarter of the instructions of the float32 path. Products and the
+    4-term chains round to bfloat16 (8 bits), about the rounding the reference makes when it
+    dequantizes weights to bfloat16."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 q, a, t;
+        .reg .b16 lo, hi;
+        .reg .f32 f0, f1;
+        lop3.b32 q, $1, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 q, q, $6;
+        mul.rn.bf16x2 a, q, $2;
+        shr.b32 t, $1, 4;
+        lop3.b32 q, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 q, q, $6;
+        fma.rn.bf16x2 a, q, $3, a;
+        shr.b32 t, $1, 8;
+        lop3.b32 q, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 q, q, $6;
+        fma.rn.bf16x2 a, q, $4, a;
+        shr.b32 t, $1, 12;
+        lop3.b32 q, t, 0x000F000F, 0x43004300, 0xEA;
+        sub.rn.bf16x2 q, q, $6;
+        fma.rn.bf16x2 a, q, $5, a;
+        mov.b32 {lo, hi}, a;
+        cvt.f32.bf16 f0, lo;
+        cvt.f32.bf16 f1, hi;
+        add.f32 $0, f0, f1;
+        }""",
+        "=r,r,r,r,r,r,r", [word, p0, p1, p2, p3, zz], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16x2_offset_zeros(z):
+    """(128 + z, 128 + z) as one bfloat16x2 word per zero point (exact: z is a small
+    integer)."""
+    h = (z + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return h | (h << 16)
+
+
+@triton.jit
+def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk, EVEN: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The packed tile kk inputs into the span at k_lo; zeros once kk reaches the span's end
+    (or, unless EVEN, K)."""
+    more = kk < K_SPAN
+    if EVEN:
+        return tl.load(ptrs + (kk // 8) * sqk, mask=more, other=0)
+    more = ((k_lo + kk + 8 * rr) < K) & more
+    return tl.load(ptrs + (kk // 8) * sqk, mask=more[:, None] & nmask[None, :], other=0)
+
+
+@triton.jit
 def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
                        sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                       ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
-    kept for other orders and for comparison). Program (n, s) reduces K rows
-    [s * K_SPAN, (s + 1) * K_SPAN) of BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
-    tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (wide vector loads); partial sums stay
-    2-D in registers and are reduced across rows once, at the end. PREFETCH: the next tile's
-    load is issued before this one is reduced (Triton does not pipeline loops without a dot).
-    ROW_SCALES: every BLOCK_K rows lie in one group (no g_idx, group_size % BLOCK_K == 0)."""
+    which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
+    BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
+    tile is [BLOCK_K / 8, BLOCK_N], contiguous along N (128-bit loads); partial sums stay 2-D
+    in registers and are reduced across rows once, at the end. A weight costs one AND-OR,
+    one subtraction and one multiply-add (the int4 GEMV is bound by instructions as much as
+    by bytes: docs/quantization.md); the scale is applied once per packed word, and with
+    ROW_SCALES (every BLOCK_K rows in one group: no g_idx, group_size % BLOCK_K == 0) the
+    zero-point offsets once per block and column. EVEN: K_SPAN divides K and BLOCK_N
+    divides N, so the main loop has no masks. PREFETCH (0, 1 or 2): how many tiles ahead
+    the loads are issued before this one is reduced (Triton does not pipeline loops without
+    a dot); more tiles in flight per program hide more of the memory latency."""
+    tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rr = tl.arange(0, BLOCK_K // 8)
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if XPAIRS else x_ptr
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPAN
     ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
     if PREFETCH:
-        nxt = tl.load(ptrs, mask=((k_lo + 8 * rr) < K)[:, None] & nmask[None, :], other=0)
+        nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN, BLOCK_K)
+    if PREFETCH == 2:
+        nxt2 = _int4_rows_tile(ptrs, k_lo, BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN, BLOCK_K)
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
         krow = k0 + 8 * rr  # first input row of each packed row
         rmask = krow < K
         mask = rmask[:, None] & nmask[None, :]
-        if PREFETCH:
+        if PREFETCH == 2:
             word = nxt
-            more = ((krow + BLOCK_K) < K) & (kk + BLOCK_K < K_SPAN)
-            nxt = tl.load(ptrs + ((kk + BLOCK_K) // 8) * sqk, mask=more[:, None] & nmask[None, :],
-                          other=0)
+            nxt = nxt2
+            nxt2 = _int4_rows_tile(ptrs, k_lo, kk + 2 * BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN,
+                                   BLOCK_K)
+        elif PREFETCH:
+            word = nxt
+            nxt = _int4_rows_tile(ptrs, k_lo, kk + BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN,
+                                  BLOCK_K)
+        elif EVEN:
+            word = tl.load(ptrs + (kk // 8) * sqk)
         else:
             word = tl.load(ptrs + (kk // 8) * sqk, mask=mask, other=0)
-        hi = word >> 16
         if ROW_SCALES:
             at = (k0 // group_size) * ssg + offs_n
-            smask = nmask & (k0 < K)
-            s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+            if EVEN:
+                s = tl.load(s_ptr + at).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + at).to(tl.float32)[None, :]
+            else:
+                smask = nmask & (k0 < K)
+                s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
         elif not HAS_GIDX:  # a packed row's 8 inputs share a group (group sizes are 8 k)
             at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
             s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + (krow + j) * sxk, mask=rmask, other=0.0).to(tl.float32)
-            off = 1.0 * (1 << (23 - 4 * (j % 4)))
-            if HAS_GIDX:  # every input row has its own group
-                g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
-                at = g[:, None] * ssg + offs_n[None, :]
-                sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                t += xj[:, None] * ((_plane(word, hi, j) - (zj + off)) * sj)
-            else:
-                t += xj[:, None] * (_plane(word, hi, j) - (z + off))
-        if HAS_GIDX:
-            acc += t
-        else:
+        if PACKED:
+            p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN)
+            t = _dot8_bf16x2(word, p0[:, None], p1[:, None], p2[:, None], p3[:, None],
+                             _bf16x2_offset_zeros(z))
             acc += t * s
+        else:
+            hi = word >> 16
+            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            xw = krow  # the int32 pair of the previous input (XPAIRS); a placeholder before
+            for j in tl.static_range(8):
+                xj, xw = _x_rows(x_ptr, xw_ptr, krow, j, xw, K, sxk, EVEN, XPAIRS)
+                off = 1.0 * (1 << (23 - 4 * (j % 4)))
+                q = _nibble_float(word if j < 4 else hi, j, ASM)  # off + nibble
+                if HAS_GIDX:  # every input row has its own group
+                    g = tl.load(g_ptr + krow + j, mask=rmask, other=0)
+                    at = g[:, None] * ssg + offs_n[None, :]
+                    sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                    zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                    t += xj[:, None] * ((q - (zj + off)) * sj)
+                else:
+                    t += xj[:, None] * (q - (z + off))
+            if HAS_GIDX:
+                acc += t
+            else:
+                acc += t * s
     y = tl.sum(acc, axis=0)
-    tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    if EVEN:
+        tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty),
+                 mask=nmask)
 
 
 @triton.jit

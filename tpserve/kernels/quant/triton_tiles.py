@@ -23,7 +23,8 @@ class Tile:
     warps: int = 4
     stages: int = 3
     split: int = 1  # K cut into this many spans; a second kernel sums their float32 partials
-    prefetch: bool = False  # GEMV: load the next K-block before reducing this one
+    # GEMV: load the next K-block before reducing this one (row-major int4: 2 = two ahead)
+    prefetch: bool | int = False
     factor: bool = False  # int4 GEMM: scale each K-block's dot, not each weight
     dense: bool = False  # dequantize the whole weight, then torch.matmul (large M)
 
