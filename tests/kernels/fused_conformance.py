@@ -97,8 +97,15 @@ def _rotary_cases(device, dtype, gen, head_dims):
                 k_ref.view(-1, kv_heads, d)[slots] = fo.apply_rotary_torch(k, cos, sin)
                 v_ref.view(-1, kv_heads, d)[slots] = v
                 q_ref = fo.apply_rotary_torch(q, cos, sin)
-                q_out = fo.rotary_write_kv_triton(q, k, v, cos, sin, k_out, v_out, slots)
-                err = max(_err(q_out, q_ref), _err(k_out, k_ref), _err(v_out, v_ref))
+                # One head per program (a few tokens) and blocks of 4 heads (many tokens;
+                # a KV block of 2 or 1 heads is partly masked).
+                err = 0.0
+                for hb in (1, 4):
+                    k_out.fill_(7.0)
+                    v_out.fill_(7.0)
+                    q_out = fo.rotary_write_kv_triton(q, k, v, cos, sin, k_out, v_out, slots,
+                                                      heads_per_program=hb)
+                    err = max(err, _err(q_out, q_ref), _err(k_out, k_ref), _err(v_out, v_ref))
                 yield "rotary_write_kv", f"d{d} h{heads}/{kv_heads} rot{rot}", err
                 if kv_quant.FP8_DTYPE is None:
                     continue
@@ -112,7 +119,7 @@ def _rotary_cases(device, dtype, gen, head_dims):
                     fo.apply_rotary_torch(k8, cos, sin), ks)
                 v_ref.view(-1, kv_heads, d)[slots] = kv_quant.quantize(v8, vs)
                 q_out = fo.rotary_write_kv_triton(q, k8, v8, cos, sin, k_out, v_out, slots,
-                                                  ks, vs)
+                                                  ks, vs, heads_per_program=1 if rot == d else 4)
                 err = max(_err(q_out, q_ref), _fp8_err(k_out, k_ref), _fp8_err(v_out, v_ref))
                 yield "rotary_write_kv[fp8]", f"d{d} h{heads}/{kv_heads} rot{rot}", err
 

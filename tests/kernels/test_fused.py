@@ -45,7 +45,7 @@ def test_suite_fails_wrong_kernels(monkeypatch):
     monkeypatch.setattr(fo, "add_rms_norm_triton",
                         lambda x, r, w, eps, off, cf: fo.add_rms_norm_torch(x, r, w, eps, 0.0, cf))
 
-    def unrotated_keys(q, k, v, cos, sin, k_cache, v_cache, slots, *scales):
+    def unrotated_keys(q, k, v, cos, sin, k_cache, v_cache, slots, *scales, **_tiling):
         d = k.shape[-1]
         k_cache.view(-1, k.shape[1], d)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, k.shape[1], d)[slots] = v.to(v_cache.dtype)
@@ -60,7 +60,7 @@ def test_suite_fails_wrong_kernels(monkeypatch):
 
 
 def _torch_rotary_write(q, k, v, cos, sin, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0,
-                        quantize=kv_quant.quantize):
+                        quantize=kv_quant.quantize, heads_per_program=None):
     """rotary_write_kv_triton's contract in torch, with a swappable quantizer."""
     d, hkv = k.shape[-1], k.shape[1]
     rk = fo.apply_rotary_torch(k, cos, sin)
@@ -81,7 +81,7 @@ def test_fp8_rotary_cases_pass_a_correct_write_and_fail_one_that_drops_the_scale
              if c.kernel.startswith("rotary")]
     assert sum("[fp8]" in c.kernel for c in cases) == 6 and all(c.ok for c in cases)
 
-    def drops_scales(*args):
+    def drops_scales(*args, **_tiling):
         return _torch_rotary_write(*args[:8], quantize=lambda x, _s: kv_quant.quantize(x, 1.0))
 
     monkeypatch.setattr(fo, "rotary_write_kv_triton", drops_scales)

@@ -95,7 +95,8 @@ def test_fused_kernels_compile(dtype, pdl):
         caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}
         _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr,
                                              "*": ptr, **caches},
-                 dict(NUM_HEADS=32, HEAD_DIM=128, ROT=128, KV_FP8=fp8, PDL=pdl))
+                 dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, ROT=128, HB=1 if pdl else 8,
+                      KV_FP8=fp8, PDL=pdl))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

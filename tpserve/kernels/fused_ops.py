@@ -218,10 +218,12 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           heads_per_program: int | None = None) -> torch.Tensor:
     """Rotate q and k ([T, heads, head_dim]), store k and v at their cache slots (the default
     layout [blocks, block_size, kv_heads, head_dim]) and return the rotated q, in one launch.
-    An fp8 (e4m3fn) cache stores clamp(x / scale, +-448) as kv_quant.quantize does."""
+    An fp8 (e4m3fn) cache stores clamp(x / scale, +-448) as kv_quant.quantize does.
+    heads_per_program (a power of two): fixed by tests; by default chosen by token count."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -234,11 +236,18 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             raise ValueError("rotary_write_kv_triton needs unit stride on head_dim")
     cos, sin = cos.contiguous(), sin.contiguous()
     if t:
-        _kernels().rotary_write_kv_kernel[(t, hq + hkv)](
+        # A head per program keeps a few tokens' launch short (decode of one stream);
+        # more tokens take up to 8 heads per program (prefill: 8x fewer programs). The
+        # split follows PDL's, so warmup's one-row and many-row forwards compile both.
+        hb = heads_per_program or (1 if t <= pdl.MAX_ROWS else
+                                   min(8, 1 << (max(hq, hkv) - 1).bit_length()))
+        grid = (t, -(-hq // hb) + -(-hkv // hb))
+        _kernels().rotary_write_kv_kernel[grid](
             q, k, v, cos, sin, slot_mapping, q_out, kc, vc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
-            1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, HEAD_DIM=d, ROT=cos.shape[-1],
-            KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
-            num_warps=1 if d <= 64 else 2, **pdl.launch(q.device, t))
+            1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d,
+            ROT=cos.shape[-1], HB=hb, KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
+            num_warps=min(4, max(1, hb * d // 256)) if hb > 1 else (1 if d <= 64 else 2),
+            **pdl.launch(q.device, t))
     return q_out

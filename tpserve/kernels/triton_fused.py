@@ -65,26 +65,29 @@ def gated_act_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o,
 
 
 @triton.jit
-def _rotate(x_row_ptr, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr, ROT: tl.constexpr):
-    """x * cos + rotate_half(x) * sin on the first ROT dims of one head, the rest as is; each
-    product and the sum rounded to x's dtype, as the torch reference computes in it."""
-    dtype = x_row_ptr.dtype.element_ty
-    rot = d < ROT
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    x = tl.load(x_row_ptr + d).to(tl.float32)
-    xp = tl.load(x_row_ptr + partner, mask=rot, other=0.0).to(tl.float32)
-    xp = tl.where(d < HALF, -xp, xp)
-    c = tl.load(cos_row_ptr + d, mask=rot, other=1.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_row_ptr + d, mask=rot, other=0.0).to(dtype).to(tl.float32)
-    y = (x * c).to(dtype).to(tl.float32) + (xp * s).to(dtype).to(tl.float32)
-    return tl.where(rot, y, x)
-
-
-@triton.jit
 def _fp8_range(x, inv_scale):
     """float32 -> x / scale clamped to e4m3's +-448, which the store then rounds to nearest
     (kv_quant.quantize: e4m3's cast is not saturating everywhere)."""
     return tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, h, hmask, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
+                  ROT: tl.constexpr):
+    """x * cos + rotate_half(x) * sin on the first ROT dims of heads h ([HB, HEAD_DIM], heads
+    past hmask read as zeros), the rest as is; each product and the sum rounded to x's
+    dtype, as the torch reference computes in it."""
+    dtype = x_ptr.dtype.element_ty
+    rot = (d < ROT)[None, :]
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    row = x_ptr + h[:, None] * stride_h
+    x = tl.load(row + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=hmask[:, None] & rot, other=0.0).to(tl.float32)
+    xp = tl.where((d < HALF)[None, :], -xp, xp)
+    c = tl.load(cos_row_ptr + d, mask=d < ROT, other=1.0).to(dtype).to(tl.float32)[None, :]
+    s = tl.load(sin_row_ptr + d, mask=d < ROT, other=0.0).to(dtype).to(tl.float32)[None, :]
+    y = (x * c).to(dtype).to(tl.float32) + (xp * s).to(dtype).to(tl.float32)
+    return tl.where(rot, y, x)
 
 
 @triton.jit(do_not_specialize=["stride_qt", "stride_qh", "stride_kt", "stride_kh",
@@ -95,29 +98,39 @@ def rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_ot, stride_oh, stride_slot, stride_ch, k_inv_scale, v_inv_scale,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, KV_FP8: tl.constexpr,
-    PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr, HB: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (token, head) over num_heads + num_kv_heads heads: a query head is
-    rotated into q_out; a KV head's rotated key and its value go to the token's cache slot
-    (a negative slot writes nothing). KV_FP8: the cache is e4m3; the rotated key is rounded
+    """Program (token, j) over cdiv(num_heads, HB) blocks of HB query heads, then
+    cdiv(num_kv_heads, HB) blocks of KV heads: query heads are rotated into q_out; KV heads'
+    rotated keys and their values go to the token's cache slot (a negative slot writes
+    nothing). Several heads per program matter for prefill: at one head each, a 4096-token
+    step launched 164k programs of 256 bytes, and scheduling them took 4x the time their
+    bytes need (docs/benchmarks.md). KV_FP8: the cache is e4m3; the rotated key is rounded
     to the model dtype first, as the torch path stores it before quantizing."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    j = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     cos_row = cos_ptr + t * stride_cs
     sin_row = sin_ptr + t * stride_cs
-    if h < NUM_HEADS:
-        y = _rotate(q_ptr + t * stride_qt + h * stride_qh, d, cos_row, sin_row, ROT // 2, ROT)
-        tl.store(q_out_ptr + t * stride_ot + h * stride_oh + d, y.to(q_out_ptr.dtype.element_ty))
+    Q_BLOCKS: tl.constexpr = (NUM_HEADS + HB - 1) // HB
+    if j < Q_BLOCKS:
+        h = j * HB + tl.arange(0, HB)
+        hmask = h < NUM_HEADS
+        y = _rotate_heads(q_ptr + t * stride_qt, stride_qh, h, hmask, d, cos_row, sin_row,
+                          ROT // 2, ROT)
+        tl.store(q_out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 y.to(q_out_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
-        kh = h - NUM_HEADS
+        kh = (j - Q_BLOCKS) * HB + tl.arange(0, HB)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        ok = (d < HEAD_DIM) & (slot >= 0)
-        y = _rotate(k_ptr + t * stride_kt + kh * stride_kh, d, cos_row, sin_row, ROT // 2, ROT)
-        dst = slot * stride_slot + kh * stride_ch + d
-        v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + d)
+        ok = ((kh < NUM_KV_HEADS) & (slot >= 0))[:, None]
+        y = _rotate_heads(k_ptr + t * stride_kt, stride_kh, kh, kh < NUM_KV_HEADS, d, cos_row,
+                          sin_row, ROT // 2, ROT)
+        dst = slot * stride_slot + kh[:, None] * stride_ch + d[None, :]
+        v = tl.load(v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :], mask=ok,
+                    other=0.0)
         if KV_FP8:
             y = _fp8_range(y.to(k_ptr.dtype.element_ty).to(tl.float32), k_inv_scale)
             v = _fp8_range(v.to(tl.float32), v_inv_scale)
