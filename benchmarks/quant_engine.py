@@ -7,7 +7,8 @@ GPU. Reuses benchmarks/gpu_engine.py's engine set-up and measurements.
     python3 benchmarks/quant_engine.py --out results/ --formats gptq-int4 bf16 \
         --tiles OUT/gemv_tiles.json                         # a sweep's tile table
 
-int4 layers hold qweight K-contiguous for the Triton kernels (tpserve/kernels/quant/base.py).
+int4 layers hold qweight in the checkpoint's row-major order for the Triton kernels
+(TritonQuantKernel.int4_k_contiguous; tpserve/kernels/quant/base.py).
 """
 
 from __future__ import annotations

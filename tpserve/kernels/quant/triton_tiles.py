@@ -32,10 +32,11 @@ class Tile:
 # method -> bucket -> (tile, programs per SM that split-K aims for): the choice of
 # benchmarks/quant_sweep.py on one H200 (2026-12-01; its OUT/quant_tiles.json), the least
 # time summed over the Llama-3-8B layers among 1,328 timed variants. int4's one-row tile is
-# for the row-major order the layers hold; the K-contiguous GEMV's best on the same GPU
-# (2026-12-02) was n8 k1024 pf for the narrow layers and n64 k128 pf for the wide ones.
+# for the row-major order the layers hold, re-chosen for the packed bfloat16x2 GEMV by
+# `quant_sweep.py --gemv` (2026-12-02: n16 k512 with a split aiming at 4 programs per SM,
+# 61.9 us over the four decoder layers against 64.2 at 2 per SM).
 TILES: dict[str, list[tuple[Tile, int]]] = {
-    "int4": [(Tile(0, 16, 512, 4, 3, prefetch=True), 2),
+    "int4": [(Tile(0, 16, 512, 4, 3, prefetch=True), 4),
              (Tile(16, 128, 128, 4, 3, factor=True), 1),
              (Tile(64, 64, 128, 4, 3, factor=True), 1),
              (Tile(0, 0, 64, dense=True), 1)],
