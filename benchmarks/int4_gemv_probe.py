@@ -82,6 +82,10 @@ def stream(qw, out, tile, split, ahead):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="activation dtype (float16 inputs are rounded to bfloat16 for the "
+                    "packed arithmetic)")
+    ap.add_argument("--tiles", type=int, default=len(TILES), help="only the first N tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -89,13 +93,14 @@ def main() -> int:
     for name, k, n in LAYERS:
         copies = max(2, math.ceil(COPY_BYTES / weight_bytes("int4", k, n)))
         sets = tensors(k, n, dev, copies)
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        wbs = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        dtype = getattr(torch, args.dtype)
+        x = torch.randn(1, k, device=dev, dtype=dtype)
+        wbs = [torch.randn(n, k, device=dev, dtype=dtype)
                for _ in range(max(2, math.ceil(COPY_BYTES / (2 * k * n))))]
         us = graph_ms([functools.partial(torch.nn.functional.linear, x, w) for w in wbs]) * 1e3
-        rows.append((name, "bf16 F.linear", us, 2 * k * n / us / 1e3))
+        rows.append((name, f"{args.dtype} F.linear", us, 2 * k * n / us / 1e3))
         ref = quant_matmul(x, *sets[0][:3], None, GROUP, False, Tile(0, 16, 512, prefetch=True))
-        for bn, bk, w in TILES:
+        for bn, bk, w in TILES[:args.tiles]:
             split = split_for(n // bn, k, bk, sms, 2)
             out = torch.empty(split, n, device=dev, dtype=torch.int32)
             for ahead in (1, 2):
@@ -129,7 +134,8 @@ def main() -> int:
                              + ("" if err < 1e-2 else f" MISMATCH {err:.2g}"), us,
                              weight_bytes("int4", k, n) / us / 1e3))
             print(*rows[-7:], sep="\n", flush=True)
-    head = (f"### One-row int4 GEMV: streaming against arithmetic ({torch.cuda.get_device_name(0)}"
+    head = (f"### One-row int4 GEMV: streaming against arithmetic, {args.dtype} inputs "
+            f"({torch.cuda.get_device_name(0)}"
             f", torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)")
     lines = [head, "", "| layer | variant | us | GB/s |", "| --- | --- | --- | --- |"]
