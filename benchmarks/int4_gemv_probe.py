@@ -83,8 +83,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
-                    help="activation dtype (float16 inputs are rounded to bfloat16 for the "
-                    "packed arithmetic)")
+                    help="activation dtype (the packed arithmetic serves bfloat16 only; "
+                    "with float16 both GEMV rows run the float32 path)")
     ap.add_argument("--tiles", type=int, default=len(TILES), help="only the first N tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")

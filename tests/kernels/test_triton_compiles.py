@@ -140,4 +140,4 @@ def test_int4_gemv_compiles(dtype):
         _compile(jit.int4_gemv_n_kernel, ptrs,
                  dict(HAS_GIDX=gidx, ROW_SCALES=row_scales, PREFETCH=prefetch, K_SPAN=1024,
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
-                      PACKED=dtype != "fp32" and not gidx, X_F16=dtype == "fp16"))
+                      PACKED=dtype == "bf16" and not gidx))

@@ -67,21 +67,10 @@ def _x_rows(x_ptr, xw_ptr, krow, J: tl.constexpr, xw, K, sxk, EVEN: tl.constexpr
 
 
 @triton.jit
-def _f16x2_to_bf16x2(a):
-    """A float16x2 word as bfloat16x2 (each half rounded to 8 bits, the range kept)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; "
-        "cvt.f32.f16 fh, h; cvt.rn.bf16x2.f32 $0, fh, fl; }",
-        "=r,r", [a], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _x_pairs(xw_ptr, krow, K, EVEN: tl.constexpr, X_F16: tl.constexpr):
-    """The 8 inputs of each packed row (rows krow) as 4 bfloat16x2 words, input i beside
-    input i + 4 (the order of _dot8_bf16x2's nibble pairs): 4 loads and 4 PRMTs per row,
-    shared by all the columns a thread holds. X_F16: float16 inputs, rounded to bfloat16
-    first (float16's range would overflow in the packed products: inputs of a few thousand
-    occur in real models)."""
+def _x_pairs(xw_ptr, krow, K, EVEN: tl.constexpr):
+    """The 8 bfloat16 inputs of each packed row (rows krow) as 4 bfloat16x2 words, input i
+    beside input i + 4 (the order of _dot8_bf16x2's nibble pairs): 4 loads and 4 PRMTs per
+    row, shared by all the columns a thread holds."""
     base = xw_ptr + krow // 2
     if EVEN:
         a0 = tl.load(base)
@@ -93,11 +82,6 @@ def _x_pairs(xw_ptr, krow, K, EVEN: tl.constexpr, X_F16: tl.constexpr):
         a1 = tl.load(base + 1, mask=krow < K, other=0)
         a2 = tl.load(base + 2, mask=krow < K, other=0)
         a3 = tl.load(base + 3, mask=krow < K, other=0)
-    if X_F16:
-        a0 = _f16x2_to_bf16x2(a0)
-        a1 = _f16x2_to_bf16x2(a1)
-        a2 = _f16x2_to_bf16x2(a2)
-        a3 = _f16x2_to_bf16x2(a3)
     return tl.inline_asm_elementwise(
         "prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632; "
         "prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;",
@@ -167,8 +151,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
                        sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-                       ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
-                       X_F16: tl.constexpr):
+                       ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -177,9 +160,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     one subtraction and one multiply-add (the int4 GEMV is bound by instructions as much as
     by bytes: docs/quantization.md); the scale is applied once per packed word, and with
     ROW_SCALES (every BLOCK_K rows in one group: no g_idx, group_size % BLOCK_K == 0) the
-    zero-point offsets once per block and column. PACKED (CUDA, 16-bit inputs, no g_idx):
-    the arithmetic is packed bfloat16x2 instead (_dot8_bf16x2), X_F16 for float16 inputs.
-    EVEN: K_SPAN divides K and BLOCK_N
+    zero-point offsets once per block and column. EVEN: K_SPAN divides K and BLOCK_N
     divides N, so the main loop has no masks. PREFETCH (0, 1 or 2): how many tiles ahead
     the loads are issued before this one is reduced (Triton does not pipeline loops without
     a dot); more tiles in flight per program hide more of the memory latency."""
@@ -189,7 +170,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rr = tl.arange(0, BLOCK_K // 8)
-    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if XPAIRS or PACKED else x_ptr
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if XPAIRS else x_ptr
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPAN
     ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
@@ -230,7 +211,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
             s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
         if PACKED:
-            p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN, X_F16)
+            p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN)
             t = _dot8_bf16x2(word, p0[:, None], p1[:, None], p2[:, None], p3[:, None],
                              _bf16x2_offset_zeros(z))
             acc += t * s

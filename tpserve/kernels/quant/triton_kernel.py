@@ -36,7 +36,7 @@ else:
     _IMPORT_ERROR = ""
 
 SUM_BLOCK = 1024
-# The one-row int4 GEMV on NVIDIA GPUs with 16-bit activations computes in packed
+# The one-row int4 GEMV on NVIDIA GPUs with bfloat16 activations computes in packed
 # bfloat16x2 (triton_jit._dot8_bf16x2: about half the instructions per weight, the
 # products rounded to bfloat16); TPSERVE_INT4_PACKED=0 keeps exact float32 arithmetic.
 PACKED_BF16 = os.environ.get("TPSERVE_INT4_PACKED", "1") != "0"
@@ -138,16 +138,16 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          BLOCK_N=tile.block_n, **launch)
         else:
             pairs = _bf16_pairs(x)
-            packed = (PACKED_BF16 and _ptx(x.device) and not has_gidx
-                      and x.dtype in (torch.bfloat16, torch.float16) and _pairs_aligned(x))
             jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, n, k, group_size,
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
                                          s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
                                          PREFETCH=int(tile.prefetch), K_SPAN=k_span,
                                          BLOCK_K=bk, BLOCK_N=tile.block_n,
                                          EVEN=k % k_span == 0 and n % tile.block_n == 0,
-                                         ASM=_ptx(x.device), XPAIRS=pairs, PACKED=packed,
-                                         X_F16=x.dtype == torch.float16, **launch)
+                                         ASM=_ptx(x.device), XPAIRS=pairs,
+                                         PACKED=PACKED_BF16 and pairs and _ptx(x.device)
+                                         and not has_gidx,
+                                         **launch)
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
@@ -171,14 +171,9 @@ def _ptx(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None
 
 
-def _pairs_aligned(x: torch.Tensor) -> bool:
-    """x's 16-bit inputs can be read two per 32-bit load (unit stride, 4-byte aligned)."""
-    return x.element_size() == 2 and x.stride(1) == 1 and x.data_ptr() % 4 == 0
-
-
 def _bf16_pairs(x: torch.Tensor) -> bool:
-    """The float32 GEMV widens bfloat16 pairs with a shift and an AND (bfloat16 only)."""
-    return x.dtype == torch.bfloat16 and _pairs_aligned(x)
+    """x's bfloat16 inputs can be read two per 32-bit load (unit stride, 4-byte aligned)."""
+    return x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.data_ptr() % 4 == 0
 
 
 def _k_contiguous(qweight: torch.Tensor) -> bool:
