@@ -129,7 +129,7 @@ def main() -> int:
                 fns = [functools.partial(quant_matmul, x, *s[:3], None, GROUP, False, tile)
                        for s in sets]
                 us = graph_ms(fns) * 1e3
-                kind = "bf16x2" if packed else "float32"
+                kind = "bf16x2" if packed and args.dtype == "bfloat16" else "float32"
                 rows.append((name, f"GEMV {kind} n{bn} k{bk} w{w} x{split} ahead {ahead}"
                              + ("" if err < 1e-2 else f" MISMATCH {err:.2g}"), us,
                              weight_bytes("int4", k, n) / us / 1e3))
