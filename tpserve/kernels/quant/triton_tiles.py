@@ -33,8 +33,8 @@ class Tile:
 # benchmarks/quant_sweep.py on one H200 (2026-12-01; its OUT/quant_tiles.json), the least
 # time summed over the Llama-3-8B layers among 1,328 timed variants. int4's one-row tile is
 # for the row-major order the layers hold, re-chosen for the packed bfloat16x2 GEMV by
-# `quant_sweep.py --gemv` (2026-12-02: n16 k512 with a split aiming at 4 programs per SM,
-# 61.9 us over the four decoder layers against 64.2 at 2 per SM).
+# the GEMV mode of benchmarks/quant_sweep.py (2026-12-02: n16 k512 with a split aiming at 4
+# programs per SM, 61.9 us over the four decoder layers against 64.2 at 2 per SM).
 TILES: dict[str, list[tuple[Tile, int]]] = {
     "int4": [(Tile(0, 16, 512, 4, 3, prefetch=True), 4),
              (Tile(16, 128, 128, 4, 3, factor=True), 1),
