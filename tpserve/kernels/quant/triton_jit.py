@@ -1,8 +1,8 @@
 """The Triton kernels behind tpserve/kernels/quant/triton_kernel.py (import only when triton
 imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + j in bits
-4j.. of packed row r) with strides (sqk, sqn), K-contiguous (sqk = 1) as the layers hold it
-for these kernels or row-major (sqn = 1) as in the checkpoint; scales and zeros [G, N]; fp8
-weight [N, K] with a scale per column n.
+4j.. of packed row r) with strides (sqk, sqn), row-major (sqn = 1) as in the checkpoint and
+as the layers hold it for these kernels, or K-contiguous (sqk = 1); scales and zeros [G, N];
+fp8 weight [N, K] with a scale per column n.
 
 int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
 OR-ing a nibble into the mantissa of a float whose exponent makes the nibble's lowest bit
@@ -10,7 +10,9 @@ worth 1 (2^23 for bits 0-3, 2^19 for bits 4-7, ...) gives that power of two plus
 so one subtraction of (power + zero) yields q - zero, exact because zeros are small integers
 (unpacked nibbles). The GEMVs read nibbles where they sit, in the word or in the word shifted
 right by 16: one AND-OR, one subtraction and one multiply-add per weight, and the scale once
-per packed word.
+per packed word. On NVIDIA GPUs with bfloat16 inputs the row-major GEMV does the same with
+two nibbles per instruction in packed bfloat16x2 (_dot8_bf16x2, inline PTX): the one-row
+int4 GEMV is bound by its instructions, not by its bytes (docs/quantization.md).
 """
 
 from __future__ import annotations
