@@ -25,14 +25,6 @@ TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _plane(word, hi, J: tl.constexpr):
-    """2^(23 - 4 (J % 4)) + nibble J of each packed word, as an exact float."""
-    src = word if J < 4 else hi
-    bits = (src & (15 << (4 * (J % 4)))) | ((150 - 4 * (J % 4)) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _nibble_float(src, J: tl.constexpr, ASM: tl.constexpr):
     """2^(23 - 4 (J % 4)) + nibble J of each packed word (src: the word, or for J >= 4 the
     word shifted right by 16), as an exact float: one AND-OR. ASM (CUDA): written as one
@@ -97,7 +89,7 @@ def _dot8_bf16x2(word, p0, p1, p2, p3, zz):
     bfloat16x2 arithmetic (CUDA sm_90): nibbles j and j + 4 become the pair (128 + q_j,
     128 + q_{j+4}) with one lop3, zz = (128 + z, 128 + z) is subtracted exactly, and the
     pairs meet the inputs p_j = (x_j, x_{j+4}) in a chain of four bfloat16x2 multiply-adds:
-    per weight about a quarter of the instructions of the float32 path. Products and the
+    per weight about half the instructions of the float32 path. Products and the
     4-term chains round to bfloat16 (8 bits), about the rounding the reference makes when it
     dequantizes weights to bfloat16."""
     return tl.inline_asm_elementwise(
@@ -137,8 +129,8 @@ def _bf16x2_offset_zeros(z):
 
 
 @triton.jit
-def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk, EVEN: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk,
+                    EVEN: tl.constexpr):
     """The packed tile kk inputs into the span at k_lo; zeros once kk reaches the span's end
     (or, unless EVEN, K)."""
     more = kk < K_SPAN
@@ -177,9 +169,9 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     k_lo = pid_k * K_SPAN
     ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
     if PREFETCH:
-        nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN, BLOCK_K)
+        nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN)
     if PREFETCH == 2:
-        nxt2 = _int4_rows_tile(ptrs, k_lo, BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN, BLOCK_K)
+        nxt2 = _int4_rows_tile(ptrs, k_lo, BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN)
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
@@ -189,16 +181,13 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
         if PREFETCH == 2:
             word = nxt
             nxt = nxt2
-            nxt2 = _int4_rows_tile(ptrs, k_lo, kk + 2 * BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN,
-                                   BLOCK_K)
+            nxt2 = _int4_rows_tile(ptrs, k_lo, kk + 2 * BLOCK_K, K, K_SPAN, rr, nmask, sqk,
+                                   EVEN)
         elif PREFETCH:
             word = nxt
-            nxt = _int4_rows_tile(ptrs, k_lo, kk + BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN,
-                                  BLOCK_K)
-        elif EVEN:
-            word = tl.load(ptrs + (kk // 8) * sqk)
+            nxt = _int4_rows_tile(ptrs, k_lo, kk + BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN)
         else:
-            word = tl.load(ptrs + (kk // 8) * sqk, mask=mask, other=0)
+            word = _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN, rr, nmask, sqk, EVEN)
         if ROW_SCALES:
             at = (k0 // group_size) * ssg + offs_n
             if EVEN:
@@ -301,9 +290,9 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
                 at = g[None, :, :] * ssg + n3
                 sj = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
                 zj = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
-                t += xj[None, :, :] * ((_plane(word, hi, j) - (zj + off)) * sj)
+                t += xj[None, :, :] * ((_nibble_float(word if j < 4 else hi, j, False) - (zj + off)) * sj)
             else:
-                t += xj[None, :, :] * (_plane(word, hi, j) - (z + off))
+                t += xj[None, :, :] * (_nibble_float(word if j < 4 else hi, j, False) - (z + off))
         if HAS_GIDX:
             acc += t
         else:
