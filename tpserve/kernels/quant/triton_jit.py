@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait, pdl_enter
+
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
 TWO23: tl.constexpr = tl.constexpr(8388608.0)
 
@@ -145,7 +147,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
                        sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-                       ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr):
+                       ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
+                       PDL: tl.constexpr):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -157,8 +160,13 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     zero-point offsets once per block and column. EVEN: K_SPAN divides K and BLOCK_N
     divides N, so the main loop has no masks. PREFETCH (0, 1 or 2): how many tiles ahead
     the loads are issued before this one is reduced (Triton does not pipeline loops without
-    a dot); more tiles in flight per program hide more of the memory latency."""
+    a dot); more tiles in flight per program hide more of the memory latency. PDL
+    (kernels/pdl.py): the prefetched weight tiles are loaded before the wait for the previous
+    kernel, since weights, scales and zeros never change while serving; x and the output are
+    touched only after it."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,6 +180,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
         nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN)
     if PREFETCH == 2:
         nxt2 = _int4_rows_tile(ptrs, k_lo, BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN)
+    if PDL:
+        gdc_wait()
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
@@ -238,7 +248,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
 def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size,
                        sxk, sos, son, sqk, sqn, ssg, HAS_GIDX: tl.constexpr,
                        PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, GPB: tl.constexpr,
-                       WPG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                       WPG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PDL: tl.constexpr):
     """One activation row against a K-contiguous qweight (sqk = 1: [N, K / 8] in memory).
     Program (n, s) reduces inputs [s * K_SPAN, (s + 1) * K_SPAN) of BLOCK_N output columns
     into out[s, n]. A K-block is GPB chunks of WPG packed words, each chunk inside one group,
@@ -247,7 +258,9 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
     in registers and are reduced once, at the end. HAS_GIDX:
     act-order, each input row looks up its own group. BLOCK_K = 8 * GPB * WPG. Masks compare
     word indices with KW = K / 8 (specialized when a multiple of 16), so they are constant over
-    a vector and the loads stay 128-bit."""
+    a vector and the loads stay 128-bit. PDL: as in int4_gemv_n_kernel."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,6 +274,8 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
     acc = tl.zeros((BLOCK_N, GPB, WPG), dtype=tl.float32)
     if PREFETCH:
         nxt = tl.load(ptrs, mask=nmask3 & ((k_lo // 8 + kw) < KW)[None, :, :], other=0)
+    if PDL:
+        gdc_wait()
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
     for kk in range(0, K_SPAN, BLOCK_K):
         k0 = k_lo + kk
@@ -304,9 +319,12 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
 @triton.jit
 def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
-    along K; the per-column scale is applied once to the sum."""
+    along K; the per-column scale is applied once to the sum. PDL: as in
+    int4_gemv_n_kernel."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,6 +335,8 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
     ptrs = w_ptr + offs_n[:, None] * swn + offs_k[None, :]
     if PREFETCH:
         nxt = tl.load(ptrs, mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
     for kk in range(0, K_SPAN, BLOCK_K):
         kmask = offs_k + kk < K
         x = tl.load(x_ptr + (offs_k + kk) * sxk, mask=kmask, other=0.0).to(tl.float32)
@@ -371,13 +391,14 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
                 sxm, sxk, sos, som, son, sw0, sw1, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_SPAN: tl.constexpr):
+                K_SPAN: tl.constexpr, PDL: tl.constexpr):
     """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
     tl.dot. int4: (sw0, sw1) are qweight's strides, either order; FACTOR (with ROW_SCALES): the dot takes the
     exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
     one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
     (its scale, per column, multiplies the finished sum). Neither M nor the split stride
     M * N is specialized on, so every batch size of a bucket runs one compiled variant."""
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -416,8 +437,10 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
 
 
 @triton.jit(do_not_specialize=["numel"])
-def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """y = sum over the split axis of the float32 partials ws [SPLIT, numel], in y's dtype."""
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from tpserve.kernels import pdl
 from tpserve.kernels.quant.base import QuantKernel
 from tpserve.kernels.quant.triton_tiles import Tile, pick_tile
 
@@ -118,7 +119,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     # Unused pointer arguments still need a tensor: pass the scales.
     z = z if z is not None else s
     g = g if g is not None else s
-    launch = dict(num_warps=tile.warps, num_stages=tile.stages)
+    # Decode launches of a few rows chain with programmatic dependent launch (kernels/pdl.py):
+    # a step at one row is 4 GEMVs (and their split sums) per layer, short enough that each
+    # launch gap used to cost a tenth of the kernel.
+    chain = pdl.launch(x.device, m)
+    launch = dict(num_warps=tile.warps, num_stages=tile.stages, **chain)
     if tile.block_m == 0:
         assert m == 1, "the GEMV tile takes one row"
         grid = (_cdiv(n, tile.block_n), split)
@@ -161,7 +166,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                               BLOCK_K=bk, **launch)
     if split > 1:
         jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
-            out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK)
+            out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **chain)
     return y
 
 
