@@ -145,8 +145,8 @@ def test_int4_gemv_compiles(dtype):
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
 def test_quant_kernels_compile(pdl):
-    """The other weight-only kernels (K-contiguous int4 GEMV, fp8 GEMV, tensor-core tiles,
-    the split-K sum) with and without programmatic dependent launch."""
+    """The other weight-only kernels (K-contiguous int4 GEMV, fp8 GEMV, the split-K sum with
+    and without programmatic dependent launch; the tensor-core tiles)."""
     from tpserve.kernels.quant import triton_jit as jit
 
     ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "*": "*bf16"}
@@ -157,6 +157,6 @@ def test_quant_kernels_compile(pdl):
              dict(PREFETCH=True, K_SPAN=1024, BLOCK_K=128, BLOCK_N=32, PDL=pdl))
     _compile(jit.gemm_kernel, {"w_ptr": "*i32", "g_ptr": "*i32", "*": "*bf16"},
              dict(FP8=False, HAS_GIDX=False, ROW_SCALES=True, FACTOR=True, PRECISION="tf32",
-                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPAN=1024, PDL=pdl))
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPAN=1024))
     _compile(jit.sum_splits_kernel, {"ws_ptr": "*fp32", "*": "*bf16"},
              dict(SPLIT=4, BLOCK=1024, PDL=pdl))

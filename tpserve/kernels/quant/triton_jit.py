@@ -391,14 +391,13 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
                 sxm, sxk, sos, som, son, sw0, sw1, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_SPAN: tl.constexpr, PDL: tl.constexpr):
+                K_SPAN: tl.constexpr):
     """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
     tl.dot. int4: (sw0, sw1) are qweight's strides, either order; FACTOR (with ROW_SCALES): the dot takes the
     exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
     one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
     (its scale, per column, multiplies the finished sum). Neither M nor the split stride
     M * N is specialized on, so every batch size of a bucket runs one compiled variant."""
-    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
