@@ -131,7 +131,7 @@ def test_int4_gemv_compiles(dtype):
     from tpserve.kernels.quant import triton_jit as jit
 
     ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
-            "*": "*" + dtype}
+            "cnt_ptr": "*i32", "out_ptr": "*fp32", "*": "*" + dtype}
     if dtype == "fp32":
         ptrs.update(s_ptr="*fp32", z_ptr="*fp32")
     for gidx, row_scales, even, prefetch in [(False, True, True, True), (False, True, False, True),
@@ -140,7 +140,8 @@ def test_int4_gemv_compiles(dtype):
         _compile(jit.int4_gemv_n_kernel, ptrs,
                  dict(HAS_GIDX=gidx, ROW_SCALES=row_scales, PREFETCH=prefetch, K_SPAN=1024,
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
-                      PACKED=dtype == "bf16" and not gidx, PDL=even))
+                      PACKED=dtype == "bf16" and not gidx, PDL=even,
+                      SPLIT_PAD=4 if prefetch else 0))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

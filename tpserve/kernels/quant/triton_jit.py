@@ -143,12 +143,12 @@ def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk,
 
 
 @triton.jit
-def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_size,
-                       sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
+def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_ptr, N, K,
+                       group_size, sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                        ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, SPLIT_PAD: tl.constexpr):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -163,7 +163,11 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     a dot); more tiles in flight per program hide more of the memory latency. PDL
     (kernels/pdl.py): the prefetched weight tiles are loaded before the wait for the previous
     kernel, since weights, scales and zeros never change while serving; x and the output are
-    touched only after it."""
+    touched only after it. SPLIT_PAD (a power of two >= the number of splits; 0: none, or
+    summed by sum_splits_kernel): the split that finishes last for its columns sums the
+    float32 partials of out [splits, N] into y, found by a counter per column block in
+    cnt_ptr (int32, zero between launches: that program resets it), so a split GEMV is one
+    launch, not two."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
     if PDL:
         gdc_launch_dependents()
@@ -242,6 +246,28 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, group_
     else:
         tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty),
                  mask=nmask)
+    if SPLIT_PAD:
+        _sum_if_last(out_ptr, y_ptr, cnt_ptr + pid_n, offs_n, nmask, sos, son,
+                     tl.num_programs(1), SPLIT_PAD)
+
+
+@triton.jit
+def _sum_if_last(ws_ptr, y_ptr, cnt_ptr, offs_n, nmask, sws, son, splits,
+                 SPLIT_PAD: tl.constexpr):
+    """Called by every split of a column block after it stored its partial sums to ws
+    [splits, N]: the split that arrives last (the counter at cnt_ptr says so) reads all of
+    them, in split order, and writes their sum to y. The barrier makes every thread's
+    stores part of the counter's release; the partials are read through L2 (.cg), where
+    the other programs' stores are."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    if arrived == splits - 1:
+        sp = tl.arange(0, SPLIT_PAD)
+        parts = tl.load(ws_ptr + sp[:, None] * sws + offs_n[None, :] * son,
+                        mask=(sp < splits)[:, None] & nmask[None, :], other=0.0,
+                        cache_modifier=".cg")
+        tl.store(y_ptr + offs_n, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=nmask)
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
 
 
 @triton.jit

@@ -145,7 +145,13 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          BLOCK_N=tile.block_n, **launch, **chain)
         else:
             pairs = _bf16_pairs(x)
-            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, n, k, group_size,
+            cols = grid[0]
+            counters = _split_counters(x.device) if split > 1 else None
+            if counters is not None and cols <= counters.numel():
+                summed, split_pad = True, max(2, 1 << (split - 1).bit_length())
+            else:
+                summed, split_pad, counters = False, 0, s
+            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, n, k, group_size,
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
                                          s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
                                          PREFETCH=int(tile.prefetch), K_SPAN=k_span,
@@ -153,8 +159,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          EVEN=k % k_span == 0 and n % tile.block_n == 0,
                                          ASM=_ptx(x.device), XPAIRS=pairs,
                                          PACKED=PACKED_BF16 and pairs and _ptx(x.device)
-                                         and not has_gidx,
+                                         and not has_gidx, SPLIT_PAD=split_pad,
                                          **launch, **chain)
+            if summed:
+                return y
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
@@ -170,6 +178,26 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **chain)
     return y
+
+
+# Counters of the one-row int4 GEMV's in-kernel split sum (triton_jit._sum_if_last), one per
+# column block, zero between launches. One set per device serves every layer: the launches
+# of a step follow one another on one stream, and each leaves its counters at zero.
+SPLIT_COUNTERS = 1 << 15
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's counters, made on first use (warmup, before any graph capture), or None:
+    the caller then sums with a second kernel."""
+    if device.type == "xpu" or (device.type == "cuda" and not _ptx(device)):
+        return None  # the release/acquire pair is only relied on where it was run (CUDA)
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # a zeroing captured, not run, would leave them undefined until replay
+        c = _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return c
 
 
 @functools.cache
