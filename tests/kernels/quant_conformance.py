@@ -44,7 +44,13 @@ def tile_sets() -> dict:
         # qweight in the checkpoint's row-major order: the N-contiguous GEMV, strided tiles.
         "gptq-order": (Tile(0, 16, 128, split=2, prefetch=True),
                        Tile(16, 64, 64, split=2, factor=True)),
+        # Row-major, three and four splits (the last split of a column block sums them),
+        # plain and two-ahead prefetch.
+        "rows-split": (Tile(0, 32, 64, split=3, prefetch=2), Tile(16, 32, 64, split=4)),
     }
+
+
+ROW_MAJOR_SETS = ("gptq-order", "rows-split")
 
 
 def triton_with_tiles(name: str):
@@ -54,7 +60,7 @@ def triton_with_tiles(name: str):
     one, more = tile_sets()[name]
     kernel = TritonQuantKernel(lambda _method, m, _n, _k: one if m == 1 else more)
     kernel.name = f"triton[{name}]"
-    kernel.int4_k_contiguous = name != "gptq-order"
+    kernel.int4_k_contiguous = name not in ROW_MAJOR_SETS
     return kernel
 
 
