@@ -45,6 +45,18 @@ def test_auto_follows_the_checkpoint():
     assert resolve_quant("fp8", config(None)).cast_at_load
 
 
+@pytest.mark.parametrize(("quant", "dynamic"), [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, True),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, False),
+    ({"quant_method": "fp8"}, False),
+    (None, False),  # --quantize fp8 casting a float checkpoint: weight-only
+])
+def test_fp8_activations_follow_the_checkpoints_scheme(quant, dynamic):
+    q = resolve_quant("fp8", config(quant))
+    assert q.dynamic_activations is dynamic
+    assert ("dynamic e4m3 activations" in q.describe()) is dynamic
+
+
 @pytest.mark.parametrize(("requested", "quant", "needle"), [
     ("gptq", None, "no quantization_config"),
     ("none", gptq(), "--quantize none cannot serve it"),

@@ -490,5 +490,25 @@ def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size
              mask=(offs_k[:, None] < K) & nmask[None, :])
 
 
+@triton.jit(do_not_specialize=["K", "sxm", "sqm"])
+def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, BLOCK: tl.constexpr):
+    """Row r of x in e4m3 with its own scale (w8a8.py): s[r] = max |x[r, :]| / 448 (at least
+    1e-12 / 448), q[r, :] = x[r, :] * (448 / max) rounded to e4m3. Two passes over the row, one
+    program per row: the first finds the largest magnitude, the second scales and casts."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    top = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * sxm + k0 + cols, mask=k0 + cols < K, other=0.0)
+        top = tl.maximum(top, tl.abs(x.to(tl.float32)))
+    amax = tl.maximum(tl.max(top, axis=0), 1e-12)
+    inv = 448.0 / amax
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * sxm + k0 + cols, mask=k0 + cols < K, other=0.0)
+        q = tl.minimum(tl.maximum(x.to(tl.float32) * inv, -448.0), 448.0)
+        tl.store(q_ptr + row * sqm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
+    tl.store(s_ptr + row, amax / 448.0)
+
+
 KERNELS = (int4_gemv_n_kernel, int4_gemv_k_kernel, fp8_gemv_kernel, gemm_kernel, sum_splits_kernel,
-           int4_dequant_kernel)
+           int4_dequant_kernel, fp8_quant_rows_kernel)

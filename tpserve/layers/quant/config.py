@@ -30,6 +30,10 @@ class QuantConfig:
     zero_offset: int = 0
     # fp8 only: True when the checkpoint holds bf16/fp32 weights cast to e4m3 at load.
     cast_at_load: bool = False
+    # fp8 only: the checkpoint's activation_scheme is "dynamic": batches above 64 rows round
+    # activations to e4m3 per row and use the fp8 tensor cores where the GPU has them
+    # (kernels/quant/w8a8.py); otherwise, and always with "static" or a cast, weight-only.
+    dynamic_activations: bool = False
     kernel: str = "auto"  # int4 kernel: auto, torch, triton or a tpserve.quant_kernels plugin
     # name fragments left unquantized (AWQ modules_to_not_convert)
     skip_modules: tuple[str, ...] = ()
@@ -37,7 +41,9 @@ class QuantConfig:
     def describe(self) -> str:
         if self.method == "fp8":
             return "fp8 e4m3 weights, per-channel scales" + (
-                " (cast from the checkpoint at load)" if self.cast_at_load else "")
+                " (cast from the checkpoint at load)" if self.cast_at_load else "") + (
+                ", dynamic e4m3 activations above 64 rows where supported"
+                if self.dynamic_activations else "")
         act = ", act-order" if self.desc_act else ""
         return f"{self.method} int{self.bits}, group size {self.group_size}{act}, " \
                f"{'symmetric' if self.sym else 'asymmetric'}"
@@ -105,6 +111,7 @@ def _parse(q: dict, kernel: str) -> QuantConfig:
                 f"fp8 with block-wise scales (weight_block_size {q['weight_block_size']}) is not "
                 "supported; tpserve reads per-tensor or per-channel weight scales")
         return QuantConfig("fp8", bits=8, kernel=kernel,
+                           dynamic_activations=q.get("activation_scheme") == "dynamic",
                            skip_modules=tuple(q.get("modules_to_not_convert") or ()))
     raise QuantizationError(
         f"quantization method {method!r} is not supported; tpserve serves gptq (4-bit), awq "

@@ -5,6 +5,7 @@ for row-parallel layers, the all-reduce."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -12,11 +13,13 @@ from torch import nn
 
 from tpserve.errors import CheckpointError, ShardingError
 from tpserve.kernels import gemv
+from tpserve.kernels.quant import w8a8
 from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
 from tpserve.layers.quant.config import QuantConfig, current_quant
 from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = w8a8.FP8_MAX
+log = logging.getLogger(__name__)
 
 
 def _param(shape, dtype=None) -> nn.Parameter:
@@ -174,9 +177,32 @@ class Fp8Method(LinearMethod):
 
     def apply(self, layer, x):
         shape = x.shape
-        y = _kernel(self.cfg, x, "fp8").fp8_matmul(x.reshape(-1, shape[-1]), layer.weight,
-                                                   layer.weight_scale)
+        x2 = x.reshape(-1, shape[-1])
+        if self.cfg.dynamic_activations and x2.shape[0] > w8a8.MIN_ROWS and \
+                _w8a8_here(x2, layer.weight):
+            y = w8a8.w8a8_matmul(x2, layer.weight, layer.weight_scale)
+        else:
+            y = _kernel(self.cfg, x, "fp8").fp8_matmul(x2, layer.weight, layer.weight_scale)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+_W8A8_LOGGED: set[tuple] = set()
+
+
+def _w8a8_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether W8A8 runs for this device, dtype and weight shape; logged once per kind."""
+    reason = w8a8.why_not(x, weight)
+    key = (x.device, x.dtype, reason)
+    if key not in _W8A8_LOGGED:
+        _W8A8_LOGGED.add(key)
+        if reason is None:
+            log.info("fp8 layers on %s: batches above %d rows round activations to e4m3 per "
+                     "row (the checkpoint's dynamic activation scheme) and multiply on the fp8 "
+                     "tensor cores", x.device, w8a8.MIN_ROWS)
+        else:
+            log.info("fp8 layers on %s stay weight-only at every batch size: %s", x.device,
+                     reason)
+    return reason is None
 
 
 def linear_method(prefix: str) -> LinearMethod:
