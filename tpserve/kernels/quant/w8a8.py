@@ -17,10 +17,12 @@ serve every batch, and `why_not` says why.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-MIN_ROWS = 64
+# Rows above which the product runs in W8A8 (TPSERVE_W8A8_MIN_ROWS overrides, for A/B runs).
+MIN_ROWS = int(os.environ.get("TPSERVE_W8A8_MIN_ROWS") or 64)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
