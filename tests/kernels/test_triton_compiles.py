@@ -146,8 +146,9 @@ def test_int4_gemv_compiles(dtype):
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
 def test_quant_kernels_compile(pdl):
-    """The other weight-only kernels (K-contiguous int4 GEMV, fp8 GEMV, the split-K sum with
-    and without programmatic dependent launch; the tensor-core tiles)."""
+    """The other quantized-matmul kernels (K-contiguous int4 GEMV, fp8 GEMV, the split-K sum
+    with and without programmatic dependent launch; the tensor-core tiles; W8A8's per-row
+    e4m3 rounding of activations)."""
     from tpserve.kernels.quant import triton_jit as jit
 
     ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "*": "*bf16"}
@@ -161,3 +162,5 @@ def test_quant_kernels_compile(pdl):
                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPAN=1024))
     _compile(jit.sum_splits_kernel, {"ws_ptr": "*fp32", "*": "*bf16"},
              dict(SPLIT=4, BLOCK=1024, PDL=pdl))
+    _compile(jit.fp8_quant_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "*": "*bf16"},
+             dict(BLOCK=1024))

@@ -490,11 +490,25 @@ def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size
              mask=(offs_k[:, None] < K) & nmask[None, :])
 
 
+@triton.jit
+def _round_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32:
+    3 mantissa bits for normal values (a carry moves into the exponent by itself), steps of
+    2^-9 below 2^-6 (e4m3's subnormals: adding and taking away 1.5 * 2^14 rounds there).
+    The cast that follows is then exact on every backend (Triton's interpreter, for one,
+    drops the carry when it rounds 125.8 to e4m3 itself)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576  # keep 3 of 23 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
 @triton.jit(do_not_specialize=["K", "sxm", "sqm"])
 def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, BLOCK: tl.constexpr):
     """Row r of x in e4m3 with its own scale (w8a8.py): s[r] = max |x[r, :]| / 448 (at least
     1e-12 / 448), q[r, :] = x[r, :] * (448 / max) rounded to e4m3. Two passes over the row, one
-    program per row: the first finds the largest magnitude, the second scales and casts."""
+    program per row: the first finds the largest magnitude, the second scales and rounds."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     top = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -505,7 +519,7 @@ def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, BLOCK: tl.constexpr)
     inv = 448.0 / amax
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * sxm + k0 + cols, mask=k0 + cols < K, other=0.0)
-        q = tl.minimum(tl.maximum(x.to(tl.float32) * inv, -448.0), 448.0)
+        q = _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv, -448.0), 448.0))
         tl.store(q_ptr + row * sqm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, amax / 448.0)
 

@@ -1,13 +1,16 @@
 """fp8 weights meeting fp8 activations (W8A8) for large batches: what an fp8 checkpoint whose
 quantization_config says `"activation_scheme": "dynamic"` asks for.
 
-Above MIN_ROWS rows (prefill chunks, decode batches past the 17-64 bucket) a matmul is bound
-by the tensor cores, not by weight bytes, and the weight-only kernels (fp8 dequantized to
-bfloat16 before each product) run at bfloat16's rate or below. Here each activation row is
-cast to e4m3 with its own scale (the largest magnitude maps to 448) and the product runs on
-the fp8 tensor cores through `torch._scaled_mm` with row-wise scales: the row's and each
-weight column's, applied to the float32 sum. Rows of 64 and fewer keep the weight-only
-kernels, whose output does not depend on the activations' rounding.
+Above MIN_ROWS rows (prefill chunks, decode batches of 17 and more) the weight-only kernels
+(fp8 dequantized to bfloat16 in registers before each product) run at bfloat16's tensor-core
+rate or below, and once a matmul is bound by the tensor cores the fp8 weights save nothing.
+Here each activation row is cast to e4m3 with its own scale (the largest magnitude maps to
+448) and the product runs on the fp8 tensor cores through `torch._scaled_mm` with row-wise
+scales: the row's and each weight column's, applied to the float32 sum. On one H200 the
+threshold of 16 rows beat 64 (32 requests: 5,820 against 5,287 tokens/s in-process;
+docs/quantization.md). Rows of 16 and fewer keep the weight-only kernels (the one-row GEMV
+reads the weight at the copy bandwidth), whose output does not depend on the activations'
+rounding.
 
 Only where it was run: CUDA compute capability 9.0+ (row-wise scaled matmul) with bfloat16
 activations. Elsewhere (the CPU, XPU, older GPUs, float16 models) the weight-only kernels
@@ -22,7 +25,7 @@ import os
 import torch
 
 # Rows above which the product runs in W8A8 (TPSERVE_W8A8_MIN_ROWS overrides, for A/B runs).
-MIN_ROWS = int(os.environ.get("TPSERVE_W8A8_MIN_ROWS") or 64)
+MIN_ROWS = int(os.environ.get("TPSERVE_W8A8_MIN_ROWS") or 16)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

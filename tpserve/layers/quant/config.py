@@ -30,7 +30,7 @@ class QuantConfig:
     zero_offset: int = 0
     # fp8 only: True when the checkpoint holds bf16/fp32 weights cast to e4m3 at load.
     cast_at_load: bool = False
-    # fp8 only: the checkpoint's activation_scheme is "dynamic": batches above 64 rows round
+    # fp8 only: the checkpoint's activation_scheme is "dynamic": batches above 16 rows round
     # activations to e4m3 per row and use the fp8 tensor cores where the GPU has them
     # (kernels/quant/w8a8.py); otherwise, and always with "static" or a cast, weight-only.
     dynamic_activations: bool = False
@@ -42,7 +42,7 @@ class QuantConfig:
         if self.method == "fp8":
             return "fp8 e4m3 weights, per-channel scales" + (
                 " (cast from the checkpoint at load)" if self.cast_at_load else "") + (
-                ", dynamic e4m3 activations above 64 rows where supported"
+                ", dynamic e4m3 activations above 16 rows where supported"
                 if self.dynamic_activations else "")
         act = ", act-order" if self.desc_act else ""
         return f"{self.method} int{self.bits}, group size {self.group_size}{act}, " \
