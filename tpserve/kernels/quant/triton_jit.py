@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpserve.kernels.triton_fused import _fp8_range
 from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait, pdl_enter
 
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
@@ -519,7 +520,7 @@ def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, sxm, sqm, BLOCK: tl.constexpr)
     inv = 448.0 / amax
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * sxm + k0 + cols, mask=k0 + cols < K, other=0.0)
-        q = _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv, -448.0), 448.0))
+        q = _round_e4m3(_fp8_range(x.to(tl.float32), inv))
         tl.store(q_ptr + row * sqm + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, amax / 448.0)
 

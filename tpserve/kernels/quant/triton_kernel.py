@@ -7,9 +7,10 @@ K-contiguous one (base.py: int4_k_contiguous), which streams each output column'
 inputs, by 16% summed over the Llama-3-8B layers at one row (2.58 against 3.08 ms,
 docs/quantization.md). The kernels read either order, chosen by the weight's strides. One row (single-stream decode) takes a GEMV kernel (multiply-and-add in float32,
 no tensor cores); more rows take tensor-core tiles (tl.dot on tiles dequantized into x's dtype). When
-the output tiles are too few programs to fill the device, K is split across programs whose
-float32 partials a second small kernel sums into the output: two launches, no memset, no
-atomics. Tiles: triton_tiles.py; kernels: triton_jit.py.
+the output tiles are too few programs to fill the device, K is split across programs that
+write float32 partials: in the row-major int4 GEMV the split that finishes last for its
+columns sums them (a counter per column block, _split_counters), elsewhere a second small
+kernel does. Tiles: triton_tiles.py; kernels: triton_jit.py.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ import os
 
 import torch
 
+from tpserve.kernels.kv_quant import FP8_MAX
+
 # Rows above which the product runs in W8A8 (TPSERVE_W8A8_MIN_ROWS overrides, for A/B runs).
 MIN_ROWS = int(os.environ.get("TPSERVE_W8A8_MIN_ROWS") or 16)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @functools.cache
