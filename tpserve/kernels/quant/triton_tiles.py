@@ -22,7 +22,7 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 3
-    split: int = 1  # K cut into this many spans; a second kernel sums their float32 partials
+    split: int = 1  # K cut into this many spans, whose float32 partials are summed (triton_kernel)
     # GEMV: load the next K-block before reducing this one (row-major int4: 2 = two ahead)
     prefetch: bool | int = False
     factor: bool = False  # int4 GEMM: scale each K-block's dot, not each weight

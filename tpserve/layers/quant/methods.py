@@ -13,12 +13,12 @@ from torch import nn
 
 from tpserve.errors import CheckpointError, ShardingError
 from tpserve.kernels import gemv
+from tpserve.kernels.kv_quant import FP8_MAX
 from tpserve.kernels.quant import w8a8
 from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
 from tpserve.layers.quant.config import QuantConfig, current_quant
 from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
 
-FP8_MAX = w8a8.FP8_MAX
 log = logging.getLogger(__name__)
 
 
