@@ -154,7 +154,13 @@ def main() -> None:
     ap.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="also list the N kernels with the most GPU time per step")
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
+    ap.add_argument("--tiles", type=Path, help="quantized-matmul tile table (JSON of "
+                    "benchmarks/quant_sweep.py) to use instead of triton_tiles.TILES")
     args = ap.parse_args()
+    if args.tiles:
+        from tpserve.kernels.quant.triton_tiles import set_tiles, tiles_from_json
+
+        set_tiles(tiles_from_json(args.tiles.read_text()))
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.dummy = args.model is None or not any(args.model.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:

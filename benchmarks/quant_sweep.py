@@ -360,7 +360,15 @@ GEMV_CANDIDATES = {
         for bn, bk, w in ((16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4),
                           (128, 128, 4), (64, 64, 4), (128, 64, 4), (64, 128, 2),
                           (128, 128, 8), (256, 64, 4), (32, 128, 1), (64, 128, 1))
-        for per_sm in (1, 2, 4)],
+        for per_sm in (1, 2, 4)]
+       # More programs per SM split even the widest layers (gate_up) into several waves, so
+       # the last wave's tail is a smaller share of the call.
+       + [(Tile(0, bn, bk, 4, 3, prefetch=True), per_sm)
+          for bn, bk in ((16, 512), (16, 256), (32, 256)) for per_sm in (8, 16)]
+       # Triton's shared-memory pipeline instead of register prefetch (row-major order).
+       + [(Tile(0, bn, bk, 4, 3, pipeline=st), per_sm)
+          for bn, bk in ((16, 512), (16, 256), (32, 256), (32, 128), (64, 128))
+          for st in (3, 4) for per_sm in (4, 8, 16)],
     8: [(Tile(16, bn, bk, w, st, factor=True), per_sm)
         for bn, bk, w, st in ((128, 128, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4),
                               (64, 256, 4, 3), (32, 512, 4, 3))

@@ -47,10 +47,12 @@ def tile_sets() -> dict:
         # Row-major, three and four splits (the last split of a column block sums them),
         # plain and two-ahead prefetch.
         "rows-split": (Tile(0, 32, 64, split=3, prefetch=2), Tile(16, 32, 64, split=4)),
+        # Row-major GEMV pipelined by Triton (shared-memory stages), split past K.
+        "rows-pipelined": (Tile(0, 16, 128, split=3, pipeline=3), Tile(16, 32, 64, split=2)),
     }
 
 
-ROW_MAJOR_SETS = ("gptq-order", "rows-split")
+ROW_MAJOR_SETS = ("gptq-order", "rows-split", "rows-pipelined")
 
 
 def triton_with_tiles(name: str):

@@ -66,11 +66,13 @@ def test_triton_table_under_the_interpreter(dtype, shapes, groups, batches, case
 
 
 @pytest.mark.parametrize("tile_set", ["prefetch-split", "plain-tails", "split-dense",
-                                      "wide-gemv", "gptq-order", "rows-split"])
+                                      "wide-gemv", "gptq-order", "rows-split",
+                                      "rows-pipelined"])
 def test_triton_tile_sets_under_the_interpreter(tile_set):
     """Each fixed tile set of quant_conformance.py (prefetching GEMV, split-K spans that run
     past K, factored scales, the dense fallback, tails in N and K, GEMV blocks over several
-    groups, the checkpoint's row-major order, its splits summed by the last one to finish)
+    groups, the checkpoint's row-major order, its splits summed by the last one to finish, its
+    loop pipelined by Triton)
     against the oracle."""
     _interpret(f"""
         from quant_conformance import run_quant_conformance, triton_with_tiles

@@ -134,14 +134,17 @@ def test_int4_gemv_compiles(dtype):
             "cnt_ptr": "*i32", "out_ptr": "*fp32", "*": "*" + dtype}
     if dtype == "fp32":
         ptrs.update(s_ptr="*fp32", z_ptr="*fp32")
-    for gidx, row_scales, even, prefetch in [(False, True, True, True), (False, True, False, True),
-                                             (False, False, True, False), (True, False, False,
-                                                                           True)]:
+    # (act-order, row scales, whole tiles, prefetch, log2 of the group size, loop stages)
+    for gidx, row_scales, even, prefetch, log2, stages in [
+            (False, True, True, True, -1, 1), (False, True, False, True, -1, 1),
+            (False, False, True, False, 7, 3), (False, False, False, True, -1, 1),
+            (False, False, False, False, 5, 4), (True, False, False, True, -1, 1)]:
+        packed = dtype == "bf16" and not gidx
         _compile(jit.int4_gemv_n_kernel, ptrs,
                  dict(HAS_GIDX=gidx, ROW_SCALES=row_scales, PREFETCH=prefetch, K_SPAN=1024,
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
-                      PACKED=dtype == "bf16" and not gidx, PDL=even,
-                      SPLIT_PAD=4 if prefetch else 0))
+                      PACKED=packed, PDL=even, SPLIT_PAD=4 if prefetch else 0,
+                      GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

@@ -124,9 +124,17 @@ def _dot8_bf16x2(word, p0, p1, p2, p3, zz):
 
 
 @triton.jit
-def _bf16x2_offset_zeros(z):
+def _bf16x2_offset_zeros(z, ZF16: tl.constexpr):
     """(128 + z, 128 + z) as one bfloat16x2 word per zero point (exact: z is a small
-    integer)."""
+    integer). ZF16 (z as loaded, float16; CUDA): two zero points per packed float16 add of
+    1024, whose low byte is then z (its bits are 0x6400 + z), and one PRMT each that puts
+    that byte beside 0x43 twice (0x4300 + z is the bfloat16 128 + z): 3 instructions per
+    two columns where widening, adding, rounding and duplicating took 8."""
+    if ZF16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 h, c; mov.b32 c, 0x64006400; add.rn.f16x2 h, $2, c; "
+            "prmt.b32 $0, h, 0x43434343, 0x4040; prmt.b32 $1, h, 0x43434343, 0x4242; }",
+            "=r,=r,r", [z], dtype=tl.int32, is_pure=True, pack=2)
     h = (z + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return h | (h << 16)
 
@@ -149,7 +157,9 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                        ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
-                       PDL: tl.constexpr, SPLIT_PAD: tl.constexpr):
+                       PDL: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                       GROUP_LOG2: tl.constexpr = -1, ZF16: tl.constexpr = False,
+                       LOOP_STAGES: tl.constexpr = 1):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -168,8 +178,14 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     summed by sum_splits_kernel): the split that finishes last for its columns sums the
     float32 partials of out [splits, N] into y, found by a counter per column block in
     cnt_ptr (int32, zero between launches: that program resets it), so a split GEMV is one
-    launch, not two."""
+    launch, not two. GROUP_LOG2 (>= 0: the group size is that power of two): a packed row's
+    group is a shift, not an integer division by a runtime value (about 25 instructions a
+    tile). ZF16 (PACKED, zeros in float16): zero points become bfloat16x2 pairs with
+    integer instructions (_bf16x2_offset_zeros). LOOP_STAGES > 1 (with PREFETCH 0): Triton
+    pipelines the loop's loads through shared memory (asynchronous copies issued that many
+    K-blocks ahead), so more bytes are in flight than registers could hold."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
+    tl.static_assert(not ZF16 or PACKED, "ZF16 is for the packed path")
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -188,7 +204,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     if PDL:
         gdc_wait()
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
-    for kk in range(0, K_SPAN, BLOCK_K):
+    for kk in tl.range(0, K_SPAN, BLOCK_K, num_stages=LOOP_STAGES):
         k0 = k_lo + kk
         krow = k0 + 8 * rr  # first input row of each packed row
         rmask = krow < K
@@ -213,13 +229,22 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                 s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
                 z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
         elif not HAS_GIDX:  # a packed row's 8 inputs share a group (group sizes are 8 k)
-            at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
-            s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            if GROUP_LOG2 >= 0:
+                at = (krow >> GROUP_LOG2)[:, None] * ssg + offs_n[None, :]
+            else:
+                at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
+            if EVEN:  # whole tiles: no masks (they cost a predicate and a zeroing each)
+                s = tl.load(s_ptr + at).to(tl.float32)
+                z = tl.load(z_ptr + at)
+            else:
+                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + at, mask=mask, other=0.0)
+            if not ZF16:
+                z = z.to(tl.float32)
         if PACKED:
             p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN)
             t = _dot8_bf16x2(word, p0[:, None], p1[:, None], p2[:, None], p3[:, None],
-                             _bf16x2_offset_zeros(z))
+                             _bf16x2_offset_zeros(z, ZF16 and not ROW_SCALES))
             acc += t * s
         else:
             hi = word >> 16

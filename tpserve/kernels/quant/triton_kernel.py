@@ -146,6 +146,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          BLOCK_N=tile.block_n, **launch, **chain)
         else:
             pairs = _bf16_pairs(x)
+            packed = PACKED_BF16 and pairs and _ptx(x.device) and not has_gidx
             cols = grid[0]
             counters = _split_counters(x.device) if split > 1 else None
             if counters is not None and cols <= counters.numel():
@@ -155,13 +156,14 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, n, k, group_size,
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
                                          s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
-                                         PREFETCH=int(tile.prefetch), K_SPAN=k_span,
-                                         BLOCK_K=bk, BLOCK_N=tile.block_n,
+                                         PREFETCH=0 if tile.pipeline else int(tile.prefetch),
+                                         K_SPAN=k_span, BLOCK_K=bk, BLOCK_N=tile.block_n,
                                          EVEN=k % k_span == 0 and n % tile.block_n == 0,
                                          ASM=_ptx(x.device), XPAIRS=pairs,
-                                         PACKED=PACKED_BF16 and pairs and _ptx(x.device)
-                                         and not has_gidx, SPLIT_PAD=split_pad,
-                                         **launch, **chain)
+                                         PACKED=packed, SPLIT_PAD=split_pad,
+                                         GROUP_LOG2=_log2(group_size),
+                                         ZF16=packed and z.dtype == torch.float16,
+                                         LOOP_STAGES=max(1, tile.pipeline), **launch, **chain)
             if summed:
                 return y
     else:
@@ -199,6 +201,11 @@ def _split_counters(device: torch.device) -> torch.Tensor | None:
             return None  # a zeroing captured, not run, would leave them undefined until replay
         c = _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return c
+
+
+def _log2(group_size: int) -> int:
+    """log2 of a power-of-two group size, else -1 (the GEMV then divides)."""
+    return group_size.bit_length() - 1 if group_size > 0 and not group_size & (group_size - 1) else -1
 
 
 @functools.cache
