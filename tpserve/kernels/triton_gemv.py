@@ -6,7 +6,8 @@ decode step is a chain of weight reads, and the vendor GEMM reads the small proj
 (QKV, o_proj) at about 75% of the copy bandwidth and splits some shapes' K into a second
 reduction kernel (docs/benchmarks.md). Here every program owns BLOCK_N whole output rows,
 so there is no reduction pass, and the weight tile of the next iteration can be loaded
-before this one is reduced (PREFETCH: Triton does not pipeline loops without a dot).
+before this one is reduced (PREFETCH: Triton leaves this plain loop unpipelined; a
+tl.range loop with num_stages would be, as the int4 GEMV's Tile.pipeline is).
 """
 
 from __future__ import annotations

@@ -170,8 +170,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     ROW_SCALES (every BLOCK_K rows in one group: no g_idx, group_size % BLOCK_K == 0) the
     zero-point offsets once per block and column. EVEN: K_SPAN divides K and BLOCK_N
     divides N, so the main loop has no masks. PREFETCH (0, 1 or 2): how many tiles ahead
-    the loads are issued before this one is reduced (Triton does not pipeline loops without
-    a dot); more tiles in flight per program hide more of the memory latency. PDL
+    the loads are issued before this one is reduced, held in registers (LOOP_STAGES below is
+    Triton's own pipeline instead); more tiles in flight per program hide more of the memory latency. PDL
     (kernels/pdl.py): the prefetched weight tiles are loaded before the wait for the previous
     kernel, since weights, scales and zeros never change while serving; x and the output are
     touched only after it. SPLIT_PAD (a power of two >= the number of splits; 0: none, or
