@@ -125,6 +125,43 @@ def kernel_table(batch: int, kernels: list, top: int) -> list[str]:
     return lines
 
 
+def _skip_norm(x, residual, weight, eps, offset, cast_before_weight):
+    return x, (x if residual is None else residual)
+
+
+def _skip_attention(self, q, *args, **kwargs):
+    return q
+
+
+def _skip_act(x, name, act):
+    return x.narrow(-1, 0, x.shape[-1] // 2)
+
+
+# What --ablate replaces: (module, attribute, stand-in). Each stand-in launches nothing and
+# keeps the shapes, so the rest of the step runs as it would.
+ABLATIONS = {
+    "norm": ("tpserve.layers.norm", "add_rms_norm", _skip_norm),
+    "attention": ("tpserve.kernels.triton_backend", "TritonAttentionBackend.forward",
+                  _skip_attention),
+    "rotary": ("tpserve.kernels.triton_backend", "TritonAttentionBackend.rotary_write_kv",
+               _skip_attention),
+    "act": ("tpserve.layers.activation", "gated_act", _skip_act),
+}
+
+
+def ablate(parts: list[str]) -> None:
+    import importlib
+
+    for part in parts:
+        module, attr, stand_in = ABLATIONS[part]
+        owner = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        setattr(owner, name, stand_in)
+        print(f"ablated {part}: {module}.{attr} launches nothing (timing only)", flush=True)
+
+
 def commit() -> str:
     if (ROOT / "COMMIT").exists():  # an exported tree (git archive) names its commit
         return (ROOT / "COMMIT").read_text().strip()
@@ -156,7 +193,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
     ap.add_argument("--tiles", type=Path, help="quantized-matmul tile table (JSON of "
                     "benchmarks/quant_sweep.py) to use instead of triton_tiles.TILES")
+    ap.add_argument("--ablate", nargs="+", default=[], choices=sorted(ABLATIONS),
+                    help="timing only, outputs are wrong: skip these parts of every layer "
+                    "(their kernels are not launched), to see what each costs on the "
+                    "step's critical path, where PDL overlaps kernels and a profiler's "
+                    "per-kernel times do not add up")
     args = ap.parse_args()
+    ablate(args.ablate)
     if args.tiles:
         from tpserve.kernels.quant.triton_tiles import set_tiles, tiles_from_json
 

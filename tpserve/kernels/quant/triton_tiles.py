@@ -41,8 +41,11 @@ class Tile:
 # the same night after the GEMV lost its per-tile division and zero-point conversions
 # (fewer registers, more programs per SM): n16 k256 aiming at 16 programs per SM, 59.2 us
 # against 62.8 for the previous tile with the new kernel (the old kernel's best: 59.8).
+# Re-timed on 2026-12-03 with the pipelined candidates (Tile.pipeline) in the sweep: none
+# won; the same tile aiming at 8 programs per SM (less split-K) did, 58.7 us, and took the
+# engine's one-row step from 2.65 to 2.56 ms (engine_step.py, both in one call).
 TILES: dict[str, list[tuple[Tile, int]]] = {
-    "int4": [(Tile(0, 16, 256, 4, 3, prefetch=True), 16),
+    "int4": [(Tile(0, 16, 256, 4, 3, prefetch=True), 8),
              (Tile(16, 128, 128, 4, 3, factor=True), 1),
              (Tile(64, 64, 128, 4, 3, factor=True), 1),
              (Tile(0, 0, 64, dense=True), 1)],
