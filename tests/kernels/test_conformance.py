@@ -162,9 +162,13 @@ def test_triton_kernels_under_the_interpreter(kv):
 
 
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
-def test_triton_split_k_decode_under_the_interpreter():
+@pytest.mark.parametrize("last_reduces", ["1", "0"], ids=["last-split-reduces",
+                                                          "reduction-launch"])
+def test_triton_split_k_decode_under_the_interpreter(last_reduces):
     """Every decode step cut into 3 context splits (flash-decoding) plus the reduction,
-    whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries."""
+    whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries. The
+    reduction by the last split of each (sequence, KV head) inside the decode launch (the
+    default), and by a launch of its own."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -182,7 +186,8 @@ def test_triton_split_k_decode_under_the_interpreter():
                             block_sizes=(16,))
         print(r.summary())
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3")
+    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3",
+               TPSERVE_DECODE_LAST_REDUCES=last_reduces)
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
