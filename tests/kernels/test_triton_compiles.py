@@ -55,14 +55,12 @@ def test_decode_kernels_compile(split, flags, pdl):
     from tpserve.kernels import triton_kernels as tk
 
     tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
-              "part_ptr": "*fp32", "ml_ptr": "*fp32", "arrivals_ptr": "*i32", "*": "*bf16"}
+              "part_ptr": "*fp32", "ml_ptr": "*fp32", "*": "*bf16"}
     if flags["KV_FP8"]:
         tables.update(FP8_CACHE)
-    for last_reduces in ((False, True) if split else (False,)):
-        _compile(tk.paged_decode_kernel, tables,
-                 dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
-                      BLOCK_N=128 if flags["KV_FP8"] else 64, SPLIT=split, PDL=pdl,
-                      LAST_REDUCES=last_reduces, SPLITS_PAD=64, **flags))
+    _compile(tk.paged_decode_kernel, tables,
+             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
+                  BLOCK_N=128 if flags["KV_FP8"] else 64, SPLIT=split, PDL=pdl, **flags))
     _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
                                              "*": "*bf16"},
              dict(HEAD_DIM=128, SPLITS_PAD=64, PDL=pdl))

@@ -161,11 +161,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._cores: dict[torch.device, int] = {}
         # TPSERVE_DECODE_SPLITS=N fixes the split count (1: no split-K), for measurements.
         self.forced_splits = int(os.environ.get("TPSERVE_DECODE_SPLITS") or 0)
-        # The last split of each (sequence, KV head) combines the splits in the decode
-        # launch itself (paged_decode_kernel's LAST_REDUCES); TPSERVE_DECODE_LAST_REDUCES=0
-        # keeps the separate reduction launch (A/B measurements).
-        self.last_reduces = os.environ.get("TPSERVE_DECODE_LAST_REDUCES") != "0"
-        self._arrivals: dict[torch.device, torch.Tensor] = {}
         # Measurement switches (benchmarks/decode_kv_bench.py): a bfloat16 model's dots with
         # an fp8 cache in float16 (KV_F16, the default) or in bfloat16; the decode tile as
         # (keys per iteration, warps, stages) instead of launch_config's.
@@ -257,36 +252,20 @@ class TritonAttentionBackend(AttentionBackend):
         self._record(compile_key("decode", q.dtype, spec))
         b, heads, d = q.shape
         splits = self.num_splits(q.device, b, spec)
-        last_reduces = splits > 1 and self.last_reduces
         if splits > 1:
             part = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
             ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=q.device)
         else:  # never read: one program per (sequence, KV head) writes out directly
             part = ml = slopes
-        arrivals = self.arrivals(q.device, b * spec.num_kv_heads) if last_reduces else slopes
         self._kernels().paged_decode_kernel[(b, spec.num_kv_heads, splits)](
             out, part, ml, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
-            slopes, *scalars, splits, heads * splits * d, splits * d, arrivals,
+            slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
-            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b),
-            # One variant for every split count: masked loads of the splits past the count
-            # fetch nothing.
-            LAST_REDUCES=last_reduces, SPLITS_PAD=reduce_pad(MAX_SPLITS))
-        if splits > 1 and not last_reduces:
+            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b))
+        if splits > 1:
             self._reduce(out, part, ml)
         return out
-
-    def arrivals(self, device: torch.device, n: int) -> torch.Tensor:
-        """The decode launch's split counters (LAST_REDUCES): int32 zeros, at least n, kept
-        per device. Every launch leaves them zero again, so one buffer serves all launches
-        and graph replays on the device's stream. Sized at first use well past a decode
-        bucket's needs (256 sequences x 64 KV heads), so a graph capture never grows it."""
-        buf = self._arrivals.get(device)
-        if buf is None or buf.numel() < n:
-            buf = self._arrivals[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32,
-                                                       device=device)
-        return buf
 
     def _decode_launch(self, cfg: LaunchConfig) -> dict:
         if self.decode_tile is None:
@@ -358,8 +337,7 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             for case in plan:
                 self._run_case(case, device, dtype, spec)
-            if not self.last_reduces:  # else the decode launches reduce (compiled above)
-                self._warm_reductions(device, dtype, spec)
+            self._warm_reductions(device, dtype, spec)
             # The fused norm / activation kernels of the layers built in this process.
             fused_ops.warmup(device, dtype)
         finally:

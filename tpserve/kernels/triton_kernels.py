@@ -72,12 +72,11 @@ def paged_decode_kernel(
     out_ptr, part_ptr, ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     alibi_ptr, scale, softcap, v_scale, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-    num_splits, stride_pt, stride_ph, arrivals_ptr,
+    num_splits, stride_pt, stride_ph,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr, PDL: tl.constexpr,
-    LAST_REDUCES: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 2,
 ):
     """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
     are the rows of one tile, so each key is read once per group (GQA / MQA).
@@ -86,13 +85,7 @@ def paged_decode_kernel(
     tiles, one per program, so a small batch still fills the GPU; each program writes its
     normalised partial output [num_splits, HEAD_DIM] and (max score, sum of exponentials) per
     head to part/ml (fp32), and paged_decode_reduce_kernel combines them. A split with no
-    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero.
-
-    LAST_REDUCES (with SPLIT): no second kernel. Each program counts itself in
-    arrivals[seq, kvh] (int32, zero before the launch) once its partials are stored, and the
-    last of a (sequence, KV head)'s splits combines them for the group's heads and sets the
-    count back to zero for the next launch. At one sequence the reduction launch sat on the
-    step's critical path once per layer."""
+    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero."""
     pdl_enter(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,19 +145,6 @@ def paged_decode_kernel(
         ml = (seq.to(tl.int64) * stride_pt + heads * stride_ph) // HEAD_DIM * 2 + split * 2
         tl.store(ml_ptr + ml, m_i, mask=row_ok)
         tl.store(ml_ptr + ml + 1, l_i, mask=row_ok)
-        if LAST_REDUCES:
-            # Every thread's partials are stored before the count says so: the barrier
-            # orders them before the atomic, whose release (acq_rel at GPU scope, Triton's
-            # default) publishes them, and whose acquire lets the last program read the
-            # others'.
-            tl.debug_barrier()
-            slot = arrivals_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(slot, 1) == num_splits - 1:
-                tl.store(slot, 0)
-                for g in tl.static_range(GROUP):
-                    _combine_splits(out_ptr, part_ptr, ml_ptr, seq.to(tl.int64),
-                                    kvh * GROUP + g, num_splits, stride_pt, stride_ph,
-                                    stride_ot, stride_oh, HEAD_DIM, SPLITS_PAD)
     else:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -181,15 +161,8 @@ def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt,
     a serial walk keeps a single load in flight and took longer than the split decode
     itself at batch 1 (8 us against 4.5 us per layer on the H200)."""
     pdl_enter(PDL)
-    _combine_splits(out_ptr, part_ptr, ml_ptr, tl.program_id(0).to(tl.int64),
-                    tl.program_id(1), num_splits, stride_pt, stride_ph, stride_ot, stride_oh,
-                    HEAD_DIM, SPLITS_PAD)
-
-
-@triton.jit
-def _combine_splits(out_ptr, part_ptr, ml_ptr, seq, head, num_splits, stride_pt, stride_ph,
-                    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One (sequence, query head)'s output from its splits' partials."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     ok = s < num_splits
