@@ -41,120 +41,6 @@ def gemv_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES + (G.DEFAULT_
     return bad
 
 
-# (offset, cast_first): Llama's RMSNorm and Gemma's.
-NORMS = ((0.0, True), (1.0, False))
-
-
-def two_launches(x, residual, nw, eps, offset, cast_first, w, tile):
-    """The oracle of gemv_rms_norm: the torch norm, then the matmul in float64."""
-    from tpserve.kernels.fused_ops import add_rms_norm_torch
-
-    h, res = add_rms_norm_torch(x, residual, nw, eps, offset, cast_first)
-    return F.linear(h.double(), w.double()), res
-
-
-def norm_gemv_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES):
-    """Every case where gemv_rms_norm (or `fn`) disagrees with the torch norm followed by
-    the matmul: the product beyond the dtype's tolerance, or the residual stream (x +
-    residual) not exactly the torch one; [] when all pass. Rows, residual or not, Llama's
-    and Gemma's norm, even and ragged shapes, every candidate tile."""
-    fn = fn or G.gemv_rms_norm
-    gen = torch.Generator().manual_seed(1)
-    bad = []
-    for dtype in dtypes:
-        for n, k in SHAPES:
-            w = torch.randn(n, k, generator=gen).to(dtype).to(device)
-            x = torch.randn(1, k, generator=gen).to(dtype).to(device)
-            r = (4 * torch.randn(1, k, generator=gen)).to(dtype).to(device)
-            nw = torch.rand(k, generator=gen).to(dtype).to(device)
-            for residual in (None, r):
-                for offset, cast_first in NORMS:
-                    ref, ref_res = two_launches(x, residual, nw, 1e-6, offset, cast_first, w,
-                                                None)
-                    for tile in tiles:
-                        out, res = fn(x, residual, nw, 1e-6, offset, cast_first, w, tile)
-                        case = (f"{n}x{k} {dtype} {tile.label()} residual "
-                                f"{residual is not None} offset {offset}")
-                        assert out.dtype == dtype and out.shape == (1, n), case
-                        err = ((out.double() - ref).norm() / ref.norm()).item()
-                        if not err <= TOLERANCE[dtype]:
-                            bad.append(f"{case}: relative error {err:.2e}")
-                        if not torch.equal(res, ref_res):
-                            bad.append(f"{case}: residual stream differs")
-    return bad
-
-
-def test_the_norm_check_fails_a_kernel_that_skips_the_norm_or_the_add():
-    def no_norm(x, residual, nw, eps, offset, cast_first, w, tile):
-        h = x if residual is None else (x + residual)
-        return F.linear(h, w), h
-
-    def no_add(x, residual, nw, eps, offset, cast_first, w, tile):
-        out, _ = two_launches(x, None, nw, eps, offset, cast_first, w, tile)
-        return out.to(x.dtype), x
-
-    assert any("relative error" in b for b in norm_gemv_failures("cpu", (torch.float32,),
-                                                                 no_norm, tiles=[G.DEFAULT_TILE]))
-    bad = norm_gemv_failures("cpu", (torch.float32,), no_add, tiles=[G.DEFAULT_TILE])
-    assert bad and all("residual True" in b for b in bad)
-    assert norm_gemv_failures("cpu", (torch.float32,), lambda *a: (
-        two_launches(*a)[0].to(a[0].dtype), two_launches(*a)[1]), tiles=[G.DEFAULT_TILE]) == []
-
-
-@pytest.mark.slow  # Triton's interpreter
-def test_gemv_with_the_norm_under_the_interpreter():
-    assert_no_failures_interpreted(
-        "test_gemv", 'norm_gemv_failures("cpu", (torch.float32, torch.float16))')
-
-
-def test_norm_linear_fuses_only_where_the_method_can():
-    """layers/norm.py norm_linear: the method's fused path when it answers (bias added after
-    it), the norm then the linear when it declines or has none."""
-    from tpserve.layers.norm import RMSNorm, norm_linear
-
-    norm = RMSNorm(8, 1e-6)
-    norm.weight.data.uniform_()
-    w, bias = torch.randn(5, 8), torch.randn(5)
-    x, r = torch.randn(1, 8), torch.randn(1, 8)
-
-    class Linear(torch.nn.Module):
-        def __init__(self, method, bias=None):
-            super().__init__()
-            self.method, self.bias, self.weight = method, bias, w
-
-        def forward(self, h):
-            y = F.linear(h, self.weight)
-            return y if self.bias is None else y + self.bias
-
-    class Fused:
-        calls = 0
-
-        def apply_rms_norm(self, layer, x, residual, norm):
-            Fused.calls += 1
-            h, res = norm(x, residual) if residual is not None else (norm(x), x)
-            return F.linear(h, layer.weight), res
-
-    class Declines:
-        def apply_rms_norm(self, layer, x, residual, norm):
-            return None
-
-    h, res = norm(x, r)
-    for method in (Fused(), Declines(), object()):
-        for b in (None, bias):
-            y, got_res = norm_linear(norm, Linear(method, b), x, r)
-            want = F.linear(h, w) if b is None else F.linear(h, w) + b
-            assert torch.allclose(y, want) and torch.equal(got_res, res)
-            y, got_res = norm_linear(norm, Linear(method, b), x, None)
-            assert torch.allclose(y, F.linear(norm(x), w) + (0 if b is None else b))
-            assert got_res is x
-    assert Fused.calls == 4
-
-
-def test_the_cpu_does_not_fuse_the_norm():
-    assert not G.fuses_norm(torch.randn(1, 8), G.DEFAULT_TILE)
-    assert not G.fuses_norm(torch.randn(1, 8), None)
-
-
 def test_the_check_fails_a_gemv_that_drops_the_last_k_block():
     def drops_tail(x, w, tile):
         k = w.shape[1] // tile.block_k * tile.block_k
@@ -176,7 +62,6 @@ def test_triton_gemv_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     assert gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
-    assert norm_gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
     choice = G.choose([w])
     assert choice is not None and choice.vendor_us > 0 and choice.us <= choice.vendor_us

@@ -112,20 +112,6 @@ def test_gemv_kernel_compiles(dtype, pdl):
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl))
 
 
-@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_gemv_with_the_norm_compiles(dtype, pdl):
-    from tpserve.kernels import triton_gemv as tg
-    from tpserve.kernels.gemv import CANDIDATES
-
-    for tile in CANDIDATES:
-        for even, has_res, cast_first in ((True, True, True), (False, False, False)):
-            _compile(tg.gemv_rms_norm_kernel, {"*": "*" + dtype},
-                     dict(HAS_RES=has_res, CAST_FIRST=cast_first, EVEN_N=even, EVEN_K=even,
-                          PREFETCH=tile.prefetch, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                          ROW_BLOCK=4096, PDL=pdl))
-
-
 def test_sampling_kernel_compiles():
     from tpserve.kernels import triton_sampling as ts
 

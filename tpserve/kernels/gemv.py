@@ -51,9 +51,6 @@ DEFAULT_TILE = GemvTile()
 CANDIDATES = (GemvTile(4, 1024, 4, False), GemvTile(4, 512, 4, True),
               GemvTile(8, 512, 4, False), GemvTile(16, 256, 4, False))
 _DISABLED = os.environ.get("TPSERVE_GEMV") == "0"  # read once, like TPSERVE_FUSED
-# TPSERVE_NORM_GEMV=0: a one-row add + RMSNorm stays a launch of its own before the GEMV
-# (A/B measurements of gemv_rms_norm).
-_NORM_DISABLED = os.environ.get("TPSERVE_NORM_GEMV") == "0"
 
 
 @dataclass(frozen=True)
@@ -217,46 +214,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE) -
         EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.warps, **pdl.launch(x.device))
     return out
-
-
-def fuses_norm(x: torch.Tensor, tile: GemvTile | None) -> bool:
-    """Whether the RMSNorm in front of a linear whose one-row path is `tile` joins its GEMV
-    for input x (one row, on a device whose fused kernels are on: kernels/fused_ops.py)."""
-    from tpserve.kernels.fused_ops import use_triton
-
-    return (tile is not None and not _NORM_DISABLED and x.numel() == x.shape[-1]
-            and use_triton(x))
-
-
-ROW_BLOCK_MAX = 8192  # the row pass's piece: one piece up to this hidden size
-
-
-def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  eps: float, offset: float, cast_first: bool, weight: torch.Tensor,
-                  tile: GemvTile = DEFAULT_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual) W^T, x + residual) for one row in one launch, the two parts
-    exactly as fused_ops.add_rms_norm and `gemv` compute them; without a residual,
-    (rmsnorm(x) W^T, x). x and residual [..., K] holding one row, weight [N, K]."""
-    from tpserve.kernels import triton_gemv
-
-    n, k = weight.shape
-    if x.shape[-1] != k or x.numel() != k or (residual is not None
-                                              and residual.numel() != k):
-        raise ValueError(f"gemv_rms_norm: x {tuple(x.shape)} is not one row matching weight "
-                         f"{tuple(weight.shape)}")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv_rms_norm: the weight must be contiguous along K")
-    shape = x.shape
-    x = x.reshape(1, k).contiguous()
-    res_in = x if residual is None else residual.reshape(1, k).contiguous()
-    # A fresh tensor: programs other than the one writing it still read x and residual.
-    res_out = torch.empty_like(x) if residual is not None else x
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    triton_gemv.gemv_rms_norm_kernel[(-(-n // tile.block_n),)](
-        x, res_in, norm_weight.contiguous(), weight, out, res_out, n, k, weight.stride(0),
-        float(eps), float(offset), HAS_RES=residual is not None, CAST_FIRST=cast_first,
-        EVEN_N=n % tile.block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        ROW_BLOCK=min(ROW_BLOCK_MAX, 1 << max(4, (k - 1).bit_length())),
-        num_warps=tile.warps, **pdl.launch(x.device))
-    return out.view(*shape[:-1], n), res_out.view(shape)

@@ -30,24 +30,6 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, res)
 
 
-def norm_linear(norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)),
-    x). Where the linear's method can (a float weight whose one-row path is the GEMV, one
-    row: a decode step of one sequence), the norm runs inside the GEMV's launch."""
-    fused = getattr(getattr(linear, "method", None), "apply_rms_norm", None)
-    if fused is not None and isinstance(norm, RMSNorm):
-        got = fused(linear, x, residual, norm)
-        if got is not None:
-            y, res = got
-            bias = getattr(linear, "bias", None)
-            return (y if bias is None else y + bias), res
-    if residual is None:
-        return linear(norm(x)), x
-    h, res = norm(x, residual)
-    return linear(h), res
-
-
 class LayerNorm(nn.LayerNorm):
     def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__(hidden, eps=eps, bias=bias)

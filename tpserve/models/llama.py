@@ -9,7 +9,7 @@ from tpserve.layers.activation import GatedActivation
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tpserve.layers.norm import RMSNorm, norm_linear
+from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding, rope_parameters
 from tpserve.models.loader import load_into
 
@@ -35,10 +35,7 @@ class LlamaAttention(nn.Module):
                                    sliding_window=sliding_window, softcap=softcap)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return self.from_qkv(rope, self.qkv_proj(x))
-
-    def from_qkv(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         return self.o_proj(self.attn(q, k, v, rope=rope))
 
 
@@ -54,10 +51,7 @@ class GatedMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_gate_up(self.gate_up_proj(x))
-
-    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,12 +73,12 @@ class LlamaDecoderLayer(nn.Module):
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is
         fused into the norm). Returns (this layer's MLP output, residual stream)."""
-        attn, mlp = self.self_attn, self.mlp
-        # Each norm goes with the projection after it (one launch for both at one row).
-        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, mlp.gate_up_proj,
-                                        attn.from_qkv(rope, qkv), residual)
-        return mlp.from_gate_up(gate_up), residual
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):

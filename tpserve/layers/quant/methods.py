@@ -43,14 +43,6 @@ class UnquantizedMethod(LinearMethod):
     def apply(self, layer, x):
         return gemv.linear(x, layer.weight, layer.gemv_tile)
 
-    def apply_rms_norm(self, layer, x, residual, norm):
-        """(rmsnorm(x + residual) W^T, x + residual) in one launch where this layer's
-        one-row path is the GEMV (layers/norm.py, norm_linear); else None."""
-        if not gemv.fuses_norm(x, layer.gemv_tile):
-            return None
-        return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, norm.offset,
-                                  norm.cast_before_weight, layer.weight, layer.gemv_tile)
-
 
 def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
     from tpserve.kernels.quant.registry import select_quant_kernel
