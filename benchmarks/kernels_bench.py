@@ -261,19 +261,11 @@ def prefill_table() -> list[dict]:
 
 def _prefill_with(backend, q, kc, vc, meta, spec, tile):
     """backend.prefill, or the same launch with (rows per tile, num_warps, num_stages)."""
-    if tile is None:
+    backend.prefill_tile = tile
+    try:
         return backend.prefill(q, kc, vc, meta, spec)
-    rows, warps, stages = tile
-    q, out, slopes, cfg, flags, scalars = backend._common(q, kc, meta, spec, None)
-    group = spec.num_heads // spec.num_kv_heads
-    tokens = rows // group
-    grid = (meta.num_seqs, -(-meta.max_query_len // tokens), spec.num_kv_heads)
-    backend._kernels().paged_prefill_kernel[grid](
-        out, q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, slopes,
-        *scalars, GROUP=group, HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size,
-        BLOCK_M=rows, TOKENS=tokens, BLOCK_N=cfg.block_n, num_warps=warps,
-        num_stages=stages, **flags)
-    return out
+    finally:
+        backend.prefill_tile = None
 
 
 def _fused_rows(t: int) -> list[dict]:

@@ -2,7 +2,8 @@
 dtype)`.
 
 Random shapes, random block tables with holes (unused and non-contiguous block ids, padding
-entries pointing at garbage), mixed prefill + decode steps, decode-only steps and decode steps
+entries pointing at garbage), mixed prefill + decode steps (in any order, and with the decode
+rows first as the scheduler orders them), decode-only steps and decode steps
 of a few long contexts (160-700 keys: several split-K programs per sequence), sliding
 windows, ALiBi, GQA/MQA and softcap. The backend under test fills its own cache layout
 through its own write_kv; its output is compared with the torch reference backend run in
@@ -47,7 +48,7 @@ GARBAGE = 1.0e4
 # This check bounds the accuracy trade-off; the tight check against the same fp8 cache is
 # what catches a wrong kernel (a dropped scale, a different rounding, a wrong block).
 FP8_TOLERANCE = 2.0**-2
-STEP_KINDS = ("mixed", "decode", "long decode")
+STEP_KINDS = ("mixed", "decode", "long decode", "decode-led mixed")
 
 # Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
 CONFIGS = [
@@ -125,7 +126,16 @@ def _random_steps(rng: random.Random, block_size: int) -> list[_Step]:
     # Long contexts with few sequences: what split-K decode cuts into several programs.
     n = rng.randint(1, 3)
     long = _Step([1] * n, [rng.randint(160, 700) for _ in range(n)])
-    return [mixed, decode, long]
+    # Decode rows first, as the scheduler orders a step (running sequences, then new
+    # prompts): the Triton backend sends the leading decode rows to its decode kernel and
+    # the rest, from a query_start offset, to its prefill kernel.
+    lead = rng.randint(1, 3)
+    prompt = rng.randint(2, 5 * block_size + 7)
+    chunk_ctx = rng.randint(3, 5 * block_size + 7)
+    led = _Step([1] * lead + [prompt, rng.randint(2, chunk_ctx), 1],
+                [rng.randint(1, 6 * block_size + 3) for _ in range(lead)]
+                + [prompt, chunk_ctx, rng.randint(1, 4 * block_size)])
+    return [mixed, decode, long, led]
 
 
 def _layout(rng: random.Random, step: _Step, block_size: int):

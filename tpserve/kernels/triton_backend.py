@@ -51,6 +51,17 @@ def reduce_pad(splits: int) -> int:
     return max(2, 1 << (splits - 1).bit_length())
 
 
+def leading_decode_rows(query_lens: tuple[int, ...]) -> int:
+    """How many sequences at the head of a step have one new token each (its decode rows),
+    from the host's copy of the query lengths (0 when there is none)."""
+    n = 0
+    for q_len in query_lens:
+        if q_len != 1:
+            break
+        n += 1
+    return n
+
+
 def interpreting() -> bool:
     """TRITON_INTERPRET=1 runs the kernels in numpy on the CPU: slow, for debugging only."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -132,6 +143,10 @@ def warmup_plan(dtype: torch.dtype, spec: AttentionSpec,
     n = 2 * cfg.block_m + 3  # at least two query tiles, whatever the group
     cases.append(WarmupCase("prefill", (n, 1), (n + spec.block_size, ctx),
                             compile_key("prefill", dtype, spec)))
+    # Decode rows ahead of a prompt, as the scheduler orders a mixed step: the decode
+    # launch over the leading rows, then the prefill launch over a query_start slice.
+    cases.append(WarmupCase("prefill", (1, n), (ctx, n + spec.block_size),
+                            compile_key("prefill", dtype, spec)))
     return cases
 
 
@@ -166,6 +181,9 @@ class TritonAttentionBackend(AttentionBackend):
         # (keys per iteration, warps, stages) instead of launch_config's.
         self.fp8_dots_in_f16 = True
         self.decode_tile: tuple[int, int, int] | None = None
+        # The prefill tile as (rows, warps, stages) instead of launch_config's (rows: new
+        # tokens x the GQA group; benchmarks/kernels_bench.py).
+        self.prefill_tile: tuple[int, int, int] | None = None
         self._k = None
 
     @classmethod
@@ -249,6 +267,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+        self._decode(out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+                     slopes, cfg, flags, scalars, spec)
+        return out
+
+    def _decode(self, out, q, k_cache, v_cache, tables, seq_lens, slopes, cfg, flags, scalars,
+                spec) -> None:
+        """The decode launch (and split reduction) for q's rows, one token per sequence."""
         self._record(compile_key("decode", q.dtype, spec))
         b, heads, d = q.shape
         splits = self.num_splits(q.device, b, spec)
@@ -258,14 +283,13 @@ class TritonAttentionBackend(AttentionBackend):
         else:  # never read: one program per (sequence, KV head) writes out directly
             part = ml = slopes
         self._kernels().paged_decode_kernel[(b, spec.num_kv_heads, splits)](
-            out, part, ml, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+            out, part, ml, q, k_cache, v_cache, tables, seq_lens,
             slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
             **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b))
         if splits > 1:
             self._reduce(out, part, ml)
-        return out
 
     def _decode_launch(self, cfg: LaunchConfig) -> dict:
         if self.decode_tile is None:
@@ -285,15 +309,29 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
         q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+        tables, seq_lens = _i32(meta.block_tables), _i32(meta.seq_lens)
+        starts = _i32(meta.query_start_loc)
+        # The decode rows at the head of a mixed step (the scheduler lists running sequences
+        # first) go to the decode kernel: in a prefill tile one token fills GROUP of its
+        # BLOCK_M rows, and a step that prefills 16 prompts of 256 tokens next to 240 decode
+        # rows spent more of its attention time on those rows than on the prompts.
+        nd = leading_decode_rows(meta.query_lens_host)
+        if nd:
+            self._decode(out[:nd], q[:nd], k_cache, v_cache, tables[:nd], seq_lens[:nd], slopes,
+                         cfg, flags, scalars, spec)
+        n = meta.num_seqs - nd
+        if n == 0:
+            return out
         self._record(compile_key("prefill", q.dtype, spec))
-        grid = (meta.num_seqs, -(-meta.max_query_len // cfg.prefill_tokens), spec.num_kv_heads)
-        self._kernels().paged_prefill_kernel[grid](
-            out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
-            _i32(meta.query_start_loc), slopes, *scalars,
-            GROUP=spec.num_heads // spec.num_kv_heads, HEAD_DIM=spec.head_dim,
-            BLOCK_SIZE=spec.block_size, BLOCK_M=cfg.block_m, TOKENS=cfg.prefill_tokens,
-            BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        rows, warps, stages = self.prefill_tile or (cfg.block_m, cfg.num_warps, cfg.num_stages)
+        group = spec.num_heads // spec.num_kv_heads
+        tokens = rows // group
+        # The tile numbering of the kernel's docstring: nd decode rows hold one token each.
+        programs = q.shape[0] // tokens + n - nd // tokens
+        self._kernels().paged_prefill_kernel[(programs, spec.num_kv_heads)](
+            out, q, k_cache, v_cache, tables[nd:], seq_lens[nd:], starts[nd:], slopes, *scalars,
+            n, GROUP=group, HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size, BLOCK_M=rows,
+            TOKENS=tokens, BLOCK_N=cfg.block_n, num_warps=warps, num_stages=stages, **flags)
         return out
 
     def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, spec=None):

@@ -179,27 +179,44 @@ def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, num_splits, stride_pt,
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, acc.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS,
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_seqs"],
             do_not_specialize_on_alignment=_TABLES + ["query_start_ptr"])
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
     alibi_ptr, scale, softcap, v_scale, window, stride_bt,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, num_seqs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, KV_F16: tl.constexpr,
 ):
-    """One program per (sequence, tile of TOKENS new tokens, KV head). The BLOCK_M rows of a
-    tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
+    """One program per (tile of TOKENS new tokens of one sequence, KV head). The BLOCK_M rows
+    of a tile are TOKENS tokens x the GROUP query heads sharing the KV head (row r: token
     r // GROUP, head r % GROUP), so each key tile is read once for the whole group (GQA /
     MQA), and a short chunk or a decode row still fills the tile. The new tokens are the
     last q_len positions of a context of seq_len (chunked prefill and decode rows of a mixed
-    batch alike); each attends causally to its own sequence's cache."""
-    seq = tl.program_id(0)
-    tile = tl.program_id(1)
-    kvh = tl.program_id(2)
+    batch alike); each attends causally to its own sequence's cache.
+
+    The grid's first axis numbers the tiles of all num_seqs sequences back to back: sequence
+    i's tiles start at query_start[i] // TOKENS + i (less that of sequence 0), a bound that
+    leaves each sequence at least its ceil(q_len / TOKENS) tiles and at most one spare, found
+    by binary search. A grid over (sequences x the longest query's tiles) gave every short
+    query (the decode rows riding along with a prefill) as many empty programs as the
+    longest had tiles. query_start may be a slice of the step's (a prefix of decode rows
+    goes to the decode kernel), so its first entry need not be zero."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    first = tl.load(query_start_ptr) // TOKENS
+    lo = num_seqs * 0
+    hi = num_seqs + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(query_start_ptr + mid) // TOKENS + mid - first <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    seq = lo
     q_start = tl.load(query_start_ptr + seq)
+    tile = pid - (q_start // TOKENS + seq - first)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)
     r = tl.arange(0, BLOCK_M)
@@ -220,7 +237,7 @@ def paged_prefill_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - q_len + tile * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
-    # Tiles past this sequence's new tokens (the grid covers the longest one) do no work.
+    # A spare tile past this sequence's new tokens (the docstring's bound) does no work.
     hi = tl.where(tile * TOKENS < q_len, hi, lo)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
