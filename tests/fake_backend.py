@@ -93,6 +93,9 @@ class FakeBackend:
         self.aborted.clear()
         return self
 
+    def stop(self) -> None:
+        """Nothing to stop (a TPReplica stops its backend when it goes away)."""
+
     def ready(self) -> bool:
         return self.is_ready
 

@@ -189,6 +189,18 @@ def test_triton_split_k_decode_under_the_interpreter():
     assert "0 failed" in proc.stdout
 
 
+def test_the_decode_rows_split_off_a_mixed_step_are_the_leading_ones():
+    """triton_backend.leading_decode_rows: only a prefix of one-token rows goes to the decode
+    kernel (the prefill kernel takes the rest from a query_start offset); none without the
+    host's query lengths."""
+    from tpserve.kernels.triton_backend import leading_decode_rows
+
+    assert leading_decode_rows((1, 1, 1, 256, 1, 7)) == 3
+    assert leading_decode_rows((256, 1, 1)) == 0
+    assert leading_decode_rows((1, 0, 1)) == 1
+    assert leading_decode_rows(()) == 0
+
+
 # --- the suite itself must catch broken kernels ------------------------------------------
 class IgnoresWindow(TorchAttentionBackend):
     name = "ignores-window"
