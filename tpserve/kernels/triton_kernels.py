@@ -207,14 +207,13 @@ def paged_prefill_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     first = tl.load(query_start_ptr) // TOKENS
-    lo = num_seqs * 0
-    hi = num_seqs + 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    seq = num_seqs * 0  # the search's bounds as tensors: they are carried by the loop
+    past = num_seqs + 0
+    while past - seq > 1:
+        mid = (seq + past) // 2
         below = tl.load(query_start_ptr + mid) // TOKENS + mid - first <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    seq = lo
+        seq = tl.where(below, mid, seq)
+        past = tl.where(below, past, mid)
     q_start = tl.load(query_start_ptr + seq)
     tile = pid - (q_start // TOKENS + seq - first)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
