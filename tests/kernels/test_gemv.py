@@ -41,6 +41,57 @@ def gemv_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES + (G.DEFAULT_
     return bad
 
 
+def gated_reference(x: torch.Tensor, w: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """act(x W_gate^T) * (x W_up^T) in float64, for w = [gate; up]."""
+    g, u = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+    act = F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)
+    return act * u
+
+
+def gated_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES):
+    """Every (shape, dtype, activation, tile) where the gated GEMV (one launch: [gate; up]
+    projection and activation) is off the float64 reference by more than the dtype's
+    tolerance, three roundings (gate, up, activation) instead of one, as a share of the
+    outputs' scale (their largest value or the largest up value: a deep-negative gate makes
+    an output ~1e-7, where a relative error means nothing); [] when all pass."""
+    fn = fn or G.gated
+    gen = torch.Generator().manual_seed(1)
+    bad = []
+    for dtype in dtypes:
+        for n, k in SHAPES:
+            w = torch.randn(2 * n, k, generator=gen).to(dtype).to(device)
+            x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+            for gelu_tanh in (False, True):
+                ref = gated_reference(x, w, gelu_tanh)
+                up = F.linear(x.double(), w.double())[:, n:]
+                scale = max(ref.abs().max().item(), up.abs().max().item())
+                for tile in tiles:
+                    out = fn(x, w, tile, gelu_tanh)
+                    assert out.dtype == dtype and out.shape == (1, n)
+                    err = (out.double() - ref).abs().max().item() / scale
+                    if not err <= 3 * TOLERANCE[dtype]:
+                        bad.append(f"{n}x{k} {dtype} gelu_tanh={gelu_tanh} {tile.label()}: "
+                                   f"relative error {err:.2e}")
+    return bad
+
+
+def test_the_gated_check_fails_swapped_halves_and_a_wrong_activation():
+    def swapped(x, w, tile, gelu_tanh):
+        g, u = w.chunk(2)
+        return gated_reference(x, torch.cat([u, g]), gelu_tanh).to(x.dtype)
+
+    def always_silu(x, w, tile, gelu_tanh):
+        return gated_reference(x, w, False).to(x.dtype)
+
+    tiles = G.CANDIDATES[:1]
+    assert len(gated_failures("cpu", (torch.float32,), swapped, tiles)) >= 2 * len(SHAPES) - 2
+    wrong_act = gated_failures("cpu", (torch.float32,), always_silu, tiles)
+    # Every shape but the one-output one (where silu and GELU happen to nearly agree).
+    assert len(wrong_act) >= len(SHAPES) - 1 and all("gelu_tanh=True" in b for b in wrong_act)
+    exact = lambda x, w, tile, gelu_tanh: gated_reference(x, w, gelu_tanh).to(x.dtype)  # noqa: E731
+    assert gated_failures("cpu", (torch.float32,), exact, tiles) == []
+
+
 def test_the_check_fails_a_gemv_that_drops_the_last_k_block():
     def drops_tail(x, w, tile):
         k = w.shape[1] // tile.block_k * tile.block_k
@@ -57,11 +108,18 @@ def test_triton_gemv_under_the_interpreter():
     assert_no_failures_interpreted("test_gemv", 'gemv_failures("cpu", (torch.float32, torch.float16))')
 
 
+@pytest.mark.slow  # Triton's interpreter
+def test_triton_gated_gemv_under_the_interpreter():
+    assert_no_failures_interpreted("test_gemv",
+                                   'gated_failures("cpu", (torch.float32, torch.float16))')
+
+
 @pytest.mark.gpu
 def test_triton_gemv_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     assert gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
+    assert gated_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
     choice = G.choose([w])
     assert choice is not None and choice.vendor_us > 0 and choice.us <= choice.vendor_us
@@ -266,3 +324,61 @@ def test_pdl_is_for_launches_of_a_few_rows(monkeypatch):
     assert pdl.launch(cuda) == pdl.launch(cuda, pdl.MAX_ROWS) == {"PDL": True,
                                                                    "launch_pdl": True}
     assert pdl.launch(cuda, pdl.MAX_ROWS + 1) == {"PDL": False}
+
+
+def torch_gated(y: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    g, u = y.chunk(2, dim=-1)
+    return (F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)) * u
+
+
+def test_a_gated_mlp_takes_one_launch_for_one_row_only_after_its_check(fake_device, caplog):
+    """GatedMLP's [gate; up] projection: warmup (assign) checks the fused launch against the
+    GEMV + activation and keeps it only where they agree; a forward of one row then takes
+    it, more rows take the projection and the activation kernel."""
+    from tpserve.distributed import TPInfo, reset_tp, set_tp
+
+    fused_calls = []
+
+    def fake_gated(x, w, tile, gelu_tanh):
+        fused_calls.append(gelu_tanh)
+        return gated_reference(x.reshape(1, -1), w, gelu_tanh).to(x.dtype)
+
+    set_tp(TPInfo(0, 1))  # row-parallel down_proj reads it in forward too
+    try:
+        _check_gated_mlps(fake_device, caplog, fake_gated, fused_calls)
+    finally:
+        reset_tp()
+
+
+def _check_gated_mlps(fake_device, caplog, fake_gated, fused_calls):
+    from tpserve.models.llama import GatedMLP
+
+    mlps = [GatedMLP(16, 24, "silu", "m0"), GatedMLP(16, 24, "gelu_pytorch_tanh", "m1"),
+            GatedMLP(16, 24, "relu", "m2")]
+    for m in mlps:
+        for p in m.parameters():
+            p.data.normal_()
+    assert [getattr(m.gate_up_proj, "gemv_gated", None) for m in mlps] == [False, True, None]
+    timer, calls = timer_from({None: 10.0, **{t: 1.0 for t in G.CANDIDATES}})
+    fake_device["calls"] = calls
+    real_choose = G.choose
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "choose", lambda ws: real_choose(ws, timer))
+        mp.setattr(G, "gated", fake_gated)
+        # The check compares against the activation kernel; on the CPU that is torch's.
+        mp.setattr("tpserve.kernels.fused_ops.gated_act_triton", torch_gated)
+        G.assign([m.gate_up_proj for m in mlps])
+        assert [getattr(m.gate_up_proj, "gemv_gated", None) for m in mlps] == [False, True, None]
+        one, many = torch.randn(1, 1, 16), torch.randn(3, 16)
+        fused_calls.clear()
+        for m in mlps:
+            ref = m.down_proj(m.act(F.linear(one, m.gate_up_proj.weight)))
+            assert torch.allclose(m(one), ref, atol=1e-5)
+            assert torch.allclose(m(many), m.down_proj(m.act(F.linear(
+                many, m.gate_up_proj.weight))), atol=1e-5)
+        assert fused_calls == [False, True]  # one-row forwards of the fusable two only
+        # A fused launch that disagrees with the two launches is dropped, with a warning.
+        mp.setattr(G, "gated", lambda x, w, tile, gelu: fake_gated(x, w, tile, not gelu))
+        with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
+            G.assign([mlps[0].gate_up_proj])
+        assert mlps[0].gate_up_proj.gemv_gated is None and "stays two launches" in caplog.text

@@ -183,9 +183,30 @@ def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoi
         choice = choose(weights)
         for m in group:
             m.gemv_tile = choice.tile if choice else None
+            if m.gemv_tile is not None and getattr(m, "gemv_gated", None) is not None:
+                m.gemv_gated = check_gated(m.weight, m.gemv_tile, m.gemv_gated)
         if choice:
             chosen[tuple(weights[0].shape)] = choice
     return chosen
+
+
+def check_gated(weight: torch.Tensor, tile: GemvTile, gelu_tanh: bool) -> bool | None:
+    """The gated GEMV for this [gate; up] weight compiled and checked against the GEMV
+    followed by the gated-activation kernel: `gelu_tanh` when it agrees, else None (the
+    layer keeps the two launches; logged)."""
+    from tpserve.kernels.fused_ops import gated_act_triton
+
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    try:
+        ref = gated_act_triton(gemv(x, weight, tile), gelu_tanh).float()
+        err = (gated(x, weight, tile, gelu_tanh).float() - ref).norm() / ref.norm().clamp(
+            min=1e-30)
+        if err > 1e-2:
+            raise ValueError(f"relative error {float(err):.2e} against the two launches")
+    except Exception as exc:  # noqa: BLE001 - a build or a result this device gets wrong
+        log.warning("gated GEMV for %s stays two launches: %s", tuple(weight.shape), exc)
+        return None
+    return gelu_tanh
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile | None) -> torch.Tensor:
@@ -213,4 +234,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE) -
         x, weight, out, n, k, weight.stride(0), EVEN_N=n % tile.block_n == 0,
         EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.warps, **pdl.launch(x.device))
+    return out
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
+          gelu_tanh: bool) -> torch.Tensor:
+    """act(x W_gate^T) * (x W_up^T) for x [1, K] and weight [2N, K] = [gate; up] (a gated
+    MLP's fused projection): [1, N] in x's dtype, one launch. The activation is silu, or the
+    tanh GELU with `gelu_tanh`. Each program reads tile.block_n weight rows, half gate and
+    half up, so the tile warmup chose for the [2N, K] GEMV keeps its bytes per program."""
+    from tpserve.kernels import triton_gemv
+
+    n2, k = weight.shape
+    if x.numel() != k or n2 % 2 or weight.stride(1) != 1:
+        raise ValueError(f"gated gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         "are not one row and a contiguous [gate; up] weight")
+    n, block_n = n2 // 2, max(1, tile.block_n // 2)
+    x = x.reshape(1, k).contiguous()
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    triton_gemv.gemv_gated_kernel[(-(-n // block_n),)](
+        x, weight, out, n, k, weight.stride(0), EVEN_N=n % block_n == 0,
+        EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=block_n,
+        BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, num_warps=tile.warps,
+        **pdl.launch(x.device))
     return out

@@ -56,12 +56,18 @@ def gated_act_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o,
     dtype = out_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, gated(g, u, dtype, GELU_TANH), mask=ok)
+
+
+@triton.jit
+def gated(g, u, dtype: tl.constexpr, GELU_TANH: tl.constexpr):
+    """act(g) * u in dtype, from g and u already rounded to dtype (float32 values): the
+    activation rounded to dtype before the product, as the torch reference computes it."""
     if GELU_TANH:
         a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         a = g / (1.0 + tl.exp(-g))
-    out = a.to(dtype).to(tl.float32) * u
-    tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=ok)
+    return (a.to(dtype).to(tl.float32) * u).to(dtype)
 
 
 @triton.jit

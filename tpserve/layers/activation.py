@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.kernels.fused_ops import gated_act, plan_act
+from tpserve.kernels import gemv
+from tpserve.kernels.fused_ops import GATED_ACTS, gated_act, plan_act
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -43,3 +44,20 @@ class GatedActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One kernel for silu and the tanh GELU where the device has it, else torch.
         return gated_act(x, self.name, self.act)
+
+    def fuse_with(self, proj: nn.Module) -> None:
+        """Let `proj` (the [gate; up] projection feeding this activation) run one-row steps
+        with the activation in its GEMV (kernels/gemv.py `gated`): for a float weight with no
+        bias. Warmup sets proj.gemv_tile and checks the fused launch (gemv.assign)."""
+        if (self.name in GATED_ACTS and hasattr(proj, "gemv_tile")
+                and getattr(proj, "bias", None) is None):
+            proj.gemv_gated = GATED_ACTS[self.name]
+
+    def project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """self(proj(x)), in one launch for one row where warmup chose the GEMV for proj and
+        the fused launch passed its check; two launches otherwise."""
+        gelu_tanh = getattr(proj, "gemv_gated", None)
+        if gelu_tanh is not None and proj.gemv_tile is not None and x.numel() == x.shape[-1]:
+            y = gemv.gated(x, proj.weight, proj.gemv_tile, gelu_tanh)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return self(proj(x))

@@ -49,9 +49,10 @@ class GatedMLP(nn.Module):
         self.act = GatedActivation(act)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias,
                                            prefix=f"{prefix}.down_proj")
+        self.act.fuse_with(self.gate_up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.project(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):
