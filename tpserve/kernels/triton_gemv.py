@@ -84,7 +84,8 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr,
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * swn + offs_k[None, :]
-    u_ptrs = g_ptrs + N.to(tl.int64) * swn
+    # N may arrive as a Python int (Triton specialises N = 1): offset as a tensor.
+    u_ptrs = w_ptr + (offs_n + N).to(tl.int64)[:, None] * swn + offs_k[None, :]
     EVEN: tl.constexpr = EVEN_N and EVEN_K
     wg = _w_tile(g_ptrs, 0, K, nmask, offs_k, EVEN, BLOCK_K)
     wu = _w_tile(u_ptrs, 0, K, nmask, offs_k, EVEN, BLOCK_K)
