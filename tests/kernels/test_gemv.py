@@ -331,27 +331,47 @@ def torch_gated(y: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     return (F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)) * u
 
 
-def test_a_gated_mlp_takes_one_launch_for_one_row_only_after_its_check(fake_device, caplog):
-    """GatedMLP's [gate; up] projection: warmup (assign) checks the fused launch against the
-    GEMV + activation and keeps it only where they agree; a forward of one row then takes
-    it, more rows take the projection and the activation kernel."""
+def test_a_gated_mlp_takes_the_fused_launch_where_warmup_timed_it_faster(fake_device, caplog):
+    """GatedMLP's [gate; up] projection: warmup (assign) times the fused launch against
+    F.linear + the activation kernel, apart from the plain GEMV's choice (here F.linear
+    beats every plain tile, yet a fused tile beats the two launches); a wrong fused tile is
+    skipped; a one-row forward then takes the fused launch, more rows the two launches."""
     from tpserve.distributed import TPInfo, reset_tp, set_tp
-
-    fused_calls = []
-
-    def fake_gated(x, w, tile, gelu_tanh):
-        fused_calls.append(gelu_tanh)
-        return gated_reference(x.reshape(1, -1), w, gelu_tanh).to(x.dtype)
 
     set_tp(TPInfo(0, 1))  # row-parallel down_proj reads it in forward too
     try:
-        _check_gated_mlps(fake_device, caplog, fake_gated, fused_calls)
+        _check_gated_mlps(fake_device, caplog)
     finally:
         reset_tp()
 
 
-def _check_gated_mlps(fake_device, caplog, fake_gated, fused_calls):
+def _check_gated_mlps(fake_device, caplog):
     from tpserve.models.llama import GatedMLP
+
+    a, b, c, d = G.CANDIDATES
+    ran: list = []  # what each timed or forward call launched: (kind, tile)
+    wrong = {b}
+
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE):
+        ran.append(("plain", tile))
+        return F.linear(x.reshape(1, -1), w)
+
+    def fake_gated(x, w, tile, gelu_tanh):
+        ran.append(("gated", tile, gelu_tanh))
+        y = gated_reference(x.reshape(1, -1), w, gelu_tanh).to(x.dtype)
+        return y * 1.5 if tile in wrong else y
+
+    def fake_act(y, gelu_tanh):
+        ran.append(("act", None))
+        return torch_gated(y, gelu_tanh)
+
+    times = {None: 10.0, ("act", None): 12.0, **{("plain", t): 11.0 for t in G.CANDIDATES},
+             ("gated", a): 11.5, ("gated", b): 1.0, ("gated", c): 9.0, ("gated", d): 13.0}
+
+    def timer(run, n_calls):
+        before = len(ran)
+        run()
+        return times[ran[-1][:2] if len(ran) > before else None]
 
     mlps = [GatedMLP(16, 24, "silu", "m0"), GatedMLP(16, 24, "gelu_pytorch_tanh", "m1"),
             GatedMLP(16, 24, "relu", "m2")]
@@ -359,26 +379,30 @@ def _check_gated_mlps(fake_device, caplog, fake_gated, fused_calls):
         for p in m.parameters():
             p.data.normal_()
     assert [getattr(m.gate_up_proj, "gemv_gated", None) for m in mlps] == [False, True, None]
-    timer, calls = timer_from({None: 10.0, **{t: 1.0 for t in G.CANDIDATES}})
-    fake_device["calls"] = calls
-    real_choose = G.choose
+    real_choose, real_gated = G.choose, G.choose_gated
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(G, "choose", lambda ws: real_choose(ws, timer))
+        mp.setattr(G, "gemv", fake_gemv)
         mp.setattr(G, "gated", fake_gated)
-        # The check compares against the activation kernel; on the CPU that is torch's.
-        mp.setattr("tpserve.kernels.fused_ops.gated_act_triton", torch_gated)
-        G.assign([m.gate_up_proj for m in mlps])
-        assert [getattr(m.gate_up_proj, "gemv_gated", None) for m in mlps] == [False, True, None]
+        mp.setattr("tpserve.kernels.fused_ops.gated_act_triton", fake_act)
+        mp.setattr(G, "choose", lambda ws: real_choose(ws, timer))
+        mp.setattr(G, "choose_gated", lambda ws, gelu: real_gated(ws, gelu, timer))
+        with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
+            G.assign([m.gate_up_proj for m in mlps])
+        assert "relative error" in caplog.text  # tile b was fastest but wrong: skipped
+        assert [m.gate_up_proj.gemv_tile for m in mlps] == [None] * 3  # F.linear won
+        assert [getattr(m.gate_up_proj, "gemv_gated_tile", None) for m in mlps] == [c, c, None]
         one, many = torch.randn(1, 1, 16), torch.randn(3, 16)
-        fused_calls.clear()
+        ran.clear()
         for m in mlps:
-            ref = m.down_proj(m.act(F.linear(one, m.gate_up_proj.weight)))
-            assert torch.allclose(m(one), ref, atol=1e-5)
+            assert torch.allclose(m(one), m.down_proj(m.act(F.linear(
+                one, m.gate_up_proj.weight))), atol=1e-5)
             assert torch.allclose(m(many), m.down_proj(m.act(F.linear(
                 many, m.gate_up_proj.weight))), atol=1e-5)
-        assert fused_calls == [False, True]  # one-row forwards of the fusable two only
-        # A fused launch that disagrees with the two launches is dropped, with a warning.
-        mp.setattr(G, "gated", lambda x, w, tile, gelu: fake_gated(x, w, tile, not gelu))
-        with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
-            G.assign([mlps[0].gate_up_proj])
-        assert mlps[0].gate_up_proj.gemv_gated is None and "stays two launches" in caplog.text
+        # One-row forwards of the two fusable MLPs took the fused launch, with their own
+        # activation; everything else went through F.linear (nothing recorded).
+        assert ran == [("gated", c, False), ("gated", c, True)]
+        # Where no fused tile beats the two launches, the two launches stay.
+        times.update({("gated", a): 20.0, ("gated", c): 20.0})
+        mp.setattr(G, "_CHOSEN", {})
+        G.assign([mlps[0].gate_up_proj])
+        assert mlps[0].gate_up_proj.gemv_gated_tile is None

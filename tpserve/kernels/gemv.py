@@ -58,12 +58,13 @@ class GemvChoice:
     tile: GemvTile | None  # None: F.linear (the vendor GEMM) was the fastest
     us: float  # the chosen path's time per call
     vendor_us: float  # F.linear's
+    vendor: str = "F.linear"  # what the tiles were timed against
 
     def describe(self, n: int, k: int) -> str:
         if self.tile is None:
-            return f"{n}x{k}: F.linear ({self.vendor_us:.1f} us, no GEMV tile was faster)"
+            return f"{n}x{k}: {self.vendor} ({self.vendor_us:.1f} us, no GEMV tile was faster)"
         return (f"{n}x{k}: Triton GEMV {self.tile.label()} ({self.us:.1f} us against "
-                f"F.linear's {self.vendor_us:.1f} us)")
+                f"{self.vendor}'s {self.vendor_us:.1f} us)")
 
 
 _CHOSEN: dict[tuple, GemvChoice | None] = {}
@@ -132,45 +133,80 @@ def choose(weights: Sequence[torch.Tensor], timer: Timer | None = None) -> GemvC
     one after another (a model's layers of that shape: together larger than the L2 cache, so
     each is read from memory as in a decode step). Each GEMV tile is checked against
     F.linear first; a tile that fails to build or disagrees is skipped, and logged."""
-    w0 = weights[0]
-    if (w0.dim() != 2 or unavailable(w0.device, w0.dtype)
-            or any(w.stride(1) != 1 or w.shape != w0.shape for w in weights)):
+    if not _usable(weights):
         return None
-    n, k = w0.shape
-    key = (w0.device, w0.dtype, n, k)
+    n, k = weights[0].shape
+    return _fastest(weights, (weights[0].device, weights[0].dtype, n, k), timer,
+                    lambda x, w: F.linear(x, w), lambda x, w, t: gemv(x, w, t),
+                    "F.linear", "one-row matmul")
+
+
+def choose_gated(weights: Sequence[torch.Tensor], gelu_tanh: bool,
+                 timer: Timer | None = None) -> GemvChoice | None:
+    """As `choose`, for a gated MLP's [gate; up] weights [2N, K]: F.linear followed by the
+    gated-activation kernel (two launches) against the gated GEMV (`gated`, one launch) with
+    each candidate tile, each checked against the two launches first. Measured apart from
+    the plain GEMV's choice: the fused launch saves the activation's launch and its
+    [gate; up] row, so it can win where F.linear beats the plain GEMV of that shape."""
+    if not _usable(weights) or weights[0].shape[0] % 2:
+        return None
+    from tpserve.kernels.fused_ops import gated_act_triton
+
+    n, k = weights[0].shape
+    return _fastest(weights, (weights[0].device, weights[0].dtype, n, k, "gated", gelu_tanh),
+                    timer, lambda x, w: gated_act_triton(F.linear(x, w), gelu_tanh),
+                    lambda x, w, t: gated(x, w, t, gelu_tanh), "F.linear + activation",
+                    "one-row gated MLP projection")
+
+
+def _usable(weights: Sequence[torch.Tensor]) -> bool:
+    w0 = weights[0]
+    return not (w0.dim() != 2 or unavailable(w0.device, w0.dtype)
+                or any(w.stride(1) != 1 or w.shape != w0.shape for w in weights))
+
+
+def _fastest(weights: Sequence[torch.Tensor], key: tuple, timer: Timer | None,
+             vendor: Callable, candidate: Callable, vendor_name: str,
+             what: str) -> GemvChoice | None:
+    """The faster of `vendor(x, w)` and `candidate(x, w, tile)` over CANDIDATES, timed over
+    all of `weights`; cached under `key`."""
     if key in _CHOSEN:
         return _CHOSEN[key]
+    w0 = weights[0]
+    n, k = w0.shape
     timer = timer or _default_timer(w0.device)
     x = torch.randn(1, k, dtype=w0.dtype, device=w0.device)
-    ref = F.linear(x, w0).float()
     calls = len(weights)
     try:
-        vendor = timer(lambda: [F.linear(x, w) for w in weights], calls)
+        ref = vendor(x, w0).float()
+        vendor_us = timer(lambda: [vendor(x, w) for w in weights], calls)
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. no memory for the timing
-        log.warning("one-row matmul %dx%d stays on F.linear: timing it failed (%s)", n, k,
+        log.warning("%s %dx%d stays on %s: timing it failed (%s)", what, n, k, vendor_name,
                     str(exc).splitlines()[0][:200])
         _CHOSEN[key] = None
         return None
-    best: tuple[float, GemvTile | None] = (vendor, None)
+    best: tuple[float, GemvTile | None] = (vendor_us, None)
     for tile in CANDIDATES:
         try:
-            err = (gemv(x, w0, tile).float() - ref).norm() / ref.norm().clamp(min=1e-30)
+            err = (candidate(x, w0, tile).float() - ref).norm() / ref.norm().clamp(min=1e-30)
             if err > 1e-2:
-                raise ValueError(f"relative error {float(err):.2e} against F.linear")
-            us = timer(lambda t=tile: [gemv(x, w, t) for w in weights], calls)
+                raise ValueError(f"relative error {float(err):.2e} against {vendor_name}")
+            us = timer(lambda t=tile: [candidate(x, w, t) for w in weights], calls)
         except Exception as exc:  # noqa: BLE001 - a tile this device cannot build or run
-            log.warning("one-row GEMV tile %s skipped for %dx%d: %s", tile.label(), n, k, exc)
+            log.warning("%s: GEMV tile %s skipped for %dx%d: %s", what, tile.label(), n, k, exc)
             continue
         if us < best[0]:
             best = (us, tile)
-    choice = _CHOSEN[key] = GemvChoice(best[1], best[0], vendor)
-    log.info("one-row matmul %s", choice.describe(n, k))
+    choice = _CHOSEN[key] = GemvChoice(best[1], best[0], vendor_us, vendor_name)
+    log.info("%s %s", what, choice.describe(n, k))
     return choice
 
 
 def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoice]:
     """Set `gemv_tile` on every module that holds one (the float linear layers and the LM
-    head) from `choose` over all weights of its shape; returns the choice per shape."""
+    head) from `choose` over all weights of its shape, and `gemv_gated_tile` on those marked
+    `gemv_gated` (a gated MLP's [gate; up] projection) from `choose_gated`; returns the
+    plain choice per shape."""
     groups: dict[tuple, list[torch.nn.Module]] = {}
     for m in modules:
         weight = getattr(m, "weight", None)
@@ -183,30 +219,18 @@ def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoi
         choice = choose(weights)
         for m in group:
             m.gemv_tile = choice.tile if choice else None
-            if m.gemv_tile is not None and getattr(m, "gemv_gated", None) is not None:
-                m.gemv_gated = check_gated(m.weight, m.gemv_tile, m.gemv_gated)
         if choice:
             chosen[tuple(weights[0].shape)] = choice
+        # The [gate; up] projections of gated MLPs (GatedActivation.fuse_with marked them
+        # with their activation) also get the fused path's own choice.
+        for gelu_tanh in (False, True):
+            fused = [m for m in group if getattr(m, "gemv_gated", None) is gelu_tanh]
+            if fused:
+                gated_choice = choose_gated(
+                    list({id(m.weight): m.weight for m in fused}.values()), gelu_tanh)
+                for m in fused:
+                    m.gemv_gated_tile = gated_choice.tile if gated_choice else None
     return chosen
-
-
-def check_gated(weight: torch.Tensor, tile: GemvTile, gelu_tanh: bool) -> bool | None:
-    """The gated GEMV for this [gate; up] weight compiled and checked against the GEMV
-    followed by the gated-activation kernel: `gelu_tanh` when it agrees, else None (the
-    layer keeps the two launches; logged)."""
-    from tpserve.kernels.fused_ops import gated_act_triton
-
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    try:
-        ref = gated_act_triton(gemv(x, weight, tile), gelu_tanh).float()
-        err = (gated(x, weight, tile, gelu_tanh).float() - ref).norm() / ref.norm().clamp(
-            min=1e-30)
-        if err > 1e-2:
-            raise ValueError(f"relative error {float(err):.2e} against the two launches")
-    except Exception as exc:  # noqa: BLE001 - a build or a result this device gets wrong
-        log.warning("gated GEMV for %s stays two launches: %s", tuple(weight.shape), exc)
-        return None
-    return gelu_tanh
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile | None) -> torch.Tensor:
@@ -242,7 +266,7 @@ def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
     """act(x W_gate^T) * (x W_up^T) for x [1, K] and weight [2N, K] = [gate; up] (a gated
     MLP's fused projection): [1, N] in x's dtype, one launch. The activation is silu, or the
     tanh GELU with `gelu_tanh`. Each program reads tile.block_n weight rows, half gate and
-    half up, so the tile warmup chose for the [2N, K] GEMV keeps its bytes per program."""
+    half up, so a tile keeps the bytes per program it has in the plain GEMV."""
     from tpserve.kernels import triton_gemv
 
     n2, k = weight.shape

@@ -48,16 +48,18 @@ class GatedActivation(nn.Module):
     def fuse_with(self, proj: nn.Module) -> None:
         """Let `proj` (the [gate; up] projection feeding this activation) run one-row steps
         with the activation in its GEMV (kernels/gemv.py `gated`): for a float weight with no
-        bias. Warmup sets proj.gemv_tile and checks the fused launch (gemv.assign)."""
+        bias. Warmup times it against the two launches and sets proj.gemv_gated_tile where
+        it is faster (gemv.assign)."""
         if (self.name in GATED_ACTS and hasattr(proj, "gemv_tile")
                 and getattr(proj, "bias", None) is None):
             proj.gemv_gated = GATED_ACTS[self.name]
+            proj.gemv_gated_tile = None
 
     def project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """self(proj(x)), in one launch for one row where warmup chose the GEMV for proj and
-        the fused launch passed its check; two launches otherwise."""
-        gelu_tanh = getattr(proj, "gemv_gated", None)
-        if gelu_tanh is not None and proj.gemv_tile is not None and x.numel() == x.shape[-1]:
-            y = gemv.gated(x, proj.weight, proj.gemv_tile, gelu_tanh)
+        """self(proj(x)), in one launch for one row where warmup chose the fused GEMV for
+        proj; two launches otherwise."""
+        tile = getattr(proj, "gemv_gated_tile", None)
+        if tile is not None and x.numel() == x.shape[-1]:
+            y = gemv.gated(x, proj.weight, tile, proj.gemv_gated)
             return y.view(*x.shape[:-1], y.shape[-1])
         return self(proj(x))
