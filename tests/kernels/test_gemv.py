@@ -384,6 +384,7 @@ def _check_gated_mlps(fake_device, caplog):
         mp.setattr(G, "gemv", fake_gemv)
         mp.setattr(G, "gated", fake_gated)
         mp.setattr("tpserve.kernels.fused_ops.gated_act_triton", fake_act)
+        mp.setattr("tpserve.kernels.fused_ops.use_triton", lambda t: True)
         mp.setattr(G, "choose", lambda ws: real_choose(ws, timer))
         mp.setattr(G, "choose_gated", lambda ws, gelu: real_gated(ws, gelu, timer))
         with caplog.at_level("WARNING", logger="tpserve.kernels.gemv"):
@@ -399,10 +400,16 @@ def _check_gated_mlps(fake_device, caplog):
             assert torch.allclose(m(many), m.down_proj(m.act(F.linear(
                 many, m.gate_up_proj.weight))), atol=1e-5)
         # One-row forwards of the two fusable MLPs took the fused launch, with their own
-        # activation; everything else went through F.linear (nothing recorded).
-        assert ran == [("gated", c, False), ("gated", c, True)]
+        # activation; everything else went through F.linear and the activation.
+        assert [r for r in ran if r[0] == "gated"] == [("gated", c, False), ("gated", c, True)]
         # Where no fused tile beats the two launches, the two launches stay.
         times.update({("gated", a): 20.0, ("gated", c): 20.0})
         mp.setattr(G, "_CHOSEN", {})
         G.assign([mlps[0].gate_up_proj])
         assert mlps[0].gate_up_proj.gemv_gated_tile is None
+        # With the fused kernels off (TPSERVE_FUSED=0) the fusion is not even timed.
+        times.update({("gated", c): 1.0})
+        mp.setattr(G, "_CHOSEN", {})
+        mp.setattr("tpserve.kernels.fused_ops.use_triton", lambda t: False)
+        G.assign([mlps[1].gate_up_proj])
+        assert mlps[1].gate_up_proj.gemv_gated_tile is None

@@ -148,9 +148,11 @@ def choose_gated(weights: Sequence[torch.Tensor], gelu_tanh: bool,
     each candidate tile, each checked against the two launches first. Measured apart from
     the plain GEMV's choice: the fused launch saves the activation's launch and its
     [gate; up] row, so it can win where F.linear beats the plain GEMV of that shape."""
-    if not _usable(weights) or weights[0].shape[0] % 2:
+    from tpserve.kernels.fused_ops import gated_act_triton, use_triton
+
+    # TPSERVE_FUSED=0 (the fused kernels off, for A/B runs) turns this fusion off too.
+    if not _usable(weights) or weights[0].shape[0] % 2 or not use_triton(weights[0]):
         return None
-    from tpserve.kernels.fused_ops import gated_act_triton
 
     n, k = weights[0].shape
     return _fastest(weights, (weights[0].device, weights[0].dtype, n, k, "gated", gelu_tanh),
