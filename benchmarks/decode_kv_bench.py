@@ -2,6 +2,8 @@
 8 KV heads of 128; bf16 queries; blocks of 16 tokens in shuffled order).
 
     python benchmarks/decode_kv_bench.py [--out docs-fragment.md]
+    python benchmarks/decode_kv_bench.py --caches bf16 --orders seq,head \
+        --cases 256x384,256x512 --tiles 64,4,3 32,4,3 [--tables both]
 
 For each (batch, context), one layer's decode attention is timed inside a CUDA graph over
 enough cache copies (at least 256 MB) that every call reads its keys and values from HBM,
@@ -30,6 +32,8 @@ from report import emit, graph_us  # noqa: E402
 HEADS, KV_HEADS, D = 32, 8, 128
 CASES = ((256, 384), (256, 1024), (32, 2048), (1, 8192))
 TILES = (None, (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2))
+CACHES = ("bf16", "fp8, f16 dots", "fp8, bf16 dots")
+CACHE_FLAGS = {"bf16": "bf16", "fp8f16": "fp8, f16 dots", "fp8bf16": "fp8, bf16 dots"}
 MIN_BYTES = 256 << 20
 DEVICE = "cuda"  # a dry run of the table code may set "cpu" (TRITON_INTERPRET=1)
 
@@ -49,7 +53,8 @@ def caches(backend, spec, batch: int, ctx: int, dtype: torch.dtype, copies: int,
     return out
 
 
-def run_case(batch: int, ctx: int) -> list[dict]:
+def run_case(batch: int, ctx: int, tiles=TILES, caches_run=CACHES, orders=("seq",),
+             tables=("shuffled",)) -> list[dict]:
     from dataclasses import replace
 
     from tpserve.kernels.base import AttentionSpec
@@ -59,24 +64,33 @@ def run_case(batch: int, ctx: int) -> list[dict]:
     dev = torch.device(DEVICE)
     spec = AttentionSpec(HEADS, KV_HEADS, D, D**-0.5, block_size=BLOCK)
     fp8 = replace(spec, kv_cache_dtype="fp8")
-    meta = decode_meta(batch, ctx, dev)
+    metas = {"shuffled": decode_meta(batch, ctx, dev)}
+    seq_meta = decode_meta(batch, ctx, dev)
+    nb = ctx // BLOCK
+    seq_meta.block_tables.copy_(torch.arange(batch * nb, dtype=torch.int32,
+                                             device=dev).view(batch, nb))
+    metas["in order"] = seq_meta
     q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
     tokens = batch * ctx
     rows, ref, base = [], None, None
-    for label, cdtype, sp, f16 in (("bf16", torch.bfloat16, spec, True),
-                                   ("fp8, f16 dots", FP8_DTYPE, fp8, True),
-                                   ("fp8, bf16 dots", FP8_DTYPE, fp8, False)):
+    runs = [r for r in (("bf16", torch.bfloat16, spec, True),
+                        ("fp8, f16 dots", FP8_DTYPE, fp8, True),
+                        ("fp8, bf16 dots", FP8_DTYPE, fp8, False)) if r[0] in caches_run]
+    variants = [(t, o, tb) for tb in tables for o in orders for t in tiles]
+    for label, cdtype, sp, f16 in runs:
         be = TritonAttentionBackend()
         be.fp8_dots_in_f16 = f16
         kv_bytes = 2 * tokens * KV_HEADS * D * torch.tensor([], dtype=cdtype).element_size()
         copies = max(1, -(-MIN_BYTES // kv_bytes))
         kv = caches(be, sp, batch, ctx, cdtype, copies, dev)
-        for tile in TILES:
+        for tile, order, table in variants:
             be.decode_tile = tile
+            be.decode_heads_first = order == "head"
+            meta = metas[table]
             try:
                 out = be.decode(q, kv[0][0], kv[0][1], meta, sp)
 
-                def step(be=be, sp=sp, kv=kv):
+                def step(be=be, sp=sp, kv=kv, meta=meta):
                     for k, v in kv:
                         be.decode(q, k, v, meta, sp)
 
@@ -88,7 +102,8 @@ def run_case(batch: int, ctx: int) -> list[dict]:
                 ref = out.float()
             if base is None:
                 base = us
-            row = {"batch": batch, "context": ctx, "cache": label,
+            row = {"batch": batch, "context": ctx, "cache": label, "grid": order + "s first",
+                   "tables": table,
                    "tile": "default" if tile is None else "n{} w{} s{}".format(*tile), "us": us,
                    "gbs": kv_bytes / us / 1e3, "vs": us / base,
                    "diff": (out.float() - ref).abs().max().item()}
@@ -102,18 +117,37 @@ def run_case(batch: int, ctx: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
+    ap.add_argument("--caches", default="bf16,fp8f16,fp8bf16",
+                    help="comma list of bf16, fp8f16 (fp8, float16 dots), fp8bf16")
+    ap.add_argument("--orders", default="seq",
+                    help="decode grid orders: seq (sequences first, the default), head")
+    ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
+                    help="BATCHxCONTEXT list")
+    ap.add_argument("--tiles", nargs="*", default=None,
+                    help="tiles as KEYS,WARPS,STAGES ('default': launch_config's)")
+    ap.add_argument("--tables", choices=("shuffled", "in-order", "both"), default="shuffled",
+                    help="block tables in shuffled order (the default) or in allocation order")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_kv_bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [r for b, c in CASES for r in run_case(b, c)]
+    tiles = TILES if args.tiles is None else tuple(
+        None if t == "default" else tuple(int(x) for x in t.split(",")) for t in args.tiles)
+    caches_run = tuple(CACHE_FLAGS[c] for c in args.caches.split(","))
+    tables = {"shuffled": ("shuffled",), "in-order": ("in order",),
+              "both": ("shuffled", "in order")}[args.tables]
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    rows = [r for b, c in cases for r in run_case(b, c, tiles, caches_run,
+                                                  tuple(args.orders.split(",")), tables)]
     name = torch.cuda.get_device_name()
     lines = [f"Decode attention, one layer, by KV-cache dtype and tile ({name}, torch "
              f"{torch.__version__}); us per call in a CUDA graph, cache cold in L2:", "",
-             "| batch | context | cache | tile | us | GB/s | vs bf16 default | max abs diff vs bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch | context | cache | grid | block tables | tile | us | GB/s | vs first row "
+             "| max abs diff vs first row |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['cache']} | {r['tile']} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['cache']} | {r['grid']} | "
+                     f"{r['tables']} | {r['tile']} | "
                      f"{r['us']:.1f} | {r['gbs']:.0f} | {r['vs']:.2f} | {r['diff']:.3f} |")
     emit(lines, args.out)
     return 0

@@ -181,6 +181,11 @@ class TritonAttentionBackend(AttentionBackend):
         # (keys per iteration, warps, stages) instead of launch_config's.
         self.fp8_dots_in_f16 = True
         self.decode_tile: tuple[int, int, int] | None = None
+        # The decode grid's order: (KV heads, sequences) puts one sequence's heads, which
+        # share every cached token's row, next to each other; (sequences, KV heads) spreads
+        # them a batch apart (benchmarks/decode_kv_bench.py --orders).
+        # TPSERVE_DECODE_HEADS_FIRST=1 picks the first, for measurements.
+        self.decode_heads_first = os.environ.get("TPSERVE_DECODE_HEADS_FIRST") == "1"
         # The prefill tile as (rows, warps, stages) instead of launch_config's (rows: new
         # tokens x the GQA group; benchmarks/kernels_bench.py).
         self.prefill_tile: tuple[int, int, int] | None = None
@@ -282,12 +287,15 @@ class TritonAttentionBackend(AttentionBackend):
             ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=q.device)
         else:  # never read: one program per (sequence, KV head) writes out directly
             part = ml = slopes
-        self._kernels().paged_decode_kernel[(b, spec.num_kv_heads, splits)](
+        heads_first = self.decode_heads_first
+        grid = (spec.num_kv_heads, b, splits) if heads_first else (b, spec.num_kv_heads, splits)
+        self._kernels().paged_decode_kernel[grid](
             out, part, ml, q, k_cache, v_cache, tables, seq_lens,
             slopes, *scalars, splits, heads * splits * d, splits * d,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
-            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b))
+            **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b),
+            HEADS_FIRST=heads_first)
         if splits > 1:
             self._reduce(out, part, ml)
 

@@ -77,6 +77,7 @@ def paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr, PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr = False,
 ):
     """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
     are the rows of one tile, so each key is read once per group (GQA / MQA).
@@ -87,8 +88,12 @@ def paged_decode_kernel(
     head to part/ml (fp32), and paged_decode_reduce_kernel combines them. A split with no
     keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero."""
     pdl_enter(PDL)
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (KV heads, sequences, splits): a sequence's heads run side by side
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, GROUP_PAD)
