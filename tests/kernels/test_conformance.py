@@ -164,7 +164,8 @@ def test_triton_kernels_under_the_interpreter(kv):
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
 def test_triton_split_k_decode_under_the_interpreter():
     """Every decode step cut into 3 context splits (flash-decoding) plus the reduction,
-    whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries."""
+    whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries; with
+    the decode grid in its other order (sequences first)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -182,7 +183,9 @@ def test_triton_split_k_decode_under_the_interpreter():
                             block_sizes=(16,))
         print(r.summary())
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3")
+    # The other decode grid order (sequences first) than the default run above takes.
+    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3",
+               TPSERVE_DECODE_HEADS_FIRST="0")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -181,11 +181,13 @@ class TritonAttentionBackend(AttentionBackend):
         # (keys per iteration, warps, stages) instead of launch_config's.
         self.fp8_dots_in_f16 = True
         self.decode_tile: tuple[int, int, int] | None = None
-        # The decode grid's order: (KV heads, sequences) puts one sequence's heads, which
-        # share every cached token's row, next to each other; (sequences, KV heads) spreads
-        # them a batch apart (benchmarks/decode_kv_bench.py --orders).
-        # TPSERVE_DECODE_HEADS_FIRST=1 picks the first, for measurements.
-        self.decode_heads_first = os.environ.get("TPSERVE_DECODE_HEADS_FIRST") == "1"
+        # The decode grid's order. (KV heads, sequences), the default, runs one sequence's
+        # heads side by side: they read the same cached token rows (a row holds every KV
+        # head), so the reads in flight together are contiguous. (sequences, KV heads)
+        # spreads them a batch apart, and on an H200 took 1-3% longer at 64-256 sequences
+        # (benchmarks/decode_kv_bench.py --orders; docs/benchmarks.md, "Decode attention's
+        # grid order"). TPSERVE_DECODE_HEADS_FIRST=0 keeps the old order (A/B runs).
+        self.decode_heads_first = os.environ.get("TPSERVE_DECODE_HEADS_FIRST", "1") != "0"
         # The prefill tile as (rows, warps, stages) instead of launch_config's (rows: new
         # tokens x the GQA group; benchmarks/kernels_bench.py).
         self.prefill_tile: tuple[int, int, int] | None = None
