@@ -22,6 +22,7 @@ import asyncio
 import datetime
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import subprocess
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from math import nan
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,7 +208,13 @@ def main() -> None:
     args = ap.parse_args()
     from serve_bench import make_model_dir
 
+    from tpserve.engine.step_trace import ENV, read
+
     cfg = Path(tempfile.mkdtemp()) / "config.json"
+    # The bridge's own timeline (arrivals at the engine, submissions to the core), which
+    # splits the start: the client and the HTTP handlers, then the bridge.
+    trace = cfg.parent / "driver.trace"
+    os.environ[ENV] = str(trace)
     cfg.write_text(json.dumps({"vocab_size": 100_000}))
     model = make_model_dir(cfg, cfg.parent / "model")
     core, backend, server, url = serve(args, model)
@@ -219,7 +227,15 @@ def main() -> None:
             t0, done, toks = burst(args, url)
             cpu = time.process_time() - cpu0
             first, last = core.steps[0][0], core.steps[-1][1]
+            time.sleep(0.6)  # the bridge writes its trace once idle
+            drv = Path(str(trace) + ".driver")
+            rows_t = read(str(drv), t0)
+            drv.unlink(missing_ok=True)
+            arrive = [r["t"] - t0 for r in rows_t if r["kind"] == "arrive"]
+            submit = [r["t"] - t0 for r in rows_t if r["kind"] == "submit"]
             rows.append({"wall": max(done) - t0, "core": last - first, "start": first - t0,
+                         "arrive": (arrive[0], arrive[-1]) if arrive else (nan, nan),
+                         "submit": submit[0] if submit else nan,
                          "tail": max(done) - last, "merged": core.merged, "tokens": toks, "cpu": cpu,
                          "steps": len(core.steps)})
             print(rows[-1], flush=True)
@@ -234,11 +250,13 @@ def main() -> None:
             f"{args.prefill_s * 1e3:.0f} ms per {args.admit} requests, decode "
             f"{args.decode_s * 1e3:.0f} ms), uvicorn loop {args.loop}, http {args.http}")
     lines = [head, "", "| burst | client wall s | core s (first step - last) | start s | "
+             "requests reach the engine s (first - last) | first submission to the core s | "
              "tail s (last response - last step) | driver overhead % | most steps in one poll | "
              "driver CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['wall']:.3f} | {r['core']:.3f} | {r['start']:.3f} | "
+                     f"{r['arrive'][0]:.3f} - {r['arrive'][1]:.3f} | {r['submit']:.3f} | "
                      f"{r['tail']:.3f} | {100 * (r['wall'] / r['core'] - 1):.1f} | "
                      f"{r['merged']} | {r['cpu']:.2f} |")
     text = "\n".join(lines)
