@@ -1,4 +1,5 @@
-"""Shared fixtures: a local multi-process Ray cluster and tiny checkpoints on disk."""
+"""Shared fixtures: a local multi-process Ray cluster, tiny checkpoints on disk, and the
+HTTP app over a fake backend."""
 
 from __future__ import annotations
 
@@ -41,3 +42,22 @@ def llama_dir(models_dir) -> Path:
     from tiny_models import llama_config, save_model
 
     return save_model(llama_config(), models_dir / "llama")
+
+
+# The app (tpserve.server.app.build_app) over one fake backend, for modules that test the
+# HTTP layer: `server` is (backend, base URL), shared by the module; `backend` is that fake,
+# reset to healthy and idle for each test. Modules with their own app define their own.
+@pytest.fixture(scope="module")
+def server():
+    from fake_backend import FakeBackend, serve
+
+    from tpserve.server.app import build_app
+
+    fake = FakeBackend()
+    with serve(build_app(fake)) as url:
+        yield fake, url
+
+
+@pytest.fixture
+def backend(server):
+    return server[0].reset()

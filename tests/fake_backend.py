@@ -216,3 +216,4 @@ def serve(app: object) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+

@@ -6,31 +6,17 @@ import asyncio
 
 import pytest
 import text_generation
-from fake_backend import FakeBackend, serve
 from text_generation import errors as tgi_errors
 from text_generation.types import Message
 
 from tpserve.client import AsyncClient, Client
 from tpserve.errors import GenerationError, NotReadyError, OverloadedError, ValidationError
-from tpserve.server.app import build_app
 
 PROMPT = "the quick brown fox </s>"
 EXPECTED = " the quick brown fox"
 
 # text_generation 0.7 still calls pydantic's deprecated .dict().
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")
-
-
-@pytest.fixture(scope="module")
-def server():
-    backend = FakeBackend()
-    with serve(build_app(backend)) as url:
-        yield backend, url
-
-
-@pytest.fixture
-def backend(server) -> FakeBackend:
-    return server[0].reset()
 
 
 @pytest.fixture

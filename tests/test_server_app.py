@@ -8,22 +8,9 @@ import time
 
 import httpx
 import pytest
-from fake_backend import FAKE_SEED, FakeBackend, serve
+from fake_backend import FAKE_SEED
 
 from tpserve.errors import OverloadedError
-from tpserve.server.app import build_app
-
-
-@pytest.fixture(scope="module")
-def server():
-    backend = FakeBackend()
-    with serve(build_app(backend)) as url:
-        yield backend, url
-
-
-@pytest.fixture
-def backend(server) -> FakeBackend:
-    return server[0].reset()  # each test starts from a healthy, idle fake
 
 
 @pytest.fixture
@@ -460,15 +447,28 @@ def test_openai_chat_stream(http):
 
 
 OPENAI_INVALID = {
-    "n_2": ("/v1/completions", {"prompt": "a", "n": 2}, "`n` > 1"),
-    "logprobs": ("/v1/completions", {"prompt": "a", "logprobs": 2}, "`logprobs`"),
+    "n_0": ("/v1/completions", {"prompt": "a", "n": 0}, "`n`"),
+    # The fake runs 4 requests at once: 2 prompts x 3 choices is more.
+    "too_many_choices": ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "6 choices"),
+    "best_of_not_n": ("/v1/completions", {"prompt": "a", "best_of": 2}, "`best_of`"),
+    "logprobs_over_limit": ("/v1/completions", {"prompt": "a", "logprobs": 4},
+                            "`logprobs` must be <= 3"),
+    "echo_logprobs_stream": (
+        "/v1/completions", {"prompt": "a", "logprobs": 1, "echo": True, "stream": True},
+        "`echo` with `logprobs`"),
     "temperature_3": ("/v1/completions", {"prompt": "a", "temperature": 3}, "`temperature`"),
-    "two_prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "`prompt`"),
+    "no_prompts": ("/v1/completions", {"prompt": []}, "`prompt`"),
+    "token_id_prompt": ("/v1/completions", {"prompt": [1, 2]}, "`prompt"),
     "no_messages": ("/v1/chat/completions", {"messages": []}, "`messages`"),
-    "chat_logprobs": (
+    "top_logprobs_without_logprobs": (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "a"}], "logprobs": True},
-        "`logprobs`",
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        "`top_logprobs` needs `logprobs`",
+    ),
+    "top_logprobs_over_limit": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 4},
+        "`top_logprobs` must be <= 3",
     ),
     "stops": (
         "/v1/chat/completions",

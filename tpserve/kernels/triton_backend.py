@@ -185,7 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
         # heads side by side: they read the same cached token rows (a row holds every KV
         # head), so the reads in flight together are contiguous. (sequences, KV heads)
         # spreads them a batch apart, and on an H200 took 1-3% longer at 64-256 sequences
-        # (benchmarks/decode_kv_bench.py --orders; docs/benchmarks.md, "Decode attention's
+        # (benchmarks/decode_kv_bench.py, its grid orders; docs/benchmarks.md, "Decode attention's
         # grid order"). TPSERVE_DECODE_HEADS_FIRST=0 keeps the old order (A/B runs).
         self.decode_heads_first = os.environ.get("TPSERVE_DECODE_HEADS_FIRST", "1") != "0"
         # The prefill tile as (rows, warps, stages) instead of launch_config's (rows: new

@@ -1,6 +1,8 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Only one choice per request (n=1) and no logprobs. Errors keep TGI's body shape
+`n` choices per prompt (and a list of prompts for completions) run as that many engine
+requests side by side; `logprobs` come in OpenAI's two formats (server/openai_logprobs.py).
+Errors keep TGI's body shape
 (`{"error", "error_type"}`, 422 for validation) so one client error path serves both APIs.
 Chunks also carry the keys text_generation's chat types require (system_fingerprint,
 delta.role, delta.tool_calls), so TGI's client can read them.
@@ -8,9 +10,11 @@ delta.role, delta.tool_calls), so TGI's client can read them.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -21,6 +25,7 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
+    U64_MAX,
     FrequencyPenalty,
     NonEmptyText,
     OpenAITemperature,
@@ -35,11 +40,13 @@ from tpserve.fields import (
 from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
+from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
-    collect_or_abort,
+    collect_all_or_abort,
     final_text,
+    merged,
     sse,
 )
 
@@ -65,10 +72,8 @@ class _Sampling(BaseModel):
     stop: StopText | list[StopText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[
-        Annotated[int, Field(ge=1)] | None,
-        unsupported("`n` > 1 (tpserve returns one choice per request)", 1),
-    ] = None
+    # Choices per prompt: each is its own engine request (seeded ones get seed + i).
+    n: Annotated[int, Field(ge=1)] | None = None
     frequency_penalty: FrequencyPenalty | None = None
     presence_penalty: Annotated[
         float | None, unsupported("`presence_penalty` (use 0 or omit it)", 0)
@@ -83,7 +88,11 @@ class _Sampling(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, info: ModelInfo, max_new_tokens: int) -> SamplingParams:
+    def choices(self) -> int:
+        return self.n or 1
+
+    def sampling_params(self, info: ModelInfo, max_new_tokens: int, top_n: int = 0,
+                        prompt_logprobs: bool = False) -> SamplingParams:
         stop = self.stop_list()
         if len(stop) > info.max_stop_sequences:
             raise ValidationError(
@@ -98,6 +107,8 @@ class _Sampling(BaseModel):
             # OpenAI never returns the stop sequence; the engine's output processor cuts it
             # (and holds back streamed text that could be its start).
             "include_stop_str_in_output": False,
+            "top_n_tokens": top_n,
+            "prompt_logprobs": prompt_logprobs,
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         if temperature == 0:  # OpenAI's spelling of greedy decoding; top_p is moot then
@@ -107,25 +118,20 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
-def _one_prompt(v: str | list[str]) -> str | list[str]:
-    if isinstance(v, list) and len(v) != 1:
-        raise ValueError(f"`prompt` must be a string or a list of one string (got {len(v)})")
-    return v
-
-
 class CompletionRequest(_Sampling):
-    prompt: Annotated[NonEmptyText | list[NonEmptyText], AfterValidator(_one_prompt)]
+    # A string, or a list of strings (one set of choices each). Token-id prompts are not
+    # taken: the engine tokenizes the text it is given.
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
     max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: bool = False
-    logprobs: Annotated[int | None, unsupported("`logprobs`", None)] = None
-    best_of: Annotated[
-        Annotated[int, Field(ge=1)] | None, unsupported("`best_of` > 1", 1)
-    ] = None
+    # The k likeliest alternatives per token (and the chosen one) in the legacy format.
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: Annotated[Text | None, unsupported("`suffix` (insertion)")] = None
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def texts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
 class ContentPart(BaseModel):
@@ -158,8 +164,8 @@ def _text_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
-    logprobs: Annotated[bool | None, unsupported("`logprobs`")] = None
-    top_logprobs: Annotated[int | None, unsupported("`top_logprobs`")] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Any] | None, unsupported("`tools` (function calling)")] = None
     tool_choice: Any = None
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format)] = None
@@ -173,19 +179,44 @@ def _last_piece(final: GenerationEvent, streamed: str) -> str:
     return "" if final.token.special else final.token.text
 
 
-def _usage(final: GenerationEvent) -> dict[str, int]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.generated_tokens,
-        "total_tokens": final.prompt_tokens + final.generated_tokens,
-    }
+def _usage(finals: Sequence[GenerationEvent], n: int) -> dict[str, int]:
+    """Usage of a request's choices (n per prompt, prompts in order): each prompt counted
+    once, every choice's tokens."""
+    prompt = sum(f.prompt_tokens for f in finals[::n])
+    completion = sum(f.generated_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _check_top(what: str, k: int | None, info: ModelInfo) -> int:
+    if k is not None and k > info.max_top_n_tokens:
+        raise ValidationError(f"`{what}` must be <= {info.max_top_n_tokens} (got {k}): the "
+                              "most alternatives this server ranks per token")
+    return k or 0
+
+
+def _check_choices(req: _Sampling, prompts: int, info: ModelInfo) -> None:
+    total = prompts * req.choices()
+    if total > info.max_concurrent_requests:
+        raise ValidationError(
+            f"{prompts} prompt(s) x `n` = {req.choices()} asks for {total} choices, more than "
+            f"this server runs at once ({info.max_concurrent_requests}, "
+            "--max-concurrent-requests): send fewer per request")
+
+
+def _seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a seeded request: its own seed, so the choices differ and each repeats."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % (U64_MAX + 1))
 
 
 def _data(payload: dict | str) -> str:
     return sse(payload, space=True)  # OpenAI writes `data: `, and ends with [DONE]
 
 
-ChunkMaker = Callable[[str, str | None], dict]
+# (choice index, text, finish reason or None, the events this chunk carries) -> the choice
+ChunkMaker = Callable[[int, str, str | None, list[GenerationEvent]], dict]
 
 
 class OpenAIRoutes:
@@ -220,100 +251,160 @@ class OpenAIRoutes:
         }
         return {"object": "list", "data": [card]}
 
+    async def _open_all(self, prompts: Sequence[str], params: SamplingParams, n: int,
+                        add_special_tokens: bool = True) -> list[TrackedStream]:
+        """n engine requests per prompt, started side by side (so they share prefill
+        steps); if one is refused, the others are closed and its error is raised."""
+        jobs = [(p, _seeded(params, i)) for p in prompts for i in range(n)]
+        got = await asyncio.gather(
+            *(self.metrics.open_stream(self.backend, p, sp, add_special_tokens=add_special_tokens)
+              for p, sp in jobs), return_exceptions=True)
+        opened = [g for g in got if isinstance(g, TrackedStream)]
+        failed = [g for g in got if isinstance(g, BaseException)]
+        if failed:
+            for tracked in opened:
+                await tracked.aclose()
+            raise failed[0]
+        return opened
+
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
-        params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
-        tracked = await self.metrics.open_stream(self.backend, req.text, params)
+        texts, n = req.texts, req.choices()
+        _check_choices(req, len(texts), info)
+        if req.best_of is not None and req.best_of != n:
+            raise ValidationError("`best_of` other than `n` is not supported by tpserve (it "
+                                  "returns every sequence it generates)")
+        k = _check_top("logprobs", req.logprobs, info)
+        want_lp = req.logprobs is not None
+        if want_lp and req.echo and req.stream:
+            raise ValidationError("`echo` with `logprobs` is not supported when streaming "
+                                  "(the prompt's log-probabilities come with the last token)")
+        params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                     top_n=k, prompt_logprobs=want_lp and req.echo)
+        streams = await self._open_all(texts, params, n)
         base = self._envelope("cmpl", "text_completion", info)
-        prefix = req.text if req.echo else ""
-
-        def choice(text: str, finish: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        prefixes = [t if req.echo else "" for t in texts for _ in range(n)]
 
         if req.stream:
-            return self._stream(req, tracked, base, choice, prefix)
-        events = await collect_or_abort(request, tracked)
-        if isinstance(events, Response):
-            return events
-        final = events[-1]
-        text = prefix + final_text(events)
-        body = {
-            **base,
-            "choices": [choice(text, _FINISH[final.finish_reason])],
-            "usage": _usage(final),
-        }
+            logs = [CompletionLogprobs(k, len(p)) for p in prefixes] if want_lp else None
+
+            def choice(i: int, text: str, finish: str | None, events: list) -> dict:
+                lp = None
+                if logs is not None:
+                    for e in events:
+                        logs[i].add(e.token, e.top_tokens)
+                    lp = logs[i].take()
+                return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+
+            return self._stream(req, streams, base, choice, prefixes, want_lp)
+        results = await collect_all_or_abort(request, streams)
+        if isinstance(results, Response):
+            return results
+        choices = []
+        for i, events in enumerate(results):
+            final, prefix = events[-1], prefixes[i]
+            lp = None
+            if want_lp:
+                log = CompletionLogprobs(k, len(prefix))
+                if req.echo:
+                    log.add_prompt(final.prefill, prefix)
+                for e in events:
+                    log.add(e.token, e.top_tokens)
+                lp = log.body()
+            choices.append({"index": i, "text": prefix + final_text(events), "logprobs": lp,
+                            "finish_reason": _FINISH[final.finish_reason]})
+        body = {**base, "choices": choices, "usage": _usage([e[-1] for e in results], n)}
         return AnswerResponse(body)
 
     async def chat(self, req: ChatRequest, request: Request) -> Response:
         info = self._info()
+        n = req.choices()
+        _check_choices(req, 1, info)
+        if req.top_logprobs and not req.logprobs:
+            raise ValidationError("`top_logprobs` needs `logprobs`: true")
+        k = _check_top("top_logprobs", req.top_logprobs, info) if req.logprobs else 0
         prompt = self.backend.apply_chat_template([m.as_template_input() for m in req.messages])
         max_new = req.max_completion_tokens or req.max_tokens
         if max_new is None:  # OpenAI's chat default: whatever the context window leaves
             max_new = max(1, info.max_total_tokens - self.backend.count_tokens(prompt))
-        params = req.sampling_params(info, max_new)
+        params = req.sampling_params(info, max_new, top_n=k)
         # The chat template already contains the BOS/special tokens it wants.
-        tracked = await self.metrics.open_stream(
-            self.backend, prompt, params, add_special_tokens=False
-        )
+        streams = await self._open_all([prompt], params, n, add_special_tokens=False)
+        want_lp = bool(req.logprobs)
 
         if req.stream:
 
-            def delta(text: str, finish: str | None) -> dict:
+            def delta(i: int, text: str, finish: str | None, events: list) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
-                return {"index": 0, "delta": msg, "logprobs": None, "finish_reason": finish}
+                lp = chat_logprobs(events, k) if want_lp and events else None
+                return {"index": i, "delta": msg, "logprobs": lp, "finish_reason": finish}
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
-            return self._stream(req, tracked, chunk, delta, "")
-        events = await collect_or_abort(request, tracked)
-        if isinstance(events, Response):
-            return events
-        final = events[-1]
-        text = final_text(events)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": _FINISH[final.finish_reason],
-        }
+            return self._stream(req, streams, chunk, delta, [""] * n, want_lp)
+        results = await collect_all_or_abort(request, streams)
+        if isinstance(results, Response):
+            return results
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": final_text(events)},
+            "logprobs": chat_logprobs(events, k) if want_lp else None,
+            "finish_reason": _FINISH[events[-1].finish_reason],
+        } for i, events in enumerate(results)]
         body = {
             **self._envelope("chatcmpl", "chat.completion", info),
-            "choices": [choice],
-            "usage": _usage(final),
+            "choices": choices,
+            "usage": _usage([e[-1] for e in results], n),
         }
         return AnswerResponse(body)
 
     def _stream(
         self,
         req: _Sampling,
-        tracked: TrackedStream,
+        streams: list[TrackedStream],
         chunk: dict,
         choice: ChunkMaker,
-        prefix: str,
+        prefixes: list[str],
+        every_token: bool = False,
     ) -> EventStreamResponse:
+        """SSE chunks of one or more choices as their tokens come. every_token: a chunk for
+        each generated token even where no text is released yet (the part of the text that
+        could still start a stop sequence is held back), so that its log-probability is
+        reported."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
+        n = req.choices()
 
         async def events() -> AsyncIterator[str]:
-            streamed = ""
-            if prefix:
-                yield _data({**chunk, **extra, "choices": [choice(prefix, None)]})
+            streamed = [""] * len(streams)
+            finals: list[GenerationEvent | None] = [None] * len(streams)
+            for i, prefix in enumerate(prefixes):
+                if prefix:
+                    yield _data({**chunk, **extra, "choices": [choice(i, prefix, None, [])]})
             try:
-                async for event in tracked:
+                async for i, event in merged(streams):
                     if event.finished:
-                        text = _last_piece(event, streamed)
+                        finals[i] = event
+                        text = _last_piece(event, streamed[i])
                         finish = _FINISH[event.finish_reason]
-                        yield _data({**chunk, **extra, "choices": [choice(text, finish)]})
-                        if include_usage:
-                            yield _data({**chunk, "choices": [], "usage": _usage(event)})
-                    elif not event.token.special and event.token.text:
-                        streamed += event.token.text
-                        yield _data({**chunk, **extra, "choices": [choice(event.token.text, None)]})
+                        yield _data({**chunk, **extra,
+                                     "choices": [choice(i, text, finish, [event])]})
+                    elif not event.token.special and (event.token.text or every_token):
+                        streamed[i] += event.token.text
+                        yield _data({**chunk, **extra,
+                                     "choices": [choice(i, event.token.text, None, [event])]})
+                if include_usage:
+                    usage = _usage([f for f in finals if f is not None], n)
+                    yield _data({**chunk, "choices": [], "usage": usage})
             except Exception as exc:  # headers are sent: report in-band, then stop
                 yield _data(error_body(exc))
                 return
             yield _data("[DONE]")
 
-        return EventStreamResponse(events(), on_close=tracked.aclose)
+        async def close_all() -> None:
+            for tracked in streams:
+                await tracked.aclose()
+
+        return EventStreamResponse(events(), on_close=close_all)
 
 
 def openai_router(backend: EngineBackend, metrics: Metrics) -> APIRouter:

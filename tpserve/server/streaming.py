@@ -1,12 +1,13 @@
 """Response helpers shared by the TGI and OpenAI routes: SSE framing, the SSE response that
-always aborts an unread generation, and "collect the whole generation or abort with 499"."""
+always aborts an unread generation, "collect the whole generation (or several, side by side)
+or abort with 499", and several streams read as one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 from fastapi import Request
@@ -104,16 +105,35 @@ async def collect_or_abort(
 ) -> list[GenerationEvent] | Response:
     """The whole generation's events, or a 499 response (request aborted) if the client
     leaves first."""
+    got = await collect_all_or_abort(request, [tracked])
+    return got if isinstance(got, Response) else got[0]
 
-    async def collect() -> list[GenerationEvent]:
+
+async def collect_all_or_abort(
+    request: Request, streams: Sequence[TrackedStream]
+) -> list[list[GenerationEvent]] | Response:
+    """Every stream's events, collected side by side (the choices of one OpenAI request),
+    or a 499 response if the client leaves first. A failing stream fails the request and
+    aborts the others; every stream is closed on the way out."""
+
+    async def collect(tracked: TrackedStream) -> list[GenerationEvent]:
         return [event async for event in tracked]
+
+    async def collect_all() -> list[list[GenerationEvent]]:
+        tasks = [asyncio.ensure_future(collect(t)) for t in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed or we were cancelled: stop the rest before closing them
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def client_gone() -> None:
         # The body was already read, so the next message can only be the disconnect.
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work = asyncio.ensure_future(collect())
+    work = asyncio.ensure_future(collect_all())
     watch = asyncio.ensure_future(client_gone())
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -124,10 +144,47 @@ async def collect_or_abort(
             await asyncio.gather(watch, return_exceptions=True)
             if not work.done():
                 await asyncio.gather(work, return_exceptions=True)
-            await tracked.aclose()
+            for tracked in streams:
+                await tracked.aclose()
     if work.cancelled():
         return Response(status_code=CLIENT_CLOSED_STATUS)
     return work.result()
+
+
+async def merged(streams: Sequence[TrackedStream]
+                 ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """(index, event) from several streams as they come (the choices of one streamed OpenAI
+    request); the first error ends it. One stream is read directly."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, tracked: TrackedStream) -> None:
+        try:
+            async for event in tracked:
+                await queue.put((i, event))
+            await queue.put((i, done))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which re-raises
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is done:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:  # stop the readers before the caller closes the streams
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def final_text(events: list[GenerationEvent]) -> str:

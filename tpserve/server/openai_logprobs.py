@@ -1,0 +1,92 @@
+"""OpenAI's two log-probability formats, built from the engine's tokens (TokenInfo).
+
+Chat (`logprobs: true`, `top_logprobs: k`): per generated token
+`{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}` under
+`choices[i].logprobs.content`. Legacy completions (`logprobs: k`): parallel lists `tokens`,
+`token_logprobs`, `top_logprobs` (a dict per token: the k likeliest, and the chosen token,
+as OpenAI always adds it) and `text_offset` (where each token starts in the returned text).
+
+Special tokens (the end-of-sequence token) are left out: they are not part of the returned
+text either. With `echo`, the prompt's tokens come first: their log-probabilities are what
+the model gave each prompt token after the ones before it (the first has none), and their
+`top_logprobs` are null, since the engine ranks alternatives for generated tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tpserve.engine.request import GenerationEvent, TokenInfo
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_entry(tok: TokenInfo, top: list[TokenInfo] | None, k: int) -> dict[str, Any]:
+    return {
+        "token": tok.text,
+        "logprob": tok.logprob,
+        "bytes": _utf8(tok.text),
+        "top_logprobs": [
+            {"token": t.text, "logprob": t.logprob, "bytes": _utf8(t.text)}
+            for t in (top or [])[:k]
+        ],
+    }
+
+
+def chat_logprobs(events: Iterable[GenerationEvent], k: int) -> dict[str, Any]:
+    """`choices[i].logprobs` of a chat answer (or of one chunk: pass its events)."""
+    return {
+        "content": [chat_entry(e.token, e.top_tokens, k) for e in events if not e.token.special],
+        "refusal": None,
+    }
+
+
+class CompletionLogprobs:
+    """`choices[i].logprobs` of a legacy completion, token by token. `offset` is where the
+    next token starts in the choice's text (after an echoed prompt, its length)."""
+
+    def __init__(self, k: int, offset: int = 0) -> None:
+        self.k, self.offset = k, offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float | None] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, tok: TokenInfo, top: list[TokenInfo] | None) -> None:
+        """A generated token and its ranked alternatives."""
+        if tok.special:
+            return
+        ranked = {t.text: t.logprob for t in (top or [])[: self.k]}
+        ranked.setdefault(tok.text, tok.logprob)
+        self._append(tok, ranked)
+
+    def add_prompt(self, prompt: Iterable[TokenInfo], text: str) -> None:
+        """The echoed prompt's tokens (the engine's prefill), which fill `text` from 0; the
+        generated tokens start after `text`."""
+        self.offset = 0
+        for tok in prompt:
+            self._append(tok, None, advance=not tok.special)
+        self.offset = len(text)
+
+    def _append(self, tok: TokenInfo, ranked: dict | None, advance: bool = True) -> None:
+        self.tokens.append(tok.text)
+        self.token_logprobs.append(tok.logprob)
+        self.top_logprobs.append(ranked)
+        self.text_offset.append(self.offset)
+        if advance:
+            self.offset += len(tok.text)
+
+    def body(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+    def take(self) -> dict[str, Any] | None:
+        """What was added since the last take (one stream chunk's), or None if nothing."""
+        if not self.tokens:
+            return None
+        out = self.body()
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
