@@ -185,6 +185,11 @@ class FakeBackend:
                     event.seed = seed
                     event.prompt_tokens = len(words)
                     event.prefill = prefill
+                    if prefill and params.top_n_tokens:
+                        # alternatives ranked below the prompt's own word (-1.0)
+                        event.prefill_top = [[] if j == 0 else [
+                            TokenInfo(k + 1, f" p{k}", -2.0 - k)
+                            for k in range(params.top_n_tokens)] for j in range(len(prefill))]
                 yield event
                 if finished:
                     return

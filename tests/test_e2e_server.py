@@ -147,6 +147,38 @@ def test_openai_client_completions_and_chat(server, expected, llama_dir):
     assert "chat template" in body["error"] and body["error_type"] == "validation"
 
 
+def test_openai_choices_and_echoed_logprobs_match_transformers(server, expected, llama_dir):
+    """Several prompts x n greedy choices at tp = 2, and what lm-eval's log-likelihood
+    requests read: the echoed prompt's token log-probabilities and their alternatives."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    texts, _ = expected
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", timeout=60)
+    c = client.completions.create(model="any", prompt=PROMPTS, n=2, max_tokens=16,
+                                  temperature=0)
+    assert [ch.text for ch in c.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert c.usage.completion_tokens == 64
+    e = client.completions.create(model="any", prompt=PROMPTS[1], max_tokens=1,
+                                  temperature=0, echo=True, logprobs=2)
+    lp = e.choices[0].logprobs
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(ids).logits[0].log_softmax(-1)
+    n = ids.shape[1]
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None
+    want = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:n]), want, rtol=1e-4,
+                               atol=1e-4)
+    best = logp[:-1].max(-1).values
+    for i in range(1, n):  # the likeliest alternative's log p, and the token itself
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(float(best[i - 1]), abs=1e-4)
+        assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+
+
 def test_load_mixed_streams_lose_nothing(server, expected):
     """48 concurrent requests, half streamed: every one completes with the greedy text."""
     import asyncio

@@ -82,6 +82,35 @@ def test_token_and_prompt_logprobs_match_transformers(llama_dir):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_prompt_token_alternatives_match_transformers(llama_dir):
+    """prompt_logprobs with top_n_tokens: each prompt position's likeliest tokens (what
+    OpenAI's echoed logprobs list), against transformers' top-k of the same position."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine = make_engine(llama_dir, 1, local=True)
+    ev = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=2, prompt_logprobs=True,
+                                                      top_n_tokens=3, ignore_eos=True))[0]
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    ids = tok(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        top = model(ids).logits[0].log_softmax(-1)[:-1].topk(3, -1)
+    assert len(ev.prefill_top) == ids.shape[1] and ev.prefill_top[0] == []
+    got = torch.tensor([[t.logprob for t in alts] for alts in ev.prefill_top[1:]])
+    torch.testing.assert_close(got, top.values, rtol=1e-4, atol=1e-5)
+    checked = 0
+    for alts, want_ids, vals in zip(ev.prefill_top[1:], top.indices.tolist(),
+                                    top.values.tolist(), strict=True):
+        if min(a - b for a, b in zip(vals, vals[1:])) > 1e-3:  # order is unambiguous
+            assert [t.id for t in alts] == want_ids
+            checked += 1
+    assert checked >= (ids.shape[1] - 1) // 2, checked  # most rows are compared by id
+    # without top_n_tokens, none are ranked
+    plain = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=1,
+                                                         prompt_logprobs=True))[0]
+    assert plain.prefill_top is None and len(plain.prefill) == ids.shape[1]
+
+
 def test_repetition_penalty_changes_output_like_transformers(llama_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

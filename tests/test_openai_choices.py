@@ -85,7 +85,9 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first(http, backend):
     lp = choice["logprobs"]
     assert lp["tokens"] == ["p", "q", " p", " q"]
     assert lp["token_logprobs"][:2] == [None, -1.0]  # the first prompt token has none
-    assert lp["top_logprobs"][:2] == [None, None]  # no alternatives ranked for the prompt
+    # the first prompt token has no alternatives either; the others are ranked as generated
+    # tokens are (the k likeliest and the token itself)
+    assert lp["top_logprobs"][:2] == [None, {" p0": -2.0, "q": -1.0}]
     # offsets into the returned text: the generated tokens start after the prompt
     assert lp["text_offset"] == [0, 1, 3, 5]
     assert backend.calls[-1].params.prompt_logprobs

@@ -79,7 +79,7 @@ def test_outputs_survive_packing_for_the_trip_to_the_driver():
     from tpserve.engine.outputs import pack_outputs, unpack_outputs
 
     outs = [TokenOutput(3, 17, -0.25, [(17, -0.25), (4, -2.0)], 5, 12, "length",
-                        [(1, None), (9, -1.5)]),
+                        [(1, None, []), (9, -1.5, [(9, -1.5), (2, -3.0)])]),
             TokenOutput(8, 2, -3.0, [], 1, 300, None),
             TokenOutput(9, 1, -0.5, [], 2, 7, "eos_token")]
     assert unpack_outputs(pack_outputs(outs)) == outs

@@ -78,10 +78,17 @@ def test_packed_outputs_give_the_same_events_as_token_outputs(tok):
     for proc in procs:
         for sid, p in enumerate(params):
             proc.add(sid, p)
+    # (id, log p, alternatives) of each prompt token, the first with neither
+    prefill = [(ids[0], None, []), (ids[1], -1.25, [(ids[1], -1.25), (ids[0], -2.5)])]
+    finals = []
     for step in range(len(ids) - 2):
         outs = [TokenOutput(sid, ids[step + sid], -0.5 * sid, [(ids[0], -0.1), (ids[1], -2.0)],
                             step + 1, 9, "length" if step == len(ids) - 3 else None,
-                            [(ids[0], None), (ids[1], -1.25)] if step == 0 and sid == 0
-                            else None)
+                            prefill if step == 0 and sid == 0 else None)
                 for sid in range(3)]
-        assert procs[1].process_packed(pack_outputs(outs)) == procs[0].process(outs)
+        got = procs[1].process_packed(pack_outputs(outs))
+        assert got == procs[0].process(outs)
+        finals += [ev for sid, ev in got[0] if sid == 0 and ev.finished]
+    (final,) = finals
+    assert [t.logprob for t in final.prefill] == [None, -1.25]
+    assert [[t.id for t in top] for top in final.prefill_top] == [[], [ids[1], ids[0]]]

@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class CoreRequest:
     seq: Sequence
-    # (token id, log p) of each prompt token when prompt_logprobs was asked.
-    prefill: list[tuple[int, float | None]] = field(default_factory=list)
+    # (token id, log p, the top_n_tokens alternatives as (id, log p)) of each prompt token
+    # when prompt_logprobs was asked; the first has neither.
+    prefill: list[tuple[int, float | None, list[tuple[int, float]]]] = field(
+        default_factory=list)
     prefill_sent: bool = False
     # The block table the workers hold for this sequence (the list object, which the block
     # manager replaces when it frees a sequence) and how many of its blocks they have.
@@ -192,7 +194,7 @@ class EngineCore:
         state = CoreRequest(seq)
         if self.encoder_decoder and params.prompt_logprobs:
             # The decoder's input is only the start token, which has no log-probability.
-            state.prefill.append((self.decoder_start, None))
+            state.prefill.append((self.decoder_start, None, []))
         self.requests[seq.seq_id] = state
         self.scheduler.add(seq)
         return seq
@@ -327,7 +329,7 @@ class EngineCore:
         out = self.executor.collect(launched.handle)
         self.device_wait_seconds += time.perf_counter() - t0
         for seq_id, lps in out.prompt_logprobs.items():
-            self._record_prefill(seq_id, lps)
+            self._record_prefill(seq_id, lps, out.prompt_top.get(seq_id))
         outputs = []
         for tok in out.tokens:
             state = self.requests.get(tok.seq_id)
@@ -335,17 +337,18 @@ class EngineCore:
                 outputs.append(self._append(state, tok))
         return outputs, out
 
-    def _record_prefill(self, seq_id: int, lps: list[float]) -> None:
+    def _record_prefill(self, seq_id: int, lps: list[float],
+                        tops: list[list[tuple[int, float]]] | None = None) -> None:
         state = self.requests.get(seq_id)
         if state is None:
             return
         ids = state.seq.prompt_ids
         if not state.prefill:
-            state.prefill.append((ids[0], None))
+            state.prefill.append((ids[0], None, []))
         start = len(state.prefill)
         for i, lp in enumerate(lps):
             if start + i < len(ids):
-                state.prefill.append((ids[start + i], lp))
+                state.prefill.append((ids[start + i], lp, tops[i] if tops else []))
 
     def _append(self, state: CoreRequest, tok) -> TokenOutput:
         """Put a collected token in its place: the oldest of the sequence's pending ones."""

@@ -27,6 +27,7 @@ class _Request:
     detok: IncrementalDetokenizer
     ids: list[int] = field(default_factory=list)
     prefill: list[TokenInfo] = field(default_factory=list)
+    prefill_top: list[list[TokenInfo]] | None = None
     emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
     longest: int = 0  # the longest stop string's length (0: no stop strings)
 
@@ -84,7 +85,10 @@ class OutputProcessor:
         p = req.params
         req.ids.append(tid)
         if prefill is not None:
-            req.prefill = [self.token_info(t, lp) for t, lp in prefill]
+            req.prefill = [self.token_info(t, lp) for t, lp, _ in prefill]
+            if p.top_n_tokens:
+                req.prefill_top = [[self.token_info(a, b) for a, b in top]
+                                   for _, _, top in prefill]
         special = tid in self.special_ids
         text = new = req.detok.add(tid)
         if special:
@@ -124,6 +128,7 @@ class OutputProcessor:
         event.generated_text = final_text
         event.seed = None if p.greedy else p.seed
         event.prefill = req.prefill
+        event.prefill_top = req.prefill_top
         return event
 
     def _held_back(self, req: _Request, finishing: bool) -> str:

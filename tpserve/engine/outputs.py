@@ -22,8 +22,9 @@ class TokenOutput:
     # Set by the core when this token ends the sequence (EOS or length: they free KV blocks).
     finish_reason: FinishReason | None = None
     # On the first output of a request that asked for prompt log-probabilities:
-    # (token id, log p) of each prompt token, the first with None.
-    prefill: list[tuple[int, float | None]] | None = None
+    # (token id, log p, top_n_tokens alternatives as (id, log p)) of each prompt token, the
+    # first with None and no alternatives.
+    prefill: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None
 
 
 _REASONS: tuple[FinishReason | None, ...] = (None, "eos_token", "length", "stop_sequence")

@@ -62,3 +62,6 @@ class GenerationEvent:
     seed: int | None = None
     prompt_tokens: int = 0
     prefill: list[TokenInfo] = field(default_factory=list)
+    # With prompt_logprobs and top_n_tokens: each prompt token's likeliest alternatives
+    # (none for the first).
+    prefill_top: list[list[TokenInfo]] | None = None

@@ -80,4 +80,7 @@ class StepOutput:
     tokens: list[SampledToken]
     # seq_id -> log p(token_ids[i+1] | ...) over the chunk, when prompt_logprobs was asked.
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
+    # seq_id -> the top_n_tokens likeliest (id, log p) at each of those positions, when the
+    # request also asked for alternatives (OpenAI's echoed logprobs rank prompt tokens too).
+    prompt_top: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     logits: object | None = None  # numpy [num_sampled, vocab] float32 when return_logits

@@ -307,7 +307,7 @@ class OpenAIRoutes:
             if want_lp:
                 log = CompletionLogprobs(k, len(prefix))
                 if req.echo:
-                    log.add_prompt(final.prefill, prefix)
+                    log.add_prompt(final.prefill, prefix, final.prefill_top)
                 for e in events:
                     log.add(e.token, e.top_tokens)
                 lp = log.body()

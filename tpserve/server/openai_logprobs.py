@@ -7,9 +7,9 @@ Chat (`logprobs: true`, `top_logprobs: k`): per generated token
 as OpenAI always adds it) and `text_offset` (where each token starts in the returned text).
 
 Special tokens (the end-of-sequence token) are left out: they are not part of the returned
-text either. With `echo`, the prompt's tokens come first: their log-probabilities are what
-the model gave each prompt token after the ones before it (the first has none), and their
-`top_logprobs` are null, since the engine ranks alternatives for generated tokens only.
+text either. With `echo`, the prompt's tokens come first: their log-probabilities (and
+alternatives) are what the model gave each prompt token after the ones before it; the first
+has none (null), as in OpenAI's answers.
 """
 
 from __future__ import annotations
@@ -63,12 +63,17 @@ class CompletionLogprobs:
         ranked.setdefault(tok.text, tok.logprob)
         self._append(tok, ranked)
 
-    def add_prompt(self, prompt: Iterable[TokenInfo], text: str) -> None:
-        """The echoed prompt's tokens (the engine's prefill), which fill `text` from 0; the
-        generated tokens start after `text`."""
+    def add_prompt(self, prompt: list[TokenInfo], text: str,
+                   tops: list[list[TokenInfo]] | None = None) -> None:
+        """The echoed prompt's tokens (the engine's prefill) and their alternatives, which
+        fill `text` from 0; the generated tokens start after `text`."""
         self.offset = 0
-        for tok in prompt:
-            self._append(tok, None, advance=not tok.special)
+        for i, tok in enumerate(prompt):
+            ranked = None
+            if tops is not None and i > 0 and tok.logprob is not None:
+                ranked = {t.text: t.logprob for t in tops[i][: self.k]}
+                ranked.setdefault(tok.text, tok.logprob)
+            self._append(tok, ranked, advance=not tok.special)
         self.offset = len(text)
 
     def _append(self, tok: TokenInfo, ranked: dict | None, advance: bool = True) -> None:

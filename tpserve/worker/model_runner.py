@@ -135,8 +135,14 @@ class ModelRunner:
             # the prompt, whose log-probabilities are all that is kept.
             nxt = torch.tensor([max(t, 0) for t in seqs[i].token_ids[1:]],
                                device=logits.device)
-            lps = logits[row : row + k].log_softmax(-1).gather(1, nxt[:, None])[:, 0]
-            out.prompt_logprobs[seqs[i].seq_id] = lps.tolist()
+            logp = logits[row : row + k].log_softmax(-1)
+            out.prompt_logprobs[seqs[i].seq_id] = logp.gather(1, nxt[:, None])[:, 0].tolist()
+            top_n = getattr(seqs[i].params, "top_n_tokens", 0) or 0
+            if top_n:
+                vals, ids = logp.topk(min(top_n, logp.shape[-1]), -1)
+                out.prompt_top[seqs[i].seq_id] = [
+                    list(zip(a, b, strict=True)) for a, b in zip(ids.tolist(), vals.tolist(),
+                                                                 strict=True)]
             row += k
         if batch.return_logits:
             out.logits = logits[:n].cpu().numpy()
