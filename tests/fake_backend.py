@@ -105,6 +105,10 @@ class FakeBackend:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    def decode(self, ids: list[int]) -> str:
+        """A token-id prompt's words: id 7 is the word "t7"."""
+        return " ".join(f"t{i}" for i in ids)
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.has_chat_template:
             raise ValidationError("this model has no chat template")
@@ -121,6 +125,8 @@ class FakeBackend:
         self.calls.append(Call(prompt, params, truncate, add_special_tokens))
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
+        if not isinstance(prompt, str):  # token ids: their words, as decode() spells them
+            prompt = self.decode(prompt)
         words = prompt.split() or ["</s>"]  # a blank prompt: "generate" EOS at once
         if truncate is not None:
             words = words[-truncate:]

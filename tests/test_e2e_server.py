@@ -149,7 +149,8 @@ def test_openai_client_completions_and_chat(server, expected, llama_dir):
 
 def test_openai_choices_and_echoed_logprobs_match_transformers(server, expected, llama_dir):
     """Several prompts x n greedy choices at tp = 2, and what lm-eval's log-likelihood
-    requests read: the echoed prompt's token log-probabilities and their alternatives."""
+    requests send (token ids, echo, logprobs) and read: the echoed prompt's token
+    log-probabilities and their alternatives."""
     import openai
     import torch
     from transformers import AutoModelForCausalLM
@@ -160,11 +161,15 @@ def test_openai_choices_and_echoed_logprobs_match_transformers(server, expected,
                                   temperature=0)
     assert [ch.text for ch in c.choices] == [texts[0], texts[0], texts[1], texts[1]]
     assert c.usage.completion_tokens == 64
-    e = client.completions.create(model="any", prompt=PROMPTS[1], max_tokens=1,
-                                  temperature=0, echo=True, logprobs=2)
-    lp = e.choices[0].logprobs
     tok = AutoTokenizer.from_pretrained(llama_dir)
     ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    # as lm-eval sends it: the prompt as token ids, echoed, one new token, 1+ alternatives
+    e = client.completions.create(model="any", prompt=ids[0].tolist(), max_tokens=1,
+                                  temperature=0, echo=True, logprobs=2)
+    by_text = client.completions.create(model="any", prompt=PROMPTS[1], max_tokens=1,
+                                        temperature=0, echo=True, logprobs=2)
+    assert by_text.choices[0].logprobs.tokens == e.choices[0].logprobs.tokens
+    lp = e.choices[0].logprobs
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logp = model(ids).logits[0].log_softmax(-1)

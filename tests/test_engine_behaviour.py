@@ -111,6 +111,22 @@ def test_prompt_token_alternatives_match_transformers(llama_dir):
     assert plain.prefill_top is None and len(plain.prefill) == ids.shape[1]
 
 
+def test_token_id_prompts_are_used_as_given_and_checked_against_the_vocabulary(llama_dir):
+    from tpserve.errors import ValidationError
+
+    engine = make_engine(llama_dir, 1, local=True)
+    ids = engine.tokenize(PROMPTS[0])
+    assert engine.tokenize(ids) == ids  # as they are: no second BOS
+    assert engine.tokenize(ids, truncate=2) == ids[-2:]
+    vocab = engine.hf_config.vocab_size
+    with pytest.raises(ValidationError, match=rf"token id {vocab} in the prompt .*\(0 to "
+                                              rf"{vocab - 1}\)"):
+        engine.tokenize([1, vocab])
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    by_text, by_ids = engine.generate([PROMPTS[0], ids], params)
+    assert by_ids.generated_text == by_text.generated_text
+
+
 def test_repetition_penalty_changes_output_like_transformers(llama_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -50,6 +50,18 @@ def test_seeded_choices_wrap_at_the_largest_seed(http, backend):
     assert [c.params.seed for c in backend.calls] == [top, 0]
 
 
+def test_token_id_prompts_are_used_as_they_are(http, backend):
+    """lm-eval's completions requests send token ids, one list or a batch of them."""
+    r = http.post("/v1/completions", json={"prompt": [[5, 6], [7]], "max_tokens": 2,
+                                           "temperature": 0, "echo": True})
+    assert r.status_code == 200, r.text
+    assert [c.prompt for c in backend.calls] == [[5, 6], [7]]
+    # echo gives the prompt as text (the backend's decode of the ids)
+    assert [c["text"] for c in r.json()["choices"]] == ["t5 t6 t5 t6", "t7 t7 t7"]
+    one = http.post("/v1/completions", json={"prompt": [9, 9, 3], "max_tokens": 1})
+    assert one.status_code == 200 and backend.calls[-1].prompt == [9, 9, 3]
+
+
 def test_best_of_equal_to_n_is_accepted(http, backend):
     r = http.post("/v1/completions", json={"prompt": "a", "n": 2, "best_of": 2, "max_tokens": 1})
     assert r.status_code == 200, r.text

@@ -458,7 +458,9 @@ OPENAI_INVALID = {
         "`echo` with `logprobs`"),
     "temperature_3": ("/v1/completions", {"prompt": "a", "temperature": 3}, "`temperature`"),
     "no_prompts": ("/v1/completions", {"prompt": []}, "`prompt`"),
-    "token_id_prompt": ("/v1/completions", {"prompt": [1, 2]}, "`prompt"),
+    "negative_token_id": ("/v1/completions", {"prompt": [1, -2]}, "`prompt"),
+    "empty_token_list": ("/v1/completions", {"prompt": [[1], []]}, "`prompt"),
+    "mixed_prompt_list": ("/v1/completions", {"prompt": ["a", [1]]}, "`prompt"),
     "no_messages": ("/v1/chat/completions", {"messages": []}, "`messages`"),
     "top_logprobs_without_logprobs": (
         "/v1/chat/completions",

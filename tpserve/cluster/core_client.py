@@ -144,9 +144,10 @@ class CoreClient:
         self.actors = [self.core, *self.followers]
 
     # --- the Engine shape AsyncEngine uses ------------------------------------------------
-    def tokenize(self, prompt: str, truncate: int | None = None,
+    def tokenize(self, prompt: str | list[int], truncate: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
-        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens)
+        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens,
+                        getattr(self.hf_config, "vocab_size", None))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams):
         got = self.add_requests([(prompt_ids, params)])[0]

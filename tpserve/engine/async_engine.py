@@ -240,7 +240,13 @@ class AsyncEngine:
         if not self.ready():
             raise NotReadyError(self.not_ready_reason())
 
-    async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens included (an echoed token-id prompt)."""
+        self._require_ready()
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
         self._require_ready()
         with self._lock:
@@ -252,7 +258,7 @@ class AsyncEngine:
         handle = None
         try:
             loop = asyncio.get_running_loop()
-            if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
                 ids = self.engine.tokenize(prompt, truncate, add_special_tokens)
             else:
                 ids = await loop.run_in_executor(

@@ -12,7 +12,7 @@ from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import StepOutput
-from tpserve.errors import CheckpointError
+from tpserve.errors import CheckpointError, ValidationError
 
 if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
     from tpserve.executor.base import Executor
@@ -20,10 +20,21 @@ if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the
 __all__ = ["Engine", "decoder_start_token_id", "eos_token_ids"]
 
 
-def tokenize(tokenizer, prompt: str, truncate: int | None = None,
-             add_special_tokens: bool = True) -> list[int]:
-    """The prompt's token ids; with `truncate`, only its last `truncate` (TGI's rule)."""
-    ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+def tokenize(tokenizer, prompt: str | list[int], truncate: int | None = None,
+             add_special_tokens: bool = True, vocab_size: int | None = None) -> list[int]:
+    """The prompt's token ids; with `truncate`, only its last `truncate` (TGI's rule). A
+    prompt given as token ids (OpenAI's token-id prompts) is taken as it is, with nothing
+    added, after checking each id against the model's vocabulary (`vocab_size`, else the
+    tokenizer's): an id past the embedding would fail the whole step on the device."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+    else:
+        ids = list(prompt)
+        limit = vocab_size or len(tokenizer)
+        bad = next((t for t in ids if not 0 <= t < limit), None)
+        if bad is not None:
+            raise ValidationError(f"token id {bad} in the prompt is not in the model's "
+                                  f"vocabulary (0 to {limit - 1})")
     if truncate is not None and len(ids) > truncate:
         ids = ids[-truncate:]
     return ids
@@ -48,9 +59,10 @@ class Engine(EngineCore):
                          eos_token_ids(cfg.model.path, hf_config, self.tokenizer))
         self.output = OutputProcessor(self.tokenizer, self.special_ids)
 
-    def tokenize(self, prompt: str, truncate: int | None = None,
+    def tokenize(self, prompt: str | list[int], truncate: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
-        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens)
+        return tokenize(self.tokenizer, prompt, truncate, add_special_tokens,
+                        getattr(self.hf_config, "vocab_size", None))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = super().add_request(prompt_ids, params)

@@ -97,7 +97,8 @@ class ReplicaSetBackend:
         return dataclasses.replace(self._info, extra={**self._info.extra,
                                                       "num_replicas": len(self._table)})
 
-    async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
         stream, first = await self._start(prompt, params, truncate, add_special_tokens)
         finished = False
@@ -151,6 +152,9 @@ class ReplicaSetBackend:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # --- optional: several replicas --------------------------------------------------------
     def replicas(self) -> list[dict]:

@@ -104,7 +104,8 @@ class TPReplica:
         self.tokens_out = 0
         log.info("replica %s ready (tp=%d)", self.replica_id, cfg.parallel.tp_size)
 
-    async def generate(self, prompt: str, params: SamplingParams, truncate: int | None = None,
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       truncate: int | None = None,
                        add_special_tokens: bool = True
                        ) -> AsyncIterator[list[GenerationEvent]]:
         """The request's events in lists: each list holds every event that was ready when

@@ -22,12 +22,13 @@ class EngineBackend(Protocol):
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         params: SamplingParams,
         truncate: int | None = None,
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationEvent]:
-        """Queue one request and stream its events; the last one has finished=True.
+        """Queue one request and stream its events; the last one has finished=True. A
+        prompt of token ids is used as it is (checked against the vocabulary).
 
         Raises tpserve.errors.ValidationError (prompt too long, ...) or OverloadedError
         before the first event. Closing the iterator early aborts the request.
@@ -38,6 +39,8 @@ class EngineBackend(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
+    # Optional: `decode(ids) -> str`, token ids as text (OpenAI's echo of a token-id
+    # prompt; without it such a prompt cannot be echoed).
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
     # Optional, for several replicas behind one address (tpserve/serve/):

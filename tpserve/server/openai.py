@@ -25,6 +25,7 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
+    I32_MAX,
     U64_MAX,
     FrequencyPenalty,
     NonEmptyText,
@@ -118,10 +119,15 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=I32_MAX)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    # A string, or a list of strings (one set of choices each). Token-id prompts are not
-    # taken: the engine tokenizes the text it is given.
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    # A string, a token-id list (used as it is: nothing is added, as lm-eval's requests
+    # expect), or a list of either (one set of choices each).
+    prompt: (NonEmptyText | TokenIds
+             | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
     max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: bool = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
@@ -130,8 +136,11 @@ class CompletionRequest(_Sampling):
     suffix: Annotated[Text | None, unsupported("`suffix` (insertion)")] = None
 
     @property
-    def texts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class ContentPart(BaseModel):
@@ -251,7 +260,8 @@ class OpenAIRoutes:
         }
         return {"object": "list", "data": [card]}
 
-    async def _open_all(self, prompts: Sequence[str], params: SamplingParams, n: int,
+    async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
+                        n: int,
                         add_special_tokens: bool = True) -> list[TrackedStream]:
         """n engine requests per prompt, started side by side (so they share prefill
         steps); if one is refused, the others are closed and its error is raised."""
@@ -267,10 +277,19 @@ class OpenAIRoutes:
             raise failed[0]
         return opened
 
+    def _echo(self, prompt: str | list[int]) -> str:
+        """What `echo` puts before a choice's text: the prompt, as text."""
+        if isinstance(prompt, str):
+            return prompt
+        decode = getattr(self.backend, "decode", None)
+        if decode is None:
+            raise ValidationError("`echo` of a token-id prompt is not supported by this server")
+        return decode(prompt)
+
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
-        texts, n = req.texts, req.choices()
-        _check_choices(req, len(texts), info)
+        prompts, n = req.prompts, req.choices()
+        _check_choices(req, len(prompts), info)
         if req.best_of is not None and req.best_of != n:
             raise ValidationError("`best_of` other than `n` is not supported by tpserve (it "
                                   "returns every sequence it generates)")
@@ -281,9 +300,10 @@ class OpenAIRoutes:
                                   "(the prompt's log-probabilities come with the last token)")
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      top_n=k, prompt_logprobs=want_lp and req.echo)
-        streams = await self._open_all(texts, params, n)
+        echoed = [self._echo(p) if req.echo else "" for p in prompts]
+        streams = await self._open_all(prompts, params, n)
         base = self._envelope("cmpl", "text_completion", info)
-        prefixes = [t if req.echo else "" for t in texts for _ in range(n)]
+        prefixes = [e for e in echoed for _ in range(n)]
 
         if req.stream:
             logs = [CompletionLogprobs(k, len(p)) for p in prefixes] if want_lp else None
