@@ -212,3 +212,21 @@ def test_the_openai_client_reads_choices_and_logprobs(server, backend):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert streamed == {0: " user: hi assistant:", 1: " user: hi assistant:"}
+
+
+def test_text_offsets_of_an_echoed_prompt_follow_its_text():
+    """A BOS takes room in the echoed text only where the text spells it (a decoded
+    token-id prompt); a prompt sent as text has none."""
+    from tpserve.engine.request import TokenInfo
+    from tpserve.server.openai_logprobs import CompletionLogprobs
+
+    prompt = [TokenInfo(1, "<s>", None, True), TokenInfo(5, "bu", -1.0),
+              TokenInfo(6, "ra", -2.0)]
+    decoded = CompletionLogprobs(1)
+    decoded.add_prompt(prompt, "<s>bura")
+    decoded.add(TokenInfo(7, "!", -0.5), [])
+    assert decoded.text_offset == [0, 3, 5, 7]
+    as_text = CompletionLogprobs(1)
+    as_text.add_prompt(prompt, "bura")
+    as_text.add(TokenInfo(7, "!", -0.5), [])
+    assert as_text.text_offset == [0, 0, 2, 4]

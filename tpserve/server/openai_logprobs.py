@@ -73,7 +73,10 @@ class CompletionLogprobs:
             if tops is not None and i > 0 and tok.logprob is not None:
                 ranked = {t.text: t.logprob for t in tops[i][: self.k]}
                 ranked.setdefault(tok.text, tok.logprob)
-            self._append(tok, ranked, advance=not tok.special)
+            # A special token (BOS) takes room only where the echoed text spells it: a
+            # decoded token-id prompt does, a prompt sent as text does not.
+            here = not tok.special or text.startswith(tok.text, self.offset)
+            self._append(tok, ranked, advance=here)
         self.offset = len(text)
 
     def _append(self, tok: TokenInfo, ranked: dict | None, advance: bool = True) -> None:
