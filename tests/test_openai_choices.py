@@ -230,3 +230,30 @@ def test_text_offsets_of_an_echoed_prompt_follow_its_text():
     as_text.add_prompt(prompt, "bura")
     as_text.add(TokenInfo(7, "!", -0.5), [])
     assert as_text.text_offset == [0, 0, 2, 4]
+
+
+def _settled(backend, deadline_s: float = 5.0) -> bool:
+    """Every fake generation ended (the server's thread closes them just after)."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while backend.active and time.monotonic() < end:
+        time.sleep(0.02)
+    return backend.active == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_aborts_every_choice(server, backend, stream):
+    backend.token_delay = 0.02
+    body = {"prompt": ["slow a", "slow b"], "n": 2, "max_tokens": 100, "stream": stream}
+    if stream:
+        with httpx.Client(base_url=server[1], timeout=10) as client, \
+                client.stream("POST", "/v1/completions", json=body) as r:
+            assert next(r.iter_lines()).startswith("data:")
+    else:
+        with httpx.Client(base_url=server[1], timeout=0.3) as impatient, \
+                pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)
+    assert backend.aborted.wait(5)
+    assert _settled(backend), backend.active
+    assert len(backend.calls) == 4

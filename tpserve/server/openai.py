@@ -266,11 +266,20 @@ class OpenAIRoutes:
         """n engine requests per prompt, started side by side (so they share prefill
         steps); if one is refused, the others are closed and its error is raised."""
         jobs = [(p, _seeded(params, i)) for p in prompts for i in range(n)]
-        got = await asyncio.gather(
-            *(self.metrics.open_stream(self.backend, p, sp, add_special_tokens=add_special_tokens)
-              for p, sp in jobs), return_exceptions=True)
-        opened = [g for g in got if isinstance(g, TrackedStream)]
-        failed = [g for g in got if isinstance(g, BaseException)]
+        tasks = [asyncio.ensure_future(self.metrics.open_stream(
+            self.backend, p, sp, add_special_tokens=add_special_tokens)) for p, sp in jobs]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:  # cancelled (the client left) while they were starting
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    await task.result().aclose()
+            raise
+        failed = [t.exception() for t in tasks if t.exception() is not None]
+        opened = [t.result() for t in tasks if t.exception() is None]
         if failed:
             for tracked in opened:
                 await tracked.aclose()
