@@ -257,3 +257,12 @@ def test_a_client_leaving_aborts_every_choice(server, backend, stream):
     assert backend.aborted.wait(5)
     assert _settled(backend), backend.active
     assert len(backend.calls) == 4
+
+
+def test_stream_chunks_stay_json_with_infinite_log_probabilities():
+    from tpserve.server.streaming import sse
+
+    event = sse({"logprobs": {"token_logprobs": [float("-inf")], "x": [float("nan")]}})
+    assert json.loads(event[len("data:"):]) == {"logprobs": {"token_logprobs": [None],
+                                                              "x": [None]}}
+    assert "Infinity" not in event and "NaN" not in event

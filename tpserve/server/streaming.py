@@ -67,8 +67,11 @@ def _finite_or_none(obj):
 
 
 def sse(payload: dict | str, space: bool = False) -> str:
-    """One SSE event. TGI writes `data:` with no space, OpenAI `data: `; parsers accept both."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    """One SSE event. TGI writes `data:` with no space, OpenAI `data: `; parsers accept both.
+    A NaN or infinite number (a log-probability of a filtered token) is written as null, as
+    in whole answers: json.dumps would write -Infinity, which is not JSON."""
+    data = payload if isinstance(payload, str) else json.dumps(_finite_or_none(payload),
+                                                               separators=(",", ":"))
     return f"data: {data}\n\n" if space else f"data:{data}\n\n"
 
 
