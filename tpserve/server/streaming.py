@@ -123,6 +123,8 @@ async def collect_all_or_abort(
         return [event async for event in tracked]
 
     async def collect_all() -> list[list[GenerationEvent]]:
+        if len(streams) == 1:  # the TGI routes' case: no task per stream, as before
+            return [await collect(streams[0])]
         tasks = [asyncio.ensure_future(collect(t)) for t in streams]
         try:
             return list(await asyncio.gather(*tasks))
