@@ -11,32 +11,38 @@ import torch
 from interpreter import assert_no_failures_interpreted
 
 
-def greedy_failures(device: str, fn=None) -> list[str]:
-    """Rows where fn(x) = (token, logp) differs from torch: the token exactly, logp within
-    1e-5 (NaN where torch gives NaN)."""
+def greedy_failures(device: str, fn=None,
+                    dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> list[str]:
+    """Rows where fn(x) = (token, logp) differs from torch on x widened to float32 (what the
+    sampler computed before it read the model's dtype): the token exactly, logp within 1e-5
+    (NaN where torch gives NaN). Logits in float32 and, as the LM head writes them, in
+    bfloat16 and float16 (many ties there: the first index must win them)."""
     from tpserve.kernels.fused_ops import GREEDY_CHUNK, greedy_triton
 
     fn = fn or greedy_triton
     gen = torch.Generator().manual_seed(0)
     bad = []
-    for vocab in (17, GREEDY_CHUNK, GREEDY_CHUNK + 5, 3 * GREEDY_CHUNK - 1):
-        x = torch.randn(6, vocab, generator=gen) * 4
-        x[1, vocab // 2] = x[1].max() + 1  # a clear maximum in the middle
-        x[1, vocab - 1] = x[1, vocab // 2]  # ... tied at the end: the first index wins
-        x[2] = float("-inf")  # no finite logit
-        x[3, : vocab // 2] = float("-inf")
-        x[4, vocab // 3] = float("nan")
-        x[5, vocab - 1] = float("inf")
-        x = x.to(device)
-        tok, lp = fn(x)
-        ref_tok = x.argmax(-1)
-        ref_lp = x.log_softmax(-1).gather(1, ref_tok[:, None])[:, 0]
-        for r in range(x.shape[0]):
-            t, rt = int(tok[r]), int(ref_tok[r])
-            a, b = float(lp[r]), float(ref_lp[r])
-            same_lp = (a != a and b != b) or abs(a - b) <= 1e-5 * max(1.0, abs(b))
-            if t != rt or not same_lp:
-                bad.append(f"vocab {vocab} row {r}: token {t} vs {rt}, logp {a} vs {b}")
+    for dtype in dtypes:
+        for vocab in (17, GREEDY_CHUNK, GREEDY_CHUNK + 5, 3 * GREEDY_CHUNK - 1):
+            x = torch.randn(6, vocab, generator=gen) * 4
+            x[1, vocab // 2] = x[1].max() + 1  # a clear maximum in the middle
+            x[1, vocab - 1] = x[1, vocab // 2]  # ... tied at the end: the first index wins
+            x[2] = float("-inf")  # no finite logit
+            x[3, : vocab // 2] = float("-inf")
+            x[4, vocab // 3] = float("nan")
+            x[5, vocab - 1] = float("inf")
+            x = x.to(device=device, dtype=dtype)
+            tok, lp = fn(x)
+            wide = x.float()
+            ref_tok = wide.argmax(-1)
+            ref_lp = wide.log_softmax(-1).gather(1, ref_tok[:, None])[:, 0]
+            for r in range(x.shape[0]):
+                t, rt = int(tok[r]), int(ref_tok[r])
+                a, b = float(lp[r]), float(ref_lp[r])
+                same_lp = (a != a and b != b) or abs(a - b) <= 1e-5 * max(1.0, abs(b))
+                if t != rt or not same_lp:
+                    bad.append(f"{dtype} vocab {vocab} row {r}: token {t} vs {rt}, "
+                               f"logp {a} vs {b}")
     return bad
 
 
@@ -50,9 +56,15 @@ def test_the_check_catches_a_wrong_greedy():
         tok = x.argmax(-1)
         return tok, x.softmax(-1).gather(1, tok[:, None])[:, 0]
 
+    def log_softmax_in_the_input_dtype(x):
+        tok = x.argmax(-1)
+        return tok, x.log_softmax(-1).gather(1, tok[:, None])[:, 0].float()
+
     assert any("row 1:" in b for b in greedy_failures("cpu", last_index_on_ties))
     assert greedy_failures("cpu", softmax_not_log)
-    exact = lambda x: (x.argmax(-1), x.log_softmax(-1).gather(1, x.argmax(-1)[:, None])[:, 0])  # noqa: E731
+    assert greedy_failures("cpu", log_softmax_in_the_input_dtype, (torch.bfloat16,))
+    exact = lambda x: (x.float().argmax(-1),  # noqa: E731
+                       x.float().log_softmax(-1).gather(1, x.float().argmax(-1)[:, None])[:, 0])
     assert greedy_failures("cpu", exact) == []
 
 

@@ -121,8 +121,10 @@ def test_sampling_kernel_compiles():
 
     _compile(ts.gumbel_argmax_kernel, {"keys_ptr": "*i64", "out_ptr": "*i64", "*": "*fp32"},
              dict(BLOCK=1024))
-    _compile(ts.greedy_chunk_kernel, {"i_ptr": "*i32", "*": "*fp32"},
-             dict(CHUNK=4096, BLOCK=1024))
+    for logits in ("fp32", "bf16", "fp16"):  # the LM head's dtype, or its float32 copy
+        _compile(ts.greedy_chunk_kernel,
+                 {"x_ptr": "*" + logits, "i_ptr": "*i32", "*": "*fp32"},
+                 dict(CHUNK=4096, BLOCK=1024))
     _compile(ts.greedy_combine_kernel, {"i_ptr": "*i32", "tok_ptr": "*i64", "*": "*fp32"},
              dict(CHUNKS=32))
 

@@ -85,8 +85,9 @@ def warmup(device: torch.device, dtype: torch.dtype) -> int:
     gumbel_argmax_triton(torch.zeros(2, 8, device=device),
                          torch.zeros(2, dtype=torch.int64, device=device))
     for vocab in sorted(_PLANNED_VOCABS):
-        greedy_triton(torch.zeros(1, vocab, device=device))
-        n += 1
+        for logits_dtype in sorted({dtype, torch.float32}, key=str):  # the head's, the copy's
+            greedy_triton(torch.zeros(1, vocab, dtype=logits_dtype, device=device))
+            n += 1
     return n + 1
 
 
@@ -94,8 +95,9 @@ GREEDY_CHUNK = 4096  # logits per program of the greedy reduction (32 programs p
 
 
 def greedy_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, log_softmax at the argmax) per row of float32 logits x [n, vocab], as
-    x.argmax(-1) and x.log_softmax(-1).gather(...) give them (first index on ties, NaN
+    """(argmax, log_softmax at the argmax) per row of logits x [n, vocab] (float32 or the
+    model's dtype, widened in registers), as x.float().argmax(-1) and
+    x.float().log_softmax(-1).gather(...) give them (first index on ties, NaN
     counted as the largest; a row without a finite maximum gets NaN), in two launches."""
     from tpserve.kernels.triton_sampling import greedy_chunk_kernel, greedy_combine_kernel
 

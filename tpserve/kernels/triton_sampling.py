@@ -68,7 +68,8 @@ def greedy_chunk_kernel(x_ptr, m_ptr, i_ptr, s_ptr, vocab, stride_x, CHUNK: tl.c
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + idx, mask=idx < vocab, other=float("-inf"))
+        x = tl.load(x_ptr + row * stride_x + idx, mask=idx < vocab,
+                    other=float("-inf")).to(tl.float32)
         key = tl.where(x != x, float("inf"), x)  # NaN wins the arg-max, as in torch
         better = key > best
         new = tl.maximum(best, key)

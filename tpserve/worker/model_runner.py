@@ -65,7 +65,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(seqs):
             tables = self.block_tables.gather(rows, self.graphs.max_blocks)
             logits = self.graphs.run(seqs, tables, (dst, src, self._prev_ids))
-            return self._sample(batch, None if logits is None else logits.float(), seqs, [])
+            return self._sample(batch, logits, seqs, [])
         tables = self.block_tables.gather(rows, max(1, max(s.num_blocks for s in seqs)))
         # The hidden rows that need logits (each sampling sequence's last token, then the
         # rows of prompt log-probabilities) are known from the chunk lengths alone, so they
@@ -92,8 +92,7 @@ class ModelRunner:
             return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden.index_select(0, d_picks))
         # compute_logits may gather to rank 0 only (None elsewhere).
-        return self._sample(batch, None if logits is None else logits.float(),
-                            [seqs[i] for i in sampled], lp_seqs)
+        return self._sample(batch, logits, [seqs[i] for i in sampled], lp_seqs)
 
     def _prev_fill(self, seqs: list[SeqStep]) -> tuple[np.ndarray, np.ndarray]:
         """Token offsets in this step's inputs to fill from the previous step's sampled ids,
@@ -112,8 +111,9 @@ class ModelRunner:
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | None, picked: list[SeqStep],
                 lp_seqs: list[int]) -> PendingStep | None:
-        """logits: the rows of `picked` (the sequences that sample), then each lp_seqs
-        chunk's rows but the last; None on ranks that do not sample."""
+        """logits (the model's dtype; the sampler widens what it needs): the rows of `picked`
+        (the sequences that sample), then each lp_seqs chunk's rows but the last; None on
+        ranks that do not sample."""
         n = len(picked)
         ids, tokens = None, None
         if self.rank == 0 and logits is not None:
@@ -135,7 +135,7 @@ class ModelRunner:
             # the prompt, whose log-probabilities are all that is kept.
             nxt = torch.tensor([max(t, 0) for t in seqs[i].token_ids[1:]],
                                device=logits.device)
-            logp = logits[row : row + k].log_softmax(-1)
+            logp = logits[row : row + k].float().log_softmax(-1)
             out.prompt_logprobs[seqs[i].seq_id] = logp.gather(1, nxt[:, None])[:, 0].tolist()
             top_n = getattr(seqs[i].params, "top_n_tokens", 0) or 0
             if top_n:
@@ -145,7 +145,7 @@ class ModelRunner:
                                                                  strict=True)]
             row += k
         if batch.return_logits:
-            out.logits = logits[:n].cpu().numpy()
+            out.logits = logits[:n].float().cpu().numpy()
         return PendingStep(out, tokens)
 
     def _encode(self, seqs: list[SeqStep], meta: AttentionMetadata) -> AttentionMetadata:

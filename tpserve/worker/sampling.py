@@ -50,7 +50,7 @@ class PendingTokens:
 
 
 def sample_async(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int) -> PendingTokens:
-    """logits [len(seqs), vocab] float32: sample every row on the device and start the copy
+    """logits [len(seqs), vocab] (any float dtype): sample every row on the device and start the copy
     of the results to the host; nothing here waits for the device."""
     rows = [_sampler.SampleRow(
         params=s.params or SamplingParams(),
