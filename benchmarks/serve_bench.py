@@ -10,7 +10,8 @@ ratios are side by side):
 - single stream: /generate_stream with a ~256-token prompt and 256 new tokens, three times;
   median and p99 of the gaps between streamed tokens, median time to first token;
 - throughput: C concurrent /generate requests of ~256 prompt tokens and 256 new tokens
-  (C = 32 and 256 by default); generated tokens / wall time;
+  (C = 32 and 256 by default); generated tokens / wall time; with --client-procs N also the
+  same bursts sent from N client processes at once;
 - optionally (--long) time to first token and token gaps for 1k/4k/8k-token prompts;
 - optionally (--py-spy PATH) a py-spy profile of the engine-core and driver actors during the
   largest burst (benchmarks/spy_summary.py reads them): where each thread's time went, and
@@ -258,6 +259,47 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
     return sum(counts) / wall, sum(counts), where
 
 
+def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int, list[float]]:
+    """One client process's share of a burst (--client-procs): wait for the wall-clock
+    `start` the parent set for every process, send these requests at once, and return the
+    tokens received and each response's wall-clock arrival."""
+
+    async def run() -> tuple[int, list[float]]:
+        async with session(len(texts)) as client:
+            done: list[float] = []
+
+            async def one(t: str) -> int:
+                body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
+                async with client.post(url + "/generate", json=body) as r:
+                    r.raise_for_status()
+                    got = (await r.json())["details"]["generated_tokens"]
+                done.append(time.time())
+                return got
+
+            await asyncio.sleep(max(0.0, start - time.time()))
+            counts = await asyncio.gather(*(one(t) for t in texts))
+            return sum(counts), done
+
+    return asyncio.run(run())
+
+
+def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
+                      vocab: int) -> tuple[float, int]:
+    """The burst of `throughput` (same prompts) sent by `procs` client processes at once:
+    one Python process sends 256 requests one after another through its event loop, so the
+    server sees its first request only after the client's own work for many of them
+    (0.05-0.12 s on the H200 host); 256 users would not share one process. Tokens over the
+    time from the common start to the last response."""
+    rng = random.Random(n)
+    texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
+    start = time.time() + 1.0  # every process is waiting on the clock by then
+    futs = [pool.submit(burst_part, url, texts[i::procs], new, start) for i in range(procs)]
+    parts = [f.result() for f in futs]
+    tokens = sum(p[0] for p in parts)
+    last = max(t for p in parts for t in p[1])
+    return tokens / (last - start), tokens
+
+
 def trace_split(path: Path, t0: float, wall: float, done: list[float]) -> dict:
     """A burst read off the engine's step trace (TPSERVE_STEP_TRACE), in seconds from the
     client's start: when requests reached the driver's engine bridge and the core, when the
@@ -308,7 +350,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def measure(url: str, args, vocab: int, label: str = "this",
-                  trace: Path | None = None) -> dict:
+                  trace: Path | None = None, pool=None) -> dict:
     rng = random.Random(0)
     res: dict = {}
     async with session(8) as client:
@@ -338,6 +380,11 @@ async def measure(url: str, args, vocab: int, label: str = "this",
         res[f"tps_{c}"] = tps
         res[f"toks_{c}"] = toks
         res[f"split_{c}"] = where
+    if pool is not None:
+        for c in args.concurrency:
+            res[f"spread_{c}"], _ = await asyncio.to_thread(
+                spread_throughput, pool, args.client_procs, url, c, args.prompt_len,
+                args.new_tokens, vocab)
     return res
 
 
@@ -363,10 +410,16 @@ def machine() -> str:
 def table(rows: list[tuple[str, str, float, dict]], args) -> str:
     cols = ["tree", "commit", "launch to ready s", "TTFT ms", "ITL median ms", "ITL p99 ms"]
     cols += [f"{c} req tok/s" for c in args.concurrency]
+    spread = args.client_procs > 1
+    if spread:
+        cols += [f"{c} req tok/s, {args.client_procs} client processes"
+                 for c in args.concurrency]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for label, commit, ready, r in rows:
         vals = [label, commit, f"{ready:.1f}", f"{r['ttft_ms']:.1f}", f"{r['itl_median_ms']:.2f}",
                 f"{r['itl_p99_ms']:.2f}"] + [f"{r[f'tps_{c}']:,.0f}" for c in args.concurrency]
+        if spread:
+            vals += [f"{r[f'spread_{c}']:,.0f}" for c in args.concurrency]
         lines.append("| " + " | ".join(vals) + " |")
     lines += ["", "Where each burst's time went (engine gauges on /metrics, differences across "
               "the burst): the engine core's steps, the share of the wall time it was inside a "
@@ -445,6 +498,9 @@ def main() -> None:
     ap.add_argument("--step-trace", action="store_true",
                     help="trace the engine's steps (TPSERVE_STEP_TRACE) and split each burst "
                          "by it (the trees must have tpserve/engine/step_trace.py)")
+    ap.add_argument("--client-procs", type=int, default=1, metavar="N",
+                    help="also send each burst from N client processes started together "
+                         "(one process's own sending delays the server's first request)")
     ap.add_argument("--py-spy", metavar="PATH",
                     help="py-spy binary: profile the core and driver actors in the largest burst")
     launch_options(ap)
@@ -454,6 +510,15 @@ def main() -> None:
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
     args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
+    pool = None
+    if args.client_procs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.client_procs,
+                                   mp_context=multiprocessing.get_context("spawn"))
+        for f in [pool.submit(time.time) for _ in range(args.client_procs)]:
+            f.result()  # the processes are up (aiohttp imported) before any burst
     for label, spec in trees:
         # label=PATH or label=PATH::--flag --flag NAME=VALUE: this tree's own extra launch
         # flags and environment variables (e.g. TPSERVE_TUNE_GEMMS=0 for an A/B of one tree).
@@ -465,13 +530,15 @@ def main() -> None:
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
-            res = asyncio.run(measure(srv.url, args, vocab, label, srv.trace))
+            res = asyncio.run(measure(srv.url, args, vocab, label, srv.trace, pool))
             print(f"[{label}] {res}", flush=True)
             extra = " ".join([flags.strip(), *(f"{k}={v}" for k, v in env.items())]).strip()
             rows.append((label + (f" ({extra})" if extra else ""), commit_of(tree),
                          ready, res))
         finally:
             srv.stop()
+    if pool is not None:
+        pool.shutdown()
     text = table(rows, args)
     print(text)
     if args.out:
