@@ -527,12 +527,17 @@ def test_null_parameters_mean_defaults(http, backend):
     {"details": True, "decoder_input_details": True, "top_n_tokens": 2, "seed": 7},
     {"details": True, "return_full_text": True},
 ])
-def test_generate_body_has_the_wire_models_shape(params):
+@pytest.mark.parametrize("encoder", ["orjson", "json"])
+def test_generate_body_has_the_wire_models_shape(params, encoder, monkeypatch):
     """/generate builds its body as plain data for speed: it must be exactly what the
-    documented wire.Response model gives for the same values."""
+    documented wire.Response model gives for the same values, with orjson and with the
+    standard encoder it falls back to."""
+    if encoder == "json":
+        monkeypatch.setattr("tpserve.server.streaming.orjson", None)
     from tpserve import protocol as wire
     from tpserve.engine.request import GenerationEvent, TokenInfo
     from tpserve.server.app import TGIRoutes
+    from tpserve.server.streaming import AnswerResponse
 
     req = wire.GenerateRequest(inputs="Hello", parameters=params)
     top = [TokenInfo(5, " a", -0.5), TokenInfo(6, " b", -1.5)]
@@ -541,7 +546,7 @@ def test_generate_body_has_the_wire_models_shape(params):
                               finished=True, generated_text=" x", finish_reason="eos_token",
                               generated_tokens=2, seed=7, prompt_tokens=1,
                               prefill=[TokenInfo(9, "Hello", None)])]
-    body = TGIRoutes.response(req, events)
+    body = json.loads(AnswerResponse(TGIRoutes.response(req, events)).body)
     assert wire.Response.model_validate(body).model_dump(mode="json") == body
     assert body["generated_text"] == ("Hello x" if params.get("return_full_text") else " x")
     if params.get("details"):

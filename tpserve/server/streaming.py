@@ -5,6 +5,7 @@ or abort with 499", and several streams read as one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -56,9 +57,12 @@ def _plain(obj):
 
 
 def _finite_or_none(obj):
-    """obj with every NaN or infinite float replaced by None (what orjson writes for it)."""
+    """obj with every NaN or infinite float replaced by None (what orjson writes for it),
+    and dataclass instances as dicts of their fields (as orjson writes them)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _finite_or_none(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: _finite_or_none(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
