@@ -284,7 +284,7 @@ def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int,
 
 
 def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
-                      vocab: int) -> tuple[float, int]:
+                      vocab: int, trace: Path | None = None) -> tuple[float, int, dict]:
     """The burst of `throughput` (same prompts) sent by `procs` client processes at once:
     one Python process sends 256 requests one after another through its event loop, so the
     server sees its first request only after the client's own work for many of them
@@ -296,8 +296,12 @@ def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
     futs = [pool.submit(burst_part, url, texts[i::procs], new, start) for i in range(procs)]
     parts = [f.result() for f in futs]
     tokens = sum(p[0] for p in parts)
-    last = max(t for p in parts for t in p[1])
-    return tokens / (last - start), tokens
+    done = [t - start for p in parts for t in p[1]]
+    split = {}
+    if trace is not None:
+        time.sleep(0.5)  # the core and the driver write their traces once idle
+        split = trace_split(trace, start, max(done), done)
+    return tokens / max(done), tokens, split
 
 
 def trace_split(path: Path, t0: float, wall: float, done: list[float]) -> dict:
@@ -382,9 +386,9 @@ async def measure(url: str, args, vocab: int, label: str = "this",
         res[f"split_{c}"] = where
     if pool is not None:
         for c in args.concurrency:
-            res[f"spread_{c}"], _ = await asyncio.to_thread(
+            res[f"spread_{c}"], _, res[f"spread_trace_{c}"] = await asyncio.to_thread(
                 spread_throughput, pool, args.client_procs, url, c, args.prompt_len,
-                args.new_tokens, vocab)
+                args.new_tokens, vocab, trace)
     return res
 
 
@@ -445,6 +449,9 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
                              f"{w['first_done_s']:.2f}-{w['last_done_s']:.2f} |")
     traced = [(label, c, r[f"split_{c}"]["trace"]) for label, _, _, r in rows
               for c in args.concurrency if r.get(f"split_{c}", {}).get("trace")]
+    traced += [(f"{label}, {args.client_procs} client processes", c, r[f"spread_trace_{c}"])
+               for label, _, _, r in rows for c in args.concurrency
+               if r.get(f"spread_trace_{c}")]
     if traced:
         lines += ["", "The same bursts on the engine's step trace (TPSERVE_STEP_TRACE), seconds "
                   "from the client's start: requests reaching the driver's engine bridge "
