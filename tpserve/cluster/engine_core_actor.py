@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore
-from tpserve.engine.heap import freeze_startup_objects
+from tpserve.engine.heap import IdleCollector, freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.step_trace import StepTrace
@@ -146,12 +146,15 @@ class EngineCoreActor:
     # --- step loop (its own thread) -----------------------------------------------------
     def _loop(self) -> None:
         core, trace = self.core, self._trace
+        collector = IdleCollector()
         while not self._stop.is_set():
             if trace is not None and not core.has_work():
                 trace.flush()  # idle: the file write costs no step
             self._drain(block=not core.has_work())
             if self._stop.is_set() or not core.has_work():
+                collector.idle()
                 continue
+            collector.busy()
             if trace is not None:
                 before, t0, p0 = core.counters(), time.time(), time.perf_counter()
             try:

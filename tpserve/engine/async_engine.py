@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import count
 
-from tpserve.engine.heap import freeze_startup_objects
+from tpserve.engine.heap import IdleCollector, freeze_startup_objects
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams
@@ -136,6 +136,7 @@ class AsyncEngine:
         self._seq_of: dict[int, int] = {}  # handle -> engine seq id
         self._replay: dict[int, _Submit] = {}  # handle -> request kept through a rebuild
         self._checked_at = 0.0
+        self._collector = IdleCollector()  # full collections while idle (engine/heap.py)
         # rayops hook (shutdown): set by begin_drain; new requests get 503 with this reason.
         self.draining: str | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -338,8 +339,10 @@ class AsyncEngine:
                 break
             if self.state == "serving" and self.engine.has_work():
                 self._step()
+                self._collector.busy()
             elif self.state == "serving":
                 self._check_idle()
+                self._collector.idle()
 
     def _drain(self, block: bool) -> None:
         if block and self._trace is not None:
