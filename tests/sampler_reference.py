@@ -14,6 +14,8 @@ from tpserve.engine.request import SamplingParams
 def penalise(logits: torch.Tensor, p: SamplingParams, history: list[int] | None,
              generated: list[int] | None) -> torch.Tensor:
     logits = logits.clone()
+    for tid, value in p.logit_bias:  # OpenAI's logit_bias, before any penalty
+        logits[tid] += value
     if history and p.repetition_penalty and p.repetition_penalty != 1.0:
         ids = torch.tensor(sorted(set(history)))
         seen = logits[ids]
@@ -22,6 +24,8 @@ def penalise(logits: torch.Tensor, p: SamplingParams, history: list[int] | None,
     if generated and p.frequency_penalty:
         ids, counts = torch.tensor(generated).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype)
+    if generated and p.presence_penalty:  # once per distinct generated token
+        logits[torch.tensor(sorted(set(generated)))] -= p.presence_penalty
     return logits
 
 

@@ -143,3 +143,48 @@ def test_repetition_penalty_changes_output_like_transformers(llama_dir):
     while engine.has_work():
         engine.step()
     assert s.output_ids == out[0, ids.shape[1]:].tolist()
+
+
+def test_presence_penalty_and_logit_bias_like_transformers(llama_dir, ref):
+    """Greedy decoding with OpenAI's logit_bias and presence_penalty against transformers
+    running the same checkpoint: its sequence_bias for the biases, and a presence penalty
+    written here as a logits processor (transformers has none), applied after them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    class Presence(LogitsProcessor):
+        def __init__(self, prompt_len: int, value: float) -> None:
+            self.prompt_len, self.value = prompt_len, value
+
+        def __call__(self, input_ids, scores):
+            for row in range(scores.shape[0]):
+                scores[row, input_ids[row, self.prompt_len:].unique()] -= self.value
+            return scores
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    # Ban the token plain greedy decoding starts with, favour another one a little.
+    bias = ((ref[0][0], -100.0), ((ref[0][0] + 17) % model.config.vocab_size, 2.5))
+    engine = make_engine(llama_dir, 1, local=True)
+    for presence in (1.5, -0.5):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                 sequence_bias={(t,): v for t, v in bias},
+                                 logits_processor=[Presence(ids.shape[1], presence)],
+                                 pad_token_id=tok.pad_token_id)
+        s = engine.add_request(ids[0].tolist(), SamplingParams(
+            max_new_tokens=16, presence_penalty=presence, logit_bias=bias, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        expected = out[0, ids.shape[1]:].tolist()
+        assert expected[0] != ref[0][0]  # the ban took effect in the oracle too
+        assert s.output_ids == expected, presence
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llama_dir):
+    from tpserve.errors import ValidationError
+
+    engine = make_engine(llama_dir, 1, local=True)
+    vocab = engine.hf_config.vocab_size
+    with pytest.raises(ValidationError, match=rf"`logit_bias` names token id {vocab}"):
+        engine.add_request([1, 2], SamplingParams(logit_bias=((3, 1.0), (vocab, 1.0))))

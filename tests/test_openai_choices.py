@@ -266,3 +266,29 @@ def test_stream_chunks_stay_json_with_infinite_log_probabilities():
     assert json.loads(event[len("data:"):]) == {"logprobs": {"token_logprobs": [None],
                                                               "x": [None]}}
     assert "Infinity" not in event and "NaN" not in event
+
+
+def test_presence_penalty_and_logit_bias_reach_the_engine(http, backend):
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+        "presence_penalty": 0.5, "frequency_penalty": -0.25,
+        "logit_bias": {"50": 100, "7": -3.5, "9": 0}})
+    assert r.status_code == 200, r.text
+    p = backend.calls[-1].params
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.25)
+    assert sorted(p.logit_bias) == [(7, -3.5), (50, 100.0)]  # a zero bias is no bias
+    plain = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert plain.status_code == 200
+    assert backend.calls[-1].params.logit_bias == ()
+    assert backend.calls[-1].params.presence_penalty is None
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"), ({"logit_bias": [1.0]}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty")])
+def test_bad_biases_and_penalties_are_422_naming_the_field(http, backend, extra, field):
+    r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, **extra})
+    assert r.status_code == 422, r.text
+    assert field in r.json()["error"] and r.json()["error_type"] == "validation"
+    assert backend.calls == []

@@ -42,13 +42,18 @@ MIXED = [
     SamplingParams(do_sample=True, typical_p=0.6),
     SamplingParams(do_sample=True, top_k=10, top_p=0.9, typical_p=0.9, temperature=0.5,
                    repetition_penalty=1.2, frequency_penalty=0.3, top_n_tokens=5),
+    SamplingParams(presence_penalty=1.5, top_n_tokens=3),
+    SamplingParams(temperature=0.0, presence_penalty=-0.7, frequency_penalty=0.2),
+    SamplingParams(logit_bias=((3, 9.0), (11, -100.0), (49, 2.5)), top_n_tokens=3),
+    SamplingParams(do_sample=True, top_k=20, repetition_penalty=1.4, presence_penalty=0.8,
+                   logit_bias=((int(_history(13)[0]), -4.0), (7, 6.0)), top_n_tokens=2),
 ]
 
 
 def _rows(params: list[SamplingParams], step: int = 0) -> list[SampleRow]:
     rows = []
     for i, p in enumerate(params):
-        pen = bool(p.repetition_penalty or p.frequency_penalty)
+        pen = bool(p.repetition_penalty or p.frequency_penalty or p.presence_penalty)
         rows.append(SampleRow(p, seed=1000 + i, step=step,
                               history=_history(i) if pen else None, num_generated=5))
     return rows
@@ -148,6 +153,7 @@ POISON = [
     SamplingParams(do_sample=True, repetition_penalty=1e-40, top_p=0.5),
     SamplingParams(frequency_penalty=1e40),
     SamplingParams(do_sample=True, frequency_penalty=-1e40, temperature=1e-38),
+    SamplingParams(presence_penalty=-1e40, logit_bias=((0, 1e40), (1, -1e40))),
     SamplingParams(do_sample=True, top_k=1, top_p=1e-9, typical_p=1e-9),
 ]
 

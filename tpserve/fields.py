@@ -43,6 +43,9 @@ TopN = Annotated[int, Field(ge=0, le=I32_MAX)]
 Seed = Annotated[int, Field(ge=0, le=U64_MAX)]
 
 FrequencyPenalty = Annotated[float, _finite(ge=-2.0, le=2.0)]
+# OpenAI's logit_bias: token ids (JSON object keys, so written as strings) to -100..100.
+TokenIdKey = Annotated[int, Field(ge=0, le=I32_MAX)]
+LogitBias = Annotated[float, _finite(ge=-100.0, le=100.0)]
 # Divides positive logits: any finite positive value; the sampler keeps rows finite.
 RepetitionPenalty = Annotated[float, _finite(gt=0.0)]
 # TGI: strictly positive (0 is not greedy there); OpenAI: 0 (greedy) to 2.

@@ -174,6 +174,11 @@ class EngineCore:
             raise ValidationError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. Given: {n} "
                 f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+        vocab = getattr(self.hf_config, "vocab_size", None)
+        bad = [tid for tid, _ in params.logit_bias if tid < 0 or (vocab and tid >= vocab)]
+        if bad:
+            raise ValidationError(f"`logit_bias` names token id {bad[0]}, which is not in the "
+                                  f"model's vocabulary (ids 0 to {vocab - 1})")
         fits = (self.scheduler.can_ever_fit(1 + params.max_new_tokens, encoder_tokens=n)
                 if self.encoder_decoder else self.scheduler.can_ever_fit(n + params.max_new_tokens))
         if not fits:
@@ -241,7 +246,7 @@ class EngineCore:
         seq, p = s.seq, s.seq.params
         start = seq.num_computed
         need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
-            or bool(p.frequency_penalty)
+            or bool(p.frequency_penalty) or bool(p.presence_penalty)
         # Workers keep tables between steps: send a new (or, after preemption, replaced)
         # table whole, later only the blocks appended since.
         state = self.requests[seq.seq_id]

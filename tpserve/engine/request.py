@@ -20,6 +20,11 @@ class SamplingParams:
     typical_p: float | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
+    # OpenAI's: subtracted once from every token already generated (frequency_penalty
+    # subtracts per occurrence).
+    presence_penalty: float | None = None
+    # OpenAI's logit_bias: (token id, value added to its logit) pairs, before penalties.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

@@ -30,7 +30,8 @@ _MAX_FREQ_PENALTY = 1e20
 _BIG = 1e30  # stand-in for +inf: large, but sums of a few stay finite in float32
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
-_FLOATS, _INTS = 5, 5  # packed columns per row: see _pack
+_MAX_BIAS = 1e20  # |logit_bias| (OpenAI allows +-100); keeps sums finite in float32
+_FLOATS, _INTS = 6, 5  # packed columns per row: see _pack
 
 
 @dataclass(frozen=True)
@@ -138,25 +139,45 @@ def gumbel_argmax(f: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (f + gumbel_noise(keys, f.shape[1])).argmax(-1)
 
 
-def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
-    """One int64 host tensor: per-row floats (float32 bits), per-row ints, then histories."""
+@dataclass(frozen=True)
+class _Packed:
+    """What _pack wrote after the per-row columns: nh (row, id) pairs of seen tokens
+    (repetition penalty), ng of generated tokens (frequency and presence penalties) and
+    nb logit biases (row, id, value)."""
+
+    nh: int
+    ng: int
+    nb: int
+
+    def __bool__(self) -> bool:
+        return bool(self.nh or self.ng or self.nb)
+
+
+def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, _Packed]:
+    """One int64 host tensor: per-row floats (float32 bits), per-row ints, then the
+    histories and biases (_Packed)."""
     n = len(rows)
     floats, ints = [], []
     hist_ids: list[int] = []
     hist_rows: list[int] = []
     gen_ids: list[int] = []
     gen_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_rows: list[int] = []
+    bias_vals: list[float] = []
     for i, r in enumerate(rows):
         p = r.params
         greedy = p.greedy
         t = 1.0 if p.temperature is None or greedy else p.temperature
         rp = p.repetition_penalty or 1.0
         fp = p.frequency_penalty or 0.0
+        pp = p.presence_penalty or 0.0
         floats += [min(max(t, _MIN_TEMPERATURE), _MAX_TEMPERATURE),
                    1.0 if p.top_p is None or greedy else p.top_p,
                    1.0 if p.typical_p is None or greedy else p.typical_p,
                    min(max(rp, _MIN_REP_PENALTY), _MAX_REP_PENALTY),
-                   min(max(fp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY)]
+                   min(max(fp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY),
+                   min(max(pp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY)]
         mixed = _seed_mix(r.seed)
         ints += [int(greedy), 0 if p.top_k is None or greedy else p.top_k, mixed & _M32,
                  mixed >> 32, r.step & _M32]
@@ -164,17 +185,23 @@ def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, int, int]:
             uniq = set(r.history)
             hist_ids += uniq
             hist_rows += [i] * len(uniq)
-        if r.history and fp and r.num_generated:
+        if r.history and (fp or pp) and r.num_generated:
             gen = r.history[len(r.history) - r.num_generated:]
             gen_ids += gen
             gen_rows += [i] * len(gen)
+        for tid, value in p.logit_bias:
+            bias_ids.append(tid)
+            bias_rows.append(i)
+            bias_vals.append(min(max(value, -_MAX_BIAS), _MAX_BIAS))
     head = torch.empty(n, _FLOATS + _INTS, dtype=torch.int64)
     # float32 bits as signed int32 values: the device reinterprets them without float64.
     head[:, :_FLOATS] = torch.tensor(floats, dtype=torch.float32).view(torch.int32) \
         .view(n, _FLOATS)
     head[:, _FLOATS:] = torch.tensor(ints, dtype=torch.int64).view(n, _INTS)
-    tail = torch.tensor(hist_ids + hist_rows + gen_ids + gen_rows, dtype=torch.int64)
-    return torch.cat([head.view(-1), tail]), len(hist_ids), len(gen_ids)
+    bias_bits = torch.tensor(bias_vals, dtype=torch.float32).view(torch.int32).tolist()
+    tail = torch.tensor(hist_ids + hist_rows + gen_ids + gen_rows + bias_ids + bias_rows
+                        + bias_bits, dtype=torch.int64)
+    return torch.cat([head.view(-1), tail]), _Packed(len(hist_ids), len(gen_ids), len(bias_ids))
 
 
 def _to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -185,11 +212,20 @@ def _to_device(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
     return buf.to(device, non_blocking=True)
 
 
-def _penalise(x: torch.Tensor, d: torch.Tensor, fl: torch.Tensor, nh: int, ng: int
+def _penalise(x: torch.Tensor, d: torch.Tensor, fl: torch.Tensor, packed: _Packed
               ) -> torch.Tensor:
+    """Logit biases, then the repetition penalty, then frequency and presence penalties
+    (the order of vLLM's and OpenAI's descriptions: biases shift logits before any
+    penalty looks at their sign)."""
     n, vocab = x.shape
+    nh, ng, nb = packed.nh, packed.ng, packed.nb
     tail = d[n * (_FLOATS + _INTS):]
     # Flat scatters (row * vocab + id): unlike index_put with accumulate, they never sync.
+    if nb:
+        b = tail[2 * nh + 2 * ng:]
+        flat = b[nb:2 * nb] * vocab + b[:nb]
+        values = b[2 * nb:3 * nb].to(torch.int32).view(torch.float32).to(x.dtype)
+        x = x.reshape(-1).index_add(0, flat, values).view(n, vocab)
     if nh:
         flat = tail[nh:2 * nh] * vocab + tail[:nh]
         seen = torch.zeros(n * vocab, dtype=torch.bool, device=x.device)
@@ -197,10 +233,11 @@ def _penalise(x: torch.Tensor, d: torch.Tensor, fl: torch.Tensor, nh: int, ng: i
         rp = fl[:, 3:4]
         x = torch.where(seen, torch.where(x < 0, x * rp, x / rp), x)
     if ng:
-        flat = tail[2 * nh + ng:] * vocab + tail[2 * nh:2 * nh + ng]
+        flat = tail[2 * nh + ng:2 * nh + 2 * ng] * vocab + tail[2 * nh:2 * nh + ng]
         counts = torch.zeros(n * vocab, dtype=x.dtype, device=x.device)
         counts.scatter_add_(0, flat, torch.ones(ng, dtype=x.dtype, device=x.device))
-        x = x - fl[:, 4:5] * counts.view(n, vocab)
+        counts = counts.view(n, vocab)
+        x = x - fl[:, 4:5] * counts - fl[:, 5:6] * (counts > 0).to(x.dtype)
     return x.clamp(max=_BIG)
 
 
@@ -245,8 +282,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         return SampleResult(empty, empty.float(), None, None)
     top_n = max(r.params.top_n_tokens for r in rows)
     sampled = [not r.params.greedy for r in rows]
-    penalised = any(r.history and (r.params.repetition_penalty not in (None, 1.0)
-                                   or r.params.frequency_penalty) for r in rows)
+    penalised = any(r.params.logit_bias or r.history and (
+        r.params.repetition_penalty not in (None, 1.0) or r.params.frequency_penalty
+        or r.params.presence_penalty) for r in rows)
     if not (penalised or any(sampled) or top_n) and use_triton(logits):
         # All greedy on raw logits: arg-max and its log-probability in two parallel passes
         # (kernels/triton_sampling.py) instead of torch's two single-block reductions. They
@@ -256,16 +294,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         token, chosen = greedy_triton(logits)
         return SampleResult(token, chosen, None, None)
     raw = logits.float()
-    x, nh, ng = raw, 0, 0
+    x = raw
     if penalised or any(sampled):  # an all-greedy batch needs no parameters on the device
-        buf, nh, ng = _pack(rows)
+        buf, packed = _pack(rows)
         d = _to_device(buf, logits.device)
         head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
         fl = head[:, :_FLOATS].to(torch.int32).view(torch.float32)
         greedy, top_k, lo, hi, step = (head[:, _FLOATS + j] for j in range(_INTS))
         keys = _key32(lo, hi, step)
-        if nh or ng:
-            x = _penalise(x, d, fl, nh, ng)
+        if packed:
+            x = _penalise(x, d, fl, packed)
     if any(sampled):
         ps = [r.params for r, s in zip(rows, sampled) if s]
         f = _filter(x, fl, top_k, any(p.top_k for p in ps),

@@ -28,6 +28,7 @@ from tpserve.fields import (
     I32_MAX,
     U64_MAX,
     FrequencyPenalty,
+    LogitBias,
     NonEmptyText,
     OpenAITemperature,
     OpenAITopP,
@@ -36,6 +37,7 @@ from tpserve.fields import (
     StopText,
     Text,
     TokenCount,
+    TokenIdKey,
     unsupported,
 )
 from tpserve.server.backend import EngineBackend, not_ready_message
@@ -76,14 +78,11 @@ class _Sampling(BaseModel):
     # Choices per prompt: each is its own engine request (seeded ones get seed + i).
     n: Annotated[int, Field(ge=1)] | None = None
     frequency_penalty: FrequencyPenalty | None = None
-    presence_penalty: Annotated[
-        float | None, unsupported("`presence_penalty` (use 0 or omit it)", 0)
-    ] = None
+    presence_penalty: FrequencyPenalty | None = None  # OpenAI's range, -2 to 2
     # TGI's extension, sent by text_generation.Client.chat.
     repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: Annotated[
-        dict[str, float] | list[float] | None, unsupported("`logit_bias`")
-    ] = None
+    # {"token id": bias}; the engine checks the ids against the model's vocabulary.
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
     user: Text | None = None
 
     def stop_list(self) -> list[str]:
@@ -104,6 +103,9 @@ class _Sampling(BaseModel):
             "seed": self.seed,
             "stop": tuple(stop),
             "frequency_penalty": self.frequency_penalty or None,
+            "presence_penalty": self.presence_penalty or None,
+            "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()
+                                if v),
             "repetition_penalty": self.repetition_penalty,
             # OpenAI never returns the stop sequence; the engine's output processor cuts it
             # (and holds back streamed text that could be its start).
