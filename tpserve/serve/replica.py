@@ -114,13 +114,15 @@ class TPReplica:
         ready: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
+            events = self.backend.generate(prompt, params, truncate, add_special_tokens)
             try:
-                async for event in self.backend.generate(prompt, params, truncate,
-                                                         add_special_tokens):
+                async for event in events:
                     ready.put_nowait(event)
                 ready.put_nowait(_END)
             except Exception as exc:  # noqa: BLE001 - re-raised to the caller below
                 ready.put_nowait(exc)
+            finally:  # cancelled (the caller left): closing it aborts the request
+                await events.aclose()
 
         task = asyncio.get_running_loop().create_task(pump())
         try:

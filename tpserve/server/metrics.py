@@ -166,6 +166,28 @@ class TrackedStream:
             except Exception as exc:
                 raise as_tpserve_error(exc) from exc
 
+    async def collect(self) -> list[GenerationEvent]:
+        """Every event, the first included, in one list (a non-streamed answer). A backend
+        stream with `rest()` (tpserve.engine.async_engine.EngineStream) hands over the
+        remainder at once, waking this task once instead of once per token."""
+        rest = getattr(self._stream, "rest", None)
+        if rest is None:
+            return [event async for event in self]
+        first, self._first = self._first, None
+        if first is None:
+            raise GenerationError("the stream was already read")
+        events = [first]
+        if not first.finished:
+            try:
+                events += await self._deadline.run(rest())
+            except Exception as exc:
+                raise as_tpserve_error(exc) from exc
+            if not events[-1].finished:
+                raise GenerationError("the engine ended the stream without a final event")
+        self._metrics.generated_tokens.inc(len(events))
+        self._metrics.prompt_tokens.inc(events[-1].prompt_tokens)
+        return events
+
     async def aclose(self) -> None:
         """Idempotent; closing the backend iterator early is how the engine aborts."""
         if self._closed:

@@ -124,7 +124,7 @@ async def collect_all_or_abort(
     aborts the others; every stream is closed on the way out."""
 
     async def collect(tracked: TrackedStream) -> list[GenerationEvent]:
-        return [event async for event in tracked]
+        return await tracked.collect()
 
     async def collect_all() -> list[list[GenerationEvent]]:
         if len(streams) == 1:  # the TGI routes' case: no task per stream, as before
