@@ -31,7 +31,10 @@ class EngineBackend(Protocol):
         prompt of token ids is used as it is (checked against the vocabulary).
 
         Raises tpserve.errors.ValidationError (prompt too long, ...) or OverloadedError
-        before the first event. Closing the iterator early aborts the request.
+        before the first event. Closing the iterator early aborts the request. The
+        iterator may also offer `rest() -> Awaitable[list[GenerationEvent]]`: every event
+        still to come, at once (tpserve.engine.async_engine.EngineStream); non-streamed
+        answers use it when it is there.
         """
 
     def apply_chat_template(self, messages: list[dict]) -> str:
