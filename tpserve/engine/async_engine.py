@@ -123,13 +123,12 @@ class EngineStream:
         if self._sink is None:
             await self._start()
         await self._sink.wait_last()
-        out = []
-        for item in self._sink.take_all():
-            event = self._take(item)
-            out.append(event)
-            if event.finished:
-                break
-        return out
+        items = self._sink.take_all()
+        # Only the last item can end the stream (the engine sends nothing after a final
+        # event or an error): look at it alone, as a burst's answers all end within its
+        # last steps and a pass over every event would land there.
+        self._take(items[-1])
+        return items
 
     async def aclose(self) -> None:
         self._release()
