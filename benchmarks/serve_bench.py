@@ -215,6 +215,18 @@ def session(connections: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=600))
 
 
+async def generate_once(client: aiohttp.ClientSession, url: str, text: str, new: int,
+                        done: list[float], clock) -> int:
+    """One /generate of a burst (details on, as TGI's client asks): the tokens it got; the
+    response's arrival (on `clock`) goes to `done`."""
+    body = {"inputs": text, "parameters": {"max_new_tokens": new, "details": True}}
+    async with client.post(url + "/generate", json=body) as r:
+        r.raise_for_status()
+        got = (await r.json())["details"]["generated_tokens"]
+    done.append(clock())
+    return got
+
+
 async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler=None,
                      trace: Path | None = None) -> tuple[float, int, dict]:
     rng = random.Random(n)
@@ -226,13 +238,8 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
 
         done: list[float] = []
 
-        async def one(t: str) -> int:
-            body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
-            async with client.post(url + "/generate", json=body) as r:
-                r.raise_for_status()
-                got = (await r.json())["details"]["generated_tokens"]
-            done.append(time.perf_counter())
-            return got
+        def one(t: str):
+            return generate_once(client, url, t, new, done, time.perf_counter)
 
         async def watch(samples: list) -> None:
             """The engine's step count every 20 ms: when the core started and stopped."""
@@ -267,17 +274,9 @@ def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int,
     async def run() -> tuple[int, list[float]]:
         async with session(len(texts)) as client:
             done: list[float] = []
-
-            async def one(t: str) -> int:
-                body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
-                async with client.post(url + "/generate", json=body) as r:
-                    r.raise_for_status()
-                    got = (await r.json())["details"]["generated_tokens"]
-                done.append(time.time())
-                return got
-
             await asyncio.sleep(max(0.0, start - time.time()))
-            counts = await asyncio.gather(*(one(t) for t in texts))
+            counts = await asyncio.gather(
+                *(generate_once(client, url, t, new, done, time.time) for t in texts))
             return sum(counts), done
 
     return asyncio.run(run())
