@@ -85,9 +85,9 @@ def warmup(device: torch.device, dtype: torch.dtype) -> int:
     gumbel_argmax_triton(torch.zeros(2, 8, device=device),
                          torch.zeros(2, dtype=torch.int64, device=device))
     for vocab in sorted(_PLANNED_VOCABS):
-        for logits_dtype in sorted({dtype, torch.float32}, key=str):  # the head's, the copy's
-            greedy_triton(torch.zeros(1, vocab, dtype=logits_dtype, device=device))
-            n += 1
+        # The sampler hands the LM head's logits over as they are: the model's dtype.
+        greedy_triton(torch.zeros(1, vocab, dtype=dtype, device=device))
+        n += 1
     return n + 1
 
 
