@@ -245,8 +245,6 @@ class EngineCore:
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:
         seq, p = s.seq, s.seq.params
         start = seq.num_computed
-        need_history = bool(p.repetition_penalty and p.repetition_penalty != 1.0) \
-            or bool(p.frequency_penalty) or bool(p.presence_penalty)
         # Workers keep tables between steps: send a new (or, after preemption, replaced)
         # table whole, later only the blocks appended since.
         state = self.requests[seq.seq_id]
@@ -257,7 +255,7 @@ class EngineCore:
             seq_id=seq.seq_id, token_ids=_tokens(seq, start, s.num_new),
             start_pos=start, block_table=seq.block_table[blocks_from:],
             blocks_from=blocks_from, sample=s.completes_prompt,
-            params=p, history=seq.all_ids if need_history else None,
+            params=p, history=seq.all_ids if p.needs_history else None,
             num_generated=len(seq.output_ids),
             prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
         if state.unresolved and PENDING_TOKEN in step.token_ids:

@@ -37,6 +37,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = True
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the sequence's token ids (its penalties)."""
+        return bool(self.repetition_penalty and self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
+
+    @property
     def greedy(self) -> bool:
         """True when the next token is the arg-max (no randomness at all)."""
         if not self.do_sample and self.temperature is None and self.top_k is None \

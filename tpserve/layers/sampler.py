@@ -282,9 +282,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         return SampleResult(empty, empty.float(), None, None)
     top_n = max(r.params.top_n_tokens for r in rows)
     sampled = [not r.params.greedy for r in rows]
-    penalised = any(r.params.logit_bias or r.history and (
-        r.params.repetition_penalty not in (None, 1.0) or r.params.frequency_penalty
-        or r.params.presence_penalty) for r in rows)
+    penalised = any(r.params.logit_bias or r.history and r.params.needs_history
+                    for r in rows)
     if not (penalised or any(sampled) or top_n) and use_triton(logits):
         # All greedy on raw logits: arg-max and its log-probability in two parallel passes
         # (kernels/triton_sampling.py) instead of torch's two single-block reductions. They
