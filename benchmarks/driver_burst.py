@@ -136,9 +136,12 @@ def serve(args, model: Path):
     import uvicorn
     from transformers import AutoTokenizer
 
+    from tpserve.cluster.driver import gil_switch_s
     from tpserve.engine.async_engine import AsyncEngine
     from tpserve.server.app import build_app
 
+    # The GIL hand-over interval, as the driver actor sets it for its process.
+    sys.setswitchinterval(args.switch_ms / 1e3 if args.switch_ms else gil_switch_s())
     tok = AutoTokenizer.from_pretrained(model)
     core = SimCore(tok, args)
     backend = AsyncEngine(lambda: core, "sim", 4 * args.requests)
@@ -203,6 +206,9 @@ def main() -> None:
     ap.add_argument("--loop", default="auto", help="uvicorn's --loop (auto: uvloop if installed)")
     ap.add_argument("--http", default="auto", help="uvicorn's --http (auto: httptools if installed)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="the driver process's GIL switch interval (default: what the driver "
+                         "actor sets, tpserve.cluster.driver.gil_switch_s)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -248,7 +254,8 @@ def main() -> None:
             f"{datetime.date.today().isoformat()}, commit {commit}{' ' + args.label if args.label else ''}; "
             f"{args.requests} x {args.prompt}/{args.new}, simulated core (prefill "
             f"{args.prefill_s * 1e3:.0f} ms per {args.admit} requests, decode "
-            f"{args.decode_s * 1e3:.0f} ms), uvicorn loop {args.loop}, http {args.http}")
+            f"{args.decode_s * 1e3:.0f} ms), uvicorn loop {args.loop}, http {args.http}"
+            f", GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     lines = [head, "", "| burst | client wall s | core s (first step - last) | start s | "
              "requests reach the engine s (first - last) | first submission to the core s | "
              "tail s (last response - last step) | driver overhead % | most steps in one poll | "
