@@ -136,12 +136,11 @@ def serve(args, model: Path):
     import uvicorn
     from transformers import AutoTokenizer
 
-    from tpserve.cluster.driver import gil_switch_s
     from tpserve.engine.async_engine import AsyncEngine
     from tpserve.server.app import build_app
 
-    # The GIL hand-over interval, as the driver actor sets it for its process.
-    sys.setswitchinterval(args.switch_ms / 1e3 if args.switch_ms else gil_switch_s())
+    if args.switch_ms:  # this process's GIL hand-over interval (CPython's default: 5 ms)
+        sys.setswitchinterval(args.switch_ms / 1e3)
     tok = AutoTokenizer.from_pretrained(model)
     core = SimCore(tok, args)
     backend = AsyncEngine(lambda: core, "sim", 4 * args.requests)
@@ -207,8 +206,8 @@ def main() -> None:
     ap.add_argument("--http", default="auto", help="uvicorn's --http (auto: httptools if installed)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--switch-ms", type=float, default=0.0,
-                    help="the driver process's GIL switch interval (default: what the driver "
-                         "actor sets, tpserve.cluster.driver.gil_switch_s)")
+                    help="the driver process's GIL switch interval (sys.setswitchinterval; "
+                         "default: CPython's)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -446,9 +446,7 @@ def launch(args: argparse.Namespace) -> int:
     _check_replica_flags(args)
     import ray
 
-    from tpserve.cluster.driver import Driver, gil_switch_s
-
-    gil_switch_s()  # a bad TPSERVE_DRIVER_SWITCH_MS fails here, before Ray starts
+    from tpserve.cluster.driver import Driver
 
     if uses_serve(args):
         return launch_replicas(args, cfg, server)

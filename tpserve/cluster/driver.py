@@ -4,38 +4,13 @@ to the node that launched it, so the HTTP port is where the user expects), or in
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import sys
 import threading
 import time
 
 from tpserve.config import EngineConfig, ServerConfig
 
 log = logging.getLogger(__name__)
-
-SWITCH_ENV = "TPSERVE_DRIVER_SWITCH_MS"
-SWITCH_MS = 10.0
-
-
-def gil_switch_s() -> float:
-    """The driver process's GIL hand-over interval, in seconds (TPSERVE_DRIVER_SWITCH_MS).
-
-    The HTTP event loop and the engine bridge thread share this process's GIL. With
-    CPython's 5 ms, when a burst's requests all finish within a few steps the loop's work
-    on their answers is cut into 5 ms slices that the bridge thread (which blocks on every
-    poll and must take the GIL back each time) waits behind, so its polls fall further and
-    further behind the core. A longer interval lets each thread run until it blocks on its
-    own. In benchmarks/driver_burst.py (the real app and bridge, simulated 6 ms steps) the
-    burst's tail went 0.011-0.033 s -> 0.008-0.014 s at 10 ms; 1 ms made it 0.08 s."""
-    raw = os.environ.get(SWITCH_ENV, "")
-    try:
-        ms = float(raw) if raw else SWITCH_MS
-    except ValueError:
-        raise ValueError(f"{SWITCH_ENV} must be a number of milliseconds (got {raw!r})") from None
-    if not ms > 0:
-        raise ValueError(f"{SWITCH_ENV} must be > 0 ms (got {raw!r})")
-    return ms / 1e3
 
 
 class Driver:
@@ -63,7 +38,6 @@ class Driver:
         from tpserve.engine.rebuild import RebuildPolicy
         from tpserve.server.app import build_app
 
-        sys.setswitchinterval(gil_switch_s())  # this actor's process only
         cfg = self.cfg
         # The same factory builds the group at start and after a lost shard (a rebuild).
         self.backend = AsyncEngine(lambda: launch_engine(cfg), cfg.model.model_id,
