@@ -151,12 +151,13 @@ def serve(args, model: Path):
     config = uvicorn.Config(app, log_level="warning", access_log=False, loop=args.loop,
                             http=args.http)
     server = uvicorn.Server(config)
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     backend.start()
     backend.wait_ready(60)
     while not server.started:
         time.sleep(0.05)
-    return core, backend, server, f"http://127.0.0.1:{port}"
+    return core, backend, (server, thread), f"http://127.0.0.1:{port}"
 
 
 def client(url: str, n: int, plen: int, new: int, vocab: int, q) -> None:
@@ -222,7 +223,7 @@ def main() -> None:
     os.environ[ENV] = str(trace)
     cfg.write_text(json.dumps({"vocab_size": 100_000}))
     model = make_model_dir(cfg, cfg.parent / "model")
-    core, backend, server, url = serve(args, model)
+    core, backend, (server, thread), url = serve(args, model)
     rows = []
     try:
         for _ in range(args.repeat):
@@ -245,7 +246,10 @@ def main() -> None:
                          "steps": len(core.steps)})
             print(rows[-1], flush=True)
     finally:
+        # Joined, not left to die with the interpreter: a daemon thread still inside uvloop
+        # while Python finalizes crashed the process (exit status 139) after its report.
         server.should_exit = True
+        thread.join(30)
         backend.stop()
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
