@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -292,8 +293,42 @@ def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int,
     return asyncio.run(run())
 
 
+class TailProfiler:
+    """py-spy on the driver and core actors, GIL holders only, for one second from `offset`
+    seconds after a burst's start: the burst's last steps and answers, which a whole-burst
+    profile (Profiler) cannot separate from the rest. Raw stacks go to
+    LOGS/spy_tail_LABEL_{driver,core}.txt."""
+
+    def __init__(self, spy: str, logs: Path, label: str, offset: float) -> None:
+        self.spy, self.logs, self.label, self.offset = spy, logs, label, offset
+        self.thread: threading.Thread | None = None
+
+    def arm(self, start: float) -> None:
+        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
+        self.thread.start()
+
+    def _run(self, start: float) -> None:
+        targets = [(name, subprocess.run(["pgrep", "-f", title], capture_output=True,
+                                         text=True).stdout.split())
+                   for name, title in (("driver", "ray::Driver"), ("core", "ray::EngineCore"))]
+        time.sleep(max(0.0, start + self.offset - time.time()))
+        procs = [subprocess.Popen(
+            [self.spy, "record", "--pid", pids[0], "--threads", "--nonblocking", "--gil",
+             "--rate", "1000", "--duration", "1", "--format", "raw",
+             "-o", str(self.logs / f"spy_tail_{self.label}_{name}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pids in targets if pids]
+        for p in procs:
+            p.wait(60)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(90)
+
+
 def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
-                      vocab: int, trace: Path | None = None) -> tuple[float, int, dict]:
+                      vocab: int, trace: Path | None = None,
+                      tail: TailProfiler | None = None) -> tuple[float, int, dict]:
     """The burst of `throughput` (same prompts) sent by `procs` client processes at once:
     one Python process sends 256 requests one after another through its event loop, so the
     server sees its first request only after the client's own work for many of them
@@ -302,8 +337,12 @@ def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
     rng = random.Random(n)
     texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
     start = time.time() + 1.0  # every process is waiting on the clock by then
+    if tail is not None:
+        tail.arm(start)
     futs = [pool.submit(burst_part, url, texts[i::procs], new, start) for i in range(procs)]
     parts = [f.result() for f in futs]
+    if tail is not None:
+        tail.join()
     tokens = sum(p[0] for p in parts)
     done = [t - start for p in parts for t in p[1]]
     split = {}
@@ -395,9 +434,12 @@ async def measure(url: str, args, vocab: int, label: str = "this",
         res[f"split_{c}"] = where
     if pool is not None:
         for c in args.concurrency:
+            tail = (TailProfiler(args.py_spy, args.logs, f"{label}_{c}", args.py_spy_tail)
+                    if args.py_spy and args.py_spy_tail and c == max(args.concurrency)
+                    else None)
             res[f"spread_{c}"], _, res[f"spread_trace_{c}"] = await asyncio.to_thread(
                 spread_throughput, pool, args.client_procs, url, c, args.prompt_len,
-                args.new_tokens, vocab, trace)
+                args.new_tokens, vocab, trace, tail)
     return res
 
 
@@ -521,8 +563,15 @@ def main() -> None:
                          "(one process's own sending delays the server's first request)")
     ap.add_argument("--py-spy", metavar="PATH",
                     help="py-spy binary: profile the core and driver actors in the largest burst")
+    ap.add_argument("--py-spy-tail", type=float, default=0.0, metavar="SECONDS",
+                    help="with --py-spy and --client-procs: also profile the GIL holders of "
+                         "the driver and core for 1 s from SECONDS after the start of the "
+                         "largest burst from several processes (its last steps)")
     launch_options(ap)
     args = ap.parse_args()
+    if args.py_spy_tail and not (args.py_spy and args.client_procs > 1):
+        ap.error("--py-spy-tail profiles the burst from several processes: it needs --py-spy "
+                 "PATH and --client-procs 2 or more")
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
     vocab = json.loads(args.model_config.read_text())["vocab_size"]
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
