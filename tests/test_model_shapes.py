@@ -19,7 +19,7 @@ from tpserve.errors import ShardingError
 from tpserve.worker.build import build_model, check_shardable
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
-DECODERS = ["gemma-7b", "gemma-2b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
+DECODERS = ["gemma-7b", "gemma-2b", "gemma-2-9b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
             "Meta-Llama-3-8B", "Llama-3.1-8B"]
 
 
@@ -108,6 +108,9 @@ REFUSED = [
     ("gemma-2b", {}, 16,
      ["'model.layers.0.self_attn.q_proj.weight'", "[2048, 2048]", "tp=16",
       "attention heads = 8 is not divisible by 16"]),
+    ("gemma-2-9b", {}, 32,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 3584]", "tp=32",
+      "attention heads = 16 is not divisible by 32"]),
     ("bloom-560m", {}, 32,
      ["'transformer.h.0.self_attention.query_key_value.weight'", "[3072, 1024]", "tp=32",
       "attention heads = 16 is not divisible by 32"]),

@@ -1,7 +1,9 @@
-"""Gemma, Bloom, Qwen2 and Phi-3 served by tp = 1, 2, 4 Ray shard actors match transformers
-(float32, CPU): prefill logits within 1e-4 relative, greedy 32-token continuations identical.
-The tiny configs carry what each family brings: Gemma's multi-query attention (one KV head,
-replicated at tp = 4) with head_dim != hidden / heads, Bloom's ALiBi and per-head fused
+"""Gemma, Gemma 2, Bloom, Qwen2 and Phi-3 served by tp = 1, 2, 4 Ray shard actors match
+transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
+continuations identical. The tiny configs carry what each family brings: Gemma's
+multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
+Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
+a window on every other layer, Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
@@ -17,7 +19,7 @@ from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greed
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 
-CASES = [(f, tp) for f in ("gemma", "bloom", "qwen2", "phi3") for tp in (1, 2, 4)]
+CASES = [(f, tp) for f in ("gemma", "gemma2", "bloom", "qwen2", "phi3") for tp in (1, 2, 4)]
 CASES.append(("qwen2-tied", 2))
 
 _refs: dict[str, tuple] = {}
@@ -59,6 +61,22 @@ def test_continuations_are_not_degenerate(family, name):
     _, ref_tokens, _ = family(name)
     assert all(len(set(t)) > 3 for t in ref_tokens)
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
+
+
+@pytest.mark.parametrize("override", [
+    {"attn_logit_softcapping": None}, {"final_logit_softcapping": None},
+    {"query_pre_attn_scalar": 32}, {"sliding_window": 4096}])
+def test_each_gemma2_feature_changes_the_reference(family, override):
+    """Guards the oracle: without the score cap, the logit cap, query_pre_attn_scalar or the
+    window, transformers' own logits for the prompts change, so matching them checks each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _, ref_logits = family("gemma2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **override).eval()
+    with torch.no_grad():
+        got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+    assert max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True)) > 0.05
 
 
 @pytest.mark.parametrize("tp", [2, 4])

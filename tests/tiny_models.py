@@ -84,6 +84,27 @@ def gemma_config(**kw):
     return cfg
 
 
+def gemma2_config(**kw):
+    """GQA (4 heads, 2 KV heads), head_dim 32, scores scaled by query_pre_attn_scalar 24
+    (not head_dim) and capped low enough to bite (attention 3.0, final logits 10.0), a window
+    of 8 on the first of the two layers (layer_types alternate). Untied: with the tied head
+    of the released models, two layers whose outputs are normed to unit size next to the
+    embedding scaled by sqrt(hidden) only echo the last token (the Gemma checkpoint covers
+    the tied head). Each of the four shows in the prompt's last logits by 0.19-3.4."""
+    from transformers import Gemma2Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                final_logit_softcapping=10.0, sliding_window=8, max_position_embeddings=512,
+                hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Gemma2Config(**args)
+    cfg.architectures = ["Gemma2ForCausalLM"]
+    return cfg
+
+
 def bloom_config(**kw):
     """4 heads (one per rank at tp = 4), ALiBi, tied head."""
     from transformers import BloomConfig
@@ -159,6 +180,7 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
 # bias added tp times or Gemma's (1 + w) norm would show.
 FAMILY_CHECKPOINTS = {
     "gemma": (gemma_config, {"std": 0.3, "vector_std": 0.1}),
+    "gemma2": (gemma2_config, {"std": 0.3, "vector_std": 0.1}),
     "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
     "qwen2": (qwen2_config, {"vector_std": 0.1}),
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),

@@ -83,12 +83,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """sliding_window: one window for every layer, or a list with one entry per layer."""
+    """sliding_window: one window for every layer, or a list with one entry per layer.
+    make_layer(config, index, prefix, max_positions, window) builds a decoder layer of
+    another shape (Gemma 2's four norms); the default is LlamaDecoderLayer."""
 
     def __init__(self, config, max_positions: int,
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
-                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None) -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
+                 make_layer=None) -> None:
         super().__init__()
+        if make_layer is None:
+            def make_layer(config, i, prefix, max_positions, window):
+                return LlamaDecoderLayer(config, i, prefix, max_positions, window, norm_offset,
+                                         qkv_bias, o_bias, act)
         n = config.num_hidden_layers
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -98,8 +105,7 @@ class LlamaModel(nn.Module):
         # One table for every layer; each step gathers its cos/sin once (forward).
         self.rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope, partial)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, f"model.layers.{i}", max_positions, windows[i],
-                              norm_offset, qkv_bias, o_bias, act)
+            make_layer(config, i, f"model.layers.{i}", max_positions, windows[i])
             for i in range(n)
         )
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6),

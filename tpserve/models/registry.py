@@ -9,6 +9,7 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
     "T5ForConditionalGeneration": "tpserve.models.t5:T5ForConditionalGeneration",
     "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "tpserve.models.gemma2:Gemma2ForCausalLM",
     "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
