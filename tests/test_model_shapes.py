@@ -20,7 +20,7 @@ from tpserve.worker.build import build_model, check_shardable
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DECODERS = ["gemma-7b", "gemma-2b", "gemma-2-9b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
-            "Meta-Llama-3-8B", "Llama-3.1-8B"]
+            "Meta-Llama-3-8B", "Llama-3.1-8B", "Qwen3-8B"]
 
 
 def hf_config(name: str, **overrides):
@@ -120,6 +120,9 @@ REFUSED = [
     ("Meta-Llama-3-8B", {}, 6,
      ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 4096]", "tp=6",
       "attention heads = 32 is not divisible by 6"]),
+    ("Qwen3-8B", {}, 3,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 4096]", "tp=3",
+      "attention heads = 32 is not divisible by 3"]),
     # Synthetic head counts (24 heads, 6 KV heads) for the two KV-head rules.
     ("gemma-7b", {"num_attention_heads": 24, "num_key_value_heads": 6}, 4,
      ["'model.layers.0.self_attn.k_proj.weight'", "[1536, 3072]", "tp=4",

@@ -5,7 +5,7 @@ multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidde
 Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
 a window on every other layer, Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
-Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
+Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greed
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 
-CASES = [(f, tp) for f in ("gemma", "gemma2", "bloom", "qwen2", "phi3") for tp in (1, 2, 4)]
+CASES = [(f, tp) for f in ("gemma", "gemma2", "bloom", "qwen2", "qwen3", "phi3")
+         for tp in (1, 2, 4)]
 CASES.append(("qwen2-tied", 2))
 
 _refs: dict[str, tuple] = {}

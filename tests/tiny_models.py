@@ -129,6 +129,22 @@ def qwen2_config(**kw):
     return cfg
 
 
+def qwen3_config(**kw):
+    """No biases, an RMSNorm on each head's query and key; GQA, head_dim 32 != 64 / 4, and
+    a window of 8 on the second layer (use_sliding_window from max_window_layers = 1)."""
+    from transformers import Qwen3Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=512, use_sliding_window=True, sliding_window=8,
+                max_window_layers=1, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Qwen3Config(**args)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return cfg
+
+
 def phi3_config(**kw):
     """Fused qkv_proj / gate_up_proj on disk; GQA (4 heads, 2 KV heads); half-rotary heads
     (partial_rotary_factor 0.5, as Phi-4-mini uses 0.75)."""
@@ -186,6 +202,7 @@ FAMILY_CHECKPOINTS = {
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),
                    {"std": 0.3, "vector_std": 0.1}),
     "phi3": (phi3_config, {}),
+    "qwen3": (qwen3_config, {"std": 0.3, "vector_std": 0.1}),
 }
 
 

@@ -19,11 +19,15 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    """qk_norm: an RMSNorm over each head's query and key before rotary (Qwen3), its weight
+    of head_dim values shared by the heads, so every rank holds it whole."""
+
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, bias: bool = False, o_bias: bool = False,
-                 softcap: float | None = None, scale: float | None = None) -> None:
+                 softcap: float | None = None, scale: float | None = None,
+                 qk_norm: bool = False) -> None:
         super().__init__()
-        d = head_dim_of(config)
+        d = self.head_dim = head_dim_of(config)
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads, kv,
                                           bias=bias, prefix=prefix)
@@ -33,9 +37,17 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
                                    scale if scale is not None else d**-0.5,
                                    sliding_window=sliding_window, softcap=softcap)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            eps = getattr(config, "rms_norm_eps", 1e-6)
+            self.q_norm, self.k_norm = RMSNorm(d, eps), RMSNorm(d, eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.q_norm is not None:
+            d = self.head_dim
+            q = self.q_norm(q.reshape(-1, d)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, d)).view(k.shape)
         return self.o_proj(self.attn(q, k, v, rope=rope))
 
 
@@ -58,12 +70,14 @@ class GatedMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
-                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None) -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         cast_first = norm_offset == 0.0
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
-                                        sliding_window, bias=qkv_bias, o_bias=o_bias)
+                                        sliding_window, bias=qkv_bias, o_bias=o_bias,
+                                        qk_norm=qk_norm)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
                             bias=getattr(config, "mlp_bias", False))
@@ -90,12 +104,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int,
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 make_layer=None) -> None:
+                 qk_norm: bool = False, make_layer=None) -> None:
         super().__init__()
         if make_layer is None:
             def make_layer(config, i, prefix, max_positions, window):
                 return LlamaDecoderLayer(config, i, prefix, max_positions, window, norm_offset,
-                                         qkv_bias, o_bias, act)
+                                         qkv_bias, o_bias, act, qk_norm)
         n = config.num_hidden_layers
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

@@ -12,6 +12,7 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "tpserve.models.gemma2:Gemma2ForCausalLM",
     "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "tpserve.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
 }
 
