@@ -1,4 +1,4 @@
-"""`tpserve launch --tp 2` per added family (Gemma, Gemma 2, Bloom, Qwen2, Qwen3, Phi-3) in a subprocess,
+"""`tpserve launch --tp 2` per added family (Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3) in a subprocess,
 asked over HTTP through tpserve.Client: the served text is transformers' greedy text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
@@ -43,7 +43,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
     raise AssertionError("the previous server's driver actor outlived its process")
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "bloom", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3"])
 def test_served_text_matches_transformers(ray_cluster, models_dir, tmp_path, name):
     path = family_checkpoint(models_dir, name)
     expected = _expected(path)

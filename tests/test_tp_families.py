@@ -1,9 +1,10 @@
-"""Gemma, Gemma 2, Bloom, Qwen2 and Phi-3 served by tp = 1, 2, 4 Ray shard actors match
+"""Gemma 1-3, Bloom, Qwen2, Qwen3 and Phi-3 served by tp = 1, 2, 4 Ray shard actors match
 transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
 continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
 Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
-a window on every other layer, Bloom's ALiBi and per-head fused
+a window on every other layer, Gemma 3's norms on queries and keys and a rotary table per
+layer type, Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
@@ -19,7 +20,7 @@ from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greed
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 
-CASES = [(f, tp) for f in ("gemma", "gemma2", "bloom", "qwen2", "qwen3", "phi3")
+CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3")
          for tp in (1, 2, 4)]
 CASES.append(("qwen2-tied", 2))
 
@@ -64,15 +65,25 @@ def test_continuations_are_not_degenerate(family, name):
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
 
 
-@pytest.mark.parametrize("override", [
-    {"attn_logit_softcapping": None}, {"final_logit_softcapping": None},
-    {"query_pre_attn_scalar": 32}, {"sliding_window": 4096}])
-def test_each_gemma2_feature_changes_the_reference(family, override):
-    """Guards the oracle: without the score cap, the logit cap, query_pre_attn_scalar or the
-    window, transformers' own logits for the prompts change, so matching them checks each."""
+_ONE_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
+FEATURES = [
+    ("gemma2", {"attn_logit_softcapping": None}), ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": 32}), ("gemma2", {"sliding_window": 4096}),
+    ("gemma3", {"rope_parameters": {"sliding_attention": _ONE_ROPE,
+                                    "full_attention": _ONE_ROPE}}),
+    ("gemma3", {"query_pre_attn_scalar": 32}), ("gemma3", {"sliding_window": 4096}),
+]
+
+
+@pytest.mark.parametrize(("name", "override"), FEATURES,
+                         ids=[f"{n}-{next(iter(o))}" for n, o in FEATURES])
+def test_each_gemma_feature_changes_the_reference(family, name, override):
+    """Guards the oracle: without Gemma 2's score cap, logit cap, query_pre_attn_scalar or
+    window, or Gemma 3's rotary base of its own for the windowed layers, transformers' own
+    logits for the prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path, _, ref_logits = family("gemma2")
+    path, _, ref_logits = family(name)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **override).eval()
     with torch.no_grad():

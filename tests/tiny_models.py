@@ -105,6 +105,29 @@ def gemma2_config(**kw):
     return cfg
 
 
+def gemma3_config(**kw):
+    """Gemma 3 text: GQA, head_dim 32, query_pre_attn_scalar 24, (1 + w) norms on each head's
+    query and key, a window of 8 on the first layer whose rotary has a base of its own
+    (10,000) while the global layer's is linear-scaled (factor 8, base 1e6), as released.
+    Untied, as gemma2_config, so the continuations do not just echo."""
+    from transformers import Gemma3TextConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                query_pre_attn_scalar=24, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                       "rope_theta": 1000000.0}},
+                max_position_embeddings=512, hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Gemma3TextConfig(**args)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return cfg
+
+
 def bloom_config(**kw):
     """4 heads (one per rank at tp = 4), ALiBi, tied head."""
     from transformers import BloomConfig
@@ -197,6 +220,7 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
 FAMILY_CHECKPOINTS = {
     "gemma": (gemma_config, {"std": 0.3, "vector_std": 0.1}),
     "gemma2": (gemma2_config, {"std": 0.3, "vector_std": 0.1}),
+    "gemma3": (gemma3_config, {"std": 0.3, "vector_std": 0.1}),
     "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
     "qwen2": (qwen2_config, {"vector_std": 0.1}),
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),

@@ -24,6 +24,27 @@ def rope_parameters(config) -> dict:
     return params
 
 
+def layer_rope_parameters(config) -> dict[str, dict] | None:
+    """Rope settings per layer type ({"sliding_attention": {...}, "full_attention": {...}}),
+    where the config gives each type its own (Gemma 3: a local base frequency for the
+    windowed layers); None where one setting serves every layer."""
+    types = getattr(config, "layer_types", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    if not types or not all(isinstance(params.get(t), dict) for t in set(types)):
+        return None
+    default = getattr(config, "max_position_embeddings", None)
+    out = {}
+    for t in sorted(set(types)):
+        p = dict(params[t])
+        if "type" in p and "rope_type" not in p:
+            p["rope_type"] = p.pop("type")
+        p.setdefault("rope_type", "default")
+        p.setdefault("rope_theta", 10000.0)
+        p.setdefault("max_position_embeddings", default)
+        out[t] = p
+    return out
+
+
 def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rot_dim / 2], attention scaling applied to cos/sin)."""
     base = float(params["rope_theta"])

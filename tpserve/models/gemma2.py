@@ -4,7 +4,7 @@ norms: after attention, and before and after the MLP. Attention scores are scale
 query_pre_attn_scalar (not head_dim) and capped, tanh(s / cap) * cap, by
 attn_logit_softcapping; a sliding window applies on the layers config.layer_types marks
 "sliding_attention" (every other one, the first included); the LM head's logits are capped
-by final_logit_softcapping. Gemma 3 is not this file (no entry in the registry)."""
+by final_logit_softcapping. Gemma 3 (gemma3.py) adds norms on queries and keys."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _cap(config, name: str) -> float | None:
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, qk_norm: float | None = None) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         bias = bool(getattr(config, "attention_bias", False))
@@ -41,7 +41,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(
             config, layer, f"{prefix}.self_attn", max_positions, sliding_window, bias=bias,
             o_bias=bias, softcap=_cap(config, "attn_logit_softcapping"),
-            scale=float(scalar) ** -0.5 if scalar else None)
+            scale=float(scalar) ** -0.5 if scalar else None, qk_norm=qk_norm)
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp")
 

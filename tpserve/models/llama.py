@@ -10,7 +10,7 @@ from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
-from tpserve.layers.rotary import RotaryEmbedding, rope_parameters
+from tpserve.layers.rotary import RotaryEmbedding, layer_rope_parameters, rope_parameters
 from tpserve.models.loader import load_into
 
 
@@ -19,13 +19,14 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    """qk_norm: an RMSNorm over each head's query and key before rotary (Qwen3), its weight
-    of head_dim values shared by the heads, so every rank holds it whole."""
+    """qk_norm: the weight offset of an RMSNorm over each head's query and key before rotary
+    (0.0: Qwen3's; 1.0: Gemma 3's (1 + w) in float32); None: none. Its weight of head_dim
+    values is shared by the heads, so every rank holds it whole."""
 
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, bias: bool = False, o_bias: bool = False,
                  softcap: float | None = None, scale: float | None = None,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: float | None = None) -> None:
         super().__init__()
         d = self.head_dim = head_dim_of(config)
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -38,9 +39,10 @@ class LlamaAttention(nn.Module):
                                    scale if scale is not None else d**-0.5,
                                    sliding_window=sliding_window, softcap=softcap)
         self.q_norm = self.k_norm = None
-        if qk_norm:
+        if qk_norm is not None:
             eps = getattr(config, "rms_norm_eps", 1e-6)
-            self.q_norm, self.k_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+            self.q_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
+            self.k_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -71,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: float | None = None) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         cast_first = norm_offset == 0.0
@@ -104,7 +106,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int,
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: bool = False, make_layer=None) -> None:
+                 qk_norm: float | None = None, make_layer=None) -> None:
         super().__init__()
         if make_layer is None:
             def make_layer(config, i, prefix, max_positions, window):
@@ -116,8 +118,16 @@ class LlamaModel(nn.Module):
         rope = rope_parameters(config)
         partial = getattr(config, "partial_rotary_factor", None) \
             or rope.get("partial_rotary_factor") or 1.0
-        # One table for every layer; each step gathers its cos/sin once (forward).
-        self.rotary = RotaryEmbedding(head_dim_of(config), max_positions, rope, partial)
+        # One table for every layer, or one per layer type where the config gives each its
+        # own (Gemma 3); each step gathers each table's cos/sin once (forward).
+        by_type = layer_rope_parameters(config)
+        if by_type is None:
+            by_type, self.rope_of_layer = {"all": rope}, ["all"] * n
+        else:
+            self.rope_of_layer = list(config.layer_types)
+        self.rotaries = nn.ModuleDict({
+            t: RotaryEmbedding(head_dim_of(config), max_positions, p, partial)
+            for t, p in by_type.items()})
         self.layers = nn.ModuleList(
             make_layer(config, i, f"model.layers.{i}", max_positions, windows[i])
             for i in range(n)
@@ -131,10 +141,10 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             # Gemma rounds the float32 scale to the model dtype before multiplying.
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        ropes = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotaries.items()}
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
+        for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):
+            x, residual = layer(ropes[rope], x, residual)
         return self.norm(x, residual)[0]
 
 

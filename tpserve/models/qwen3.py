@@ -11,4 +11,4 @@ class Qwen3ForCausalLM(Qwen2ForCausalLM):
     @staticmethod
     def model_kwargs(config) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
-        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": 0.0}

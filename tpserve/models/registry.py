@@ -10,6 +10,7 @@ _MODELS: dict[str, str] = {
     "T5ForConditionalGeneration": "tpserve.models.t5:T5ForConditionalGeneration",
     "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "tpserve.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tpserve.models.gemma3:Gemma3ForCausalLM",
     "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "tpserve.models.qwen3:Qwen3ForCausalLM",

@@ -1,0 +1,34 @@
+"""Gemma 3, text only (Gemma3ForCausalLM, e.g. google/gemma-3-1b-it): Gemma 2's layer with
+a (1 + w) RMSNorm over each head's query and key before rotary, a window on most layers
+(config.layer_types: five windowed to one global in the released models) whose rotary uses
+a base frequency of its own (config.rope_parameters per layer type; LlamaModel keeps one
+table per type), and no caps in the released configs (Gemma 2's are honoured when set).
+The vision-language checkpoints (Gemma3ForConditionalGeneration) are not served."""
+
+from __future__ import annotations
+
+from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
+
+
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    def __init__(self, config, layer: int, prefix: str, max_positions: int,
+                 sliding_window: int | None) -> None:
+        super().__init__(config, layer, prefix, max_positions, sliding_window, qk_norm=1.0)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    @staticmethod
+    def sliding_window(config) -> list[int | None]:
+        window = getattr(config, "sliding_window", None) or None
+        n = config.num_hidden_layers
+        pattern = getattr(config, "sliding_window_pattern", None) or 6
+        # Configs resolved by transformers list layer_types; the fallback is the released
+        # pattern: every `pattern`-th layer global, the others windowed.
+        types = getattr(config, "layer_types", None) or \
+            ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+             for i in range(n)]
+        return [window if t == "sliding_attention" else None for t in types]
+
+    @staticmethod
+    def model_kwargs(config) -> dict:
+        return {"norm_offset": 1.0, "make_layer": Gemma3DecoderLayer}
