@@ -43,7 +43,8 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
     raise AssertionError("the previous server's driver actor outlived its process")
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2",
+                                  "qwen3", "phi3"])
 def test_served_text_matches_transformers(ray_cluster, models_dir, tmp_path, name):
     path = family_checkpoint(models_dir, name)
     expected = _expected(path)

@@ -134,3 +134,35 @@ def test_a_shard_given_the_snapshot_never_imports_transformers(llama_dir, tmp_pa
     words = r.stdout.split()
     assert int(words[words.index("params") + 1]) > 0
     assert words[words.index("transformers") + 1] == "False", r.stdout
+
+
+def test_a_vision_language_gemma3_is_served_as_its_language_model():
+    """gemma-3-4b-it's config.json shape (the language model's settings in text_config, the
+    dtype and the tied head on the outer config): tpserve builds Gemma3ForCausalLM from the
+    text config, with the outer flags, and the snapshot the shards get says the same."""
+    from transformers import CONFIG_MAPPING
+
+    from tpserve.hf_config import ConfigData, snapshot, text_only
+
+    outer = CONFIG_MAPPING["gemma3"].from_dict({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "torch_dtype": "bfloat16",
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                        "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "num_hidden_layers": 34, "head_dim": 256, "intermediate_size": 10240,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024, "query_pre_attn_scalar": 256},
+        "vision_config": {"model_type": "siglip_vision_model"}})
+    text = ConfigData(snapshot(text_only(outer)))
+    assert text.architectures == ["Gemma3ForCausalLM"]
+    assert (text.num_attention_heads, text.num_hidden_layers) == (8, 34)
+    assert text.tie_word_embeddings is True and text.dtype == "bfloat16"
+
+
+def test_a_text_only_config_is_left_as_it_is():
+    from tiny_models import qwen3_config
+
+    from tpserve.hf_config import text_only
+
+    cfg = qwen3_config()
+    assert text_only(cfg) is cfg

@@ -4,7 +4,7 @@ continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
 Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
 a window on every other layer, Gemma 3's norms on queries and keys and a rotary table per
-layer type, Bloom's ALiBi and per-head fused
+layer type (also as the language model of a vision-language checkpoint, served as text), Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
@@ -22,7 +22,7 @@ from tpserve.errors import ShardingError
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3")
          for tp in (1, 2, 4)]
-CASES.append(("qwen2-tied", 2))
+CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2)]
 
 _refs: dict[str, tuple] = {}
 

@@ -128,6 +128,21 @@ def gemma3_config(**kw):
     return cfg
 
 
+def gemma3_vlm_config(**kw):
+    """A vision-language Gemma 3 (Gemma3ForConditionalGeneration, as gemma-3-4b and up) whose
+    language model is gemma3_config's and whose vision tower is a one-layer SigLIP; served as
+    text only. Untied (the outer config decides), as gemma3_config."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=gemma3_config(**kw).to_dict(),
+                       vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       tie_word_embeddings=False)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    return cfg
+
+
 def bloom_config(**kw):
     """4 heads (one per rank at tp = 4), ALiBi, tied head."""
     from transformers import BloomConfig
@@ -203,12 +218,13 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
             elif vector_std:
                 p.add_(torch.randn_like(p) * vector_std)
     model.save_pretrained(out, safe_serialization=True)
-    tok = build_tokenizer(min(vocab_for_tokenizer or config.vocab_size, config.vocab_size))
+    text = config.get_text_config()  # the language model's (a vision-language config nests it)
+    tok = build_tokenizer(min(vocab_for_tokenizer or text.vocab_size, text.vocab_size))
     tok.save_pretrained(out)
     gen = out / "generation_config.json"
     if gen.exists():
         g = json.loads(gen.read_text())
-        g["eos_token_id"] = config.eos_token_id
+        g["eos_token_id"] = text.eos_token_id
         gen.write_text(json.dumps(g))
     return out
 
@@ -221,6 +237,7 @@ FAMILY_CHECKPOINTS = {
     "gemma": (gemma_config, {"std": 0.3, "vector_std": 0.1}),
     "gemma2": (gemma2_config, {"std": 0.3, "vector_std": 0.1}),
     "gemma3": (gemma3_config, {"std": 0.3, "vector_std": 0.1}),
+    "gemma3-vlm": (gemma3_vlm_config, {"std": 0.3, "vector_std": 0.1}),
     "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
     "qwen2": (qwen2_config, {"vector_std": 0.1}),
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),

@@ -47,6 +47,30 @@ def _plain(value: Any, depth: int = 0) -> tuple[bool, Any]:
     return False, None
 
 
+# Vision-language checkpoints whose language model tpserve serves on its own (text in, text
+# out): architecture -> the text-only architecture its language model is. The weights keep
+# their names (language_model.model.*); the text model's loader maps them and skips the
+# vision tower and projector.
+TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def text_only(hf_config):
+    """The config to build and serve: the config itself, or for a TEXT_ONLY vision-language
+    checkpoint its text config, named as the text-only architecture, with the composite
+    model's tied-head flag (transformers ties the head by the outer config) and, where the
+    text config has none, its dtype."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in TEXT_ONLY), None)
+    text = getattr(hf_config, "text_config", None)
+    if arch is None or text is None:
+        return hf_config
+    text.architectures = [TEXT_ONLY[arch]]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+    if getattr(text, "dtype", None) is None:  # published configs give it on the outer one
+        text.dtype = getattr(hf_config, "dtype", None)
+    return text
+
+
 def snapshot(hf_config) -> str:
     """The config as JSON: {"values": {name: value}, "aliases": {alias: name}}."""
     values: dict[str, Any] = {}

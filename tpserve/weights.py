@@ -75,10 +75,14 @@ def node_model_path(path: str, model_id: str, revision: str | None = None,
         "mounts at the same path, or copy it to that path on every node")
 
 
-def load_hf_config(path: Path):
+def load_hf_config(path: Path | str):
+    """The checkpoint's transformers config, as tpserve builds the model from it (for a
+    vision-language checkpoint served as text only, its text config: hf_config.text_only)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path))
+    from tpserve.hf_config import text_only
+
+    return text_only(AutoConfig.from_pretrained(str(path)))
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -70,11 +70,10 @@ class CoreClient:
                 # a Ray Serve replica get the same snapshot): no second check, no torch here.
                 self.hf_config = ConfigData(cfg.model.hf_snapshot)
             else:  # built by other code (the Python API): read and check it here
-                from transformers import AutoConfig
-
+                from tpserve.weights import load_hf_config
                 from tpserve.worker.build import check_shardable
 
-                self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+                self.hf_config = load_hf_config(cfg.model.path)
                 check_shardable(cfg, self.hf_config)
         except BaseException:
             self.kill()  # the shards may be setting up; no step loop runs yet

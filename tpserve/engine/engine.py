@@ -43,9 +43,11 @@ def tokenize(tokenizer, prompt: str | list[int], truncate: int | None = None,
 class Engine(EngineCore):
     def __init__(self, cfg: EngineConfig, executor: Executor, hf_config=None) -> None:
         try:
-            from transformers import AutoConfig, AutoTokenizer
+            from transformers import AutoTokenizer
 
-            hf_config = hf_config or AutoConfig.from_pretrained(cfg.model.path)
+            from tpserve.weights import load_hf_config
+
+            hf_config = hf_config or load_hf_config(cfg.model.path)
             try:
                 self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             except Exception as exc:  # noqa: BLE001 - say which file is missing

@@ -3,11 +3,28 @@ a (1 + w) RMSNorm over each head's query and key before rotary, a window on most
 (config.layer_types: five windowed to one global in the released models) whose rotary uses
 a base frequency of its own (config.rope_parameters per layer type; LlamaModel keeps one
 table per type), and no caps in the released configs (Gemma 2's are honoured when set).
-The vision-language checkpoints (Gemma3ForConditionalGeneration) are not served."""
+The vision-language checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b and up) are
+served as text only: their language model, built from the config's text_config
+(hf_config.text_only), with the vision tower left out."""
 
 from __future__ import annotations
 
 from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
+from tpserve.models.loader import load_into
+
+# A vision-language checkpoint served as text (hf_config.TEXT_ONLY) names its language
+# model's tensors under language_model.model.* (as published; model.language_model.* in
+# transformers' own naming); its vision tower and projector are not loaded.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_name(name: str) -> str:
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
@@ -32,3 +49,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @staticmethod
     def model_kwargs(config) -> dict:
         return {"norm_offset": 1.0, "make_layer": Gemma3DecoderLayer}
+
+    def load_weights(self, tensors) -> None:
+        skip = self.skip_tensors + _VISION + (("lm_head.",) if self.tied(self.config) else ())
+        load_into(self, tensors, self.stacked_params, skip, rename=text_name)
