@@ -1,12 +1,13 @@
-"""Gemma 1-3, Bloom, Qwen2, Qwen3 and Phi-3 served by tp = 1, 2, 4 Ray shard actors match
-transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
+"""Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3 and Mixtral served by tp = 1, 2, 4 Ray shard actors
+match transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
 continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
 Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
 a window on every other layer, Gemma 3's norms on queries and keys and a rotary table per
 layer type (also as the language model of a vision-language checkpoint, served as text), Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
-Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
+Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Mixtral's experts
+(4, two per token, each split across the ranks), Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greed
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 
-CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3")
+CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
+                          "mixtral")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2)]
 

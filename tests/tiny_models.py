@@ -70,6 +70,21 @@ def mistral_config(**kw):
     return cfg
 
 
+def mixtral_config(**kw):
+    """4 experts, 2 per token, each expert's intermediate 128 split across up to 4 ranks;
+    GQA (4 heads, 2 KV heads)."""
+    from transformers import MixtralConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = MixtralConfig(**args)
+    cfg.architectures = ["MixtralForCausalLM"]
+    return cfg
+
+
 def gemma_config(**kw):
     """Multi-query (one KV head) and head_dim 32 != hidden / heads = 16; tied head."""
     from transformers import GemmaConfig
@@ -243,6 +258,7 @@ FAMILY_CHECKPOINTS = {
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),
                    {"std": 0.3, "vector_std": 0.1}),
     "phi3": (phi3_config, {}),
+    "mixtral": (mixtral_config, {"std": 0.2, "vector_std": 0.1}),
     "qwen3": (qwen3_config, {"std": 0.3, "vector_std": 0.1}),
 }
 

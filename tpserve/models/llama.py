@@ -73,7 +73,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: float | None = None) -> None:
+                 qk_norm: float | None = None, mlp: nn.Module | None = None) -> None:
+        """mlp: the feed-forward block (Mixtral's experts); the default is a GatedMLP."""
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         cast_first = norm_offset == 0.0
@@ -81,8 +82,9 @@ class LlamaDecoderLayer(nn.Module):
                                         sliding_window, bias=qkv_bias, o_bias=o_bias,
                                         qk_norm=qk_norm)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
-                            bias=getattr(config, "mlp_bias", False))
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
+            bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
 

@@ -7,6 +7,7 @@ import importlib
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "tpserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "tpserve.models.mixtral:MixtralForCausalLM",
     "T5ForConditionalGeneration": "tpserve.models.t5:T5ForConditionalGeneration",
     "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "tpserve.models.gemma2:Gemma2ForCausalLM",
