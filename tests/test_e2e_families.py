@@ -1,5 +1,6 @@
-"""`tpserve launch --tp 2` per added family (Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3) in a subprocess,
-asked over HTTP through tpserve.Client: the served text is transformers' greedy text.
+"""`tpserve launch --tp 2` per added family (Gemma 1-3, a vision-language Gemma 3 served as
+text, Bloom, Qwen2, Qwen3, Phi-3, Mixtral) in a subprocess, asked over HTTP through
+tpserve.Client: the served text is transformers' greedy text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
 Slow job (bash .ci/run slow): 11-13 s per family on 2 quiet cores, up to ~38 s when shared."""
@@ -43,8 +44,11 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
     raise AssertionError("the previous server's driver actor outlived its process")
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2",
-                                  "qwen3", "phi3"])
+FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
+            "mixtral"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_served_text_matches_transformers(ray_cluster, models_dir, tmp_path, name):
     path = family_checkpoint(models_dir, name)
     expected = _expected(path)

@@ -20,7 +20,7 @@ from tpserve.worker.build import build_model, check_shardable
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DECODERS = ["gemma-7b", "gemma-2b", "gemma-2-9b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
-            "Meta-Llama-3-8B", "Llama-3.1-8B", "Qwen3-8B"]
+            "Meta-Llama-3-8B", "Llama-3.1-8B", "Qwen3-8B", "Mixtral-8x7B-v0.1"]
 
 
 def hf_config(name: str, **overrides):
@@ -43,7 +43,7 @@ def numel(model: torch.nn.Module) -> int:
 # Parameters every rank holds whole: norms and the biases of row-parallel layers (added
 # once, after the all-reduce).
 REPLICATED = ("norm", "ln_f", "o_proj.bias", "down_proj.bias", "dense.bias",
-              "dense_4h_to_h.bias")
+              "dense_4h_to_h.bias", "mlp.gate.weight")  # the last: Mixtral's router
 
 
 @functools.cache
