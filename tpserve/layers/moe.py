@@ -86,8 +86,11 @@ class SparseMoE(nn.Module):
             for e in range(self.num_experts):
                 out += (self.expert(e, x) * weights[:, e:e + 1]).to(x.dtype)
         else:
-            for e in range(self.num_experts):
-                rows = weights[:, e].nonzero().squeeze(1)
+            # Each expert's tokens, expert by expert, with two host syncs for the whole
+            # block (not one per expert).
+            routed = weights > 0
+            tokens = routed.t().nonzero()[:, 1].split(routed.sum(0).tolist())
+            for e, rows in enumerate(tokens):
                 if rows.numel():
                     y = self.expert(e, x[rows]) * weights[rows, e:e + 1]
                     out.index_add_(0, rows, y.to(x.dtype))
