@@ -27,7 +27,7 @@ def test_the_graph_safe_path_gives_the_routed_sums(monkeypatch):
     x = torch.randn(9, 32)
     with tp_context(0, 1):
         routed = moe(x)
-        monkeypatch.setattr(moe_mod, "_capturing", lambda x: True)
+        monkeypatch.setattr(moe_mod, "stream_capturing", lambda device: True)
         dense = moe(x)
     assert torch.allclose(routed, dense, atol=1e-6, rtol=1e-6)
     # Two experts a token: the routing weights sum to one and pick exactly top_k experts.

@@ -49,3 +49,10 @@ def device_has_float64(device: torch.device) -> bool:
     if device.type != "xpu":
         return True
     return bool(getattr(torch.xpu.get_device_properties(device), "has_fp64", True))
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a graph: code whose shapes follow the
+    data (a mixture of experts' routing) takes a fixed-shape path then. Only CUDA graphs
+    are captured (cluster/device.py, graph_api)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -21,15 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
+from tpserve.kernels.capabilities import stream_capturing
 from tpserve.layers.sharding import copy_full, copy_narrow, expect_shape, shard_size
 from tpserve.weights import TensorSlice
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class SparseMoE(nn.Module):
@@ -82,7 +79,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = self.route(x)
         out = torch.zeros_like(x)
-        if _capturing(x):
+        if stream_capturing(x.device):
             for e in range(self.num_experts):
                 out += (self.expert(e, x) * weights[:, e:e + 1]).to(x.dtype)
         else:
