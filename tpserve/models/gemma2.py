@@ -16,13 +16,14 @@ from tpserve.models.gemma import GemmaForCausalLM
 from tpserve.models.llama import GatedMLP, LlamaAttention
 
 
-def layer_windows(config) -> list[int | None]:
+def layer_windows(config, every: int = 2) -> list[int | None]:
     """Each layer's attention window. Configs written before transformers listed
-    layer_types alternate, starting with a sliding layer, as Gemma 2 was released."""
+    layer_types make every `every`-th layer global and window the others, as released
+    (Gemma 2: every other layer, the first windowed; Gemma 3: one in six)."""
     window = getattr(config, "sliding_window", None) or None
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None) or \
-        ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
     return [window if t == "sliding_attention" else None for t in types]
 
 

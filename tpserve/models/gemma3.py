@@ -9,7 +9,7 @@ served as text only: their language model, built from the config's text_config
 
 from __future__ import annotations
 
-from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM
+from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, layer_windows
 from tpserve.models.loader import load_into
 
 # A vision-language checkpoint served as text (hf_config.TEXT_ONLY) names its language
@@ -36,15 +36,7 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @staticmethod
     def sliding_window(config) -> list[int | None]:
-        window = getattr(config, "sliding_window", None) or None
-        n = config.num_hidden_layers
-        pattern = getattr(config, "sliding_window_pattern", None) or 6
-        # Configs resolved by transformers list layer_types; the fallback is the released
-        # pattern: every `pattern`-th layer global, the others windowed.
-        types = getattr(config, "layer_types", None) or \
-            ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-             for i in range(n)]
-        return [window if t == "sliding_attention" else None for t in types]
+        return layer_windows(config, getattr(config, "sliding_window_pattern", None) or 6)
 
     @staticmethod
     def model_kwargs(config) -> dict:
