@@ -75,6 +75,69 @@ def gated_failures(device: str, dtypes, fn=None, tiles=G.CANDIDATES):
     return bad
 
 
+def rms_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def folded_failures(device: str, dtypes, fn=None, gated_fn=None, tiles=G.CANDIDATES):
+    """The GEMV's folded-norm extras (RMSNorm.fold_into) against float64: `rms_eps` (x
+    divided by its root mean square first) and `residual` (added to the output) in the plain
+    GEMV, `rms_eps` in the gated one. x is scaled far from unit size (x 30) so that a
+    missing normalisation shows. [] when all pass."""
+    fn, gated_fn = fn or G.gemv, gated_fn or G.gated
+    gen = torch.Generator().manual_seed(2)
+    eps = 1e-5
+    bad = []
+    for dtype in dtypes:
+        for n, k in SHAPES:
+            w = torch.randn(2 * n, k, generator=gen).to(dtype).to(device)
+            x = (torch.randn(1, k, generator=gen) * 30).to(dtype).to(device)
+            res = torch.randn(1, 2 * n, generator=gen).to(dtype).to(device)
+            xn = rms_reference(x, eps)
+            plain = F.linear(xn, w.double())
+            # (what, run, reference, roundings, scale): errors are measured against the
+            # outputs' scale; a gated output of a deep-negative gate is ~0, so there the
+            # scale is also the largest up value, as in gated_failures.
+            cases = [("rms", fn, (eps, None), plain, 1, plain.norm()),
+                     ("residual", fn, (None, res),
+                      F.linear(x.double(), w.double()) + res.double(), 2, None)]
+            for gelu_tanh in (False, True):
+                ref = gated_reference(xn, w, gelu_tanh)
+                cases.append((f"gated rms gelu_tanh={gelu_tanh}", gated_fn, (gelu_tanh, eps),
+                              ref, 3, max(ref.norm(), plain[:, n:].norm())))
+            for tile in tiles:
+                for what, run, extra, ref, roundings, scale in cases:
+                    out = run(x, w, tile, *extra).double()
+                    assert out.shape == ref.shape
+                    scale = ref.norm() if scale is None else scale
+                    err = ((out - ref).norm() / scale).item()
+                    if not err <= roundings * TOLERANCE[dtype]:
+                        bad.append(f"{n}x{k} {dtype} {what} {tile.label()}: relative error "
+                                   f"{err:.2e}")
+    return bad
+
+
+def test_the_folded_check_fails_a_missing_norm_or_add():
+    def reference(x, w, tile, eps, res):
+        return G.linear(x, w, None, eps, res)
+
+    def gated_ref(x, w, tile, gelu_tanh, eps):
+        return gated_reference(G.rms_unit(x, eps), w, gelu_tanh).to(x.dtype)
+
+    tiles = G.CANDIDATES[:1]
+    assert folded_failures("cpu", (torch.float32,), reference, gated_ref, tiles) == []
+    no_norm = folded_failures("cpu", (torch.float32,), lambda x, w, t, eps, res:
+                              reference(x, w, t, None, res), gated_ref, tiles)
+    assert len(no_norm) == len(SHAPES) and all(" rms " in b for b in no_norm)
+    no_add = folded_failures("cpu", (torch.float32,), lambda x, w, t, eps, res:
+                             reference(x, w, t, eps, None), gated_ref, tiles)
+    assert len(no_add) == len(SHAPES) and all("residual" in b for b in no_add)
+    gated_no_norm = folded_failures("cpu", (torch.float32,), reference, lambda x, w, t, g, eps:
+                                    gated_reference(x, w, g).to(x.dtype), tiles)
+    assert len(gated_no_norm) >= 2 * len(SHAPES) - 2
+
+
 def test_the_gated_check_fails_swapped_halves_and_a_wrong_activation():
     def swapped(x, w, tile, gelu_tanh):
         g, u = w.chunk(2)
@@ -109,6 +172,12 @@ def test_triton_gemv_under_the_interpreter():
 
 
 @pytest.mark.slow  # Triton's interpreter
+def test_triton_folded_gemv_under_the_interpreter():
+    assert_no_failures_interpreted("test_gemv",
+                                   'folded_failures("cpu", (torch.float32, torch.float16))')
+
+
+@pytest.mark.slow  # Triton's interpreter
 def test_triton_gated_gemv_under_the_interpreter():
     assert_no_failures_interpreted("test_gemv",
                                    'gated_failures("cpu", (torch.float32, torch.float16))')
@@ -120,6 +189,7 @@ def test_triton_gemv_on_cuda():
         pytest.skip("no CUDA device")
     assert gemv_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
     assert gated_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
+    assert folded_failures("cuda", (torch.float32, torch.bfloat16, torch.float16)) == []
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
     choice = G.choose([w])
     assert choice is not None and choice.vendor_us > 0 and choice.us <= choice.vendor_us
@@ -140,7 +210,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(G, "_CHOSEN", {})
     state = {"wrong": set(), "broken": set(), "calls": []}
 
-    def fake_gemv(x, w, tile=G.DEFAULT_TILE):
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE, rms_eps=None, residual=None):
         state["calls"].append(tile)
         if tile in state["broken"]:
             raise RuntimeError("out of shared memory")
@@ -352,11 +422,11 @@ def _check_gated_mlps(fake_device, caplog):
     ran: list = []  # what each timed or forward call launched: (kind, tile)
     wrong = {b}
 
-    def fake_gemv(x, w, tile=G.DEFAULT_TILE):
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE, rms_eps=None, residual=None):
         ran.append(("plain", tile))
         return F.linear(x.reshape(1, -1), w)
 
-    def fake_gated(x, w, tile, gelu_tanh):
+    def fake_gated(x, w, tile, gelu_tanh, rms_eps=None):
         ran.append(("gated", tile, gelu_tanh))
         y = gated_reference(x.reshape(1, -1), w, gelu_tanh).to(x.dtype)
         return y * 1.5 if tile in wrong else y

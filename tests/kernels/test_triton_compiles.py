@@ -107,13 +107,16 @@ def test_gemv_kernel_compiles(dtype, pdl):
 
     for tile in CANDIDATES:
         for even in (False, True):
-            _compile(tg.gemv_kernel, {"*": "*" + dtype},
-                     dict(EVEN_N=even, EVEN_K=even, PREFETCH=tile.prefetch,
-                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl))
+            # Folded norms (RMS, RESIDUAL): every combination on the even tiles.
+            for rms, residual in ((False, False), (True, False), (False, True))[:3 if even else 1]:
+                _compile(tg.gemv_kernel, {"*": "*" + dtype},
+                         dict(EVEN_N=even, EVEN_K=even, PREFETCH=tile.prefetch,
+                              BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl, RMS=rms,
+                              RESIDUAL=residual))
             _compile(tg.gemv_gated_kernel, {"*": "*" + dtype},
                      dict(EVEN_N=even, EVEN_K=even, PREFETCH=tile.prefetch,
                           BLOCK_N=tile.block_n // 2, BLOCK_K=tile.block_k, PDL=pdl,
-                          GELU_TANH=even))
+                          GELU_TANH=even, RMS=even))
 
 
 def test_sampling_kernel_compiles():

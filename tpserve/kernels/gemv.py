@@ -235,16 +235,31 @@ def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoi
     return chosen
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile | None) -> torch.Tensor:
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, rounded to x's dtype: an RMSNorm whose weight is one (its
+    weight folded into the next layer's, RMSNorm.fold_into). The torch reference of the
+    GEMV's RMS mode."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile | None,
+           rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight) without bias: through the GEMV when `tile` is set (warmup chose
-    it for this weight) and x holds one row, else through F.linear."""
+    it for this weight) and x holds one row, else through F.linear. rms_eps: x is normalised
+    first (`rms_unit`); residual: returns residual + the product (rounded to the dtype
+    first). In the GEMV both cost no launch of their own."""
     if tile is not None and x.numel() == x.shape[-1]:
-        return gemv(x.reshape(1, -1), weight, tile).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+        return gemv(x.reshape(1, -1), weight, tile, rms_eps, residual).view(
+            *x.shape[:-1], weight.shape[0])
+    y = F.linear(x if rms_eps is None else rms_unit(x, rms_eps), weight)
+    return y if residual is None else y + residual
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE) -> torch.Tensor:
-    """x [1, K] times weight [N, K]^T -> [1, N] in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE,
+         rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] times weight [N, K]^T -> [1, N] in x's dtype; rms_eps and residual as in
+    `linear`."""
     from tpserve.kernels import triton_gemv
 
     n, k = weight.shape
@@ -253,22 +268,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE) -
                          f"{tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv: the weight must be contiguous along K")
+    if residual is not None and residual.numel() != n:
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} does not match {n} outputs")
     x = x.contiguous()
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    res = out if residual is None else residual.contiguous()
     grid = (-(-n // tile.block_n),)
     triton_gemv.gemv_kernel[grid](
-        x, weight, out, n, k, weight.stride(0), EVEN_N=n % tile.block_n == 0,
-        EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.warps, **pdl.launch(x.device))
+        x, weight, out, res, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps,
+        EVEN_N=n % tile.block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, RMS=rms_eps is not None,
+        RESIDUAL=residual is not None, num_warps=tile.warps, **pdl.launch(x.device))
     return out
 
 
 def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
-          gelu_tanh: bool) -> torch.Tensor:
+          gelu_tanh: bool, rms_eps: float | None = None) -> torch.Tensor:
     """act(x W_gate^T) * (x W_up^T) for x [1, K] and weight [2N, K] = [gate; up] (a gated
     MLP's fused projection): [1, N] in x's dtype, one launch. The activation is silu, or the
-    tanh GELU with `gelu_tanh`. Each program reads tile.block_n weight rows, half gate and
-    half up, so a tile keeps the bytes per program it has in the plain GEMV."""
+    tanh GELU with `gelu_tanh`; rms_eps: x normalised first, as in `linear`. Each program
+    reads tile.block_n weight rows, half gate and half up, so a tile keeps the bytes per
+    program it has in the plain GEMV."""
     from tpserve.kernels import triton_gemv
 
     n2, k = weight.shape
@@ -279,8 +299,8 @@ def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
     x = x.reshape(1, k).contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     triton_gemv.gemv_gated_kernel[(-(-n // block_n),)](
-        x, weight, out, n, k, weight.stride(0), EVEN_N=n % block_n == 0,
-        EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=block_n,
-        BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, num_warps=tile.warps,
-        **pdl.launch(x.device))
+        x, weight, out, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps,
+        EVEN_N=n % block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
+        BLOCK_N=block_n, BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, RMS=rms_eps is not None,
+        num_warps=tile.warps, **pdl.launch(x.device))
     return out

@@ -28,15 +28,22 @@ def _w_tile(ptrs, k0, K, nmask, offs_k, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, N, K, swn, eps, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, RMS: tl.constexpr, RESIDUAL: tl.constexpr,
                 PDL: tl.constexpr):
     """Program n: out[n * BLOCK_N + i] = sum_k x[k] W[n * BLOCK_N + i, k], in float32. The
     products stay a [BLOCK_N, BLOCK_K] tile in registers and are summed once, at the end.
     EVEN_N / EVEN_K: N and K are multiples of the block (no masks, so loads stay 128-bit).
     The first weight tile is loaded before anything else: with PDL (kernels/pdl.py) that load
     overlaps the previous kernel, since weights do not change; x is read only after the wait.
-    PREFETCH: each next tile is loaded before this one is reduced, else after."""
+    PREFETCH: each next tile is loaded before this one is reduced, else after.
+    RMS: x is first divided by its root mean square (eps added to the mean square), with no
+    weight: the norm's weight was folded into W (layers/norm.py, RMSNorm.fold_into). Every program reads
+    the whole of x anyway, so the squares are summed in the same loop and the scale applied
+    once per output: the norm costs no launch and no extra read.
+    RESIDUAL: out = res + y, y rounded to out's dtype first (as a separate add would see it):
+    the residual stream's add done by the layer that feeds it."""
     if PDL:
         gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,6 +55,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr, EVEN_K: 
     if PDL:
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         if PREFETCH:
@@ -56,28 +64,38 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr, EVEN_K: 
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if RMS:
+            sq += x * x
         acc += w.to(tl.float32) * x[None, :]
         if PREFETCH:
             w = nxt
         else:
             w = _w_tile(ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
     y = tl.sum(acc, axis=1)
+    if RMS:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    dtype = out_ptr.dtype.element_ty
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        y = y.to(dtype).to(tl.float32) + r
     if EVEN_N:
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + offs_n, y.to(dtype))
     else:
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        tl.store(out_ptr + offs_n, y.to(dtype), mask=nmask)
 
 
 @triton.jit
-def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr,
+def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, eps, EVEN_N: tl.constexpr,
                       EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, GELU_TANH: tl.constexpr, RMS: tl.constexpr,
+                      PDL: tl.constexpr):
     """A gated MLP's one-row [gate; up] projection and its activation in one launch: W is
     [2N, K] with the gate rows first, and program n writes out[i] = act(g_i) * u_i for its
     BLOCK_N outputs i, g_i = x . W[i] and u_i = x . W[N + i], each rounded to the output's
     dtype first (as the separate GEMV and gated_act_kernel round them). A program reads
     BLOCK_N gate rows and the BLOCK_N matching up rows: the same bytes as a plain GEMV
-    program of 2 * BLOCK_N rows, with no [gate; up] row written or read back."""
+    program of 2 * BLOCK_N rows, with no [gate; up] row written or read back. RMS: as in
+    gemv_kernel, x normalised on the way in."""
     if PDL:
         gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -93,6 +111,7 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr,
         gdc_wait()
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         if PREFETCH:
@@ -102,6 +121,8 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr,
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if RMS:
+            sq += x * x
         acc_g += wg.to(tl.float32) * x[None, :]
         acc_u += wu.to(tl.float32) * x[None, :]
         if PREFETCH:
@@ -111,8 +132,14 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, EVEN_N: tl.constexpr,
             wg = _w_tile(g_ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
             wu = _w_tile(u_ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dtype).to(tl.float32)
-    u = tl.sum(acc_u, axis=1).to(dtype).to(tl.float32)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if RMS:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        g = g * rstd
+        u = u * rstd
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
     y = gated(g, u, dtype, GELU_TANH)
     if EVEN_N:
         tl.store(out_ptr + offs_n, y)

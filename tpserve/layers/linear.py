@@ -75,8 +75,12 @@ class ColumnParallelLinear(nn.Module):
         expect_full(param, w, n * get_tp().size, self.in_features)
         load_region(param, w, (get_tp().rank * n, n, 0), (0, self.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
+        """rms_eps: x is the residual stream, to be divided by its root mean square first (the
+        RMSNorm in front of this layer has its weight folded into this one's,
+        RMSNorm.fold_into); the one-row GEMV does that inside its launch."""
+        y = (self.method.apply(self, x) if rms_eps is None
+             else self.method.apply_normed(self, x, rms_eps))
         return y + self.bias if self.bias is not None else y
 
 
@@ -185,6 +189,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = shard_size(in_features, tp.size, tensor=f"{prefix}.weight",
                                       what="input features", shape=(out_features, in_features))
         self.in_features, self.out_features = in_features, out_features
+        self.tp_size = tp.size
         _build(self, out_features, self.in_per_rank, in_features, bias, out_features, True,
                [out_features], prefix, self.load_cols)
 
@@ -193,6 +198,11 @@ class RowParallelLinear(nn.Module):
         expect_full(param, w, self.out_features, self.in_features)
         load_region(param, w, (0, self.out_features, 0), (get_tp().rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: returns residual + this layer's output. With one rank and no bias the
+        add happens inside the matmul's launch (the one-row GEMV adds it as it stores)."""
+        if residual is not None and self.tp_size == 1 and self.bias is None:
+            return self.method.apply_add(self, x, residual)
         y = all_reduce(self.method.apply(self, x))
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if residual is None else y + residual

@@ -29,6 +29,26 @@ class RMSNorm(nn.Module):
                                 self.cast_before_weight)
         return out if residual is None else (out, res)
 
+    @torch.no_grad()
+    def fold_into(self, *linears: nn.Module) -> None:
+        """Move this norm's weight into the float weights [N, K] of the layers it feeds,
+        whose K is this norm's size, and make it one: x / rms(x) * g @ W^T equals
+        x / rms(x) @ (W g)^T, so a one-row GEMV that normalises x itself needs no norm
+        launch and no weight vector (kernels/gemv.py `linear`'s rms_eps). Steps of several
+        rows still run this norm, now with a unit weight. W g is rounded once to W's dtype,
+        in place of the normalised activation's rounding times g."""
+        g = self.weight.float() + self.offset
+        for w in (lin.weight for lin in linears):  # all checked before any is changed
+            if w.dim() != 2 or w.shape[1] != g.numel() or not w.is_floating_point():
+                raise ValueError(f"cannot fold a norm of {g.numel()} into weight "
+                                 f"{tuple(w.shape)} {w.dtype}")
+        for w in (lin.weight for lin in linears):
+            # In blocks of rows: this runs after the KV cache took the free memory, so no
+            # float32 copy of a whole weight.
+            for rows in w.split(1024):
+                rows.copy_((rows.float() * g).to(w.dtype))
+        self.weight.fill_(1.0 - self.offset)
+
 
 class LayerNorm(nn.LayerNorm):
     def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True) -> None:

@@ -10,6 +10,7 @@ from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
+from tpserve.layers.quant.methods import UnquantizedMethod
 from tpserve.layers.rotary import RotaryEmbedding, layer_rope_parameters, rope_parameters
 from tpserve.models.loader import load_into
 
@@ -44,13 +45,17 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
             self.k_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                residual: torch.Tensor | None = None,
+                rms_eps: float | None = None) -> torch.Tensor:
+        """rms_eps: x is the residual stream, normalised inside qkv_proj (folded norms);
+        residual: returns residual + the attention block's output."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, rms_eps))
         if self.q_norm is not None:
             d = self.head_dim
             q = self.q_norm(q.reshape(-1, d)).view(q.shape)
             k = self.k_norm(k.reshape(-1, d)).view(k.shape)
-        return self.o_proj(self.attn(q, k, v, rope=rope))
+        return self.o_proj(self.attn(q, k, v, rope=rope), residual)
 
 
 class GatedMLP(nn.Module):
@@ -65,8 +70,10 @@ class GatedMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj")
         self.act.fuse_with(self.gate_up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.project(self.gate_up_proj, x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                rms_eps: float | None = None) -> torch.Tensor:
+        """rms_eps and residual as in LlamaAttention.forward."""
+        return self.down_proj(self.act.project(self.gate_up_proj, x, rms_eps), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,6 +105,41 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
         return self.mlp(h), residual
+
+    def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
+                       h: torch.Tensor) -> torch.Tensor:
+        """One row of the residual stream in, the next out, with both norms folded into the
+        projections after them (fold_norms): four launches of weights, each normalising its
+        input or adding to the stream as it goes, and no norm launch."""
+        h = self.self_attn(rope, h, residual=h, rms_eps=self.input_layernorm.eps)
+        return self.mlp(h, residual=h, rms_eps=self.post_attention_layernorm.eps)
+
+    def why_not_foldable(self, need_gemv: bool) -> str | None:
+        """None when fold_norms can run here, else why not. need_gemv: each projection must
+        also have the one-row GEMV (warmup's choice), the launch that normalises or adds for
+        free; through F.linear the fold would trade each norm launch for another."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(mlp) is not GatedMLP:
+            return f"its feed-forward block is a {type(mlp).__name__}, not a gated MLP"
+        projs = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj,
+                 "gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}
+        for name, proj in projs.items():
+            if not isinstance(proj.method, UnquantizedMethod):
+                return f"{name} holds quantized weights"
+        for name in ("o_proj", "down_proj"):
+            if projs[name].tp_size != 1 or projs[name].bias is not None:
+                return f"{name} is split over ranks or has a bias: its add is a launch of its own"
+        if need_gemv:
+            tiles = {name: proj.gemv_tile for name, proj in projs.items()}
+            tiles["gate_up_proj"] = getattr(mlp.gate_up_proj, "gemv_gated_tile", None)
+            slow = [name for name, tile in tiles.items() if tile is None]
+            if slow:
+                return f"warmup kept the vendor GEMM for {', '.join(slow)}"
+        return None
+
+    def fold_norms(self) -> None:
+        self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
 class LlamaModel(nn.Module):
@@ -137,6 +179,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6),
                             norm_offset, norm_offset == 0.0)
         self.embed_scale: float | None = None
+        self.norms_folded = False  # fold_norms
+
+    def fold_norms(self, need_gemv: bool = True) -> str | None:
+        """Fold every decoder layer's two norms into the projections they feed, so that
+        one-row steps (a single stream's decode) skip the norm launches; None when done (or
+        done before), else why not (nothing changed). All layers or none. Run once the
+        weights are loaded and warmup has chosen the one-row kernels, before graphs are
+        captured."""
+        if self.norms_folded:
+            return None
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not LlamaDecoderLayer:
+                return f"layer {i} is a {type(layer).__name__}"
+            why = layer.why_not_foldable(need_gemv)
+            if why:
+                return f"layer {i}: {why}"
+        for layer in self.layers:
+            layer.fold_norms()
+        self.norms_folded = True
+        return None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
@@ -144,6 +206,10 @@ class LlamaModel(nn.Module):
             # Gemma rounds the float32 scale to the model dtype before multiplying.
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         ropes = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotaries.items()}
+        if self.norms_folded and ids.numel() == 1:
+            for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):
+                x = layer.forward_folded(ropes[rope], x)
+            return self.norm(x)
         residual = None
         for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):
             x, residual = layer(ropes[rope], x, residual)
@@ -185,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)
+
+    def fold_norms(self, need_gemv: bool = True) -> str | None:
+        return self.model.fold_norms(need_gemv)
 
     def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
                        ) -> torch.Tensor | None:

@@ -234,12 +234,27 @@ class Worker:
             self.backend.warmup(self.device, self.dtype, spec, sizes)
         # Before the graphs: each captures whichever path (GEMV or F.linear) was chosen.
         self.gemv_choices = gemv.assign(self.model.modules())
+        self._fold_norms()
         self.marks["kernels"] = now()
         self._capture_graphs(batch_sizes)
         self.marks["graphs"] = now()
         # Baseline for health()'s compiles_since_warmup: serving must never compile.
         self.compiles_at_warmup = compile_count(self.backend)
         return time.perf_counter() - t0
+
+    def _fold_norms(self) -> None:
+        """Where every one-row projection of a Llama-shaped model runs the GEMV, fold the
+        norms into them (LlamaModel.fold_norms): a single stream's step loses its 64 norm
+        launches. Set TPSERVE_FOLD_NORMS=0 to keep them (A/B runs)."""
+        fold = getattr(self.model, "fold_norms", None)
+        if fold is None or os.environ.get("TPSERVE_FOLD_NORMS") == "0":
+            return
+        why = fold()
+        if why is None:
+            log.info("norms folded into the projections after them: one-row steps launch "
+                     "no norm but the last")
+        elif self.gemv_choices:  # only worth a line where the GEMV could have run
+            log.info("norms not folded: %s", why)
 
     def _capture_graphs(self, batch_sizes: tuple[int, ...]) -> None:
         if not self.cfg.cuda_graphs:

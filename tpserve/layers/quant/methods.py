@@ -34,14 +34,33 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """apply() of x divided by its root mean square (an RMSNorm whose weight was folded
+        into this layer's, RMSNorm.fold_into)."""
+        return self.apply(layer, gemv.rms_unit(x, eps))
+
+    def apply_add(self, layer: nn.Module, x: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor:
+        """residual + apply(): a tp = 1 row-parallel layer adding its output to the
+        residual stream."""
+        return self.apply(layer, x) + residual
+
 
 class UnquantizedMethod(LinearMethod):
+    """Float weights. The one-row GEMV also does the two extras above in the same launch."""
+
     def create(self, layer, out_per_rank, in_per_rank, **_) -> None:
         layer.weight = attach(_param((out_per_rank, in_per_rank)), FLOAT_WEIGHT)
         layer.gemv_tile = None  # set by warmup where the one-row GEMV beats F.linear
 
     def apply(self, layer, x):
         return gemv.linear(x, layer.weight, layer.gemv_tile)
+
+    def apply_normed(self, layer, x, eps):
+        return gemv.linear(x, layer.weight, layer.gemv_tile, rms_eps=eps)
+
+    def apply_add(self, layer, x, residual):
+        return gemv.linear(x, layer.weight, layer.gemv_tile, residual=residual)
 
 
 def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
