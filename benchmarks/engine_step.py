@@ -214,6 +214,9 @@ def main() -> None:
         from tpserve.engine.heap import freeze_startup_objects
 
         freeze_startup_objects()
+        inner = getattr(engine.executor.worker.model, "model", None)
+        folded = getattr(inner, "norms_folded", None)
+        print(f"norms folded into the projections (one-row steps): {folded}", flush=True)
         rows = []
         try:
             for b in args.batches:

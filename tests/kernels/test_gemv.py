@@ -386,6 +386,46 @@ def test_a_chain_of_pdl_kernels_in_a_cuda_graph_matches_torch():
             assert err < 2e-2, err
 
 
+@pytest.mark.gpu
+def test_a_folded_layer_in_a_cuda_graph_matches_torch():
+    """One decoder layer's projections with its norms folded (the layer's one-row path:
+    QKV-shaped GEMV normalising the stream, o_proj adding to it, the gated GEMV normalising,
+    down_proj adding), captured in one CUDA graph with programmatic dependent launch where
+    the GPU has it and replayed on fresh streams: each replay matches the torch reference
+    path (`linear` without tiles). A read of the stream before its writer finished would
+    show as stale values here."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hidden, inter, eps = 4096, 14336, 1e-5
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def weight(n, k):
+        return torch.randn(n, k, device=dev, dtype=dt, generator=gen) * 0.02
+
+    w_qkv, w_o = weight(6144, hidden), weight(hidden, 4096)
+    w_up, w_down = weight(2 * inter, hidden), weight(hidden, inter)
+    h = torch.zeros(1, hidden, device=dev, dtype=dt)
+    tile = G.CANDIDATES[1]
+
+    def layer(gemv_tile):
+        qkv = G.linear(h, w_qkv, gemv_tile, rms_eps=eps)
+        h2 = G.linear(qkv[:, :4096], w_o, gemv_tile, residual=h)
+        if gemv_tile is None:
+            a = torch_gated(G.linear(h2, w_up, None, rms_eps=eps), False)
+        else:
+            a = G.gated(h2, w_up, gemv_tile, False, rms_eps=eps)
+        return G.linear(a, w_down, gemv_tile, residual=h2)
+
+    graph, out = G.capture(lambda: layer(tile))
+    for _ in range(20):
+        h.copy_(torch.randn(1, hidden, device=dev, dtype=dt, generator=gen) * 3)
+        graph.replay()
+        want = layer(None).float()
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 2e-2, err
+
+
 def test_pdl_is_for_launches_of_a_few_rows(monkeypatch):
     from tpserve.kernels import pdl
 
