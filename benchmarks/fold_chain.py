@@ -35,6 +35,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the gated GEMV over 18 tiles, plain and normalising")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fold_chain needs a CUDA GPU", file=sys.stderr)
@@ -96,13 +98,26 @@ def main() -> int:
               for f in (plain, mode)]
         single.append(f"| {name} | {us[0]:.1f} | {us[1]:.1f} |")
         print(single[-1], flush=True)
+    sweep = []
+    if args.sweep:
+        import itertools
+
+        for bn, bk, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
+            t = G.GemvTile(bn, bk, warps, False)
+            us = [graph_us(lambda t=t, e=e: [G.gated(x, w, t, False, e) for w in w_up],
+                           LAYERS, args.reps) for e in (None, EPS)]
+            sweep.append(f"| {t.label()} | {us[0]:.1f} | {us[1]:.1f} |")
+            print(sweep[-1], flush=True)
+        sweep = ["", "The gated GEMV per tile, us per call, plain and normalising:", "",
+                 "| tile | plain | rms |", "| --- | --- | --- |", *sweep]
     name = torch.cuda.get_device_name()
     lines = [f"Folded norms, one-row chain of {LAYERS} layers ({name}, torch {torch.__version__}, "
              f"tiles {tiles}), us per step's chain in a CUDA graph:", "",
              "| chain | us |", "| --- | --- |",
              *[f"| {k} | {v:.1f} |" for k, v in chain.items()], "",
              "Each GEMV alone, us per call (32 weight copies, cold in L2):", "",
-             "| layer | plain | folded mode (rms or residual) |", "| --- | --- | --- |", *single]
+             "| layer | plain | folded mode (rms or residual) |", "| --- | --- | --- |", *single,
+             *sweep]
     emit(lines, args.out)
     return 0
 
