@@ -45,9 +45,9 @@ def _one_row_runs(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = LlamaDecoderLayer.forward_folded
 
-    def counted(self, rope, h):
+    def counted(self, rope, h, *slots):
         calls.append(h.shape[0])
-        return real(self, rope, h)
+        return real(self, rope, h, *slots)
 
     monkeypatch.setattr(LlamaDecoderLayer, "forward_folded", counted)
     return calls
