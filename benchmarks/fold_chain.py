@@ -71,25 +71,16 @@ def main() -> int:
             x = G.gemv(G.gated(h, w_up[i], t_up, False), w_down[i], t_down)
         return x
 
-    slots = G.NormSlots(2 * LAYERS, dev)
-
-    def folded(handed: bool = True):
-        """As LlamaModel's folded forward; handed=False: every normalising program sums x's
-        squares itself (no slots, as on devices without them)."""
+    def folded():
         h = h0
         for i in range(LAYERS):
-            s_in = slots.slot(2 * i - 1) if i and handed else None
-            s_mid = slots.slot(2 * i) if handed else None
-            s_out = slots.slot(2 * i + 1) if i < LAYERS - 1 and handed else None
-            qkv = G.gemv(h, w_qkv[i], t_qkv, EPS, None, s_in)
-            h = G.gemv(qkv[:, :HIDDEN], w_o[i], t_o, None, h, None, s_mid)
-            a = G.gated(h, w_up[i], t_up, False, EPS, s_mid)
-            h = G.gemv(a, w_down[i], t_down, None, h, None, s_out)
+            qkv = G.gemv(h, w_qkv[i], t_qkv, EPS)
+            h = G.gemv(qkv[:, :HIDDEN], w_o[i], t_o, None, h)
+            h = G.gemv(G.gated(h, w_up[i], t_up, False, EPS), w_down[i], t_down, None, h)
         return h
 
     chain = {name: graph_us(fn, LAYERS, args.reps) * LAYERS
-             for name, fn in (("unfolded", unfolded), ("folded, sums handed in slots", folded),
-                              ("folded, every program sums", lambda: folded(False)),
+             for name, fn in (("unfolded", unfolded), ("folded", folded),
                               ("unfolded again", unfolded), ("folded again", folded))}
     x = torch.randn(1, HIDDEN, device=dev, dtype=dt)
     xi = torch.randn(1, INTER, device=dev, dtype=dt)
@@ -98,13 +89,11 @@ def main() -> int:
             ("qkv", w_qkv, x, lambda a, w: G.gemv(a, w, t_qkv),
              lambda a, w: G.gemv(a, w, t_qkv, EPS)),
             ("o_proj", w_o, x, lambda a, w: G.gemv(a, w, t_o),
-             lambda a, w: G.gemv(a, w, t_o, None, x, None, slots.slot(0))),
+             lambda a, w: G.gemv(a, w, t_o, None, x)),
             ("gate_up (gated)", w_up, x, lambda a, w: G.gated(a, w, t_up, False),
-             lambda a, w: G.gated(a, w, t_up, False, EPS, slots.slot(0))),
-            ("gate_up (gated), summing x", w_up, x, lambda a, w: G.gated(a, w, t_up, False),
              lambda a, w: G.gated(a, w, t_up, False, EPS)),
             ("down", w_down, xi, lambda a, w: G.gemv(a, w, t_down),
-             lambda a, w: G.gemv(a, w, t_down, None, x, None, slots.slot(1)))):
+             lambda a, w: G.gemv(a, w, t_down, None, x))):
         us = [graph_us(lambda f=f, ws=ws, inp=inp: [f(inp, w) for w in ws], LAYERS, args.reps)
               for f in (plain, mode)]
         single.append(f"| {name} | {us[0]:.1f} | {us[1]:.1f} |")
@@ -127,8 +116,7 @@ def main() -> int:
              "| chain | us |", "| --- | --- |",
              *[f"| {k} | {v:.1f} |" for k, v in chain.items()], "",
              "Each GEMV alone, us per call (32 weight copies, cold in L2):", "",
-             "| layer | plain | folded mode (qkv, gate_up: normalising; o_proj, down: adding, "
-             "writing a slot) |", "| --- | --- | --- |", *single,
+             "| layer | plain | folded mode (rms or residual) |", "| --- | --- | --- |", *single,
              *sweep]
     emit(lines, args.out)
     return 0
