@@ -80,13 +80,11 @@ def rms_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def folded_failures(device: str, dtypes, fn=None, gated_fn=None, tiles=G.CANDIDATES,
-                    slots: bool = True):
+def folded_failures(device: str, dtypes, fn=None, gated_fn=None, tiles=G.CANDIDATES):
     """The GEMV's folded-norm extras (RMSNorm.fold_into) against float64: `rms_eps` (x
     divided by its root mean square first) and `residual` (added to the output) in the plain
     GEMV, `rms_eps` in the gated one. x is scaled far from unit size (x 30) so that a
-    missing normalisation shows. slots: also the sums of squares handed over between
-    launches (_slot_failures). [] when all pass."""
+    missing normalisation shows. [] when all pass."""
     fn, gated_fn = fn or G.gemv, gated_fn or G.gated
     gen = torch.Generator().manual_seed(2)
     eps = 1e-5
@@ -117,73 +115,27 @@ def folded_failures(device: str, dtypes, fn=None, gated_fn=None, tiles=G.CANDIDA
                     if not err <= roundings * TOLERANCE[dtype]:
                         bad.append(f"{n}x{k} {dtype} {what} {tile.label()}: relative error "
                                    f"{err:.2e}")
-            if slots:
-                bad += _slot_failures(x, w, res, eps, plain, n, dtype, tiles, fn, gated_fn)
-    return bad
-
-
-def _slot_failures(x, w, res, eps, plain, n, dtype, tiles, fn, gated_fn):
-    """Sums of squares handed over in NormSlots: a writer (residual add) leaves its output's
-    sum of squares in a slot, twice in a row (its counter must be back at zero after the
-    first launch); readers (plain and gated) normalise by a slot holding x's true sum and
-    must not sum x themselves (x's own scale is a decoy: the slot says 4x larger)."""
-    bad = []
-    slots = G.NormSlots(3, x.device)
-    true_sum = x.float().pow(2).sum()
-    for tile in tiles:
-        for launch in range(2):
-            out = fn(x, w, tile, None, res, None, slots.slot(1)).float()
-            want = out.pow(2).sum()
-            got = slots.sums[1]
-            if not abs(float(got - want)) <= 1e-5 * float(want):
-                bad.append(f"{tuple(w.shape)} {dtype} slot written (launch {launch}) "
-                           f"{tile.label()}: {float(got):.6g} against {float(want):.6g}")
-            if int(slots.counts[1]) != 0:
-                bad.append(f"{tuple(w.shape)} {dtype} {tile.label()}: counter left at "
-                           f"{int(slots.counts[1])}")
-        slots.sums[2] = true_sum * 4  # the reader must take the slot's sum: rms 2x larger
-        cases = [("plain", fn(x, w, tile, eps, None, slots.slot(2)), plain / 2)]
-        for gelu_tanh in (False, True):
-            ref = gated_reference(rms_reference(x, eps) / 2, w, gelu_tanh)
-            cases.append((f"gated gelu_tanh={gelu_tanh}",
-                          gated_fn(x, w, tile, gelu_tanh, eps, slots.slot(2)), ref))
-        for what, out, ref in cases:
-            scale = max(ref.norm(), plain[:, n:].norm() / 2) if "gated" in what else ref.norm()
-            err = ((out.double() - ref).norm() / scale).item()
-            if not err <= 3 * TOLERANCE[dtype]:
-                bad.append(f"{tuple(w.shape)} {dtype} {what} reading a slot {tile.label()}: "
-                           f"relative error {err:.2e}")
     return bad
 
 
 def test_the_folded_check_fails_a_missing_norm_or_add():
-    """The torch reference (`linear` without a tile) passes; dropping the norm, the add, the
-    slot's sum (summing x instead) or the slot written each fails."""
-    def reference(x, w, tile, eps, res, ss_in=None, ss_out=None):
-        return G.linear(x, w, None, eps, res, ss_in, ss_out)
+    def reference(x, w, tile, eps, res):
+        return G.linear(x, w, None, eps, res)
 
-    def gated_ref(x, w, tile, gelu_tanh, eps, ss_in=None):
-        return gated_reference(G.rms_unit(x, eps, ss_in), w, gelu_tanh).to(x.dtype)
+    def gated_ref(x, w, tile, gelu_tanh, eps):
+        return gated_reference(G.rms_unit(x, eps), w, gelu_tanh).to(x.dtype)
 
-    tiles, f32 = G.CANDIDATES[:1], (torch.float32,)
-    assert folded_failures("cpu", f32, reference, gated_ref, tiles) == []
-    no_norm = folded_failures("cpu", f32, lambda x, w, t, eps, res, *s:
-                              reference(x, w, t, None, res), gated_ref, tiles, slots=False)
+    tiles = G.CANDIDATES[:1]
+    assert folded_failures("cpu", (torch.float32,), reference, gated_ref, tiles) == []
+    no_norm = folded_failures("cpu", (torch.float32,), lambda x, w, t, eps, res:
+                              reference(x, w, t, None, res), gated_ref, tiles)
     assert len(no_norm) == len(SHAPES) and all(" rms " in b for b in no_norm)
-    no_add = folded_failures("cpu", f32, lambda x, w, t, eps, res, *s:
-                             reference(x, w, t, eps, None), gated_ref, tiles, slots=False)
+    no_add = folded_failures("cpu", (torch.float32,), lambda x, w, t, eps, res:
+                             reference(x, w, t, eps, None), gated_ref, tiles)
     assert len(no_add) == len(SHAPES) and all("residual" in b for b in no_add)
-    gated_no_norm = folded_failures("cpu", f32, reference, lambda x, w, t, g, eps, *s:
-                                    gated_reference(x, w, g).to(x.dtype), tiles, slots=False)
+    gated_no_norm = folded_failures("cpu", (torch.float32,), reference, lambda x, w, t, g, eps:
+                                    gated_reference(x, w, g).to(x.dtype), tiles)
     assert len(gated_no_norm) >= 2 * len(SHAPES) - 2
-    own_sum = folded_failures("cpu", f32, lambda x, w, t, eps, res, ss_in=None, ss_out=None:
-                              reference(x, w, t, eps, res, None, ss_out),
-                              lambda x, w, t, g, eps, ss_in=None: gated_ref(x, w, t, g, eps),
-                              tiles)
-    assert len(own_sum) == 3 * len(SHAPES) and all("reading a slot" in b for b in own_sum)
-    unwritten = folded_failures("cpu", f32, lambda x, w, t, eps, res, ss_in=None, ss_out=None:
-                                reference(x, w, t, eps, res, ss_in), gated_ref, tiles)
-    assert len(unwritten) == 2 * len(SHAPES) and all("slot written" in b for b in unwritten)
 
 
 def test_the_gated_check_fails_swapped_halves_and_a_wrong_activation():
@@ -221,14 +173,8 @@ def test_triton_gemv_under_the_interpreter():
 
 @pytest.mark.slow  # Triton's interpreter
 def test_triton_folded_gemv_under_the_interpreter():
-    """Both ways of finding x's sum of squares: summed by every program (where slots are not
-    used: XPU, ROCm), and handed over in slots (CUDA), forced here on the CPU."""
     assert_no_failures_interpreted("test_gemv",
-                                   'folded_failures("cpu", (torch.float32, torch.float16), '
-                                   'slots=False)')
-    assert_no_failures_interpreted(
-        "test_gemv", 'setattr(G, "slots_in_kernel", lambda device: True) or '
-        'folded_failures("cpu", (torch.float32, torch.float16))')
+                                   'folded_failures("cpu", (torch.float32, torch.float16))')
 
 
 @pytest.mark.slow  # Triton's interpreter
@@ -264,7 +210,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(G, "_CHOSEN", {})
     state = {"wrong": set(), "broken": set(), "calls": []}
 
-    def fake_gemv(x, w, tile=G.DEFAULT_TILE, *folded):
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE, rms_eps=None, residual=None):
         state["calls"].append(tile)
         if tile in state["broken"]:
             raise RuntimeError("out of shared memory")
@@ -516,11 +462,11 @@ def _check_gated_mlps(fake_device, caplog):
     ran: list = []  # what each timed or forward call launched: (kind, tile)
     wrong = {b}
 
-    def fake_gemv(x, w, tile=G.DEFAULT_TILE, *folded):
+    def fake_gemv(x, w, tile=G.DEFAULT_TILE, rms_eps=None, residual=None):
         ran.append(("plain", tile))
         return F.linear(x.reshape(1, -1), w)
 
-    def fake_gated(x, w, tile, gelu_tanh, *folded):
+    def fake_gated(x, w, tile, gelu_tanh, rms_eps=None):
         ran.append(("gated", tile, gelu_tanh))
         y = gated_reference(x.reshape(1, -1), w, gelu_tanh).to(x.dtype)
         return y * 1.5 if tile in wrong else y

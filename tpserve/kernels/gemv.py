@@ -235,76 +235,31 @@ def assign(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int], GemvChoi
     return chosen
 
 
-class NormSlots:
-    """Sums of squares of a one-row residual stream, handed from the projection that adds
-    to the stream (`linear`'s ss_out) to the one that normalises it next (ss_in), so that
-    the latter's programs need not each sum x's squares again (triton_gemv.py, RMS mode 2).
-    One slot per add; `parts` and `counts` are the writer's scratch (its programs' partial
-    sums, and a counter per slot that each launch leaves at zero). Made once, before any
-    graph capture."""
-
-    MAX_PARTS = 16384  # programs of a writing GEMV: its outputs / BLOCK_N
-
-    def __init__(self, slots: int, device: torch.device) -> None:
-        self.sums = torch.zeros(slots, dtype=torch.float32, device=device)
-        self.counts = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.parts = torch.zeros(slots, self.MAX_PARTS, dtype=torch.float32, device=device)
-
-    def slot(self, i: int) -> Slot:
-        return Slot(self, i)
-
-
-@dataclass(frozen=True)
-class Slot:
-    slots: NormSlots
-    index: int
-
-
-def slots_in_kernel(device: torch.device) -> bool:
-    """The GEMV hands sums over between launches here (its counter's release/acquire pair
-    is relied on only where it was run: CUDA, not ROCm); elsewhere every normalising
-    program sums x's squares itself (RMS mode 1) and no slot is written."""
-    return device.type == "cuda" and torch.version.hip is None
-
-
-def rms_unit(x: torch.Tensor, eps: float, ss_in: Slot | None = None) -> torch.Tensor:
+def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) in float32, rounded to x's dtype: an RMSNorm whose weight is one (its
-    weight folded into the next layer's, RMSNorm.fold_into), with the sum of squares from
-    ss_in where given. The torch reference of the GEMV's RMS modes."""
+    weight folded into the next layer's, RMSNorm.fold_into). The torch reference of the
+    GEMV's RMS mode."""
     xf = x.float()
-    total = xf.pow(2).sum(-1, keepdim=True) if ss_in is None \
-        else ss_in.slots.sums[ss_in.index]
-    return (xf * torch.rsqrt(total / x.shape[-1] + eps)).to(x.dtype)
-
-
-def store_sum_of_squares(y: torch.Tensor, ss_out: Slot | None) -> torch.Tensor:
-    """The torch reference of the GEMV's SS_OUT: y's sum of squares (one row) into the
-    slot; returns y."""
-    if ss_out is not None:
-        ss_out.slots.sums[ss_out.index] = y.float().pow(2).sum()
-    return y
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile | None,
-           rms_eps: float | None = None, residual: torch.Tensor | None = None,
-           ss_in: Slot | None = None, ss_out: Slot | None = None) -> torch.Tensor:
+           rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight) without bias: through the GEMV when `tile` is set (warmup chose
-    it for this weight) and x holds one row, else through F.linear. For folded norms:
-    rms_eps, x is normalised first (`rms_unit`, its sum of squares read from ss_in where
-    given); residual, returns residual + the product (rounded to the dtype first); ss_out,
-    the result's sum of squares goes to that slot (one-row x only). In the GEMV these cost
-    no launch of their own."""
+    it for this weight) and x holds one row, else through F.linear. rms_eps: x is normalised
+    first (`rms_unit`); residual: returns residual + the product (rounded to the dtype
+    first). In the GEMV both cost no launch of their own."""
     if tile is not None and x.numel() == x.shape[-1]:
-        return gemv(x.reshape(1, -1), weight, tile, rms_eps, residual, ss_in, ss_out).view(
+        return gemv(x.reshape(1, -1), weight, tile, rms_eps, residual).view(
             *x.shape[:-1], weight.shape[0])
-    y = F.linear(x if rms_eps is None else rms_unit(x, rms_eps, ss_in), weight)
-    return store_sum_of_squares(y if residual is None else y + residual, ss_out)
+    y = F.linear(x if rms_eps is None else rms_unit(x, rms_eps), weight)
+    return y if residual is None else y + residual
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE,
-         rms_eps: float | None = None, residual: torch.Tensor | None = None,
-         ss_in: Slot | None = None, ss_out: Slot | None = None) -> torch.Tensor:
-    """x [1, K] times weight [N, K]^T -> [1, N] in x's dtype; the rest as in `linear`."""
+         rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] times weight [N, K]^T -> [1, N] in x's dtype; rms_eps and residual as in
+    `linear`."""
     from tpserve.kernels import triton_gemv
 
     n, k = weight.shape
@@ -318,45 +273,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE,
     x = x.contiguous()
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     res = out if residual is None else residual.contiguous()
-    programs = -(-n // tile.block_n)
-    rms, ss, parts, counts, i_in, i_out = _norm_args(x.device, rms_eps, ss_in, ss_out, out,
-                                                     programs)
-    triton_gemv.gemv_kernel[(programs,)](
-        x, weight, out, res, ss, parts, counts, n, k, weight.stride(0),
-        0.0 if rms_eps is None else rms_eps, i_in, i_out, EVEN_N=n % tile.block_n == 0,
-        EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, RMS=rms, RESIDUAL=residual is not None,
-        SS_OUT=parts is not out, PARTS_PAD=max(2, 1 << (programs - 1).bit_length()),
-        num_warps=tile.warps, **pdl.launch(x.device))
+    grid = (-(-n // tile.block_n),)
+    triton_gemv.gemv_kernel[grid](
+        x, weight, out, res, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps,
+        EVEN_N=n % tile.block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, RMS=rms_eps is not None,
+        RESIDUAL=residual is not None, num_warps=tile.warps, **pdl.launch(x.device))
     return out
 
 
-def _norm_args(device, rms_eps, ss_in, ss_out, dummy, programs):
-    """The kernel's folded-norm arguments: (RMS mode, sums, parts, counts, slot read, slot
-    written); unused pointers are `dummy`. Slots are used only where `slots_in_kernel`."""
-    use = slots_in_kernel(device)
-    rms = 0 if rms_eps is None else 2 if (ss_in is not None and use) else 1
-    slots = (ss_in or ss_out).slots if (ss_in or ss_out) is not None and use else None
-    if ss_out is not None and use:
-        if programs > NormSlots.MAX_PARTS:
-            raise ValueError(f"gemv: {programs} programs write a sum of squares, over "
-                             f"{NormSlots.MAX_PARTS}")
-        parts = slots.parts[ss_out.index]
-    else:
-        parts = dummy
-    return (rms, dummy if slots is None else slots.sums, parts,
-            dummy if slots is None else slots.counts,
-            ss_in.index if rms == 2 else 0, ss_out.index if parts is not dummy else 0)
-
-
 def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
-          gelu_tanh: bool, rms_eps: float | None = None,
-          ss_in: Slot | None = None) -> torch.Tensor:
+          gelu_tanh: bool, rms_eps: float | None = None) -> torch.Tensor:
     """act(x W_gate^T) * (x W_up^T) for x [1, K] and weight [2N, K] = [gate; up] (a gated
     MLP's fused projection): [1, N] in x's dtype, one launch. The activation is silu, or the
-    tanh GELU with `gelu_tanh`; rms_eps and ss_in: x normalised first, as in `linear`. Each
-    program reads tile.block_n weight rows, half gate and half up, so a tile keeps the bytes
-    per program it has in the plain GEMV."""
+    tanh GELU with `gelu_tanh`; rms_eps: x normalised first, as in `linear`. Each program
+    reads tile.block_n weight rows, half gate and half up, so a tile keeps the bytes per
+    program it has in the plain GEMV."""
     from tpserve.kernels import triton_gemv
 
     n2, k = weight.shape
@@ -366,10 +298,9 @@ def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
     n, block_n = n2 // 2, max(1, tile.block_n // 2)
     x = x.reshape(1, k).contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    rms, ss, _, _, i_in, _ = _norm_args(x.device, rms_eps, ss_in, None, out, 0)
     triton_gemv.gemv_gated_kernel[(-(-n // block_n),)](
-        x, weight, out, ss, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps, i_in,
+        x, weight, out, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps,
         EVEN_N=n % block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
-        BLOCK_N=block_n, BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, RMS=rms,
+        BLOCK_N=block_n, BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, RMS=rms_eps is not None,
         num_warps=tile.warps, **pdl.launch(x.device))
     return out

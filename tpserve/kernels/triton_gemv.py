@@ -28,41 +28,22 @@ def _w_tile(ptrs, k0, K, nmask, offs_k, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _rstd(sq, ss_ptr, ss_in, K, eps, RMS: tl.constexpr):
-    """1 / rms(x) for the RMS modes: 1, from the squares this program summed over x; 2, from
-    the sum of squares the layer that wrote x left in ss_ptr[ss_in] (read after the wait)."""
-    if RMS == 1:
-        total = tl.sum(sq, axis=0)
-    else:
-        total = tl.load(ss_ptr + ss_in)
-    return tl.rsqrt(total / K + eps)
-
-
-@triton.jit
-def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, ss_ptr, parts_ptr, cnt_ptr, N, K, swn, eps,
-                ss_in, ss_out, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                RMS: tl.constexpr, RESIDUAL: tl.constexpr, SS_OUT: tl.constexpr,
-                PARTS_PAD: tl.constexpr, PDL: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, N, K, swn, eps, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, RMS: tl.constexpr, RESIDUAL: tl.constexpr,
+                PDL: tl.constexpr):
     """Program n: out[n * BLOCK_N + i] = sum_k x[k] W[n * BLOCK_N + i, k], in float32. The
     products stay a [BLOCK_N, BLOCK_K] tile in registers and are summed once, at the end.
     EVEN_N / EVEN_K: N and K are multiples of the block (no masks, so loads stay 128-bit).
     The first weight tile is loaded before anything else: with PDL (kernels/pdl.py) that load
     overlaps the previous kernel, since weights do not change; x is read only after the wait.
     PREFETCH: each next tile is loaded before this one is reduced, else after.
-
-    Folded norms (layers/norm.py, RMSNorm.fold_into: the norm's weight is in W):
-    RMS: x is divided by its root mean square (eps added to the mean square), applied once
-    per output. 1: every program sums x's squares in its own loop (each reads all of x) and
-    reduces them at the end; 2: the sum is read from ss_ptr[ss_in], where the layer that
-    wrote x left it (SS_OUT), which spares every program that reduction: measured on an
-    H200, mode 1 cost the gated MLP projection's 7,168 programs 6% (docs/benchmarks.md).
+    RMS: x is first divided by its root mean square (eps added to the mean square), with no
+    weight: the norm's weight was folded into W (layers/norm.py, RMSNorm.fold_into). Every program reads
+    the whole of x anyway, so the squares are summed in the same loop and the scale applied
+    once per output: the norm costs no launch and no extra read.
     RESIDUAL: out = res + y, y rounded to out's dtype first (as a separate add would see it):
-    the residual stream's add done by the layer that feeds it.
-    SS_OUT: ss_ptr[ss_out] = the sum of squares of out as stored. Each program stores its
-    outputs' sum to parts_ptr[program] and counts itself at cnt_ptr[ss_out]; the last to
-    arrive sums the parts in program order (deterministic, unlike atomic float adds),
-    writes the slot and puts the counter back to zero for the next launch."""
+    the residual stream's add done by the layer that feeds it."""
     if PDL:
         gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,7 +64,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, ss_ptr, parts_ptr, cnt_ptr, N, K
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if RMS == 1:
+        if RMS:
             sq += x * x
         acc += w.to(tl.float32) * x[None, :]
         if PREFETCH:
@@ -91,36 +72,23 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, ss_ptr, parts_ptr, cnt_ptr, N, K
         else:
             w = _w_tile(ptrs, k0 + BLOCK_K, K, nmask, offs_k, EVEN, BLOCK_K)
     y = tl.sum(acc, axis=1)
-    if RMS != 0:
-        y = y * _rstd(sq, ss_ptr, ss_in, K, eps, RMS)
+    if RMS:
+        y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     dtype = out_ptr.dtype.element_ty
     if RESIDUAL:
         r = tl.load(res_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
         y = y.to(dtype).to(tl.float32) + r
-    y = y.to(dtype)
     if EVEN_N:
-        tl.store(out_ptr + offs_n, y)
+        tl.store(out_ptr + offs_n, y.to(dtype))
     else:
-        tl.store(out_ptr + offs_n, y, mask=nmask)
-    if SS_OUT:
-        yf = tl.where(nmask, y.to(tl.float32), 0.0)
-        tl.store(parts_ptr + tl.program_id(0), tl.sum(yf * yf, axis=0))
-        # The barrier makes every thread's stores part of the counter's release.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + ss_out, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            p = tl.arange(0, PARTS_PAD)
-            parts = tl.load(parts_ptr + p, mask=p < tl.num_programs(0), other=0.0,
-                            cache_modifier=".cg")  # through L2, where the others stored
-            tl.store(ss_ptr + ss_out, tl.sum(parts, axis=0))
-            tl.atomic_xchg(cnt_ptr + ss_out, 0)
+        tl.store(out_ptr + offs_n, y.to(dtype), mask=nmask)
 
 
 @triton.jit
-def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, ss_ptr, N, K, swn, eps, ss_in,
-                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GELU_TANH: tl.constexpr,
-                      RMS: tl.constexpr, PDL: tl.constexpr):
+def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, N, K, swn, eps, EVEN_N: tl.constexpr,
+                      EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GELU_TANH: tl.constexpr, RMS: tl.constexpr,
+                      PDL: tl.constexpr):
     """A gated MLP's one-row [gate; up] projection and its activation in one launch: W is
     [2N, K] with the gate rows first, and program n writes out[i] = act(g_i) * u_i for its
     BLOCK_N outputs i, g_i = x . W[i] and u_i = x . W[N + i], each rounded to the output's
@@ -153,7 +121,7 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, ss_ptr, N, K, swn, eps, ss_in,
             x = tl.load(x_ptr + kk).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if RMS == 1:
+        if RMS:
             sq += x * x
         acc_g += wg.to(tl.float32) * x[None, :]
         acc_u += wu.to(tl.float32) * x[None, :]
@@ -166,8 +134,8 @@ def gemv_gated_kernel(x_ptr, w_ptr, out_ptr, ss_ptr, N, K, swn, eps, ss_in,
     dtype = out_ptr.dtype.element_ty
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
-    if RMS != 0:
-        rstd = _rstd(sq, ss_ptr, ss_in, K, eps, RMS)
+    if RMS:
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         g = g * rstd
         u = u * rstd
     g = g.to(dtype).to(tl.float32)

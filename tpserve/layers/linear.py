@@ -17,7 +17,6 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.errors import ShardingError
-from tpserve.kernels.gemv import Slot, store_sum_of_squares
 from tpserve.layers.param_layout import VECTOR, attach, expect_full, load_region
 from tpserve.layers.quant.methods import linear_method
 from tpserve.layers.sharding import copy_full, shard_size
@@ -76,14 +75,12 @@ class ColumnParallelLinear(nn.Module):
         expect_full(param, w, n * get_tp().size, self.in_features)
         load_region(param, w, (get_tp().rank * n, n, 0), (0, self.in_features))
 
-    def forward(self, x: torch.Tensor, rms_eps: float | None = None,
-                ss_in: Slot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rms_eps: float | None = None) -> torch.Tensor:
         """rms_eps: x is the residual stream, to be divided by its root mean square first (the
         RMSNorm in front of this layer has its weight folded into this one's,
-        RMSNorm.fold_into); the one-row GEMV does that inside its launch, with the sum of
-        squares that the layer writing x left in ss_in where given."""
+        RMSNorm.fold_into); the one-row GEMV does that inside its launch."""
         y = (self.method.apply(self, x) if rms_eps is None
-             else self.method.apply_normed(self, x, rms_eps, ss_in))
+             else self.method.apply_normed(self, x, rms_eps))
         return y + self.bias if self.bias is not None else y
 
 
@@ -201,13 +198,11 @@ class RowParallelLinear(nn.Module):
         expect_full(param, w, self.out_features, self.in_features)
         load_region(param, w, (0, self.out_features, 0), (get_tp().rank * n, n))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ss_out: Slot | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: returns residual + this layer's output. With one rank and no bias the
-        add happens inside the matmul's launch (the one-row GEMV adds it as it stores).
-        ss_out: the returned row's sum of squares goes there, for the next norm."""
+        add happens inside the matmul's launch (the one-row GEMV adds it as it stores)."""
         if residual is not None and self.tp_size == 1 and self.bias is None:
-            return self.method.apply_add(self, x, residual, ss_out)
+            return self.method.apply_add(self, x, residual)
         y = all_reduce(self.method.apply(self, x))
         y = y + self.bias if self.bias is not None else y
-        return store_sum_of_squares(y if residual is None else y + residual, ss_out)
+        return y if residual is None else y + residual

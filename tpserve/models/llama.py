@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpserve.kernels.gemv import NormSlots, Slot
 from tpserve.layers.activation import GatedActivation
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,18 +46,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                residual: torch.Tensor | None = None, rms_eps: float | None = None,
-                ss_in: Slot | None = None, ss_out: Slot | None = None) -> torch.Tensor:
-        """Folded norms (LlamaDecoderLayer.forward_folded): rms_eps, x is the residual
-        stream, normalised inside qkv_proj (its sum of squares from ss_in where given);
-        residual, returns residual + the attention block's output (its sum of squares to
-        ss_out)."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x, rms_eps, ss_in))
+                residual: torch.Tensor | None = None,
+                rms_eps: float | None = None) -> torch.Tensor:
+        """rms_eps: x is the residual stream, normalised inside qkv_proj (folded norms);
+        residual: returns residual + the attention block's output."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, rms_eps))
         if self.q_norm is not None:
             d = self.head_dim
             q = self.q_norm(q.reshape(-1, d)).view(q.shape)
             k = self.k_norm(k.reshape(-1, d)).view(k.shape)
-        return self.o_proj(self.attn(q, k, v, rope=rope), residual, ss_out)
+        return self.o_proj(self.attn(q, k, v, rope=rope), residual)
 
 
 class GatedMLP(nn.Module):
@@ -74,11 +71,9 @@ class GatedMLP(nn.Module):
         self.act.fuse_with(self.gate_up_proj)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                rms_eps: float | None = None, ss_in: Slot | None = None,
-                ss_out: Slot | None = None) -> torch.Tensor:
-        """The folded-norm arguments as in LlamaAttention.forward."""
-        return self.down_proj(self.act.project(self.gate_up_proj, x, rms_eps, ss_in),
-                              residual, ss_out)
+                rms_eps: float | None = None) -> torch.Tensor:
+        """rms_eps and residual as in LlamaAttention.forward."""
+        return self.down_proj(self.act.project(self.gate_up_proj, x, rms_eps), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,19 +106,13 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
         return self.mlp(h), residual
 
-    def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                       ss_in: Slot | None, ss_mid: Slot,
-                       ss_out: Slot | None) -> torch.Tensor:
+    def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
+                       h: torch.Tensor) -> torch.Tensor:
         """One row of the residual stream in, the next out, with both norms folded into the
         projections after them (fold_norms): four launches of weights, each normalising its
-        input or adding to the stream as it goes, and no norm launch. Each add leaves the
-        stream's sum of squares in a slot for the norm after it: ss_mid (attention's add,
-        read by the MLP), ss_out (the MLP's, for the next layer); ss_in is the previous
-        layer's (None for the first: its input is the embedding, summed where read)."""
-        h = self.self_attn(rope, h, residual=h, rms_eps=self.input_layernorm.eps,
-                           ss_in=ss_in, ss_out=ss_mid)
-        return self.mlp(h, residual=h, rms_eps=self.post_attention_layernorm.eps,
-                        ss_in=ss_mid, ss_out=ss_out)
+        input or adding to the stream as it goes, and no norm launch."""
+        h = self.self_attn(rope, h, residual=h, rms_eps=self.input_layernorm.eps)
+        return self.mlp(h, residual=h, rms_eps=self.post_attention_layernorm.eps)
 
     def why_not_foldable(self, need_gemv: bool) -> str | None:
         """None when fold_norms can run here, else why not. need_gemv: each projection must
@@ -208,9 +197,6 @@ class LlamaModel(nn.Module):
                 return f"layer {i}: {why}"
         for layer in self.layers:
             layer.fold_norms()
-        weight = self.layers[0].self_attn.qkv_proj.weight
-        # Two slots a layer: after attention's add and after the MLP's.
-        self.norm_slots = NormSlots(2 * len(self.layers), weight.device)
         self.norms_folded = True
         return None
 
@@ -221,10 +207,8 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         ropes = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotaries.items()}
         if self.norms_folded and ids.numel() == 1:
-            slot, last = self.norm_slots.slot, len(self.layers) - 1
-            for i, (layer, rope) in enumerate(zip(self.layers, self.rope_of_layer, strict=True)):
-                x = layer.forward_folded(ropes[rope], x, slot(2 * i - 1) if i else None,
-                                         slot(2 * i), slot(2 * i + 1) if i < last else None)
+            for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):
+                x = layer.forward_folded(ropes[rope], x)
             return self.norm(x)
         residual = None
         for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):

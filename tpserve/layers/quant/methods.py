@@ -34,17 +34,16 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, eps: float,
-                     ss_in: gemv.Slot | None = None) -> torch.Tensor:
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor:
         """apply() of x divided by its root mean square (an RMSNorm whose weight was folded
-        into this layer's, RMSNorm.fold_into); its sum of squares from ss_in where given."""
-        return self.apply(layer, gemv.rms_unit(x, eps, ss_in))
+        into this layer's, RMSNorm.fold_into)."""
+        return self.apply(layer, gemv.rms_unit(x, eps))
 
-    def apply_add(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                  ss_out: gemv.Slot | None = None) -> torch.Tensor:
+    def apply_add(self, layer: nn.Module, x: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor:
         """residual + apply(): a tp = 1 row-parallel layer adding its output to the
-        residual stream; the sum's squares to ss_out where given."""
-        return gemv.store_sum_of_squares(self.apply(layer, x) + residual, ss_out)
+        residual stream."""
+        return self.apply(layer, x) + residual
 
 
 class UnquantizedMethod(LinearMethod):
@@ -57,11 +56,11 @@ class UnquantizedMethod(LinearMethod):
     def apply(self, layer, x):
         return gemv.linear(x, layer.weight, layer.gemv_tile)
 
-    def apply_normed(self, layer, x, eps, ss_in=None):
-        return gemv.linear(x, layer.weight, layer.gemv_tile, rms_eps=eps, ss_in=ss_in)
+    def apply_normed(self, layer, x, eps):
+        return gemv.linear(x, layer.weight, layer.gemv_tile, rms_eps=eps)
 
-    def apply_add(self, layer, x, residual, ss_out=None):
-        return gemv.linear(x, layer.weight, layer.gemv_tile, residual=residual, ss_out=ss_out)
+    def apply_add(self, layer, x, residual):
+        return gemv.linear(x, layer.weight, layer.gemv_tile, residual=residual)
 
 
 def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
