@@ -1,8 +1,9 @@
 """The one-row projections of 32 Llama-3-8B layers (tp = 1, bf16, one CUDA GPU) as a decode
-step chains them, with and without the norms folded into them (RMSNorm.fold_into):
+step chains them, with and without the input norm folded into QKV (RMSNorm.fold_into,
+LlamaDecoderLayer.forward_folded):
 
     unfolded: add + RMSNorm -> QKV GEMV -> o_proj GEMV -> add + RMSNorm -> gated GEMV -> down
-    folded:   QKV GEMV normalising -> o_proj GEMV adding -> gated GEMV normalising -> down adding
+    folded:   QKV GEMV normalising -> o_proj GEMV -> add + RMSNorm -> gated GEMV -> down adding
 
 captured in one CUDA graph (programmatic dependent launch where the GPU has it), no
 attention, each layer with its own weights (read from HBM, as in a step). Also each GEMV
@@ -35,8 +36,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the gated GEMV over 18 tiles, plain and normalising")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("fold_chain needs a CUDA GPU", file=sys.stderr)
@@ -75,8 +74,8 @@ def main() -> int:
         h = h0
         for i in range(LAYERS):
             qkv = G.gemv(h, w_qkv[i], t_qkv, EPS)
-            h = G.gemv(qkv[:, :HIDDEN], w_o[i], t_o, None, h)
-            h = G.gemv(G.gated(h, w_up[i], t_up, False, EPS), w_down[i], t_down, None, h)
+            x, h = fo.add_rms_norm_triton(G.gemv(qkv[:, :HIDDEN], w_o[i], t_o), h, norm_w, EPS)
+            h = G.gemv(G.gated(x, w_up[i], t_up, False), w_down[i], t_down, None, h)
         return h
 
     chain = {name: graph_us(fn, LAYERS, args.reps) * LAYERS
@@ -90,34 +89,19 @@ def main() -> int:
              lambda a, w: G.gemv(a, w, t_qkv, EPS)),
             ("o_proj", w_o, x, lambda a, w: G.gemv(a, w, t_o),
              lambda a, w: G.gemv(a, w, t_o, None, x)),
-            ("gate_up (gated)", w_up, x, lambda a, w: G.gated(a, w, t_up, False),
-             lambda a, w: G.gated(a, w, t_up, False, EPS)),
             ("down", w_down, xi, lambda a, w: G.gemv(a, w, t_down),
              lambda a, w: G.gemv(a, w, t_down, None, x))):
         us = [graph_us(lambda f=f, ws=ws, inp=inp: [f(inp, w) for w in ws], LAYERS, args.reps)
               for f in (plain, mode)]
         single.append(f"| {name} | {us[0]:.1f} | {us[1]:.1f} |")
         print(single[-1], flush=True)
-    sweep = []
-    if args.sweep:
-        import itertools
-
-        for bn, bk, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
-            t = G.GemvTile(bn, bk, warps, False)
-            us = [graph_us(lambda t=t, e=e: [G.gated(x, w, t, False, e) for w in w_up],
-                           LAYERS, args.reps) for e in (None, EPS)]
-            sweep.append(f"| {t.label()} | {us[0]:.1f} | {us[1]:.1f} |")
-            print(sweep[-1], flush=True)
-        sweep = ["", "The gated GEMV per tile, us per call, plain and normalising:", "",
-                 "| tile | plain | rms |", "| --- | --- | --- |", *sweep]
     name = torch.cuda.get_device_name()
     lines = [f"Folded norms, one-row chain of {LAYERS} layers ({name}, torch {torch.__version__}, "
              f"tiles {tiles}), us per step's chain in a CUDA graph:", "",
              "| chain | us |", "| --- | --- |",
              *[f"| {k} | {v:.1f} |" for k, v in chain.items()], "",
              "Each GEMV alone, us per call (32 weight copies, cold in L2):", "",
-             "| layer | plain | folded mode (rms or residual) |", "| --- | --- | --- |", *single,
-             *sweep]
+             "| layer | plain | folded mode (rms or residual) |", "| --- | --- | --- |", *single]
     emit(lines, args.out)
     return 0
 

@@ -1,7 +1,7 @@
-"""Norms folded into the projections after them (LlamaModel.fold_norms): a single stream's
-steps normalise inside the QKV and [gate; up] projections and add to the residual stream
-inside o_proj and down_proj, with no norm launch; steps of several rows run the norms with
-a unit weight. Checked on the CPU against transformers (float32): prefill logits of several
+"""Input norms folded into the QKV projections (LlamaModel.fold_norms): a single stream's
+steps normalise inside the QKV projection and add the MLP's output to the residual stream
+inside down_proj, with one norm launch a layer instead of two; steps of several rows run
+the input norm with a unit weight. Checked on the CPU against transformers (float32): prefill logits of several
 prompts, and greedy continuations of one prompt at a time, whose decode steps are one row
 and take the folded path (counted). Gemma brings the (1 + w) norm and the tanh GELU, Qwen2
 a QKV bias; their tiny checkpoints have perturbed norm weights, so a fold that lost or
@@ -99,8 +99,7 @@ def test_fold_is_refused_where_it_cannot_help(models_dir, llama_dir):
         model = engine.executor.worker.model
         before = model.model.layers[0].input_layernorm.weight.clone()
         why = model.fold_norms()
-        assert why == ("layer 0: warmup kept the vendor GEMM for qkv_proj, o_proj, "
-                       "gate_up_proj, down_proj")
+        assert why == "layer 0: warmup kept the vendor GEMM for qkv_proj, down_proj"
         assert not model.model.norms_folded
         assert torch.equal(model.model.layers[0].input_layernorm.weight, before)
     finally:

@@ -116,7 +116,7 @@ def test_gemv_kernel_compiles(dtype, pdl):
             _compile(tg.gemv_gated_kernel, {"*": "*" + dtype},
                      dict(EVEN_N=even, EVEN_K=even, PREFETCH=tile.prefetch,
                           BLOCK_N=tile.block_n // 2, BLOCK_K=tile.block_k, PDL=pdl,
-                          GELU_TANH=even, RMS=even))
+                          GELU_TANH=even))
 
 
 def test_sampling_kernel_compiles():

@@ -283,12 +283,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile = DEFAULT_TILE,
 
 
 def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
-          gelu_tanh: bool, rms_eps: float | None = None) -> torch.Tensor:
+          gelu_tanh: bool) -> torch.Tensor:
     """act(x W_gate^T) * (x W_up^T) for x [1, K] and weight [2N, K] = [gate; up] (a gated
     MLP's fused projection): [1, N] in x's dtype, one launch. The activation is silu, or the
-    tanh GELU with `gelu_tanh`; rms_eps: x normalised first, as in `linear`. Each program
-    reads tile.block_n weight rows, half gate and half up, so a tile keeps the bytes per
-    program it has in the plain GEMV."""
+    tanh GELU with `gelu_tanh`. Each program reads tile.block_n weight rows, half gate and
+    half up, so a tile keeps the bytes per program it has in the plain GEMV."""
     from tpserve.kernels import triton_gemv
 
     n2, k = weight.shape
@@ -299,8 +298,8 @@ def gated(x: torch.Tensor, weight: torch.Tensor, tile: GemvTile,
     x = x.reshape(1, k).contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     triton_gemv.gemv_gated_kernel[(-(-n // block_n),)](
-        x, weight, out, n, k, weight.stride(0), 0.0 if rms_eps is None else rms_eps,
-        EVEN_N=n % block_n == 0, EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch,
-        BLOCK_N=block_n, BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, RMS=rms_eps is not None,
-        num_warps=tile.warps, **pdl.launch(x.device))
+        x, weight, out, n, k, weight.stride(0), EVEN_N=n % block_n == 0,
+        EVEN_K=k % tile.block_k == 0, PREFETCH=tile.prefetch, BLOCK_N=block_n,
+        BLOCK_K=tile.block_k, GELU_TANH=gelu_tanh, num_warps=tile.warps,
+        **pdl.launch(x.device))
     return out

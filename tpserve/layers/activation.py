@@ -55,12 +55,11 @@ class GatedActivation(nn.Module):
             proj.gemv_gated = GATED_ACTS[self.name]
             proj.gemv_gated_tile = None
 
-    def project(self, proj: nn.Module, x: torch.Tensor,
-                rms_eps: float | None = None) -> torch.Tensor:
+    def project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """self(proj(x)), in one launch for one row where warmup chose the fused GEMV for
-        proj; two launches otherwise. rms_eps: x normalised first, as proj(x, rms_eps)."""
+        proj; two launches otherwise."""
         tile = getattr(proj, "gemv_gated_tile", None)
         if tile is not None and x.numel() == x.shape[-1]:
-            y = gemv.gated(x, proj.weight, tile, proj.gemv_gated, rms_eps)
+            y = gemv.gated(x, proj.weight, tile, proj.gemv_gated)
             return y.view(*x.shape[:-1], y.shape[-1])
-        return self(proj(x) if rms_eps is None else proj(x, rms_eps))
+        return self(proj(x))

@@ -46,16 +46,15 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, eps, qk_norm, qk_norm == 0.0)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                residual: torch.Tensor | None = None,
                 rms_eps: float | None = None) -> torch.Tensor:
-        """rms_eps: x is the residual stream, normalised inside qkv_proj (folded norms);
-        residual: returns residual + the attention block's output."""
+        """rms_eps: x is the residual stream, normalised inside qkv_proj (the input norm
+        folded into it, LlamaDecoderLayer.forward_folded)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x, rms_eps))
         if self.q_norm is not None:
             d = self.head_dim
             q = self.q_norm(q.reshape(-1, d)).view(q.shape)
             k = self.k_norm(k.reshape(-1, d)).view(k.shape)
-        return self.o_proj(self.attn(q, k, v, rope=rope), residual)
+        return self.o_proj(self.attn(q, k, v, rope=rope))
 
 
 class GatedMLP(nn.Module):
@@ -70,10 +69,10 @@ class GatedMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj")
         self.act.fuse_with(self.gate_up_proj)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                rms_eps: float | None = None) -> torch.Tensor:
-        """rms_eps and residual as in LlamaAttention.forward."""
-        return self.down_proj(self.act.project(self.gate_up_proj, x, rms_eps), residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: returns residual + the MLP's output (added inside down_proj's launch
+        where it can be)."""
+        return self.down_proj(self.act.project(self.gate_up_proj, x), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,38 +107,38 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
                        h: torch.Tensor) -> torch.Tensor:
-        """One row of the residual stream in, the next out, with both norms folded into the
-        projections after them (fold_norms): four launches of weights, each normalising its
-        input or adding to the stream as it goes, and no norm launch."""
-        h = self.self_attn(rope, h, residual=h, rms_eps=self.input_layernorm.eps)
-        return self.mlp(h, residual=h, rms_eps=self.post_attention_layernorm.eps)
+        """One row of the residual stream in, the next out, with the input norm folded into
+        qkv_proj (fold_norms), which normalises the stream as it reads it, and the MLP's
+        output added to the stream inside down_proj's launch: one norm launch a layer
+        instead of two. The norm after attention stays a launch: normalising inside the
+        gated [gate; up] GEMV cost its many small programs more than the launch saves."""
+        attn = self.self_attn(rope, h, rms_eps=self.input_layernorm.eps)
+        x, h = self.post_attention_layernorm(attn, h)
+        return self.mlp(x, residual=h)
 
     def why_not_foldable(self, need_gemv: bool) -> str | None:
-        """None when fold_norms can run here, else why not. need_gemv: each projection must
-        also have the one-row GEMV (warmup's choice), the launch that normalises or adds for
-        free; through F.linear the fold would trade each norm launch for another."""
-        attn, mlp = self.self_attn, self.mlp
+        """None when fold_norms can run here, else why not. need_gemv: qkv_proj and
+        down_proj must also have the one-row GEMV (warmup's choice), the launch that
+        normalises or adds for free; through F.linear the fold would trade each norm launch
+        for another."""
+        mlp = self.mlp
         if type(mlp) is not GatedMLP:
             return f"its feed-forward block is a {type(mlp).__name__}, not a gated MLP"
-        projs = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj,
-                 "gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}
+        projs = {"qkv_proj": self.self_attn.qkv_proj, "down_proj": mlp.down_proj}
         for name, proj in projs.items():
             if not isinstance(proj.method, UnquantizedMethod):
                 return f"{name} holds quantized weights"
-        for name in ("o_proj", "down_proj"):
-            if projs[name].tp_size != 1 or projs[name].bias is not None:
-                return f"{name} is split over ranks or has a bias: its add is a launch of its own"
+        if mlp.down_proj.tp_size != 1 or mlp.down_proj.bias is not None:
+            return "down_proj is split over ranks or has a bias: its add is a launch of its own"
         if need_gemv:
-            tiles = {name: proj.gemv_tile for name, proj in projs.items()}
-            tiles["gate_up_proj"] = getattr(mlp.gate_up_proj, "gemv_gated_tile", None)
-            slow = [name for name, tile in tiles.items() if tile is None]
+            slow = [name for name, proj in projs.items() if proj.gemv_tile is None]
             if slow:
                 return f"warmup kept the vendor GEMM for {', '.join(slow)}"
         return None
 
     def fold_norms(self) -> None:
+        """The input norm's weight into qkv_proj (forward_folded)."""
         self.input_layernorm.fold_into(self.self_attn.qkv_proj)
-        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
 class LlamaModel(nn.Module):
@@ -182,11 +181,11 @@ class LlamaModel(nn.Module):
         self.norms_folded = False  # fold_norms
 
     def fold_norms(self, need_gemv: bool = True) -> str | None:
-        """Fold every decoder layer's two norms into the projections they feed, so that
-        one-row steps (a single stream's decode) skip the norm launches; None when done (or
-        done before), else why not (nothing changed). All layers or none. Run once the
-        weights are loaded and warmup has chosen the one-row kernels, before graphs are
-        captured."""
+        """Fold every decoder layer's input norm into its QKV projection, so that one-row
+        steps (a single stream's decode) skip half the norm launches
+        (LlamaDecoderLayer.forward_folded); None when done (or done before), else why not
+        (nothing changed). All layers or none. Run once the weights are loaded and warmup
+        has chosen the one-row kernels, before graphs are captured."""
         if self.norms_folded:
             return None
         for i, layer in enumerate(self.layers):
