@@ -15,7 +15,6 @@ the tables to --out.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from report import emit, graph_us  # noqa: E402
+from report import cuda_args, emit, graph_us  # noqa: E402
 
 HIDDEN, QKV, INTER, LAYERS, EPS = 4096, 6144, 14336, 32, 1e-5
 
@@ -33,12 +32,8 @@ def main() -> int:
     from tpserve.kernels import fused_ops as fo
     from tpserve.kernels import gemv as G
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("fold_chain needs a CUDA GPU", file=sys.stderr)
+    args = cuda_args(__doc__, "fold_chain")
+    if args is None:
         return 2
     dev, dt = torch.device("cuda"), torch.bfloat16
 

@@ -13,7 +13,6 @@ result is checked against F.linear (bf16, relative error < 1e-2).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from report import emit, graph_us  # noqa: E402
+from report import cuda_args, emit, graph_us  # noqa: E402
 
 SHAPES = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("lm_head", 128256, 4096),
@@ -57,12 +56,8 @@ def check(y: torch.Tensor, ref: torch.Tensor) -> float:
 def main() -> int:
     from tpserve.kernels.gemv import choose, gemv
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gemv_bench needs a CUDA GPU", file=sys.stderr)
+    args = cuda_args(__doc__, "gemv_bench")
+    if args is None:
         return 2
     dev = torch.device("cuda")
     best: dict[str, tuple] = {}

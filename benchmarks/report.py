@@ -13,6 +13,24 @@ def emit(lines: list[str], out: Path | None) -> None:
             f.write(text + "\n")
 
 
+def cuda_args(doc: str, name: str):
+    """--out and --reps, parsed; None (after saying so) where there is no CUDA GPU, for
+    the benchmarks that time CUDA graphs."""
+    import argparse
+    import sys
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return args
+
+
 def graph_us(step, calls: int, reps: int) -> float:
     """Microseconds per call of `step`, a function making `calls` launches: run once on a
     side stream (warm: compile, or tune under TunableOp), captured in one CUDA graph, and
