@@ -112,7 +112,7 @@ def test_fold_is_refused_where_it_cannot_help(models_dir, llama_dir):
         engine.shutdown()
 
 
-def test_fold_into_moves_the_weight(monkeypatch):
+def test_fold_into_moves_the_weight():
     from tpserve.layers.norm import RMSNorm
 
     for offset in (0.0, 1.0):
