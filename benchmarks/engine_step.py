@@ -140,12 +140,18 @@ def _skip_act(x, name, act):
 # What --ablate replaces: (module, attribute, stand-in). Each stand-in launches nothing and
 # keeps the shapes, so the rest of the step runs as it would.
 ABLATIONS = {
-    "norm": ("tpserve.layers.norm", "add_rms_norm", _skip_norm),
-    "attention": ("tpserve.kernels.triton_backend", "TritonAttentionBackend.forward",
-                  _skip_attention),
-    "rotary": ("tpserve.kernels.triton_backend", "TritonAttentionBackend.rotary_write_kv",
-               _skip_attention),
-    "act": ("tpserve.layers.activation", "gated_act", _skip_act),
+    "norm": [("tpserve.layers.norm", "add_rms_norm", _skip_norm)],
+    # A decode step attends through decode_new (rotary, cache write and attention in one
+    # launch); mixed steps through forward.
+    "attention": [("tpserve.kernels.triton_backend", "TritonAttentionBackend.forward",
+                   _skip_attention),
+                  ("tpserve.kernels.triton_backend", "TritonAttentionBackend.decode_new",
+                   _skip_attention)],
+    # The separate rotary + cache-write launch: decode steps make it only with
+    # TPSERVE_DECODE_NEW_KV=0.
+    "rotary": [("tpserve.kernels.triton_backend", "TritonAttentionBackend.rotary_write_kv",
+                _skip_attention)],
+    "act": [("tpserve.layers.activation", "gated_act", _skip_act)],
 }
 
 
@@ -153,13 +159,14 @@ def ablate(parts: list[str]) -> None:
     import importlib
 
     for part in parts:
-        module, attr, stand_in = ABLATIONS[part]
-        owner = importlib.import_module(module)
-        *path, name = attr.split(".")
-        for p in path:
-            owner = getattr(owner, p)
-        setattr(owner, name, stand_in)
-        print(f"ablated {part}: {module}.{attr} launches nothing (timing only)", flush=True)
+        for module, attr, stand_in in ABLATIONS[part]:
+            owner = importlib.import_module(module)
+            *path, name = attr.split(".")
+            for p in path:
+                owner = getattr(owner, p)
+            setattr(owner, name, stand_in)
+            print(f"ablated {part}: {module}.{attr} launches nothing (timing only)",
+                  flush=True)
 
 
 def commit() -> str:
@@ -217,6 +224,9 @@ def main() -> None:
         inner = getattr(engine.executor.worker.model, "model", None)
         folded = getattr(inner, "norms_folded", None)
         print(f"norms folded into the projections (one-row steps): {folded}", flush=True)
+        new_kv = getattr(engine.executor.worker.backend, "decode_new_kv", None)
+        print(f"decode steps rotate and store their keys in the decode kernel: {new_kv}",
+              flush=True)
         rows = []
         try:
             for b in args.batches:

@@ -29,6 +29,7 @@ import torch
 
 from tpserve.kernels import kv_quant
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
+from tpserve.kernels.fused_ops import apply_rotary_torch
 from tpserve.kernels.registry import load_backend_class
 from tpserve.kernels.torch_backend import TorchAttentionBackend
 
@@ -48,7 +49,8 @@ GARBAGE = 1.0e4
 # This check bounds the accuracy trade-off; the tight check against the same fp8 cache is
 # what catches a wrong kernel (a dropped scale, a different rounding, a wrong block).
 FP8_TOLERANCE = 2.0**-2
-STEP_KINDS = ("mixed", "decode", "long decode", "decode-led mixed")
+STEP_KINDS = ("mixed", "decode", "long decode", "decode-led mixed", "decode, new kv",
+              "long decode, new kv")
 
 # Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
 CONFIGS = [
@@ -108,10 +110,16 @@ class ConformanceResult:
 class _Step:
     query_lens: list[int]
     seq_lens: list[int]
+    # Decode through backend.decode_new: q and the newest key arrive unrotated (rotary of
+    # rot_dims, 0: none) and the newest keys and values are not in the cache yet.
+    new_kv: bool = False
+    rot_dims: int = 0
 
 
-def _random_steps(rng: random.Random, block_size: int) -> list[_Step]:
-    """A mixed step (fresh prompts, chunked prefills, decodes) and a decode-only step."""
+def _random_steps(rng: random.Random, block_size: int, spec: AttentionSpec) -> list[_Step]:
+    """A mixed step (fresh prompts, chunked prefills, decodes), decode-only steps of short
+    and long contexts, a decode-led mixed step, and the two decode steps again through
+    decode_new (rotary over all or half of head_dim; none with ALiBi, as Bloom)."""
     mixed_q, mixed_ctx = [], []
     for kind in ["prompt", "chunk", "decode", rng.choice(["prompt", "chunk", "decode"])]:
         ctx = rng.randint(2, 5 * block_size + 7)
@@ -135,7 +143,9 @@ def _random_steps(rng: random.Random, block_size: int) -> list[_Step]:
     led = _Step([1] * lead + [prompt, rng.randint(2, chunk_ctx), 1],
                 [rng.randint(1, 6 * block_size + 3) for _ in range(lead)]
                 + [prompt, chunk_ctx, rng.randint(1, 4 * block_size)])
-    return [mixed, decode, long, led]
+    rot = 0 if spec.alibi else rng.choice((spec.head_dim, spec.head_dim // 2))
+    return [mixed, decode, long, led, replace(decode, new_kv=True, rot_dims=rot),
+            replace(long, new_kv=True, rot_dims=rot)]
 
 
 def _layout(rng: random.Random, step: _Step, block_size: int):
@@ -155,7 +165,9 @@ def _layout(rng: random.Random, step: _Step, block_size: int):
 
 
 def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: torch.Generator,
-              rng: random.Random, slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              rng: random.Random, slopes: torch.Tensor | None):
+    """(output, float64 reference, fp8: reference over the unquantized cache, new-kv steps:
+    the error of a plain decode over the cache decode_new left)."""
     bs = spec.block_size
     num_blocks, tables = _layout(rng, step, bs)
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -174,13 +186,28 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
     starts = [0]
     for n in step.query_lens:
         starts.append(starts[-1] + n)
+    rope = None
+    q_ref, k_ref = q, k_all
+    if step.new_kv:
+        # The newest key of each sequence is its last position; the reference rotates it
+        # and q in the tested dtype (the torch rotary), then sees the same values.
+        newest = torch.cumsum(torch.tensor(step.seq_lens), 0) - 1
+        if step.rot_dims:
+            pos = torch.tensor(step.seq_lens, dtype=torch.float64) - 1
+            inv = 1.0 / 10000.0 ** (torch.arange(0, step.rot_dims, 2, dtype=torch.float64)
+                                    / step.rot_dims)
+            ang = torch.cat([pos[:, None] * inv[None, :]] * 2, dim=-1)
+            rope = (ang.cos().to(dtype), ang.sin().to(dtype))
+            q_ref = apply_rotary_torch(q, *rope)
+            k_ref = k_all.clone()
+            k_ref[newest] = apply_rotary_torch(k_all[newest], *rope)
 
-    def meta_on(dev):
+    def meta_on(dev, slot_map=slot_mapping):
         return AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=slot_mapping.to(dev), max_query_len=max(step.query_lens),
+            slot_mapping=slot_map.to(dev), max_query_len=max(step.query_lens),
             max_seq_len=max(step.seq_lens), query_lens_host=tuple(step.query_lens),
             seq_lens_host=tuple(step.seq_lens))
 
@@ -193,22 +220,43 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
     ref_slopes = None if slopes is None else slopes.double()
     shape = ref_backend.kv_cache_shape(num_blocks, spec)
     kc, vc = _garbage(shape, cache_dtype, "cpu")
-    ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping, **extra)
-    ref = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), spec, ref_slopes)
+    ref_backend.write_kv(k_ref.double(), v_all.double(), kc, vc, slot_mapping, **extra)
+    ref = ref_backend.forward(q_ref.double(), kc, vc, meta_on("cpu"), spec, ref_slopes)
     full = None
     if fp8:  # the same step over the unquantized cache
         kc, vc = _garbage(shape, torch.float64, "cpu")
-        ref_backend.write_kv(k_all.double(), v_all.double(), kc, vc, slot_mapping)
-        full = ref_backend.forward(q.double(), kc, vc, meta_on("cpu"), full_spec, ref_slopes)
+        ref_backend.write_kv(k_ref.double(), v_all.double(), kc, vc, slot_mapping)
+        full = ref_backend.forward(q_ref.double(), kc, vc, meta_on("cpu"), full_spec,
+                                   ref_slopes)
 
     # The backend under test: its own layout and write_kv, on its device.
     shape = backend.kv_cache_shape(num_blocks, spec)
     kc, vc = _garbage(shape, kv_quant.cache_dtype(spec.kv_cache_dtype, dtype), device)
-    meta = meta_on(device)
-    backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping, **extra)
-    out = backend.forward(q.to(device), kc, vc, meta, spec,
-                          None if slopes is None else slopes.float().to(device))
-    return out.detach().cpu(), ref, full
+    dev_slopes = None if slopes is None else slopes.float().to(device)
+    if not step.new_kv:
+        meta = meta_on(device)
+        backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping,
+                         **extra)
+        out = backend.forward(q.to(device), kc, vc, meta, spec, dev_slopes)
+        return out.detach().cpu(), ref, full, None
+    # Every key but the newest in the cache (theirs stay garbage until decode_new), and the
+    # newest handed over as views of one projection row, as a model's qkv output.
+    old = torch.ones(total_ctx, dtype=torch.bool)
+    old[newest] = False
+    backend.write_kv(k_all[old].to(device), v_all[old].to(device), kc, vc,
+                     slot_mapping[old].to(device), **extra)
+    qkv = torch.cat([q.flatten(1), k_all[newest].flatten(1), v_all[newest].flatten(1)], 1)
+    qkv = qkv.to(device)
+    q_in, k_in, v_in = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    meta = meta_on(device, slot_mapping[newest])
+    out = backend.decode_new(q_in.view(-1, hq, d), k_in.view(-1, hkv, d),
+                             v_in.view(-1, hkv, d),
+                             None if rope is None else tuple(x.to(device) for x in rope),
+                             kc, vc, meta, spec, dev_slopes)
+    # What decode_new stored, read back through the backend's own layout: the same step
+    # again, the plain way, with the reference's rotated q over the cache it left.
+    again = backend.forward(q_ref.to(device), kc, vc, meta, spec, dev_slopes)
+    return out.detach().cpu(), ref, full, _rel_err(again.detach().cpu(), ref)
 
 
 def _garbage(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +306,7 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
                                                        f"declined: {reason}"))
                     continue
                 slopes = alibi_slopes(hq) if alibi else None
-                for step, kind in zip(_random_steps(rng, bs), STEP_KINDS, strict=True):
+                for step, kind in zip(_random_steps(rng, bs, spec), STEP_KINDS, strict=True):
                     result.cases.append(_check(backend, spec, step, kind, label, device, dtype,
                                                gen, rng, slopes, tol))
     if raise_on_failure:
@@ -283,7 +331,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
            tol) -> CaseResult:
     try:
-        out, ref, full = _one_step(backend, spec, step, device, dtype, gen, rng, slopes)
+        out, ref, full, cache_err = _one_step(backend, spec, step, device, dtype, gen, rng,
+                                              slopes)
     except Exception as exc:  # noqa: BLE001 - a crash is a failed case, reported with the rest
         return CaseResult(label, kind, math.inf, False, f"{type(exc).__name__}: {exc}")
     if out.shape != ref.shape:
@@ -294,6 +343,9 @@ def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
     err = _rel_err(out, ref)
     where = f"(q_lens {step.query_lens}, seq_lens {step.seq_lens})"
     detail = "" if err <= tol else f"relative error {err:.3e} > {tol:g} {where}"
+    if cache_err is not None and cache_err > tol:
+        detail = (f"{detail + '; ' if detail else ''}a decode over the cache it wrote: "
+                  f"relative error {cache_err:.3e} > {tol:g} {where}")
     fp8_err = None if full is None else _rel_err(out, full)
     if fp8_err is not None and fp8_err > FP8_TOLERANCE:
         detail += (f"{'; ' if detail else ''}fp8 against full precision: relative error "

@@ -229,6 +229,41 @@ class ReadsPaddingBlocks(TorchAttentionBackend):
         return super().decode(q, k_cache, v_cache, meta, spec, alibi_slopes, **kw)
 
 
+class ForgetsTheNewKeys(TorchAttentionBackend):
+    """decode_new attends correctly to a private copy of the cache but never stores the
+    step's keys and values in the real one."""
+
+    name = "forgets-new-keys"
+
+    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        return super().decode_new(q, k, v, rope, k_cache.clone(), v_cache.clone(), meta, spec,
+                                  alibi_slopes)
+
+
+class IgnoresRotaryInDecode(TorchAttentionBackend):
+    """decode_new stores and attends without rotating q and the new keys."""
+
+    name = "ignores-rotary"
+
+    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        return super().decode_new(q, k, v, None, k_cache, v_cache, meta, spec, alibi_slopes)
+
+
+@pytest.mark.parametrize("backend", [ForgetsTheNewKeys, IgnoresRotaryInDecode])
+def test_suite_fails_a_decode_new_that_drops_the_write_or_the_rotary(backend):
+    """Only the decode_new steps fail: the rotary-less configurations (ALiBi) still pass a
+    backend that ignores the rotary, and the cache check fails the one that forgets."""
+    result = run_conformance(backend, "cpu", torch.float32, head_dims=(16,), block_sizes=(16,),
+                             raise_on_failure=False)
+    assert result.failures
+    assert {c.step for c in result.failures} <= {"decode, new kv", "long decode, new kv"}
+    if backend is ForgetsTheNewKeys:
+        assert all("a decode over the cache it wrote" in c.detail for c in result.failures)
+        assert len(result.failures) == 2 * len(CONFIGS)
+    else:
+        assert not any(c.name.startswith("alibi") for c in result.failures)
+
+
 def test_suite_fails_a_backend_that_ignores_the_window():
     result = run_conformance(IgnoresWindow, "cpu", torch.float32, head_dims=(16,),
                              raise_on_failure=False)

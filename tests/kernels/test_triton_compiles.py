@@ -48,22 +48,37 @@ FLAG_IDS = ["all-features", "plain", "fp8-cache"]
 PDL = [False, True]  # programmatic dependent launch (kernels/pdl.py): sm_90's griddepcontrol
 
 
-@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
-@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
-@pytest.mark.parametrize("split", [False, True])
-def test_decode_kernels_compile(split, flags, pdl):
+DECODE_TABLES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
+                 "part_ptr": "*fp32", "ml_ptr": "*fp32", "slot_ptr": "*i64", "*": "*bf16"}
+
+
+def _compile_decode(flags: dict, **constexprs) -> None:
     from tpserve.kernels import triton_kernels as tk
 
-    tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
-              "part_ptr": "*fp32", "ml_ptr": "*fp32", "*": "*bf16"}
-    if flags["KV_FP8"]:
-        tables.update(FP8_CACHE)
+    tables = dict(DECODE_TABLES, **(FP8_CACHE if flags["KV_FP8"] else {}))
     _compile(tk.paged_decode_kernel, tables,
              dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
-                  BLOCK_N=128 if flags["KV_FP8"] else 64, SPLIT=split, PDL=pdl, **flags))
+                  BLOCK_N=128 if flags["KV_FP8"] else 64, **flags, **constexprs))
+
+
+@pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("new_kv", [False, True], ids=["cached-kv", "new-kv"])
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_kernels_compile(split, new_kv, flags, pdl):
+    """new-kv: the decode that rotates, stores and attends to the step's own keys
+    (decode_new), with full-width rotary."""
+    from tpserve.kernels import triton_kernels as tk
+
+    _compile_decode(flags, SPLIT=split, PDL=pdl, NEW_KV=new_kv, ROT=128 if new_kv else 0)
     _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
                                              "*": "*bf16"},
              dict(HEAD_DIM=128, SPLITS_PAD=64, PDL=pdl))
+
+
+@pytest.mark.parametrize("rot", [0, 64], ids=["no-rotary", "partial-rotary"])
+def test_decode_with_new_keys_compiles_without_or_with_partial_rotary(rot):
+    _compile_decode(ALL if rot == 0 else NONE, SPLIT=True, PDL=True, NEW_KV=True, ROT=rot)
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)

@@ -150,6 +150,26 @@ class AttentionBackend(ABC):
                       **extra)
         return apply_rotary_torch(q, cos, sin)
 
+    def write_new(self, q, k, v, rope, k_cache, v_cache, slot_mapping,
+                  spec: AttentionSpec) -> torch.Tensor:
+        """Store a step's new keys and values (rotated by rope = (cos, sin) when given, as
+        rotary_write_kv does) and return q, rotated likewise."""
+        extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
+        if rope is None:
+            self.write_kv(k, v, k_cache, v_cache, slot_mapping, **extra)
+            return q
+        return self.rotary_write_kv(q, k, v, *rope, k_cache, v_cache, slot_mapping, **extra)
+
+    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta: AttentionMetadata,
+                   spec: AttentionSpec, alibi_slopes=None) -> torch.Tensor:
+        """A decode step (one new token per sequence) from its raw projections: q [B, heads,
+        head_dim] and k/v [B, kv_heads, head_dim], rotated by rope = (cos, sin) ([B,
+        rot_dim]) when given, the keys and values stored at meta.slot_mapping. The default
+        stores (write_new) and then attends (forward); a backend with a kernel that does
+        all of it in one launch overrides this."""
+        q = self.write_new(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, spec)
+        return self.forward(q, k_cache, v_cache, meta, spec, alibi_slopes)
+
     @abstractmethod
     def prefill(
         self,

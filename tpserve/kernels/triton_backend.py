@@ -188,6 +188,9 @@ class TritonAttentionBackend(AttentionBackend):
         # (benchmarks/decode_kv_bench.py, its grid orders; docs/benchmarks.md, "Decode attention's
         # grid order"). TPSERVE_DECODE_HEADS_FIRST=0 keeps the old order (A/B runs).
         self.decode_heads_first = os.environ.get("TPSERVE_DECODE_HEADS_FIRST", "1") != "0"
+        # A decode step's rotary and cache write inside the decode launch (decode_new).
+        # TPSERVE_DECODE_NEW_KV=0 launches them separately, as mixed steps do (A/B runs).
+        self.decode_new_kv = os.environ.get("TPSERVE_DECODE_NEW_KV", "1") != "0"
         # The prefill tile as (rows, warps, stages) instead of launch_config's (rows: new
         # tokens x the GQA group; benchmarks/kernels_bench.py).
         self.prefill_tile: tuple[int, int, int] | None = None
@@ -278,11 +281,39 @@ class TritonAttentionBackend(AttentionBackend):
                      slopes, cfg, flags, scalars, spec)
         return out
 
+    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None):
+        """One launch (plus the split reduction) for a decode step from its raw projections:
+        the decode kernel rotates q and the new keys, stores the new keys and values and
+        attends (NEW_KV in paged_decode_kernel), where the base class launches the rotary +
+        cache write first. TPSERVE_DECODE_NEW_KV=0 keeps the two launches (A/B runs)."""
+        layout_ok = all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 for x in (q, k, v))
+        if not self.decode_new_kv or not layout_ok or q.shape[0] == 0:
+            return super().decode_new(q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes)
+        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+        if rope is None:
+            cos = sin = slopes  # never read with ROT = 0
+            rot = 0
+        else:
+            cos, sin = (x.contiguous() for x in rope)
+            rot = cos.shape[-1]
+        fp8 = spec.kv_cache_dtype == "fp8"
+        new = (k, v, cos, sin, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+               v.stride(1), cos.stride(0), 1.0 / spec.k_scale if fp8 else 1.0,
+               1.0 / spec.v_scale if fp8 else 1.0)
+        self._decode(out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
+                     slopes, cfg, flags, scalars, spec, new=new, rot=rot)
+        return out
+
     def _decode(self, out, q, k_cache, v_cache, tables, seq_lens, slopes, cfg, flags, scalars,
-                spec) -> None:
-        """The decode launch (and split reduction) for q's rows, one token per sequence."""
-        self._record(compile_key("decode", q.dtype, spec))
+                spec, new: tuple | None = None, rot: int = 0) -> None:
+        """The decode launch (and split reduction) for q's rows, one token per sequence.
+        new: the NEW_KV arguments of paged_decode_kernel (decode_new), rot its ROT."""
+        self._record(compile_key("decode", q.dtype, spec)
+                     + (("new_kv", rot) if new is not None else ()))
         b, heads, d = q.shape
+        new_kv = new is not None
+        if not new_kv:  # never read
+            new = (slopes,) * 5 + (0,) * 5 + (1.0, 1.0)
         splits = self.num_splits(q.device, b, spec)
         if splits > 1:
             part = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
@@ -293,11 +324,11 @@ class TritonAttentionBackend(AttentionBackend):
         grid = (spec.num_kv_heads, b, splits) if heads_first else (b, spec.num_kv_heads, splits)
         self._kernels().paged_decode_kernel[grid](
             out, part, ml, q, k_cache, v_cache, tables, seq_lens,
-            slopes, *scalars, splits, heads * splits * d, splits * d,
+            slopes, *scalars, splits, heads * splits * d, splits * d, *new,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
             HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
             **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b),
-            HEADS_FIRST=heads_first)
+            HEADS_FIRST=heads_first, NEW_KV=new_kv, ROT=rot)
         if splits > 1:
             self._reduce(out, part, ml)
 
@@ -449,6 +480,15 @@ class TritonAttentionBackend(AttentionBackend):
         slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
         run = self.decode if case.kind == "decode" else self.prefill
         run(q, k_cache, v_cache, meta, spec, slopes)
+        if case.kind == "decode" and self.decode_new_kv:
+            # decode_new's variants: full-width rotary (the Llama family), and none where
+            # the model has ALiBi instead (Bloom). A partial rotary compiles its own variant
+            # during graph capture.
+            b = q.shape[0]
+            kv = torch.randn(b, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+            cs = torch.randn(b, spec.head_dim, dtype=dtype, device=device)
+            self.decode_new(q, kv, kv, None if spec.alibi else (cs, cs), k_cache, v_cache, meta,
+                            spec, slopes)
         if case.kind == "prefill":  # the fused rotary + cache write, full-width rotary
             t = q.shape[0]
             kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tpserve.kernels.triton_kernels import _tanh  # one exp-based tanh for every backend
 from tpserve.kernels.triton_pdl import pdl_enter
+from tpserve.kernels.triton_rotary import _fp8_range, _rotate_heads
 
 
 @triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"])
@@ -68,32 +69,6 @@ def gated(g, u, dtype: tl.constexpr, GELU_TANH: tl.constexpr):
     else:
         a = g / (1.0 + tl.exp(-g))
     return (a.to(dtype).to(tl.float32) * u).to(dtype)
-
-
-@triton.jit
-def _fp8_range(x, inv_scale):
-    """float32 -> x / scale clamped to e4m3's +-448, which the store then rounds to nearest
-    (kv_quant.quantize: e4m3's cast is not saturating everywhere)."""
-    return tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
-
-
-@triton.jit
-def _rotate_heads(x_ptr, stride_h, h, hmask, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
-                  ROT: tl.constexpr):
-    """x * cos + rotate_half(x) * sin on the first ROT dims of heads h ([HB, HEAD_DIM], heads
-    past hmask read as zeros), the rest as is; each product and the sum rounded to x's
-    dtype, as the torch reference computes in it."""
-    dtype = x_ptr.dtype.element_ty
-    rot = (d < ROT)[None, :]
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    row = x_ptr + h[:, None] * stride_h
-    x = tl.load(row + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(row + partner[None, :], mask=hmask[:, None] & rot, other=0.0).to(tl.float32)
-    xp = tl.where((d < HALF)[None, :], -xp, xp)
-    c = tl.load(cos_row_ptr + d, mask=d < ROT, other=1.0).to(dtype).to(tl.float32)[None, :]
-    s = tl.load(sin_row_ptr + d, mask=d < ROT, other=0.0).to(dtype).to(tl.float32)[None, :]
-    y = (x * c).to(dtype).to(tl.float32) + (xp * s).to(dtype).to(tl.float32)
-    return tl.where(rot, y, x)
 
 
 @triton.jit(do_not_specialize=["stride_qt", "stride_qh", "stride_kt", "stride_kh",

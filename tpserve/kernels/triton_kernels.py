@@ -25,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpserve.kernels.triton_pdl import pdl_enter
+from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait, pdl_enter
+from tpserve.kernels.triton_rotary import _fp8_range, _rotate_heads, _rotate_row, _round_e4m3
 
 # Step-varying scalars: never specialise on their value (see the module docstring).
 _RUNTIME_INTS = ["window", "stride_bt"]
@@ -66,18 +67,46 @@ def _scores(q, k, q_pos, k_pos, visible, slopes, scale, softcap,
     return tl.where(visible, s, float("-inf"))
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_splits", "stride_pt", "stride_ph"],
-            do_not_specialize_on_alignment=_TABLES)
+@triton.jit
+def _new_key(q, k_new_ptr, v_new_ptr, cos_row, sin_row, mine, d, kvh, seq, stride_kt,
+             stride_kh, stride_vt, stride_vh, k_inv_scale, v_inv_scale,
+             KV_FP8: tl.constexpr, ROT: tl.constexpr, cache_dtype: tl.constexpr):
+    """This step's key and value of KV head kvh (loaded only where `mine`): the key rotated
+    by ROT dims, both as the cache stores them (an fp8 cache: clamped to +-448 after 1 /
+    scale and rounded to e4m3 before the then exact cast, as the W8A8 rows are), and both
+    widened again to q's dtype, as the attention reads a cached tile."""
+    k_row = k_new_ptr + seq * stride_kt + kvh * stride_kh
+    if ROT > 0:
+        kf = _rotate_row(k_row, d, mine, cos_row, sin_row, ROT // 2, ROT)
+    else:
+        kf = tl.load(k_row + d, mask=mine, other=0.0).to(tl.float32)
+    vf = tl.load(v_new_ptr + seq * stride_vt + kvh * stride_vh + d, mask=mine,
+                 other=0.0).to(tl.float32)
+    kf = kf.to(k_new_ptr.dtype.element_ty).to(tl.float32)  # stored as the model's dtype
+    if KV_FP8:
+        kf = _round_e4m3(_fp8_range(kf, k_inv_scale))
+        vf = _round_e4m3(_fp8_range(vf, v_inv_scale))
+    kc = kf.to(cache_dtype)
+    vc = vf.to(cache_dtype)
+    return kc, vc, kc.to(q.dtype), vc.to(q.dtype)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["num_splits", "stride_pt", "stride_ph",
+                                               "stride_kt", "stride_kh", "stride_vt",
+                                               "stride_vh", "stride_rt"],
+            do_not_specialize_on_alignment=_TABLES + ["slot_ptr"])
 def paged_decode_kernel(
     out_ptr, part_ptr, ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     alibi_ptr, scale, softcap, v_scale, window, stride_bt,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
     num_splits, stride_pt, stride_ph,
+    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_rt, k_inv_scale, v_inv_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, KV_FP8: tl.constexpr, KV_F16: tl.constexpr, PDL: tl.constexpr,
-    HEADS_FIRST: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False, NEW_KV: tl.constexpr = False, ROT: tl.constexpr = 0,
 ):
     """One program per (sequence, KV head, split): the GROUP query heads sharing that KV head
     are the rows of one tile, so each key is read once per group (GQA / MQA).
@@ -86,8 +115,20 @@ def paged_decode_kernel(
     tiles, one per program, so a small batch still fills the GPU; each program writes its
     normalised partial output [num_splits, HEAD_DIM] and (max score, sum of exponentials) per
     head to part/ml (fp32), and paged_decode_reduce_kernel combines them. A split with no
-    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero."""
-    pdl_enter(PDL)
+    keys (short contexts) writes max -1e30 and sum 0, which the reduction weighs by zero.
+
+    NEW_KV (a decode step's attention, rotary and cache write in one launch): q_ptr and
+    k_new/v_new_ptr are this step's raw projections. Each program rotates its query heads
+    by the sequence's cos/sin row (ROT dims, 0: no rotary) and reads the cached keys before
+    position ctx - 1; the program whose run of keys holds that position rotates the newest
+    key, stores it and the value at the sequence's slot (a negative slot stores nothing;
+    an fp8 cache quantized with 1 / scale, as the fused rotary kernel does) and starts its
+    softmax from them. The separate rotary + cache-write launch is gone.
+
+    PDL: the sequence length is written before a step's first kernel, so it is read
+    before the wait."""
+    if PDL:
+        gdc_launch_dependents()
     if HEADS_FIRST:  # grid (KV heads, sequences, splits): a sequence's heads run side by side
         kvh = tl.program_id(0)
         seq = tl.program_id(1)
@@ -100,14 +141,7 @@ def paged_decode_kernel(
     row_ok = rows < GROUP
     heads = kvh * GROUP + rows
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    if KV_F16:
-        q = _f16(q)
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)
-    slopes = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    if HAS_ALIBI:
-        slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N
@@ -116,13 +150,57 @@ def paged_decode_kernel(
         per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), num_splits) * BLOCK_N
         lo = lo + split * per_split
         hi = tl.minimum(ctx, lo + per_split)
+    if PDL:
+        gdc_wait()
+    q_row = q_ptr + seq * stride_qt
+    if NEW_KV and ROT > 0:
+        cos_row = cos_ptr + seq * stride_rt
+        sin_row = sin_ptr + seq * stride_rt
+        q = _rotate_heads(q_row, stride_qh, heads, row_ok, d, cos_row, sin_row, ROT // 2,
+                          ROT).to(q_ptr.dtype.element_ty)
+    else:
+        cos_row = cos_ptr
+        sin_row = sin_ptr
+        q = tl.load(q_row + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+    if KV_F16:
+        q = _f16(q)
+    slopes = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    if NEW_KV:
+        # The program whose run of keys holds position ctx - 1 stores this step's key and
+        # value at the sequence's slot and starts its softmax from them (score s_new,
+        # weight 1, output v_new), so the loop below is the cached-keys loop unchanged:
+        # selecting the new row inside every tile cost more than the launch it saved, and
+        # adding it after the loop put its loads behind the loop's (docs/benchmarks.md).
+        # The newest key is always visible and its ALiBi distance is 0.
+        mine = (ctx - 1 >= lo) & (ctx - 1 < hi)
+        kc, vc, k_new, v_new = _new_key(q, k_new_ptr, v_new_ptr, cos_row, sin_row, mine, d,
+                                        kvh, seq, stride_kt, stride_kh, stride_vt,
+                                        stride_vh, k_inv_scale, v_inv_scale, KV_FP8, ROT,
+                                        k_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq, mask=mine, other=-1).to(tl.int64)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+            + kvh * stride_ch
+        tl.store(k_cache_ptr + dst + d, kc, mask=mine & (slot >= 0))
+        tl.store(v_cache_ptr + dst + d, vc, mask=mine & (slot >= 0))
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        if HAS_SOFTCAP:
+            s_new = softcap * _tanh(s_new / softcap)
+        m_i = tl.where(mine, s_new, m_i)
+        l_i = tl.where(mine, 1.0, l_i)
+        acc = tl.where(mine, acc + v_new.to(tl.float32)[None, :], acc)
+    hi_cached = hi
+    if NEW_KV:  # the newest key is not in the cache yet: it joined above
+        hi_cached = tl.minimum(hi, ctx - 1)
     bt_row = block_tables_ptr + seq * stride_bt
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, hi_cached, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < hi
+        k_ok = k_pos < hi_cached
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)

@@ -50,14 +50,12 @@ class PagedAttention(AttentionLayer):
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        # The spec reaches the write only for an fp8 cache (its scales), so backends without
-        # one keep their write_kv signature.
-        extra = {"spec": s} if s.kv_cache_dtype != "auto" else {}
-        if rope is not None:
-            q = ctx.backend.rotary_write_kv(q, k, v, *rope, k_cache, v_cache,
-                                            ctx.meta.slot_mapping, **extra)
-        else:
-            ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta.slot_mapping, **extra)
+        if rel_bias is None and ctx.meta.decode_only:
+            # A backend may rotate, store and attend in one launch here (decode_new).
+            out = ctx.backend.decode_new(q, k, v, rope, k_cache, v_cache, ctx.meta, s,
+                                         self.alibi_slopes)
+            return out.reshape(q.shape[0], -1)
+        q = ctx.backend.write_new(q, k, v, rope, k_cache, v_cache, ctx.meta.slot_mapping, s)
         if rel_bias is None:  # the decoder-only call, unchanged for every backend
             out = ctx.backend.forward(q, k_cache, v_cache, ctx.meta, s, self.alibi_slopes)
         else:

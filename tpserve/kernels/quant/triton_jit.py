@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpserve.kernels.triton_fused import _fp8_range
 from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait, pdl_enter
+from tpserve.kernels.triton_rotary import _fp8_range, _round_e4m3
 
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the float 2^23: its mantissa holds an int
 TWO23: tl.constexpr = tl.constexpr(8388608.0)
@@ -514,20 +514,6 @@ def int4_dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, group_size
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_k[:, None] * swk + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
              mask=(offs_k[:, None] < K) & nmask[None, :])
-
-
-@triton.jit
-def _round_e4m3(v):
-    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32:
-    3 mantissa bits for normal values (a carry moves into the exponent by itself), steps of
-    2^-9 below 2^-6 (e4m3's subnormals: adding and taking away 1.5 * 2^14 rounds there).
-    The cast that follows is then exact on every backend (Triton's interpreter, for one,
-    drops the carry when it rounds 125.8 to e4m3 itself)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576  # keep 3 of 23 mantissa bits
-    normal = bits.to(tl.float32, bitcast=True)
-    sub = (v + 24576.0) - 24576.0
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit(do_not_specialize=["K", "sxm", "sqm"])
