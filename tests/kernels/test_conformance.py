@@ -192,6 +192,43 @@ def test_triton_split_k_decode_under_the_interpreter():
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores
+def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpreter():
+    """A tiny Llama served in-process by the Triton backend on the CPU (interpreter): its
+    decode steps go through the kernel that rotates and stores its own keys (decode_new),
+    its prompts through the fused rotary + cache write and the prefill kernel, and the
+    greedy tokens equal transformers'."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    import numpy
+
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        pytest.skip(f"triton's interpreter fails with numpy {numpy.__version__}; use numpy<2.4")
+    script = textwrap.dedent(f"""
+        import sys, tempfile
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from engine_utils import greedy, make_engine
+        from tiny_models import PROMPTS, hf_greedy, llama_config, save_model
+        d = save_model(llama_config(), Path(tempfile.mkdtemp()) / "llama")
+        engine = make_engine(d, 1, kernel="triton", local=True)
+        got = greedy(engine, PROMPTS, 12)
+        backend = engine.executor.worker.backend
+        fused = [k for k in backend.launched if "new_kv" in k]
+        engine.shutdown()
+        assert backend.name == "triton" and fused, (backend.name, backend.launched)
+        assert got == hf_greedy(d, PROMPTS, 12), got
+        print("tokens match", fused)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tokens match" in proc.stdout
+
+
 def test_the_decode_rows_split_off_a_mixed_step_are_the_leading_ones():
     """triton_backend.leading_decode_rows: only a prefix of one-token rows goes to the decode
     kernel (the prefill kernel takes the rest from a query_start offset); none without the
