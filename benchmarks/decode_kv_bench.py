@@ -3,7 +3,7 @@
 
     python benchmarks/decode_kv_bench.py [--out docs-fragment.md]
     python benchmarks/decode_kv_bench.py --caches bf16 --orders seq,head \
-        --cases 256x384,256x512 --tiles 64,4,3 32,4,3 [--tables both]
+        --cases 256x384,256x512 --tiles 64,4,3 32,4,3 [--tables both] [--new-kv]
 
 For each (batch, context), one layer's decode attention is timed inside a CUDA graph over
 enough cache copies (at least 256 MB) that every call reads its keys and values from HBM,
@@ -54,7 +54,10 @@ def caches(backend, spec, batch: int, ctx: int, dtype: torch.dtype, copies: int,
 
 
 def run_case(batch: int, ctx: int, tiles=TILES, caches_run=CACHES, orders=("seq",),
-             tables=("shuffled",)) -> list[dict]:
+             tables=("shuffled",), new_kv: bool = False) -> list[dict]:
+    """new_kv: time decode_new, a decode step's path since the decode kernel rotates and
+    stores its own newest keys (one row of raw q, k, v per sequence, full-width rotary,
+    the newest key at each sequence's last slot), instead of decode over a full cache."""
     from dataclasses import replace
 
     from tpserve.kernels.base import AttentionSpec
@@ -71,6 +74,14 @@ def run_case(batch: int, ctx: int, tiles=TILES, caches_run=CACHES, orders=("seq"
                                              device=dev).view(batch, nb))
     metas["in order"] = seq_meta
     q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device=dev)
+    if new_kv:  # raw projections as views of one row per sequence, as a model hands them
+        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * D, dtype=torch.bfloat16, device=dev)
+        q, k_new, v_new = (x.view(batch, -1, D) for x in
+                           qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1))
+        ang = torch.rand(batch, D, device=dev) * 6.3
+        rope = (ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16))
+        for m in metas.values():
+            m.slot_mapping = m.block_tables[:, -1].long() * BLOCK + (ctx - 1) % BLOCK
     tokens = batch * ctx
     rows, ref, base = [], None, None
     runs = [r for r in (("bf16", torch.bfloat16, spec, True),
@@ -87,12 +98,17 @@ def run_case(batch: int, ctx: int, tiles=TILES, caches_run=CACHES, orders=("seq"
             be.decode_tile = tile
             be.decode_heads_first = order == "head"
             meta = metas[table]
-            try:
-                out = be.decode(q, kv[0][0], kv[0][1], meta, sp)
+            def call(k, v, be=be, sp=sp, meta=meta):
+                if new_kv:
+                    return be.decode_new(q, k_new, v_new, rope, k, v, meta, sp)
+                return be.decode(q, k, v, meta, sp)
 
-                def step(be=be, sp=sp, kv=kv, meta=meta):
+            try:
+                out = call(*kv[0])
+
+                def step(kv=kv, call=call):
                     for k, v in kv:
-                        be.decode(q, k, v, meta, sp)
+                        call(k, v)
 
                 us = graph_us(step, len(kv), 20)
             except Exception as exc:  # noqa: BLE001 - a tile over the GPU's limits
@@ -127,6 +143,9 @@ def main() -> int:
                     help="tiles as KEYS,WARPS,STAGES ('default': launch_config's)")
     ap.add_argument("--tables", choices=("shuffled", "in-order", "both"), default="shuffled",
                     help="block tables in shuffled order (the default) or in allocation order")
+    ap.add_argument("--new-kv", action="store_true",
+                    help="time decode_new (raw q/k/v, the kernel rotates and stores the newest "
+                    "keys: what a decode step runs) instead of decode over a full cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_kv_bench needs a CUDA GPU", file=sys.stderr)
@@ -138,10 +157,13 @@ def main() -> int:
               "both": ("shuffled", "in order")}[args.tables]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     rows = [r for b, c in cases for r in run_case(b, c, tiles, caches_run,
-                                                  tuple(args.orders.split(",")), tables)]
+                                                  tuple(args.orders.split(",")), tables,
+                                                  args.new_kv)]
     name = torch.cuda.get_device_name()
+    path = "decode_new (rotary and the newest keys in the kernel)" if args.new_kv else "decode"
     lines = [f"Decode attention, one layer, by KV-cache dtype and tile ({name}, torch "
-             f"{torch.__version__}); us per call in a CUDA graph, cache cold in L2:", "",
+             f"{torch.__version__}, {path}); us per call in a CUDA graph, cache cold in L2:",
+             "",
              "| batch | context | cache | grid | block tables | tile | us | GB/s | vs first row "
              "| max abs diff vs first row |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
