@@ -127,12 +127,8 @@ def test_ipex_backend_on_cpu():
         run_conformance("ipex", "cpu", dtype)
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_triton_kernels_under_the_interpreter(kv):
-    """Triton's interpreter runs the real kernels in numpy on the CPU. It reads
-    TRITON_INTERPRET when the kernels are defined, hence a fresh process. fp8: float32 and
-    float16 queries over an e4m3 cache with scales 0.3 / 2.5 (bfloat16 does not run under
-    the interpreter)."""
+def _need_the_interpreter() -> None:
+    """Skip unless Triton's interpreter can run here."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -143,6 +139,25 @@ def test_triton_kernels_under_the_interpreter(kv):
         # Seen with triton 3.6: the interpreter's int() of 1-element arrays, which numpy 2.4
         # refuses ("only 0-dimensional arrays can be converted to Python scalars").
         pytest.skip(f"triton's interpreter fails with numpy {numpy.__version__}; use numpy<2.4")
+
+
+def _interpret(script: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh process under TRITON_INTERPRET=1 (Triton reads it when the
+    kernels are defined); fails the test on a non-zero exit."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
+                          env=dict(os.environ, TRITON_INTERPRET="1", **env),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_triton_kernels_under_the_interpreter(kv):
+    """Triton's interpreter runs the real kernels in numpy on the CPU. It reads
+    TRITON_INTERPRET when the kernels are defined, hence a fresh process. fp8: float32 and
+    float16 queries over an e4m3 cache with scales 0.3 / 2.5 (bfloat16 does not run under
+    the interpreter)."""
+    _need_the_interpreter()
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -154,10 +169,7 @@ def test_triton_kernels_under_the_interpreter(kv):
             assert not r.declined, r.declined
             print(r.summary())
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _interpret(script)
     assert proc.stdout.count(" steps, 0 failed") == (2 if kv == "fp8" else 1), proc.stdout
 
 
@@ -166,10 +178,7 @@ def test_triton_split_k_decode_under_the_interpreter():
     """Every decode step cut into 3 context splits (flash-decoding) plus the reduction,
     whatever the batch: windows, ALiBi, softcap and GQA/MQA across split boundaries; with
     the decode grid in its other order (sequences first)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
+    _need_the_interpreter()
     from tpserve.kernels.triton_backend import TritonAttentionBackend
 
     spec = AttentionSpec(8, 8, 64, 0.125)
@@ -184,11 +193,7 @@ def test_triton_split_k_decode_under_the_interpreter():
         print(r.summary())
     """)
     # The other decode grid order (sequences first) than the default run above takes.
-    env = dict(os.environ, TRITON_INTERPRET="1", TPSERVE_DECODE_SPLITS="3",
-               TPSERVE_DECODE_HEADS_FIRST="0")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _interpret(script, TPSERVE_DECODE_SPLITS="3", TPSERVE_DECODE_HEADS_FIRST="0")
     assert "0 failed" in proc.stdout
 
 
@@ -198,14 +203,7 @@ def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpre
     decode steps go through the kernel that rotates and stores its own keys (decode_new),
     its prompts through the fused rotary + cache write and the prefill kernel, and the
     greedy tokens equal transformers'."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed (pip install triton to run its kernels on CPU)")
-    import numpy
-
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"triton's interpreter fails with numpy {numpy.__version__}; use numpy<2.4")
+    _need_the_interpreter()
     script = textwrap.dedent(f"""
         import sys, tempfile
         from pathlib import Path
@@ -222,10 +220,7 @@ def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpre
         assert got == hf_greedy(d, PROMPTS, 12), got
         print("tokens match", fused)
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _interpret(script)
     assert "tokens match" in proc.stdout
 
 
