@@ -224,6 +224,35 @@ def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpre
     assert "tokens match" in proc.stdout
 
 
+@pytest.mark.slow  # Triton's interpreter: about half a minute on two cores
+def test_a_partial_rotary_model_compiles_nothing_after_warmup_under_the_interpreter():
+    """The rotary width comes from the model (RotaryEmbedding plans it): warmup launches
+    decode_new and the fused rotary at that width, so a model that rotates half of each
+    head serves without a launch warmup did not make (the interpreter's compile count is
+    the distinct launch keys)."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, tempfile
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from engine_utils import greedy, make_engine
+        from tiny_models import PROMPTS, llama_config, save_model
+        cfg = llama_config()
+        cfg.partial_rotary_factor = 0.5  # head_dim 16: 8 rotated dims
+        d = save_model(cfg, Path(tempfile.mkdtemp()) / "llama")
+        engine = make_engine(d, 1, kernel="triton", local=True)
+        greedy(engine, PROMPTS, 6)
+        backend = engine.executor.worker.backend
+        health = engine.executor.health()[0]
+        engine.shutdown()
+        assert ("new_kv", 8) in {{k[-2:] for k in backend.launched}}, backend.launched
+        assert backend.unplanned_launches == 0, backend.launched
+        assert health["compiles_since_warmup"] == 0, health
+        print("nothing compiled after warmup")
+    """)
+    assert "nothing compiled after warmup" in _interpret(script).stdout
+
+
 def test_the_decode_rows_split_off_a_mixed_step_are_the_leading_ones():
     """triton_backend.leading_decode_rows: only a prefix of one-token rows goes to the decode
     kernel (the prefill kernel takes the rest from a query_start offset); none without the

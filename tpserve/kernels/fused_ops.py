@@ -50,10 +50,23 @@ def _kernels():
 _PLANNED_NORMS: set[tuple[int, float, bool]] = set()
 _PLANNED_ACTS: set[bool] = set()
 _PLANNED_VOCABS: set[int] = set()  # the greedy reduction's tile count follows the vocabulary
+# Rotary widths (rotated dims per head) of the models built here: the attention backend's
+# warmup compiles its rotary launches at these widths (kernels specialise on them).
+_PLANNED_ROTARY: set[int] = set()
 
 
 def plan_norm(hidden: int, offset: float, cast_first: bool) -> None:
     _PLANNED_NORMS.add((hidden, float(offset), bool(cast_first)))
+
+
+def plan_rotary(rot_dim: int) -> None:
+    _PLANNED_ROTARY.add(int(rot_dim))
+
+
+def planned_rotary_dims(head_dim: int) -> list[int]:
+    """The planned rotary widths a layer of `head_dim` can use; [] when no model built in
+    this process rotates (ALiBi or other positions)."""
+    return sorted(d for d in _PLANNED_ROTARY if 0 < d <= head_dim and d % 2 == 0)
 
 
 def plan_greedy(vocab: int) -> None:

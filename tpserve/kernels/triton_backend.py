@@ -480,25 +480,25 @@ class TritonAttentionBackend(AttentionBackend):
         slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
         run = self.decode if case.kind == "decode" else self.prefill
         run(q, k_cache, v_cache, meta, spec, slopes)
+        # The rotary widths of the models built here (RotaryEmbedding plans them; none for
+        # ALiBi models such as Bloom): the rotary launches specialise on the width.
+        widths = [] if spec.alibi else fused_ops.planned_rotary_dims(spec.head_dim)
+        t = q.shape[0]
+        kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
         if case.kind == "decode" and self.decode_new_kv:
-            # decode_new's variants: full-width rotary (the Llama family), and none where
-            # the model has ALiBi instead (Bloom). A partial rotary compiles its own variant
-            # during graph capture.
-            b = q.shape[0]
-            kv = torch.randn(b, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-            cs = torch.randn(b, spec.head_dim, dtype=dtype, device=device)
-            self.decode_new(q, kv, kv, None if spec.alibi else (cs, cs), k_cache, v_cache, meta,
-                            spec, slopes)
-        if case.kind == "prefill":  # the fused rotary + cache write, full-width rotary
-            t = q.shape[0]
-            kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-            cs = torch.randn(t, spec.head_dim, dtype=dtype, device=device)
+            for width in widths or [0]:  # decode_new: 0, no rotary
+                cs = torch.randn(t, width, dtype=dtype, device=device)
+                self.decode_new(q, kv, kv, (cs, cs) if width else None, k_cache, v_cache,
+                                meta, spec, slopes)
+        if case.kind == "prefill":  # the fused rotary + cache write of prompts
             extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
-            self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping,
-                                 **extra)
-            # and a decode row's launch (a different variant where PDL is on, kernels/pdl.py)
-            self.rotary_write_kv(q[:1], kv[:1], kv[:1], cs[:1], cs[:1], k_cache, v_cache,
-                                 meta.slot_mapping[:1], **extra)
+            for width in widths or [spec.head_dim]:
+                cs = torch.randn(t, width, dtype=dtype, device=device)
+                self.rotary_write_kv(q, kv, kv, cs, cs, k_cache, v_cache, meta.slot_mapping,
+                                     **extra)
+                # and a decode row's launch (another variant where PDL is on, kernels/pdl.py)
+                self.rotary_write_kv(q[:1], kv[:1], kv[:1], cs[:1], cs[:1], k_cache, v_cache,
+                                     meta.slot_mapping[:1], **extra)
 
 
 def fp8_reason(device: torch.device, on_cpu: bool) -> str | None:

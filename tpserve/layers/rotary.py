@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from tpserve.kernels.fused_ops import plan_rotary
+
 
 def rope_parameters(config) -> dict:
     """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new
@@ -112,6 +114,7 @@ class RotaryEmbedding(nn.Module):
                  partial_rotary_factor: float = 1.0) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * partial_rotary_factor)
+        plan_rotary(self.rot_dim)  # the attention backend's warmup compiles this width
         inv, scale = inv_frequencies(self.rot_dim, params)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
