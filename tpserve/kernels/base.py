@@ -154,6 +154,8 @@ class AttentionBackend(ABC):
                   spec: AttentionSpec) -> torch.Tensor:
         """Store a step's new keys and values (rotated by rope = (cos, sin) when given, as
         rotary_write_kv does) and return q, rotated likewise."""
+        # The spec reaches the write only for an fp8 cache (its scales), so backends without
+        # one keep their write_kv signature.
         extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
         if rope is None:
             self.write_kv(k, v, k_cache, v_cache, slot_mapping, **extra)

@@ -194,13 +194,11 @@ def paged_decode_kernel(
         m_i = tl.where(mine, s_new, m_i)
         l_i = tl.where(mine, 1.0, l_i)
         acc = tl.where(mine, acc + v_new.to(tl.float32)[None, :], acc)
-    hi_cached = hi
-    if NEW_KV:  # the newest key is not in the cache yet: it joined above
-        hi_cached = tl.minimum(hi, ctx - 1)
+        hi = tl.minimum(hi, ctx - 1)  # the cached keys stop before the newest
     bt_row = block_tables_ptr + seq * stride_bt
-    for start in range(lo, hi_cached, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < hi_cached
+        k_ok = k_pos < hi
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         off = blk * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
