@@ -166,6 +166,15 @@ def graph_api(dev: torch.device):
     return None
 
 
+def piece_capture_api(dev: torch.device):
+    """(graph class, stream class, stream context) for graphs captured in pieces
+    (worker/piecewise.py): capture_begin / capture_end by hand, on a side stream, as
+    torch.cuda.graph does for a whole graph. CUDA only, like graph_api."""
+    if dev.type != "cuda":
+        raise RuntimeError(f"graphs are captured on CUDA only (device is {dev.type})")
+    return torch.cuda.CUDAGraph, torch.cuda.Stream, torch.cuda.stream
+
+
 def resolve_dtype(requested: str, device: str, checkpoint_dtype) -> tuple[str, str]:
     """(dtype name, why). auto: the checkpoint's dtype on accelerators; float32 on the CPU,
     where half precision matmuls are slow and the reference is float32."""

@@ -49,6 +49,17 @@ class PagedAttention(AttentionLayer):
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if ctx.pieces is not None and rel_bias is None:
+            return ctx.pieces.attend(self, q, k, v, rope)
+        return self.attend(q, k, v, rel_bias, rope)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rel_bias: torch.Tensor | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """forward's work on q [T, heads, head_dim] and k/v [T, kv_heads, head_dim]; graphs
+        captured in pieces call it between their pieces (worker/piecewise.py)."""
+        ctx = current()
+        s = self.spec
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         if rel_bias is None and ctx.meta.decode_only:
             # A backend may rotate, store and attend in one launch here (decode_new).

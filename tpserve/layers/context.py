@@ -19,6 +19,10 @@ class ForwardContext:
     # Encoder-decoder decoders: where cross attention finds the encoder output's K/V (the
     # same query layout as meta; seq_lens = encoder lengths, block_tables = cross blocks).
     cross_meta: AttentionMetadata | None = None
+    # While a step is captured in pieces (worker/piecewise.py): takes each attention call's
+    # inputs instead of the backend, ends the piece, and returns the buffer the output will
+    # be in when the pieces replay.
+    pieces: object | None = None
 
 
 _CURRENT: ForwardContext | None = None

@@ -1,5 +1,5 @@
-"""Runs one step on a loaded shard: prepare inputs, run the model (eagerly or by replaying a
-decode graph), compute logits, sample on rank 0.
+"""Runs one step on a loaded shard: prepare inputs, run the model (by replaying a decode
+graph, in graph pieces around eager attention, or eagerly), compute logits, sample on rank 0.
 
 A step is launched, then collected: launch() queues the device work and the copy of the
 sampled tokens to the host and returns at once, so the engine can prepare the next step
@@ -40,6 +40,7 @@ class ModelRunner:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.device, self.rank, self.block_size, self.seed = device, rank, block_size, seed
         self.graphs = graphs  # DecodeGraphs (CUDA, a graph-safe backend) or None
+        self.pieces = None  # PiecewiseGraphs for the other steps (CUDA) or None
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.staging = HostStaging(device)
         self.block_tables = BlockTables()
@@ -85,8 +86,12 @@ class ModelRunner:
         if len(dst):
             inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
-        with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend, cross)):
-            hidden = self.model(inp.ids, inp.positions)
+        if cross is None and self.pieces is not None and self.pieces.fits(inp.ids.shape[0]):
+            hidden = self.pieces.run(inp.ids, inp.positions, inp.meta)
+        else:
+            with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend,
+                                                cross)):
+                hidden = self.model(inp.ids, inp.positions)
         if not picks:
             self._prev_ids, self._prev_row = None, {}
             return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None

@@ -31,6 +31,7 @@ from tpserve.startup import now, process_started_at
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
+from tpserve.worker import piecewise
 from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
 from tpserve.worker.model_runner import ModelRunner, PendingStep
 
@@ -69,6 +70,7 @@ class Worker:
         self.encoder_decoder = False
         self.steps = 0
         self.graphs = None  # DecodeGraphs once captured (CUDA, a graph-safe backend)
+        self.pieces = None  # PiecewiseGraphs once captured (the other steps, CUDA)
         self.gemv_choices: dict = {}  # weight shape -> GemvChoice, from warmup (CUDA, XPU)
         self.num_blocks = 0
         self.compiles_at_warmup: int | None = None
@@ -275,13 +277,36 @@ class Worker:
         self.runner.graphs = self.graphs
         log.info("captured decode graphs for batch sizes %s in %.2fs",
                  ",".join(map(str, self.graphs.buckets)), seconds)
+        self._capture_pieces()
+
+    def _capture_pieces(self) -> None:
+        """The other steps (mixed prefill + decode, mostly) up to 512 tokens as graphs in
+        pieces around eager attention (worker/piecewise.py). TPSERVE_PIECEWISE_GRAPHS=0
+        keeps them eager (A/B runs). A model that cannot be captured so serves eagerly."""
+        if not piecewise.wanted():
+            return
+        buckets = piecewise.token_buckets(self.cfg.scheduler.max_num_batched_tokens)
+        pieces = piecewise.PiecewiseGraphs(self.model, self.kv_caches, self.backend,
+                                           self.device, buckets, self.cfg.cache.block_size,
+                                           scratch_block=self.num_blocks)
+        try:
+            seconds = pieces.capture(self.dtype)
+        except Exception as exc:  # noqa: BLE001 - eager steps still serve
+            log.warning("mixed steps run eagerly: capturing them in pieces failed (%s: %s)",
+                        type(exc).__name__, exc)
+            return
+        self.pieces = pieces
+        self.runner.pieces = pieces
+        log.info("captured mixed steps in graph pieces for %s tokens in %.2fs",
+                 ",".join(map(str, pieces.buckets)), seconds)
 
     def health(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "steps": self.steps,
                 "pid": os.getpid(), "backend": getattr(self.backend, "name", None),
                 "compiles_since_warmup": (compile_count(self.backend) - self.compiles_at_warmup
                                           if self.compiles_at_warmup is not None else None),
-                "decode_graphs": list(self.graphs.buckets) if self.graphs else []}
+                "decode_graphs": list(self.graphs.buckets) if self.graphs else [],
+                "piecewise_graphs": list(self.pieces.buckets) if self.pieces else []}
 
     def stop_followers(self) -> None:
         """Rank 0: end the other ranks' follow() loops (they return their step counts)."""
