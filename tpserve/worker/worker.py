@@ -29,9 +29,9 @@ from tpserve.kernels.registry import select_backend
 from tpserve.layers.attention import AttentionLayer
 from tpserve.startup import now, process_started_at
 from tpserve.weights import LoadStats, iter_checkpoint, load_hf_config, node_model_path
+from tpserve.worker import piecewise
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
-from tpserve.worker import piecewise
 from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
 from tpserve.worker.model_runner import ModelRunner, PendingStep
 
