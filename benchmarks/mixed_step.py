@@ -76,7 +76,8 @@ def main() -> None:
         args.steps = saved_steps
         runner = engine.executor.worker.runner
         pieces = runner.pieces
-        print(f"pieces captured for {pieces.buckets if pieces else 'nothing'}", flush=True)
+        print(f"pieces captured for {pieces.buckets if pieces else 'nothing'}"
+              + (f" in {pieces.seconds:.2f} s" if pieces else ""), flush=True)
         try:
             for b in args.decode:
                 seqs = fill(engine, b, args.context, args.steps_total)

@@ -424,6 +424,9 @@ async def measure(url: str, args, vocab: int, label: str = "this",
                     continue
                 t, g = await stream_once(client, url, prompt(n, rng, vocab), 64)
                 res[f"long{n}"] = (t * 1e3, statistics.median(g) * 1e3)
+    if args.arrivals:
+        async with session(64) as client:
+            res["arrivals"] = await stream_with_arrivals(client, url, args, vocab, rng)
     for c in args.concurrency:
         profiler = (Profiler(args.py_spy, args.logs, f"{label}_{c}")
                     if args.py_spy and c == max(args.concurrency) else None)
@@ -441,6 +444,32 @@ async def measure(url: str, args, vocab: int, label: str = "this",
                 spread_throughput, pool, args.client_procs, url, c, args.prompt_len,
                 args.new_tokens, vocab, trace, tail)
     return res
+
+
+async def stream_with_arrivals(client, url: str, args, vocab: int, rng) -> dict:
+    """One stream of args.new_tokens while a new request (args.prompt_len tokens, 16 new)
+    arrives every args.arrivals ms, as on a server whose users come and go: each arrival
+    is prefilled in a step next to the running ones (a mixed step). The stream's gaps
+    between tokens, and the arrivals' time to first token."""
+    arrivals: list = []
+
+    async def arrive():
+        while True:
+            await asyncio.sleep(args.arrivals / 1e3)
+            arrivals.append(asyncio.create_task(
+                stream_once(client, url, prompt(args.prompt_len, rng, vocab), 16)))
+
+    sender = asyncio.create_task(arrive())
+    try:
+        _, gaps = await stream_once(client, url, prompt(args.prompt_len, rng, vocab),
+                                    args.new_tokens)
+    finally:
+        sender.cancel()
+    done = await asyncio.gather(*arrivals)
+    return {"itl_median_ms": statistics.median(gaps) * 1e3,
+            "itl_p99_ms": pct(gaps, 0.99) * 1e3, "itl_mean_ms": statistics.fmean(gaps) * 1e3,
+            "arrivals": len(done),
+            "arrival_ttft_ms": statistics.median(t for t, _ in done) * 1e3 if done else 0.0}
 
 
 def commit_of(tree: Path) -> str:
@@ -521,6 +550,16 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
                          f"{t['first_step']:.3f}-{t['last_step_end']:.3f} | {t['steps']} | "
                          f"{t['idle']:.3f} | {t['ramp_steps']} ({t['ramp_tokens']:.0f}) | "
                          f"{t['last_done']:.3f} |")
+    if args.arrivals:
+        lines += ["", f"One stream of {args.new_tokens} tokens while a request of "
+                  f"{args.prompt_len} prompt tokens (16 new) arrives every {args.arrivals:g} ms:",
+                  "", "| tree | arrivals | stream ITL median ms | ITL mean ms | ITL p99 ms | "
+                  "arrivals' TTFT median ms |", "| --- | --- | --- | --- | --- | --- |"]
+        for label, _, _, r in rows:
+            a = r["arrivals"]
+            lines.append(f"| {label} | {a['arrivals']} | {a['itl_median_ms']:.2f} | "
+                         f"{a['itl_mean_ms']:.2f} | {a['itl_p99_ms']:.2f} | "
+                         f"{a['arrival_ttft_ms']:.1f} |")
     if args.long:
         lines += ["", "| tree | prompt tokens | TTFT ms | ITL median ms |", "| --- | --- | --- | --- |"]
         for label, _, _, r in rows:
@@ -555,6 +594,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--long", action="store_true", help="also 1k/4k/8k-token prompts")
+    ap.add_argument("--arrivals", type=float, default=0.0, metavar="MS",
+                    help="also one stream while a new request arrives every MS ms")
     ap.add_argument("--step-trace", action="store_true",
                     help="trace the engine's steps (TPSERVE_STEP_TRACE) and split each burst "
                          "by it (the trees must have tpserve/engine/step_trace.py)")

@@ -102,6 +102,7 @@ class PiecewiseGraphs:
         self._out: torch.Tensor | None = None
         self._pool = None
         self._graph_cls = None
+        self.seconds = 0.0  # capture time
 
     # --- capture ------------------------------------------------------------------------
     def stage(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -187,7 +188,8 @@ class PiecewiseGraphs:
                 self._pool = bucket.graphs[-1].pool()
             self.captured[tokens] = bucket
         synchronize(self.device)
-        return time.perf_counter() - t0
+        self.seconds = time.perf_counter() - t0
+        return self.seconds
 
     # --- serving ------------------------------------------------------------------------
     def fits(self, tokens: int) -> bool:
