@@ -121,7 +121,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "(decoder-only models without a sliding window)")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="CUDA: run decode eagerly instead of replaying graphs captured in warmup")
+                   help="CUDA: run every step eagerly instead of replaying the graphs captured "
+                   "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "
+                   "around eager attention)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="run steps one at a time instead of preparing the next step on the host "
                         "while the device runs the current one (same outputs; for debugging "
