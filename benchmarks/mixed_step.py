@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from engine_step import build_engine, commit, fill  # noqa: E402
 from gpu_engine import make_model_dir  # noqa: E402
+from report import emit  # noqa: E402
 
 
 def mixed_steps(engine, prompt: int, steps: int, salt: int) -> list[float]:
@@ -105,11 +106,7 @@ def main() -> None:
              "| --- | --- | --- | --- | --- |"]
     for b, p, pc, eg in rows:
         lines.append(f"| {b} | {p} | {pc:.2f} | {eg:.2f} | {eg / pc:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,17 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
     return Engine(cfg, build_executor(cfg, in_process=local))
 
 
+def cuda_engine(path: Path, overlap: bool, **scheduler) -> Engine:
+    """A tiny model's in-process engine on CUDA with the Triton kernels (captured graphs)."""
+    from tpserve.executor.inprocess import InProcessExecutor
+
+    cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=256),
+                       parallel=ParallelConfig(device="cuda"),
+                       cache=CacheConfig(block_size=16, num_blocks=128), kernel="triton",
+                       scheduler=SchedulerConfig(async_scheduling=overlap, **scheduler))
+    return Engine(cfg, InProcessExecutor(cfg))
+
+
 def greedy(engine: Engine, prompts: list[str], n: int) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     seqs = [engine.add_request(engine.tokenize(p), params) for p in prompts]

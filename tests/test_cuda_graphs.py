@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import greedy, make_engine
+from engine_utils import cuda_engine, greedy, make_engine
 from tiny_models import PROMPTS, hf_greedy
 
 from tpserve.worker.graphs import DecodeGraphs, graphs_supported
@@ -65,20 +65,6 @@ def test_graphs_are_declined_with_a_reason_on_cpu(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-at-a-time"])
 def test_captured_graphs_match_transformers_on_cuda(llama_dir, overlap):
-    from tpserve.config import (
-        CacheConfig,
-        EngineConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-    )
-    from tpserve.engine.engine import Engine
-    from tpserve.executor.inprocess import InProcessExecutor
-
-    cfg = EngineConfig(model=ModelConfig(path=str(llama_dir), model_id="t", max_model_len=256),
-                       parallel=ParallelConfig(device="cuda"),
-                       cache=CacheConfig(block_size=16, num_blocks=128), kernel="triton",
-                       scheduler=SchedulerConfig(async_scheduling=overlap))
-    engine = Engine(cfg, InProcessExecutor(cfg))
+    engine = cuda_engine(llama_dir, overlap)
     assert engine.executor.health()[0]["decode_graphs"]
     assert greedy(engine, PROMPTS, 32) == hf_greedy(llama_dir, PROMPTS, 32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import make_engine
+from engine_utils import cuda_engine, make_engine
 from op_graph import cpu_piece_capture_api
 from tiny_models import PROMPTS, hf_greedy
 
@@ -123,22 +123,7 @@ def test_pieces_are_declined_on_the_cpu(llama_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-at-a-time"])
 def test_pieces_captured_on_cuda_match_transformers(llama_dir, overlap):
-    from tpserve.config import (
-        CacheConfig,
-        EngineConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-    )
-    from tpserve.engine.engine import Engine
-    from tpserve.executor.inprocess import InProcessExecutor
-
-    cfg = EngineConfig(model=ModelConfig(path=str(llama_dir), model_id="t", max_model_len=256),
-                       parallel=ParallelConfig(device="cuda"),
-                       cache=CacheConfig(block_size=16, num_blocks=128), kernel="triton",
-                       scheduler=SchedulerConfig(async_scheduling=overlap,
-                                                 max_num_batched_tokens=256))
-    engine = Engine(cfg, InProcessExecutor(cfg))
+    engine = cuda_engine(llama_dir, overlap, max_num_batched_tokens=256)
     health = engine.executor.health()[0]
     assert health["piecewise_graphs"] == list(token_buckets(256))
     runner = engine.executor.worker.runner
