@@ -47,6 +47,26 @@ def mixed_steps(engine, prompt: int, steps: int, salt: int) -> list[float]:
     return times
 
 
+def profiled(engine, prompt: int, steps: int, device: str) -> tuple[float, float, float]:
+    """(wall ms, GPU kernel ms, device-to-host syncs) per mixed step, from torch.profiler:
+    what of a step the device is busy for, and what is host time it waits on."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        mixed_steps(engine, prompt, steps, 99_000)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total or 0 for e in events
+              if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3 / steps
+    syncs = sum(e.count for e in events if "Memcpy DtoH" in e.key) / steps
+    return wall, gpu, syncs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path)
@@ -61,6 +81,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="rounds each way, alternating")
     ap.add_argument("--cpus", type=int, default=1)
+    ap.add_argument("--profile", action="store_true",
+                    help="also GPU kernel time per step (torch.profiler), each way")
     ap.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -89,11 +111,16 @@ def main() -> None:
                             runner.pieces = pieces if mode == "pieces" else None
                             mixed_steps(engine, p, 5, 1000 * r)  # warm
                             got[mode] += mixed_steps(engine, p, args.steps, 1000 * r + 100)
-                    runner.pieces = pieces
                     med = {m: statistics.median(t) for m, t in got.items()}
-                    rows.append((b, p, med["pieces"], med["eager"]))
+                    prof = {}
+                    for mode in ("pieces", "eager") if args.profile else ():
+                        runner.pieces = pieces if mode == "pieces" else None
+                        prof[mode] = profiled(engine, p, 10, args.device)
+                    runner.pieces = pieces
+                    rows.append((b, p, med["pieces"], med["eager"], prof))
                     print(f"decode {b:4d} + prompt {p:4d}: pieces {med['pieces']:.2f} ms, "
-                          f"eager {med['eager']:.2f} ms", flush=True)
+                          f"eager {med['eager']:.2f} ms; profiled (wall, GPU kernels, "
+                          f"syncs) {prof}", flush=True)
                 for s in seqs:
                     engine.abort(s.seq_id)
         finally:
@@ -102,10 +129,14 @@ def main() -> None:
              f"{model if args.model else 'Llama-3-8B shape, random weights'}, {args.device}, "
              f"{args.dtype}, kernel {args.kernel}, running sequences at ~{args.context} "
              f"tokens, median of {args.steps * args.rounds} steps each way", "",
-             "| decode rows | prompt tokens | in pieces ms/step | eager ms/step | eager / pieces |",
-             "| --- | --- | --- | --- | --- |"]
-    for b, p, pc, eg in rows:
-        lines.append(f"| {b} | {p} | {pc:.2f} | {eg:.2f} | {eg / pc:.2f}x |")
+             "| decode rows | prompt tokens | in pieces ms/step | eager ms/step | eager / pieces "
+             "| profiled, pieces: wall / GPU kernels ms | profiled, eager: wall / GPU kernels ms |",
+             "|" + " --- |" * 7]
+    for b, p, pc, eg, prof in rows:
+        cols = [f"{prof[m][0]:.2f} / {prof[m][1]:.2f}" if m in prof else "-"
+                for m in ("pieces", "eager")]
+        lines.append(f"| {b} | {p} | {pc:.2f} | {eg:.2f} | {eg / pc:.2f}x | {cols[0]} | "
+                     f"{cols[1]} |")
     emit(lines, args.out)
 
 
