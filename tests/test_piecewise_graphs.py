@@ -53,6 +53,18 @@ def test_token_buckets_follow_the_step_budget():
     assert token_buckets(8) == (16,)
 
 
+def test_a_mixture_of_experts_is_captured_only_for_small_steps(models_dir):
+    """Inside a graph every expert runs on every token: only steps that read every expert
+    anyway (up to 64 tokens) are captured for Mixtral."""
+    from tiny_models import mixtral_config, save_model
+
+    engine = make_engine(save_model(mixtral_config(), models_dir / "mixtral-pieces"), 1,
+                         local=True, num_blocks=64)
+    model = engine.executor.worker.model
+    assert token_buckets(4096, model) == (16, 32, 64)
+    engine.shutdown()
+
+
 def test_one_piece_per_attention_call_and_one_after(llama_dir, monkeypatch):
     engine = make_engine(llama_dir, 1, local=True, num_blocks=64)
     pieces = _pieces_on_cpu(engine, monkeypatch)

@@ -39,10 +39,19 @@ ENV = "TPSERVE_PIECEWISE_GRAPHS"  # 0: mixed steps run eagerly (A/B runs)
 # Token counts captured. Past 512 tokens a Llama-3-8B step is compute-bound on an H200
 # (docs/benchmarks.md, "Mixed steps in pieces"): its launches hide behind the device.
 TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+# A mixture of experts runs every expert on every token inside a graph (layers/moe.py: its
+# routing has data-dependent shapes). Up to 64 tokens a step reads every expert's weights
+# anyway; beyond, the dense path's extra work would outweigh the launches it saves.
+MOE_MAX_TOKENS = 64
 
 
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """The buckets up to the engine's per-step token budget (at least the smallest)."""
+def token_buckets(max_tokens: int, model=None) -> tuple[int, ...]:
+    """The buckets up to the engine's per-step token budget (at least the smallest), and
+    up to MOE_MAX_TOKENS for a model with a mixture of experts."""
+    from tpserve.layers.moe import SparseMoE
+
+    if model is not None and any(isinstance(m, SparseMoE) for m in model.modules()):
+        max_tokens = min(max_tokens, MOE_MAX_TOKENS)
     return tuple(b for b in TOKEN_BUCKETS if b <= max_tokens) or TOKEN_BUCKETS[:1]
 
 

@@ -285,7 +285,7 @@ class Worker:
         keeps them eager (A/B runs). A model that cannot be captured so serves eagerly."""
         if not piecewise.wanted():
             return
-        buckets = piecewise.token_buckets(self.cfg.scheduler.max_num_batched_tokens)
+        buckets = piecewise.token_buckets(self.cfg.scheduler.max_num_batched_tokens, self.model)
         pieces = piecewise.PiecewiseGraphs(self.model, self.kv_caches, self.backend,
                                            self.device, buckets, self.cfg.cache.block_size,
                                            scratch_block=self.num_blocks)
