@@ -98,6 +98,9 @@ class Recorder:
 
 
 class PiecewiseGraphs:
+    """The captured buckets of one worker: capture() in warmup, run() for a step of up to
+    the largest bucket's tokens (fits())."""
+
     def __init__(self, model, kv_caches, backend, device: torch.device,
                  buckets: tuple[int, ...], block_size: int, scratch_block: int) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
