@@ -21,7 +21,6 @@ between pieces to one buffer, instead of every layer's projections for every buc
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from tpserve.cluster.device import piece_capture_api, synchronize
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.worker.metadata import make_metadata
-
-log = logging.getLogger(__name__)
 
 ENV = "TPSERVE_PIECEWISE_GRAPHS"  # 0: mixed steps run eagerly (A/B runs)
 # Token counts captured. Past 512 tokens a Llama-3-8B step is compute-bound on an H200
