@@ -191,3 +191,17 @@ def test_quant_kernels_compile(pdl):
              dict(SPLIT=4, BLOCK=1024, PDL=pdl))
     _compile(jit.fp8_quant_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "*": "*bf16"},
              dict(BLOCK=1024))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("split_pad", [0, 4], ids=["whole-k", "split-k"])
+def test_int4_mma_gemv_compiles(rows, split_pad):
+    """The tensor-core int4 GEMV of 1-16 rows (triton_mma.py: mma.sync in inline PTX), one
+    row under PDL, several rows and a split K summed by the last program, weights loaded
+    one and two steps ahead."""
+    from tpserve.kernels.quant import triton_mma as tm
+
+    _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32",
+                                       "s_ptr": "*fp16", "z_ptr": "*fp16", "*": "*bf16"},
+             dict(GROUP=128, W=4, ODD=rows > 1, ROWS16=rows > 8, AHEAD=1 + (rows == 8),
+                  SPLIT_PAD=split_pad, PDL=rows == 1))

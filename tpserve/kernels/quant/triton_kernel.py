@@ -31,6 +31,7 @@ try:  # Triton is optional: supports() says why when it is missing.
     import triton
 
     from tpserve.kernels.quant import triton_jit as jit
+    from tpserve.kernels.quant import triton_mma
 except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
     triton = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
@@ -42,6 +43,16 @@ SUM_BLOCK = 1024
 # bfloat16x2 (triton_jit._dot8_bf16x2: about half the instructions per weight, the
 # products rounded to bfloat16); TPSERVE_INT4_PACKED=0 keeps exact float32 arithmetic.
 PACKED_BF16 = os.environ.get("TPSERVE_INT4_PACKED", "1") != "0"
+# MMA_MIN_ROWS-16 rows of bfloat16 against int4 weights on the tensor cores (triton_mma.py)
+# where the layout allows it (NVIDIA sm_80+); TPSERVE_INT4_MMA=0 keeps the GEMV and tiles.
+INT4_MMA = os.environ.get("TPSERVE_INT4_MMA", "1") != "0"
+MMA_MIN_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "2"))
+# Warps per 64-column program sharing its K range (up to 8 rows, more), the split-K target
+# and how many steps of 64 inputs are loaded ahead: the best of benchmarks/int4_mma_bench.py
+# --variants on one H200 (docs/quantization.md).
+MMA_WARPS = (4, 2)
+MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
+MMA_AHEAD = 2
 
 
 def _cdiv(a: int, b: int) -> int:  # triton.cdiv is a jit function: slow to call from Python
@@ -97,6 +108,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
+    if not fp8 and tile is None and INT4_MMA and g is None and m >= MMA_MIN_ROWS:
+        y = int4_mma_matmul(x, w, s, z, group_size)
+        if y is not None:
+            return y
     k_contig = not fp8 and _k_contiguous(w)
     if not k_contig and w.stride(-1) != 1:
         w = w.contiguous()
@@ -181,6 +196,55 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **chain)
     return y
+
+
+def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                    group_size: int, warps: int = 0, split: int = 0,
+                    ahead: int = 0) -> torch.Tensor | None:
+    """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
+    that kernel does not apply: not an NVIDIA sm_80+ GPU, x not bfloat16 pairs, act-order,
+    groups not a multiple of 64, N not of 64, unaligned words. warps / split / ahead: fixed
+    choices (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
+    m, k = x.shape
+    n = w.shape[1]
+    if (m > 16 or z is None or not _ptx(x.device) or not _mma_capable(x.device)
+            or not _bf16_pairs(x) or x.stride(0) % 2 or group_size % 64 or k % group_size
+            or n % triton_mma.COLS.value or w.stride(1) != 1 or w.stride(0) % 4
+            or w.data_ptr() % 16 or s.dtype != torch.float16 or z.dtype != torch.float16
+            or z.stride(-1) != 1 or z.stride(0) != s.stride(0)):
+        return None
+    warps = warps or MMA_WARPS[m > 8]
+    programs = n // triton_mma.COLS.value
+    groups = k // group_size
+    if not split:
+        split = 1
+        while (programs * split < MMA_PROGRAMS_PER_SM * _num_sms(x.device)
+               and groups // (2 * split) >= warps and split < MAX_MMA_SPLIT):
+            split *= 2
+    split = min(split, groups)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    counters, ws, split_pad = s, y, 0
+    if split > 1:
+        counters = _split_counters(x.device)
+        if counters is None or programs > counters.numel():
+            return None
+        ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+        split_pad = max(2, 1 << (split - 1).bit_length())
+    chain = pdl.launch(x.device) if m == 1 else {"PDL": False}
+    triton_mma.int4_mma_gemv_kernel[(programs, split)](
+        x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0),
+        GROUP=group_size, W=warps, ODD=m > 1, ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD,
+        SPLIT_PAD=split_pad, num_warps=warps, **chain)
+    return y
+
+
+MAX_MMA_SPLIT = 16
+
+
+@functools.cache
+def _mma_capable(device: torch.device) -> bool:
+    """mma.sync with bfloat16 inputs: compute capability 8.0 or later."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 # Counters of the one-row int4 GEMV's in-kernel split sum (triton_jit._sum_if_last), one per

@@ -1,0 +1,108 @@
+"""The tensor-core int4 GEMV (tpserve/kernels/quant/triton_mma.py) against the kernels it
+replaces at 1-16 rows, per Llama-3-8B layer shape, on one CUDA GPU (sm_80+):
+
+    python3 benchmarks/int4_mma_bench.py --out OUT.md
+
+For each layer (qkv, o_proj, gate_up, down; GPTQ int4, group 128) and M = 1, 2, 4, 8, 16: the
+previous path (`TPSERVE_INT4_MMA=0`: the packed GEMV at one row, the tensor-core tiles of
+2-16 rows), the new kernel with its default warps and split, other warps / splits / loads
+ahead (--variants), and
+bf16 F.linear of the same shape. Every variant's output is checked against the previous
+path first (relative error printed). Times: quant_sweep.graph_ms, a CUDA graph cycling
+through >= 256 MB of weight copies so that none is served from L2, as in a decode step; us
+per call and the weight bytes read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests/kernels"), str(ROOT / "benchmarks")]
+
+from quant_sweep import COPY_BYTES, GROUP, LAYERS, graph_ms, tensors, weight_bytes  # noqa: E402
+from report import emit  # noqa: E402
+
+from tpserve.kernels.quant import triton_kernel as tk  # noqa: E402
+
+VARIANTS = ((0, 0, 0), (0, 0, 2), (2, 0, 1), (2, 0, 2), (8, 0, 1), (4, 1, 1), (4, 1, 2),
+            (4, 4, 2), (4, 8, 2), (8, 4, 2), (16, 2, 2), (4, 8, 1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--variants", action="store_true", help="also time VARIANTS")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("int4_mma_bench.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"### int4 GEMV on the tensor cores, {name}, torch {torch.__version__}, {when}",
+             "", "| layer | M | previous us | mma us (default) | best mma us "
+             "(warps, split, ahead) | bf16 us | previous GB/s | mma GB/s | mma / previous | max rel. err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    totals: dict[int, list[float]] = {}
+    for lname, k, n in LAYERS:
+        copies = max(1, COPY_BYTES // weight_bytes("int4", k, n))
+        sets = tensors(k, n, dev, copies)
+        wbf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+               for _ in range(max(1, COPY_BYTES // (2 * k * n)))]
+        for m in args.batches:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+            def prev(t, x=x):
+                tk.INT4_MMA = False
+                try:
+                    return tk.quant_matmul(x, t[0], t[1], t[2], None, GROUP, False)
+                finally:
+                    tk.INT4_MMA = True
+
+            def mma(t, w=0, s=0, a=0, x=x):
+                return tk.int4_mma_matmul(x, t[0], t[1], t[2], GROUP, warps=w, split=s, ahead=a)
+
+            ref = prev(sets[0]).float()
+            err = 0.0
+            for w, s, a in VARIANTS if args.variants else VARIANTS[:1]:
+                y = mma(sets[0], w, s, a)
+                assert y is not None, f"{lname}: the mma kernel refused the shape"
+                err = max(err, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+            t_prev = graph_ms([lambda t=t: prev(t) for t in sets]) * 1e3
+            t_mma = graph_ms([lambda t=t: mma(t) for t in sets]) * 1e3
+            best, best_v = t_mma, "default"
+            if args.variants:
+                for w, s, a in VARIANTS[1:]:
+                    us = graph_ms([lambda t=t, w=w, s=s, a=a: mma(t, w, s, a) for t in sets]) * 1e3
+                    if us < best:
+                        best, best_v = us, f"{w}, {s}, {a}"
+            t_bf = graph_ms([lambda wb=wb, x=x: torch.nn.functional.linear(x, wb) for wb in wbf]) * 1e3
+            gb = weight_bytes("int4", k, n) / 1e3
+            tot = totals.setdefault(m, [0.0, 0.0, 0.0])
+            tot[0] += t_prev
+            tot[1] += t_mma
+            tot[2] += t_bf
+            lines.append(f"| {lname} | {m} | {t_prev:.1f} | {t_mma:.1f} | {best:.1f} ({best_v}) "
+                         f"| {t_bf:.1f} | {gb / t_prev:.0f} | {gb / t_mma:.0f} "
+                         f"| {t_mma / t_prev:.2f} | {err:.2e} |")
+            print(lines[-1], flush=True)
+        del sets, wbf
+        torch.cuda.empty_cache()
+    lines += ["", "| M | four layers: previous us | mma us | bf16 us | x 32 layers: previous ms "
+              "| mma ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for m, (p, q, b) in totals.items():
+        lines.append(f"| {m} | {p:.1f} | {q:.1f} | {b:.1f} | {32 * p / 1e3:.3f} "
+                     f"| {32 * q / 1e3:.3f} |")
+    emit(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The tensor-core int4 GEMV of 1-16 rows (kernels/quant/triton_mma.py) against the float64
+oracle of quant_conformance: every batch size it takes, groups of 64 and 128, symmetric and
+not, whole and split K (in order sums by the last program), one to eight warps per program,
+weights loaded one and two steps ahead,
+and the shapes it must refuse (returns None, the caller keeps the other kernels). Inline PTX
+does not run under Triton's interpreter, so this needs an NVIDIA GPU (sm_80+)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_conformance import _int4_ref, int4_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("mma.sync with bfloat16 needs sm_80+")
+    return torch.device("cuda")
+
+
+def _case(k, n, group, sym, m, seed):
+    dev = _cuda()
+    qw, s, z, _, q = int4_case(k, n, group, sym, False, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    ref = _int4_ref(x.double(), q, s.to(torch.float16), z.to(torch.float16), group, None)
+    return (x.to(dev), qw.to(dev), s.to(dev, torch.float16), z.to(dev, torch.float16)), ref
+
+
+def _rel(y, ref):
+    return ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("k,n", [(1024, 64), (4096, 192), (14336, 128), (512, 4096)])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_matches_the_oracle_at_every_batch_size_and_split(k, n, group, sym):
+    from tpserve.kernels.quant.triton_kernel import int4_mma_matmul
+
+    seed = k + n + group + sym
+    for m in (1, 2, 3, 5, 8, 9, 12, 16):
+        (x, qw, s, z), ref = _case(k, n, group, sym, m, seed + m)
+        for warps, split, ahead in ((0, 0, 0), (1, 1, 2), (2, 3, 1), (8, 5, 2), (4, 16, 1)):
+            y = int4_mma_matmul(x, qw, s, z, group, warps=warps, split=split, ahead=ahead)
+            assert y is not None and y.shape == (m, n) and y.dtype == torch.bfloat16
+            err = _rel(y, ref)
+            assert err < 2e-2, f"K={k} N={n} g={group} M={m} warps={warps} split={split}: {err}"
+        # The kernel every layer uses (this path from MMA_MIN_ROWS rows, the GEMV below).
+        from tpserve.kernels.quant.triton_kernel import TritonQuantKernel
+
+        y = TritonQuantKernel().int4_matmul(x, qw, s, z, group)
+        assert _rel(y, ref) < 2e-2
+
+
+def test_refuses_what_it_cannot_take():
+    from tpserve.kernels.quant.triton_kernel import int4_mma_matmul
+
+    (x, qw, s, z), _ = _case(1024, 128, 128, False, 1, 7)
+    assert int4_mma_matmul(x, qw, s, z, 32) is None  # a group shorter than 64 inputs
+    assert int4_mma_matmul(x.repeat(17, 1), qw, s, z, 128) is None  # more than 16 rows
+    assert int4_mma_matmul(x.half(), qw, s, z, 128) is None  # float16 activations
+    assert int4_mma_matmul(x, qw[:, :96], s[:, :96], z[:, :96], 128) is None  # N % 64
+    assert int4_mma_matmul(x, qw.t().contiguous().t(), s, z, 128) is None  # K-contiguous

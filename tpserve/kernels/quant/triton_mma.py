@@ -1,0 +1,350 @@
+"""The int4 GEMV of 1-16 activation rows on the tensor cores (NVIDIA sm_80+, bfloat16).
+
+Why: the CUDA-core GEMV (triton_jit.int4_gemv_n_kernel) spends several instructions per
+weight on unpacking and multiply-adds, so on an H200 it is bound by instruction issue, not
+by the bytes it reads (docs/quantization.md); the tensor-core tiles of 2-16 rows
+(gemm_kernel) unpack through shared memory and read only ~1 TB/s. Here each warp feeds
+`mma.sync.m16n8k16` straight from the registers its own loads filled, as Marlin-style
+kernels do, with the operands swapped for small batches: A (16 x 16) is the weight tile,
+16 output columns by 16 inputs, and B (16 x 8) holds x's rows as columns, so one
+instruction multiplies 256 weights by up to 8 rows (a second one, same A, takes rows 8-15),
+and unpacking costs one LOP3 per two weights plus a shift per four.
+
+How the lanes meet the fragment layout of mma.sync (PTX ISA, m16n8k16 .bf16): lane (g, t) =
+(lane // 4, lane % 4) holds A's rows g and g + 8 at columns (2t, 2t + 1) and (2t + 8,
+2t + 9), B's rows (2t, 2t + 1) and (2t + 8, 2t + 9) of column g, and D's rows g and g + 8 at
+columns (2t, 2t + 1). The order of k inside one product is free (a dot product), and so is
+which output column each A row stands for, so both follow the checkpoint's packing instead
+of a repacked copy. Per 64 inputs k0.. of a 64-column tile c..:
+- lane (g, t) reads packed rows t and t + 4 (inputs k0 + 8t.. and k0 + 8t + 32..) of
+  columns c + 4g .. c + 4g + 3 and c + 32 + 4g .. c + 32 + 4g + 3: four 128-bit loads;
+- product (jb, i), jb, i in 0..3: A's row g is column c + 4g + jb, row g + 8 is column
+  c + 32 + 4g + jb, and its k-pairs are nibbles (i, i + 4) of the packed rows t and t + 4,
+  each pair one LOP3 into the bfloat16 pair (128 + q_i, 128 + q_{i+4}) (the float trick of
+  triton_jit); B's matching pairs (x[k0 + 8t + i], x[k0 + 8t + i + 4]) are PRMTs of x;
+- so D of product jb gives lane (g, t) columns c + 4g + jb and c + 32 + 4g + jb for x's
+  rows 2t and 2t + 1 (and, from the second product, rows 8 + 2t and 9 + 2t).
+The tensor cores multiply the biased values (128 + q) exactly and add in float32; the zero
+point comes off once per group: s * (sum x (128 + q) - (128 + z) * sum x), where sum x is
+one more product per k-pair against an A of ones (no cross-lane sums).
+
+A program covers 64 output columns with W warps that share its K range group by group (the
+words of the next AHEAD steps of 64 inputs are loaded before this one's products) and add their partials through
+shared memory; where 64-column programs are too few for the GPU, K is split over SPLIT
+programs whose float32 partials the last to finish adds up (triton_jit._sum_if_last).
+Checked against the torch reference on CUDA by tests/kernels/quant_conformance.py; the
+interpreter cannot run it (inline PTX).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tpserve.kernels.quant.triton_jit import _sum_if_last
+from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
+
+COLS = tl.constexpr(64)  # output columns per program
+ROWS = tl.constexpr(16)  # x rows at most (two products of B's 8 columns)
+_LOP = "lop3.b32 {d}, {s}, 0x000F000F, 0x43004300, 0xEA;"  # the bfloat16 pair 128 + q
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{{{d}}}, {{{a}}}, {{{b}}}, {{{d}}};")
+
+
+def _column_asm(rows16: bool) -> str:
+    """PTX of one 16-column product jb over 64 inputs: 4 mma, one per nibble pair i (8 with
+    rows16: the same A against x's rows 8-15). Operands: the accumulators (4, or 8 with
+    rows16; tied to the last inputs), then the words (column c + 4g + jb rows t, t + 4;
+    column c + 32 + 4g + jb rows t, t + 4), x's pairs of packed rows t and t + 4 (row g),
+    with rows16 those of row g + 8."""
+    nd = 8 if rows16 else 4
+    w = [nd + j for j in range(4)]
+    p, q = nd + 4, nd + 8
+    p2, q2 = nd + 12, nd + 16
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, s0, s1, s2, s3;"]
+    for i in range(4):
+        if i == 0:
+            src = [f"${j}" for j in w]
+        else:
+            lines += [f"shr.u32 s{j}, ${w[j]}, {4 * i};" for j in range(4)]
+            src = ["s0", "s1", "s2", "s3"]
+        # A: row g (column c + 4g + jb) k 2t.. from packed row t, row g + 8 (column
+        # c + 32 + ...) from row t, then the same two columns from packed row t + 4.
+        lines += [_LOP.format(d="a0", s=src[0]), _LOP.format(d="a1", s=src[2]),
+                  _LOP.format(d="a2", s=src[1]), _LOP.format(d="a3", s=src[3])]
+        lines.append(_MMA.format(d="$0, $1, $2, $3", a="a0, a1, a2, a3",
+                                 b=f"${p + i}, ${q + i}"))
+        if rows16:
+            lines.append(_MMA.format(d="$4, $5, $6, $7", a="a0, a1, a2, a3",
+                                     b=f"${p2 + i}, ${q2 + i}"))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _ones_asm(rows16: bool) -> str:
+    """PTX of x's row sums over the same 64 inputs: 4 mma (8 with rows16) of an A of ones
+    by x's pairs, so D's columns (2t, 2t + 1) are rows 2t and 2t + 1 of sum x (and 8 + 2t,
+    9 + 2t). Operands: the sums (2 or 4, tied to the last inputs), x's pairs as in
+    _column_asm."""
+    nd = 4 if rows16 else 2
+    p, q, p2, q2 = nd, nd + 4, nd + 8, nd + 12
+    lines = ["{", ".reg .b32 o0, o1, o2, o3;", ".reg .f32 e0, e1, e2, e3;",
+             "mov.b32 o0, 0x3F803F80;", "mov.b32 o1, 0x3F803F80;",
+             "mov.b32 o2, 0x3F803F80;", "mov.b32 o3, 0x3F803F80;",
+             "mov.f32 e0, 0f00000000;", "mov.f32 e1, 0f00000000;",
+             "mov.f32 e2, 0f00000000;", "mov.f32 e3, 0f00000000;"]
+    for i in range(4):
+        lines.append(_MMA.format(d="$0, $1, e0, e1", a="o0, o1, o2, o3",
+                                 b=f"${p + i}, ${q + i}"))
+        if rows16:
+            lines.append(_MMA.format(d="$2, $3, e2, e3", a="o0, o1, o2, o3",
+                                     b=f"${p2 + i}, ${q2 + i}"))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _constraints(outputs: int, ints: int) -> str:
+    return ",".join(["=f"] * outputs + ["r"] * ints + [str(j) for j in range(outputs)])
+
+
+_COLUMN8: tl.constexpr = tl.constexpr(_column_asm(False))
+_COLUMN8_C: tl.constexpr = tl.constexpr(_constraints(4, 12))
+_COLUMN16: tl.constexpr = tl.constexpr(_column_asm(True))
+_COLUMN16_C: tl.constexpr = tl.constexpr(_constraints(8, 20))
+_ONES8: tl.constexpr = tl.constexpr(_ones_asm(False))
+_ONES8_C: tl.constexpr = tl.constexpr(_constraints(2, 8))
+_ONES16: tl.constexpr = tl.constexpr(_ones_asm(True))
+_ONES16_C: tl.constexpr = tl.constexpr(_constraints(4, 16))
+
+
+@triton.jit
+def _words4(ptr):
+    """Four int32 words at ptr (16-byte aligned), one 128-bit load per lane. Weights never
+    change while serving, so the load may move (is_pure)."""
+    return tl.inline_asm_elementwise(
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs8(xw_ptr, ok):
+    """x's 8 bfloat16 inputs at the int32 pointer xw_ptr as the pairs (x_i, x_{i+4}),
+    i = 0..3 (zeros where not ok)."""
+    a0 = tl.load(xw_ptr, mask=ok, other=0)
+    a1 = tl.load(xw_ptr + 1, mask=ok, other=0)
+    a2 = tl.load(xw_ptr + 2, mask=ok, other=0)
+    a3 = tl.load(xw_ptr + 3, mask=ok, other=0)
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632; "
+        "prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;",
+        "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _column(w, jb: tl.constexpr, p, q, p2, q2, acc, acc2, ROWS16: tl.constexpr):
+    """Product jb (words w[jb], w[4 + jb], w[8 + jb], w[12 + jb]): acc's four accumulators
+    (and acc2's, x's rows 8-15) updated."""
+    if ROWS16:
+        d = tl.inline_asm_elementwise(
+            _COLUMN16, _COLUMN16_C,
+            [w[jb], w[4 + jb], w[8 + jb], w[12 + jb], p[0], p[1], p[2], p[3],
+             q[0], q[1], q[2], q[3], p2[0], p2[1], p2[2], p2[3], q2[0], q2[1], q2[2], q2[3],
+             acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3],
+             acc2[4 * jb], acc2[4 * jb + 1], acc2[4 * jb + 2], acc2[4 * jb + 3]],
+            dtype=(tl.float32, ) * 8, is_pure=True, pack=1)
+        return (d[0], d[1], d[2], d[3]), (d[4], d[5], d[6], d[7])
+    d = tl.inline_asm_elementwise(
+        _COLUMN8, _COLUMN8_C,
+        [w[jb], w[4 + jb], w[8 + jb], w[12 + jb], p[0], p[1], p[2], p[3],
+         q[0], q[1], q[2], q[3], acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3]],
+        dtype=(tl.float32, ) * 4, is_pure=True, pack=1)
+    return (d[0], d[1], d[2], d[3]), (acc2[4 * jb], acc2[4 * jb + 1], acc2[4 * jb + 2],
+                                      acc2[4 * jb + 3])
+
+
+@triton.jit
+def _products(w, p, q, p2, q2, acc, acc2, u, ROWS16: tl.constexpr):
+    """The 16 products of 64 inputs (4 columns jb x 4 nibble pairs) and x's row sums."""
+    a, a2 = _column(w, 0, p, q, p2, q2, acc, acc2, ROWS16)
+    b, b2 = _column(w, 1, p, q, p2, q2, acc, acc2, ROWS16)
+    c, c2 = _column(w, 2, p, q, p2, q2, acc, acc2, ROWS16)
+    d, d2 = _column(w, 3, p, q, p2, q2, acc, acc2, ROWS16)
+    if ROWS16:
+        u = tl.inline_asm_elementwise(
+            _ONES16, _ONES16_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3],
+                                 p2[0], p2[1], p2[2], p2[3], q2[0], q2[1], q2[2], q2[3],
+                                 u[0], u[1], u[2], u[3]],
+            dtype=(tl.float32, ) * 4, is_pure=True, pack=1)
+    else:
+        v = tl.inline_asm_elementwise(
+            _ONES8, _ONES8_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3], u[0], u[1]],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        u = (v[0], v[1], u[2], u[3])
+    return ((a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3],
+             c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]),
+            (a2[0], a2[1], a2[2], a2[3], b2[0], b2[1], b2[2], b2[3],
+             c2[0], c2[1], c2[2], c2[3], d2[0], d2[1], d2[2], d2[3]), u)
+
+
+@triton.jit
+def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, GROUP: tl.constexpr, W: tl.constexpr):
+    """The lane's 16 words of its j-th step of 64 inputs: packed rows t and t + 4 of
+    columns col..col + 3, then of col + 32..col + 35 (a step past the split's last group
+    reads that group again; its x is masked to 0)."""
+    IT: tl.constexpr = GROUP // 64
+    gi = tl.minimum(g_lo + warp + W * (j // IT), g_hi - 1)
+    rp = qw_ptr + ((gi * GROUP + 64 * (j % IT)) // 8 + t) * sqk + col
+    a0, a1, a2, a3 = _words4(rp)
+    b0, b1, b2, b3 = _words4(rp + 4 * sqk)
+    c0, c1, c2, c3 = _words4(rp + 32)
+    d0, d1, d2, d3 = _words4(rp + 4 * sqk + 32)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
+def _apply(acc, ua, ub, s, zz, o, ODD: tl.constexpr):
+    """o += s * (acc - (128 + z) * sum x) for the group just finished: acc and o indexed
+    4 jb + 2h + r (column col + 32h + jb, x row 2t + r), s and zz (128 + z) 2 jb + h."""
+    o0 = o[0] + s[0] * (acc[0] - zz[0] * ua)
+    o2 = o[2] + s[1] * (acc[2] - zz[1] * ua)
+    o4 = o[4] + s[2] * (acc[4] - zz[2] * ua)
+    o6 = o[6] + s[3] * (acc[6] - zz[3] * ua)
+    o8 = o[8] + s[4] * (acc[8] - zz[4] * ua)
+    o10 = o[10] + s[5] * (acc[10] - zz[5] * ua)
+    o12 = o[12] + s[6] * (acc[12] - zz[6] * ua)
+    o14 = o[14] + s[7] * (acc[14] - zz[7] * ua)
+    if ODD:
+        o1 = o[1] + s[0] * (acc[1] - zz[0] * ub)
+        o3 = o[3] + s[1] * (acc[3] - zz[1] * ub)
+        o5 = o[5] + s[2] * (acc[5] - zz[2] * ub)
+        o7 = o[7] + s[3] * (acc[7] - zz[3] * ub)
+        o9 = o[9] + s[4] * (acc[9] - zz[4] * ub)
+        o11 = o[11] + s[5] * (acc[11] - zz[5] * ub)
+        o13 = o[13] + s[6] * (acc[13] - zz[6] * ub)
+        o15 = o[15] + s[7] * (acc[15] - zz[7] * ub)
+    else:
+        o1, o3, o5, o7, o9, o11, o13, o15 = o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15]
+    return (o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15)
+
+
+@triton.jit
+def _scales(s_ptr, z_ptr, at):
+    """The group's scales and 128 + zero points of the lane's 8 columns, indexed 2 jb + h
+    (column col + 32h + jb; at points at col)."""
+    s = (tl.load(s_ptr + at).to(tl.float32), tl.load(s_ptr + at + 32).to(tl.float32),
+         tl.load(s_ptr + at + 1).to(tl.float32), tl.load(s_ptr + at + 33).to(tl.float32),
+         tl.load(s_ptr + at + 2).to(tl.float32), tl.load(s_ptr + at + 34).to(tl.float32),
+         tl.load(s_ptr + at + 3).to(tl.float32), tl.load(s_ptr + at + 35).to(tl.float32))
+    z = (tl.load(z_ptr + at).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 32).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 1).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 33).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 2).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 34).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 3).to(tl.float32) + 128.0,
+         tl.load(z_ptr + at + 35).to(tl.float32) + 128.0)
+    return s, z
+
+
+@triton.jit
+def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, sxm,
+                         sqk, ssg, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
+                         ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16, even row stride) @ int4 qweight
+    [K / 8, N] (row-major, N % 64 == 0) with float16 scales and zeros [K / GROUP, N],
+    GROUP % 64 == 0. Program (n, s): columns 64n.., the s-th of the K splits (more than one:
+    float32 partials in ws [splits, M, N], added by the last; SPLIT_PAD a power of two >=
+    the splits). ODD: M > 1 (x's odd rows exist); ROWS16: M > 8; AHEAD (1 or 2): steps of
+    64 inputs whose words are loaded ahead. See the module docstring."""
+    if PDL:
+        gdc_launch_dependents()
+    IT: tl.constexpr = GROUP // 64  # 64-input steps per group
+    e = tl.arange(0, 32 * W)
+    lane = e % 32
+    warp = e // 32
+    g = lane // 4
+    t = lane % 4
+    c = tl.program_id(0) * 64
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    groups = K // GROUP
+    per_split = tl.cdiv(groups, splits)
+    g_lo = pid_k * per_split
+    g_hi = tl.minimum(g_lo + per_split, groups)
+    col = c + 4 * g  # this lane's columns: col + jb and col + 32 + jb
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    xg = xw_ptr + g * (sxm // 2) + 4 * t  # B's column g is x's row g (and g + 8)
+    xg2 = xg + 8 * (sxm // 2)
+    zero = tl.zeros((32 * W,), dtype=tl.float32)
+    z16 = (zero, zero, zero, zero, zero, zero, zero, zero,
+           zero, zero, zero, zero, zero, zero, zero, zero)
+    o, o2 = z16, z16
+    acc, acc2, u = z16, z16, (zero, zero, zero, zero)
+    # Weights never change while serving: the first words load before the PDL wait.
+    n1 = _words_at(qw_ptr, 0, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+    if AHEAD == 2:
+        n2 = _words_at(qw_ptr, 1, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+    if PDL:
+        gdc_wait()
+    for j in range(0, tl.cdiv(per_split, W) * IT):
+        w = n1
+        if AHEAD == 2:
+            n1 = n2
+            n2 = _words_at(qw_ptr, j + 2, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+        else:
+            n1 = _words_at(qw_ptr, j + 1, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+        gi = g_lo + warp + W * (j // IT)
+        gl = tl.minimum(gi, g_hi - 1)
+        live = gi < g_hi
+        k0 = gl * GROUP + 64 * (j % IT)
+        p = _x_pairs8(xg + k0 // 2, live & (g < M))
+        q = _x_pairs8(xg + k0 // 2 + 16, live & (g < M))
+        if ROWS16:
+            p2 = _x_pairs8(xg2 + k0 // 2, live & (g + 8 < M))
+            q2 = _x_pairs8(xg2 + k0 // 2 + 16, live & (g + 8 < M))
+        else:
+            p2, q2 = p, q
+        acc, acc2, u = _products(w, p, q, p2, q2, acc, acc2, u, ROWS16)
+        if j % IT == IT - 1:  # the group is complete: its scales and zeros, then restart
+            s, zz = _scales(s_ptr, z_ptr, gl * ssg + col)
+            o = _apply(acc, u[0], u[1], s, zz, o, ODD)
+            if ROWS16:
+                o2 = _apply(acc2, u[2], u[3], s, zz, o2, ODD)
+            acc, acc2, u = z16, z16, (zero, zero, zero, zero)
+    # Every lane of one warp, after the warps' partials are added: columns col + 32h + jb,
+    # rows 2t and 2t + 1 (and 8 more).
+    lane32 = tl.arange(0, 32)
+    col32 = c + 4 * (lane32 // 4)
+    row32 = 2 * (lane32 % 4)
+    if SPLIT_PAD:
+        out = ws_ptr + pid_k * M * N
+    else:
+        out = y_ptr
+    _store16(out, row32, col32, M, N, o, W, ODD)
+    if ROWS16:
+        _store16(out, row32 + 8, col32, M, N, o2, W, ODD)
+    if SPLIT_PAD:
+        # The last split of these 64 columns adds every split's M x 64 partials, in order.
+        idx = tl.arange(0, ROWS * COLS)
+        offs = (idx // COLS) * N + c + idx % COLS
+        _sum_if_last(ws_ptr, y_ptr, cnt_ptr + tl.program_id(0), offs, idx // COLS < M, M * N,
+                     1, splits, SPLIT_PAD)
+
+
+@triton.jit
+def _store16(out_ptr, row, col, M, N, o, W: tl.constexpr, ODD: tl.constexpr):
+    """o (indexed 4 jb + 2h + r: column col + 32h + jb, row `row` + r; per lane of one
+    warp after the W warps' partials are added) into out [M, N] in its dtype."""
+    for jb in tl.static_range(4):
+        for h in tl.static_range(2):
+            _store1(out_ptr, row, col + 32 * h + jb, M, N, o[4 * jb + 2 * h], W)
+            if ODD:
+                _store1(out_ptr, row + 1, col + 32 * h + jb, M, N, o[4 * jb + 2 * h + 1], W)
+
+
+@triton.jit
+def _store1(out_ptr, row, col, M, N, v, W: tl.constexpr):
+    v = tl.sum(tl.reshape(v, (W, 32)), axis=0)
+    tl.store(out_ptr + row * N + col, v.to(out_ptr.dtype.element_ty), mask=row < M)
