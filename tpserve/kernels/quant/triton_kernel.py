@@ -47,6 +47,11 @@ PACKED_BF16 = os.environ.get("TPSERVE_INT4_PACKED", "1") != "0"
 # where the layout allows it (NVIDIA sm_80+); TPSERVE_INT4_MMA=0 keeps the GEMV and tiles.
 INT4_MMA = os.environ.get("TPSERVE_INT4_MMA", "1") != "0"
 MMA_MIN_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "2"))
+# One row keeps the GEMV: on one H200 the one-row step took 2.70 ms with this kernel on
+# gate_up alone and 2.55 without it, though gate_up alone timed faster (docs/quantization.md).
+# Rows up to which it launches with programmatic dependent launch (kernels/pdl.py; at most
+# pdl.MAX_ROWS): 2 rows 2.94 -> 2.79 ms per step with it, 8 rows unchanged.
+MMA_PDL_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_PDL_ROWS", "8"))
 # Warps per 64-column program sharing its K range (up to 8 rows, more), the split-K target
 # and how many steps of 64 inputs are loaded ahead: the best of benchmarks/int4_mma_bench.py
 # --variants on one H200 (docs/quantization.md).
@@ -230,7 +235,7 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
             return None
         ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         split_pad = max(2, 1 << (split - 1).bit_length())
-    chain = pdl.launch(x.device) if m == 1 else {"PDL": False}
+    chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
         x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0),
         GROUP=group_size, W=warps, ODD=m > 1, ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD,
