@@ -53,8 +53,8 @@ MMA_MIN_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "2"))
 # pdl.MAX_ROWS): 2 rows 2.94 -> 2.79 ms per step with it, 8 rows unchanged.
 MMA_PDL_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_PDL_ROWS", "8"))
 # Warps per 64-column program sharing its K range (up to 8 rows, more), the split-K target
-# and how many steps of 64 inputs are loaded ahead: the best of benchmarks/int4_mma_bench.py
-# --variants on one H200 (docs/quantization.md).
+# and how many steps of 64 inputs are loaded ahead: the best of the variants that
+# benchmarks/int4_mma_bench.py times on one H200 (docs/quantization.md).
 MMA_WARPS = (4, 2)
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
