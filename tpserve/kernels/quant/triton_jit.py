@@ -79,6 +79,13 @@ def _x_pairs(xw_ptr, krow, K, EVEN: tl.constexpr):
         a1 = tl.load(base + 1, mask=krow < K, other=0)
         a2 = tl.load(base + 2, mask=krow < K, other=0)
         a3 = tl.load(base + 3, mask=krow < K, other=0)
+    return _pairs_i_i4(a0, a1, a2, a3)
+
+
+@triton.jit
+def _pairs_i_i4(a0, a1, a2, a3):
+    """The int32 words (x0, x1), (x2, x3), (x4, x5), (x6, x7) of 8 bfloat16 inputs as the
+    pairs (x_i, x_{i+4}), i = 0..3: 4 PRMTs."""
     return tl.inline_asm_elementwise(
         "prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632; "
         "prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;",

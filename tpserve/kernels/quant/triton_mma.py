@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpserve.kernels.quant.triton_jit import _sum_if_last
+from tpserve.kernels.quant.triton_jit import _pairs_i_i4, _sum_if_last
 from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
 
 COLS = tl.constexpr(64)  # output columns per program
@@ -72,13 +72,20 @@ def _column_asm(rows16: bool) -> str:
         # c + 32 + ...) from row t, then the same two columns from packed row t + 4.
         lines += [_LOP.format(d="a0", s=src[0]), _LOP.format(d="a1", s=src[2]),
                   _LOP.format(d="a2", s=src[1]), _LOP.format(d="a3", s=src[3])]
-        lines.append(_MMA.format(d="$0, $1, $2, $3", a="a0, a1, a2, a3",
-                                 b=f"${p + i}, ${q + i}"))
-        if rows16:
-            lines.append(_MMA.format(d="$4, $5, $6, $7", a="a0, a1, a2, a3",
-                                     b=f"${p2 + i}, ${q2 + i}"))
+        lines += _mmas("$0, $1, $2, $3", "$4, $5, $6, $7", "a0, a1, a2, a3", i, (p, q),
+                       (p2, q2) if rows16 else None)
     lines.append("}")
     return "\n".join(lines)
+
+
+def _mmas(d: str, d2: str, a: str, i: int, rows: tuple[int, int],
+          rows8: tuple[int, int] | None) -> list[str]:
+    """The mma of A (registers a) by x's pair i of rows 0-7 into d (B's registers: operands
+    rows[0] + i and rows[1] + i), and with rows8 the same A by rows 8-15 into d2."""
+    out = [_MMA.format(d=d, a=a, b=f"${rows[0] + i}, ${rows[1] + i}")]
+    if rows8:
+        out.append(_MMA.format(d=d2, a=a, b=f"${rows8[0] + i}, ${rows8[1] + i}"))
+    return out
 
 
 def _ones_asm(rows16: bool) -> str:
@@ -94,11 +101,8 @@ def _ones_asm(rows16: bool) -> str:
              "mov.f32 e0, 0f00000000;", "mov.f32 e1, 0f00000000;",
              "mov.f32 e2, 0f00000000;", "mov.f32 e3, 0f00000000;"]
     for i in range(4):
-        lines.append(_MMA.format(d="$0, $1, e0, e1", a="o0, o1, o2, o3",
-                                 b=f"${p + i}, ${q + i}"))
-        if rows16:
-            lines.append(_MMA.format(d="$2, $3, e2, e3", a="o0, o1, o2, o3",
-                                     b=f"${p2 + i}, ${q2 + i}"))
+        lines += _mmas("$0, $1, e0, e1", "$2, $3, e2, e3", "o0, o1, o2, o3", i, (p, q),
+                       (p2, q2) if rows16 else None)
     lines.append("}")
     return "\n".join(lines)
 
@@ -130,15 +134,9 @@ def _words4(ptr):
 def _x_pairs8(xw_ptr, ok):
     """x's 8 bfloat16 inputs at the int32 pointer xw_ptr as the pairs (x_i, x_{i+4}),
     i = 0..3 (zeros where not ok)."""
-    a0 = tl.load(xw_ptr, mask=ok, other=0)
-    a1 = tl.load(xw_ptr + 1, mask=ok, other=0)
-    a2 = tl.load(xw_ptr + 2, mask=ok, other=0)
-    a3 = tl.load(xw_ptr + 3, mask=ok, other=0)
-    return tl.inline_asm_elementwise(
-        "prmt.b32 $0, $4, $6, 0x5410; prmt.b32 $1, $4, $6, 0x7632; "
-        "prmt.b32 $2, $5, $7, 0x5410; prmt.b32 $3, $5, $7, 0x7632;",
-        "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True, pack=1)
+    return _pairs_i_i4(tl.load(xw_ptr, mask=ok, other=0), tl.load(xw_ptr + 1, mask=ok, other=0),
+                       tl.load(xw_ptr + 2, mask=ok, other=0),
+                       tl.load(xw_ptr + 3, mask=ok, other=0))
 
 
 @triton.jit
@@ -206,26 +204,24 @@ def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, GROUP: tl.constexpr, W: 
 def _apply(acc, ua, ub, s, zz, o, ODD: tl.constexpr):
     """o += s * (acc - (128 + z) * sum x) for the group just finished: acc and o indexed
     4 jb + 2h + r (column col + 32h + jb, x row 2t + r), s and zz (128 + z) 2 jb + h."""
-    o0 = o[0] + s[0] * (acc[0] - zz[0] * ua)
-    o2 = o[2] + s[1] * (acc[2] - zz[1] * ua)
-    o4 = o[4] + s[2] * (acc[4] - zz[2] * ua)
-    o6 = o[6] + s[3] * (acc[6] - zz[3] * ua)
-    o8 = o[8] + s[4] * (acc[8] - zz[4] * ua)
-    o10 = o[10] + s[5] * (acc[10] - zz[5] * ua)
-    o12 = o[12] + s[6] * (acc[12] - zz[6] * ua)
-    o14 = o[14] + s[7] * (acc[14] - zz[7] * ua)
-    if ODD:
-        o1 = o[1] + s[0] * (acc[1] - zz[0] * ub)
-        o3 = o[3] + s[1] * (acc[3] - zz[1] * ub)
-        o5 = o[5] + s[2] * (acc[5] - zz[2] * ub)
-        o7 = o[7] + s[3] * (acc[7] - zz[3] * ub)
-        o9 = o[9] + s[4] * (acc[9] - zz[4] * ub)
-        o11 = o[11] + s[5] * (acc[11] - zz[5] * ub)
-        o13 = o[13] + s[6] * (acc[13] - zz[6] * ub)
-        o15 = o[15] + s[7] * (acc[15] - zz[7] * ub)
-    else:
-        o1, o3, o5, o7, o9, o11, o13, o15 = o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15]
+    o0, o1 = _apply2(acc, 0, ua, ub, s[0], zz[0], o, ODD)
+    o2, o3 = _apply2(acc, 2, ua, ub, s[1], zz[1], o, ODD)
+    o4, o5 = _apply2(acc, 4, ua, ub, s[2], zz[2], o, ODD)
+    o6, o7 = _apply2(acc, 6, ua, ub, s[3], zz[3], o, ODD)
+    o8, o9 = _apply2(acc, 8, ua, ub, s[4], zz[4], o, ODD)
+    o10, o11 = _apply2(acc, 10, ua, ub, s[5], zz[5], o, ODD)
+    o12, o13 = _apply2(acc, 12, ua, ub, s[6], zz[6], o, ODD)
+    o14, o15 = _apply2(acc, 14, ua, ub, s[7], zz[7], o, ODD)
     return (o0, o1, o2, o3, o4, o5, o6, o7, o8, o9, o10, o11, o12, o13, o14, o15)
+
+
+@triton.jit
+def _apply2(acc, i: tl.constexpr, ua, ub, s, zz, o, ODD: tl.constexpr):
+    """One column's rows 2t (accumulator i) and, with ODD, 2t + 1 (i + 1)."""
+    even = o[i] + s * (acc[i] - zz * ua)
+    if ODD:
+        return even, o[i + 1] + s * (acc[i + 1] - zz * ub)
+    return even, o[i + 1]
 
 
 @triton.jit
