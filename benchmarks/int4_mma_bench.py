@@ -11,6 +11,9 @@ bf16 F.linear of the same shape. Every variant's output is checked against the p
 path first (relative error printed). Times: quant_sweep.graph_ms, a CUDA graph cycling
 through >= 256 MB of weight copies so that none is served from L2, as in a decode step; us
 per call and the weight bytes read per second.
+
+--over-16 24 32 48 64: also rows above the kernel's 16, where the 17-64 tiles run, against
+the kernel launched once per 16 rows and bf16 (us summed over the four layers).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time VARIANTS")
+    ap.add_argument("--over-16", type=int, nargs="*", default=[], metavar="M")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("int4_mma_bench.py needs a CUDA GPU", file=sys.stderr)
@@ -100,8 +104,40 @@ def main() -> int:
     for m, (p, q, b) in totals.items():
         lines.append(f"| {m} | {p:.1f} | {q:.1f} | {b:.1f} | {32 * p / 1e3:.3f} "
                      f"| {32 * q / 1e3:.3f} |")
+    if args.over_16:
+        lines += ["", "| rows | four layers: previous us | 16 rows a launch us | bf16 us |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {m} | {a:.1f} | {b:.1f} | {c:.1f} |"
+                  for m, (a, b, c) in over_16(dev, args.over_16).items()]
     emit(lines, args.out)
     return 0
+
+
+def over_16(dev: torch.device, rows: list[int]) -> dict[int, list[float]]:
+    """M > 16: the previous path, this kernel once per 16 rows, bf16; summed over LAYERS."""
+    tot: dict[int, list[float]] = {}
+    for _name, k, n in LAYERS:
+        sets = tensors(k, n, dev, max(1, COPY_BYTES // weight_bytes("int4", k, n)))
+        wbf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+               for _ in range(max(1, COPY_BYTES // (2 * k * n)))]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+            def prev(t, x=x):
+                return tk.quant_matmul(x, t[0], t[1], t[2], None, GROUP, False)
+
+            def chunks(t, x=x):
+                return [tk.int4_mma_matmul(x[i:i + 16], t[0], t[1], t[2], GROUP)
+                        for i in range(0, x.shape[0], 16)]
+
+            s = tot.setdefault(m, [0.0, 0.0, 0.0])
+            s[0] += graph_ms([lambda t=t: prev(t) for t in sets]) * 1e3
+            s[1] += graph_ms([lambda t=t: chunks(t) for t in sets]) * 1e3
+            s[2] += graph_ms([lambda wb=wb, x=x: torch.nn.functional.linear(x, wb)
+                              for wb in wbf]) * 1e3
+        del sets, wbf
+        torch.cuda.empty_cache()
+    return tot
 
 
 if __name__ == "__main__":
