@@ -35,16 +35,19 @@ def _rel(y, ref):
 
 
 @pytest.mark.parametrize("k,n", [(1024, 64), (4096, 192), (14336, 128), (512, 4096)])
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [64, 128, 256])
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 def test_matches_the_oracle_at_every_batch_size_and_split(k, n, group, sym):
-    from tpserve.kernels.quant.triton_kernel import int4_mma_matmul
+    from tpserve.kernels.quant.triton_kernel import MMA_WARPS, int4_mma_matmul
 
     seed = k + n + group + sym
     for m in (1, 2, 3, 5, 8, 9, 12, 16):
         (x, qw, s, z), ref = _case(k, n, group, sym, m, seed + m)
         for warps, split, ahead in ((0, 0, 0), (1, 1, 2), (2, 3, 1), (8, 5, 2), (4, 16, 1)):
             y = int4_mma_matmul(x, qw, s, z, group, warps=warps, split=split, ahead=ahead)
+            if k // group < (warps or MMA_WARPS[m > 8]):  # fewer groups than warps: refused
+                assert y is None
+                continue
             assert y is not None and y.shape == (m, n) and y.dtype == torch.bfloat16
             err = _rel(y, ref)
             assert err < 2e-2, f"K={k} N={n} g={group} M={m} warps={warps} split={split}: {err}"
@@ -60,6 +63,8 @@ def test_refuses_what_it_cannot_take():
 
     (x, qw, s, z), _ = _case(1024, 128, 128, False, 1, 7)
     assert int4_mma_matmul(x, qw, s, z, 32) is None  # a group shorter than 64 inputs
+    (x1, qw1, s1, z1), _ = _case(1024, 128, 1024, False, 2, 8)
+    assert int4_mma_matmul(x1, qw1, s1, z1, 1024) is None  # one group per column (-1)
     assert int4_mma_matmul(x.repeat(17, 1), qw, s, z, 128) is None  # more than 16 rows
     assert int4_mma_matmul(x.half(), qw, s, z, 128) is None  # float16 activations
     assert int4_mma_matmul(x, qw[:, :96], s[:, :96], z[:, :96], 128) is None  # N % 64

@@ -208,7 +208,7 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
                     ahead: int = 0) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
     that kernel does not apply: not an NVIDIA sm_80+ GPU, x not bfloat16 pairs, act-order,
-    groups not a multiple of 64, N not of 64, unaligned words. warps / split / ahead: fixed
+    groups not a multiple of 64, fewer groups than warps, N not of 64, unaligned words. warps / split / ahead: fixed
     choices (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
     m, k = x.shape
     n = w.shape[1]
@@ -221,6 +221,8 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
     warps = warps or MMA_WARPS[m > 8]
     programs = n // triton_mma.COLS.value
     groups = k // group_size
+    if groups < warps:  # one scale per column (GPTQ group_size -1) or nearly: warps would idle
+        return None
     if not split:
         split = 1
         while (programs * split < MMA_PROGRAMS_PER_SM * _num_sms(x.device)
