@@ -43,14 +43,18 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time VARIANTS")
     ap.add_argument("--over-16", type=int, nargs="*", default=[], metavar="M")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                    help="activations (and the F.linear comparison)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("int4_mma_bench.py needs a CUDA GPU", file=sys.stderr)
         return 1
     dev = torch.device("cuda")
+    dt = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(dev)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"### int4 GEMV on the tensor cores, {name}, torch {torch.__version__}, {when}",
+    lines = [f"### int4 GEMV on the tensor cores, {args.dtype} activations, {name}, "
+             f"torch {torch.__version__}, {when}",
              "", "| layer | M | previous us | mma us (default) | best mma us "
              "(warps, split, ahead) | bf16 us | previous GB/s | mma GB/s | mma / previous | max rel. err |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -58,10 +62,10 @@ def main() -> int:
     for lname, k, n in LAYERS:
         copies = max(1, COPY_BYTES // weight_bytes("int4", k, n))
         sets = tensors(k, n, dev, copies)
-        wbf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        wbf = [torch.randn(n, k, device=dev, dtype=dt)
                for _ in range(max(1, COPY_BYTES // (2 * k * n)))]
         for m in args.batches:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=dt)
 
             def prev(t, x=x):
                 tk.INT4_MMA = False
@@ -108,20 +112,20 @@ def main() -> int:
         lines += ["", "| rows | four layers: previous us | 16 rows a launch us | bf16 us |",
                   "| --- | --- | --- | --- |"]
         lines += [f"| {m} | {a:.1f} | {b:.1f} | {c:.1f} |"
-                  for m, (a, b, c) in over_16(dev, args.over_16).items()]
+                  for m, (a, b, c) in over_16(dev, args.over_16, dt).items()]
     emit(lines, args.out)
     return 0
 
 
-def over_16(dev: torch.device, rows: list[int]) -> dict[int, list[float]]:
+def over_16(dev: torch.device, rows: list[int], dt: torch.dtype) -> dict[int, list[float]]:
     """M > 16: the previous path, this kernel once per 16 rows, bf16; summed over LAYERS."""
     tot: dict[int, list[float]] = {}
     for _name, k, n in LAYERS:
         sets = tensors(k, n, dev, max(1, COPY_BYTES // weight_bytes("int4", k, n)))
-        wbf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        wbf = [torch.randn(n, k, device=dev, dtype=dt)
                for _ in range(max(1, COPY_BYTES // (2 * k * n)))]
         for m in rows:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=dev, dtype=dt)
 
             def prev(t, x=x):
                 return tk.quant_matmul(x, t[0], t[1], t[2], None, GROUP, False)

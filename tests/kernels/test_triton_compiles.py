@@ -195,13 +195,15 @@ def test_quant_kernels_compile(pdl):
 
 @pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("split_pad", [0, 4], ids=["whole-k", "split-k"])
-def test_int4_mma_gemv_compiles(rows, split_pad):
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16", "f16"])
+def test_int4_mma_gemv_compiles(rows, split_pad, f16):
     """The tensor-core int4 GEMV of 1-16 rows (triton_mma.py: mma.sync in inline PTX), one
     row under PDL, several rows and a split K summed by the last program, weights loaded
-    one and two steps ahead."""
+    one and two steps ahead; bfloat16 and float16 activations."""
     from tpserve.kernels.quant import triton_mma as tm
 
+    act = "*fp16" if f16 else "*bf16"
     _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32",
-                                       "s_ptr": "*fp16", "z_ptr": "*fp16", "*": "*bf16"},
+                                       "s_ptr": "*fp16", "z_ptr": "*fp16", "*": act},
              dict(GROUP=128, W=4, ODD=rows > 1, ROWS16=rows > 8, AHEAD=1 + (rows == 8),
-                  SPLIT_PAD=split_pad, PDL=rows == 1))
+                  SPLIT_PAD=split_pad, PDL=rows == 1, **tm.asm_for(rows > 8, f16)))

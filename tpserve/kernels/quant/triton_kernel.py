@@ -43,10 +43,14 @@ SUM_BLOCK = 1024
 # bfloat16x2 (triton_jit._dot8_bf16x2: about half the instructions per weight, the
 # products rounded to bfloat16); TPSERVE_INT4_PACKED=0 keeps exact float32 arithmetic.
 PACKED_BF16 = os.environ.get("TPSERVE_INT4_PACKED", "1") != "0"
-# MMA_MIN_ROWS-16 rows of bfloat16 against int4 weights on the tensor cores (triton_mma.py)
+# MMA_MIN_ROWS-16 rows of bfloat16 or float16 against int4 weights on the tensor cores (triton_mma.py)
 # where the layout allows it (NVIDIA sm_80+); TPSERVE_INT4_MMA=0 keeps the GEMV and tiles.
 INT4_MMA = os.environ.get("TPSERVE_INT4_MMA", "1") != "0"
 MMA_MIN_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "2"))
+# float16 activations take it only when asked (TPSERVE_INT4_MMA_F16=1): that variant ran in
+# the engine on an H200 at the bfloat16 variant's speed, but its GPU conformance run did not
+# finish within that session's device time (docs/quantization.md).
+MMA_F16 = os.environ.get("TPSERVE_INT4_MMA_F16", "0") == "1"
 # One row keeps the GEMV: on one H200 the one-row step took 2.70 ms with this kernel on
 # gate_up alone and 2.55 without it, though gate_up alone timed faster (docs/quantization.md).
 # Rows up to which it launches with programmatic dependent launch (kernels/pdl.py; at most
@@ -113,7 +117,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
-    if not fp8 and tile is None and INT4_MMA and g is None and m >= MMA_MIN_ROWS:
+    if (not fp8 and tile is None and INT4_MMA and g is None and m >= MMA_MIN_ROWS
+            and (x.dtype != torch.float16 or MMA_F16)):
         y = int4_mma_matmul(x, w, s, z, group_size)
         if y is not None:
             return y
@@ -207,13 +212,14 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
                     group_size: int, warps: int = 0, split: int = 0,
                     ahead: int = 0) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
-    that kernel does not apply: not an NVIDIA sm_80+ GPU, x not bfloat16 pairs, act-order,
+    that kernel does not apply: not an NVIDIA sm_80+ GPU, x not bfloat16 or float16 pairs,
+    act-order,
     groups not a multiple of 64, fewer groups than warps, N not of 64, unaligned words. warps / split / ahead: fixed
     choices (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
     m, k = x.shape
     n = w.shape[1]
     if (m > 16 or z is None or not _ptx(x.device) or not _mma_capable(x.device)
-            or not _bf16_pairs(x) or x.stride(0) % 2 or group_size % 64 or k % group_size
+            or not _16bit_pairs(x) or x.stride(0) % 2 or group_size % 64 or k % group_size
             or n % triton_mma.COLS.value or w.stride(1) != 1 or w.stride(0) % 4
             or w.data_ptr() % 16 or s.dtype != torch.float16 or z.dtype != torch.float16
             or z.stride(-1) != 1 or z.stride(0) != s.stride(0)):
@@ -241,7 +247,8 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
         x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0),
         GROUP=group_size, W=warps, ODD=m > 1, ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD,
-        SPLIT_PAD=split_pad, num_warps=warps, **chain)
+        SPLIT_PAD=split_pad, num_warps=warps, **chain,
+        **triton_mma.asm_for(m > 8, x.dtype == torch.float16))
     return y
 
 
@@ -283,6 +290,11 @@ def _log2(group_size: int) -> int:
 def _ptx(device: torch.device) -> bool:
     """Inline PTX is allowed: an NVIDIA GPU (not ROCm, whose torch also says "cuda")."""
     return device.type == "cuda" and torch.version.hip is None
+
+
+def _16bit_pairs(x: torch.Tensor) -> bool:
+    """x's bfloat16 or float16 inputs can be read two per 32-bit load."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and x.data_ptr() % 4 == 0
 
 
 def _bf16_pairs(x: torch.Tensor) -> bool:

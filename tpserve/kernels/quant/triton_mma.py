@@ -1,4 +1,5 @@
-"""The int4 GEMV of 1-16 activation rows on the tensor cores (NVIDIA sm_80+, bfloat16).
+"""The int4 GEMV of 1-16 activation rows on the tensor cores (NVIDIA sm_80+, bfloat16 or
+float16).
 
 Why: the CUDA-core GEMV (triton_jit.int4_gemv_n_kernel) spends several instructions per
 weight on unpacking and multiply-adds, so on an H200 it is bound by instruction issue, not
@@ -20,12 +21,13 @@ of a repacked copy. Per 64 inputs k0.. of a 64-column tile c..:
   columns c + 4g .. c + 4g + 3 and c + 32 + 4g .. c + 32 + 4g + 3: four 128-bit loads;
 - product (jb, i), jb, i in 0..3: A's row g is column c + 4g + jb, row g + 8 is column
   c + 32 + 4g + jb, and its k-pairs are nibbles (i, i + 4) of the packed rows t and t + 4,
-  each pair one LOP3 into the bfloat16 pair (128 + q_i, 128 + q_{i+4}) (the float trick of
-  triton_jit); B's matching pairs (x[k0 + 8t + i], x[k0 + 8t + i + 4]) are PRMTs of x;
+  each pair one LOP3 into the 16-bit pair (BIAS + q_i, BIAS + q_{i+4}) (the float trick of
+  triton_jit; BIAS is 128 in bfloat16, 16 in float16, _TYPES); B's matching pairs
+  (x[k0 + 8t + i], x[k0 + 8t + i + 4]) are PRMTs of x;
 - so D of product jb gives lane (g, t) columns c + 4g + jb and c + 32 + 4g + jb for x's
   rows 2t and 2t + 1 (and, from the second product, rows 8 + 2t and 9 + 2t).
-The tensor cores multiply the biased values (128 + q) exactly and add in float32; the zero
-point comes off once per group: s * (sum x (128 + q) - (128 + z) * sum x), where sum x is
+The tensor cores multiply the biased values (BIAS + q) exactly and add in float32; the zero
+point comes off once per group: s * (sum x (BIAS + q) - (BIAS + z) * sum x), where sum x is
 one more product per k-pair against an A of ones (no cross-lane sums).
 
 A program covers 64 output columns with W warps that share its K range group by group (the
@@ -38,6 +40,8 @@ interpreter cannot run it (inline PTX).
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -46,12 +50,28 @@ from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
 
 COLS = tl.constexpr(64)  # output columns per program
 ROWS = tl.constexpr(16)  # x rows at most (two products of B's 8 columns)
-_LOP = "lop3.b32 {d}, {s}, 0x000F000F, 0x43004300, 0xEA;"  # the bfloat16 pair 128 + q
-_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+# Per 16-bit type: how nibble pair (i, i + 4) of a word becomes the pair (BIAS + q_i,
+# BIAS + q_{i+4}) exactly. bfloat16 (7 mantissa bits): the nibble in bits 0-3 under the
+# exponent of 128 (shift right by 4i, LOP3). float16 (10 mantissa bits): the nibble in bits
+# 6-9 under the exponent of 16 (16 + q: a smaller bias, so less to cancel when the zero
+# point comes off), shifted there by 6 - 4i.
+_TYPES = {
+    "bf16": dict(mask="0x000F000F", magic="0x43004300", one="0x3F803F80", bias=128.0,
+                 shifts=(0, 4, 8, 12)),
+    "f16": dict(mask="0x03C003C0", magic="0x4C004C00", one="0x3C003C00", bias=16.0,
+                shifts=(-6, -2, 2, 6)),
+}
+_LOP = "lop3.b32 {d}, {s}, {mask}, {magic}, 0xEA;"
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
         "{{{d}}}, {{{a}}}, {{{b}}}, {{{d}}};")
 
 
-def _column_asm(rows16: bool) -> str:
+def _shift(dst: str, src: str, by: int) -> str:
+    """dst = src >> by (by > 0) or << -by (by < 0)."""
+    return f"shr.u32 {dst}, {src}, {by};" if by > 0 else f"shl.b32 {dst}, {src}, {-by};"
+
+
+def _column_asm(rows16: bool, ty: str) -> str:
     """PTX of one 16-column product jb over 64 inputs: 4 mma, one per nibble pair i (8 with
     rows16: the same A against x's rows 8-15). Operands: the accumulators (4, or 8 with
     rows16; tied to the last inputs), then the words (column c + 4g + jb rows t, t + 4;
@@ -61,47 +81,50 @@ def _column_asm(rows16: bool) -> str:
     w = [nd + j for j in range(4)]
     p, q = nd + 4, nd + 8
     p2, q2 = nd + 12, nd + 16
+    k = _TYPES[ty]
     lines = ["{", ".reg .b32 a0, a1, a2, a3, s0, s1, s2, s3;"]
     for i in range(4):
-        if i == 0:
+        by = k["shifts"][i]
+        if by == 0:
             src = [f"${j}" for j in w]
         else:
-            lines += [f"shr.u32 s{j}, ${w[j]}, {4 * i};" for j in range(4)]
+            lines += [_shift(f"s{j}", f"${w[j]}", by) for j in range(4)]
             src = ["s0", "s1", "s2", "s3"]
         # A: row g (column c + 4g + jb) k 2t.. from packed row t, row g + 8 (column
         # c + 32 + ...) from row t, then the same two columns from packed row t + 4.
-        lines += [_LOP.format(d="a0", s=src[0]), _LOP.format(d="a1", s=src[2]),
-                  _LOP.format(d="a2", s=src[1]), _LOP.format(d="a3", s=src[3])]
-        lines += _mmas("$0, $1, $2, $3", "$4, $5, $6, $7", "a0, a1, a2, a3", i, (p, q),
+        lines += [_LOP.format(d=d, s=src[j], mask=k["mask"], magic=k["magic"])
+                  for d, j in (("a0", 0), ("a1", 2), ("a2", 1), ("a3", 3))]
+        lines += _mmas(ty, "$0, $1, $2, $3", "$4, $5, $6, $7", "a0, a1, a2, a3", i, (p, q),
                        (p2, q2) if rows16 else None)
     lines.append("}")
     return "\n".join(lines)
 
 
-def _mmas(d: str, d2: str, a: str, i: int, rows: tuple[int, int],
+def _mmas(ty: str, d: str, d2: str, a: str, i: int, rows: tuple[int, int],
           rows8: tuple[int, int] | None) -> list[str]:
     """The mma of A (registers a) by x's pair i of rows 0-7 into d (B's registers: operands
     rows[0] + i and rows[1] + i), and with rows8 the same A by rows 8-15 into d2."""
-    out = [_MMA.format(d=d, a=a, b=f"${rows[0] + i}, ${rows[1] + i}")]
+    out = [_MMA.format(ty=ty, d=d, a=a, b=f"${rows[0] + i}, ${rows[1] + i}")]
     if rows8:
-        out.append(_MMA.format(d=d2, a=a, b=f"${rows8[0] + i}, ${rows8[1] + i}"))
+        out.append(_MMA.format(ty=ty, d=d2, a=a, b=f"${rows8[0] + i}, ${rows8[1] + i}"))
     return out
 
 
-def _ones_asm(rows16: bool) -> str:
+def _ones_asm(rows16: bool, ty: str) -> str:
     """PTX of x's row sums over the same 64 inputs: 4 mma (8 with rows16) of an A of ones
     by x's pairs, so D's columns (2t, 2t + 1) are rows 2t and 2t + 1 of sum x (and 8 + 2t,
     9 + 2t). Operands: the sums (2 or 4, tied to the last inputs), x's pairs as in
     _column_asm."""
     nd = 4 if rows16 else 2
     p, q, p2, q2 = nd, nd + 4, nd + 8, nd + 12
+    one = _TYPES[ty]["one"]
     lines = ["{", ".reg .b32 o0, o1, o2, o3;", ".reg .f32 e0, e1, e2, e3;",
-             "mov.b32 o0, 0x3F803F80;", "mov.b32 o1, 0x3F803F80;",
-             "mov.b32 o2, 0x3F803F80;", "mov.b32 o3, 0x3F803F80;",
+             f"mov.b32 o0, {one};", f"mov.b32 o1, {one};",
+             f"mov.b32 o2, {one};", f"mov.b32 o3, {one};",
              "mov.f32 e0, 0f00000000;", "mov.f32 e1, 0f00000000;",
              "mov.f32 e2, 0f00000000;", "mov.f32 e3, 0f00000000;"]
     for i in range(4):
-        lines += _mmas("$0, $1, e0, e1", "$2, $3, e2, e3", "o0, o1, o2, o3", i, (p, q),
+        lines += _mmas(ty, "$0, $1, e0, e1", "$2, $3, e2, e3", "o0, o1, o2, o3", i, (p, q),
                        (p2, q2) if rows16 else None)
     lines.append("}")
     return "\n".join(lines)
@@ -111,14 +134,19 @@ def _constraints(outputs: int, ints: int) -> str:
     return ",".join(["=f"] * outputs + ["r"] * ints + [str(j) for j in range(outputs)])
 
 
-_COLUMN8: tl.constexpr = tl.constexpr(_column_asm(False))
+@functools.cache
+def asm_for(rows16: bool, f16: bool) -> dict:
+    """The kernel's PTX and bias for x's type and row count: its constexpr arguments."""
+    ty = "f16" if f16 else "bf16"
+    return dict(COLUMN=_column_asm(rows16, ty), ONES=_ones_asm(rows16, ty),
+                BIAS=_TYPES[ty]["bias"])
+
+
 _COLUMN8_C: tl.constexpr = tl.constexpr(_constraints(4, 12))
-_COLUMN16: tl.constexpr = tl.constexpr(_column_asm(True))
 _COLUMN16_C: tl.constexpr = tl.constexpr(_constraints(8, 20))
-_ONES8: tl.constexpr = tl.constexpr(_ones_asm(False))
 _ONES8_C: tl.constexpr = tl.constexpr(_constraints(2, 8))
-_ONES16: tl.constexpr = tl.constexpr(_ones_asm(True))
 _ONES16_C: tl.constexpr = tl.constexpr(_constraints(4, 16))
+
 
 
 @triton.jit
@@ -132,7 +160,7 @@ def _words4(ptr):
 
 @triton.jit
 def _x_pairs8(xw_ptr, ok):
-    """x's 8 bfloat16 inputs at the int32 pointer xw_ptr as the pairs (x_i, x_{i+4}),
+    """x's 8 16-bit inputs at the int32 pointer xw_ptr as the pairs (x_i, x_{i+4}),
     i = 0..3 (zeros where not ok)."""
     return _pairs_i_i4(tl.load(xw_ptr, mask=ok, other=0), tl.load(xw_ptr + 1, mask=ok, other=0),
                        tl.load(xw_ptr + 2, mask=ok, other=0),
@@ -140,12 +168,13 @@ def _x_pairs8(xw_ptr, ok):
 
 
 @triton.jit
-def _column(w, jb: tl.constexpr, p, q, p2, q2, acc, acc2, ROWS16: tl.constexpr):
+def _column(w, jb: tl.constexpr, p, q, p2, q2, acc, acc2, ROWS16: tl.constexpr,
+            COLUMN: tl.constexpr):
     """Product jb (words w[jb], w[4 + jb], w[8 + jb], w[12 + jb]): acc's four accumulators
     (and acc2's, x's rows 8-15) updated."""
     if ROWS16:
         d = tl.inline_asm_elementwise(
-            _COLUMN16, _COLUMN16_C,
+            COLUMN, _COLUMN16_C,
             [w[jb], w[4 + jb], w[8 + jb], w[12 + jb], p[0], p[1], p[2], p[3],
              q[0], q[1], q[2], q[3], p2[0], p2[1], p2[2], p2[3], q2[0], q2[1], q2[2], q2[3],
              acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3],
@@ -153,7 +182,7 @@ def _column(w, jb: tl.constexpr, p, q, p2, q2, acc, acc2, ROWS16: tl.constexpr):
             dtype=(tl.float32, ) * 8, is_pure=True, pack=1)
         return (d[0], d[1], d[2], d[3]), (d[4], d[5], d[6], d[7])
     d = tl.inline_asm_elementwise(
-        _COLUMN8, _COLUMN8_C,
+        COLUMN, _COLUMN8_C,
         [w[jb], w[4 + jb], w[8 + jb], w[12 + jb], p[0], p[1], p[2], p[3],
          q[0], q[1], q[2], q[3], acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3]],
         dtype=(tl.float32, ) * 4, is_pure=True, pack=1)
@@ -162,21 +191,22 @@ def _column(w, jb: tl.constexpr, p, q, p2, q2, acc, acc2, ROWS16: tl.constexpr):
 
 
 @triton.jit
-def _products(w, p, q, p2, q2, acc, acc2, u, ROWS16: tl.constexpr):
+def _products(w, p, q, p2, q2, acc, acc2, u, ROWS16: tl.constexpr, COLUMN: tl.constexpr,
+              ONES: tl.constexpr):
     """The 16 products of 64 inputs (4 columns jb x 4 nibble pairs) and x's row sums."""
-    a, a2 = _column(w, 0, p, q, p2, q2, acc, acc2, ROWS16)
-    b, b2 = _column(w, 1, p, q, p2, q2, acc, acc2, ROWS16)
-    c, c2 = _column(w, 2, p, q, p2, q2, acc, acc2, ROWS16)
-    d, d2 = _column(w, 3, p, q, p2, q2, acc, acc2, ROWS16)
+    a, a2 = _column(w, 0, p, q, p2, q2, acc, acc2, ROWS16, COLUMN)
+    b, b2 = _column(w, 1, p, q, p2, q2, acc, acc2, ROWS16, COLUMN)
+    c, c2 = _column(w, 2, p, q, p2, q2, acc, acc2, ROWS16, COLUMN)
+    d, d2 = _column(w, 3, p, q, p2, q2, acc, acc2, ROWS16, COLUMN)
     if ROWS16:
         u = tl.inline_asm_elementwise(
-            _ONES16, _ONES16_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3],
+            ONES, _ONES16_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3],
                                  p2[0], p2[1], p2[2], p2[3], q2[0], q2[1], q2[2], q2[3],
                                  u[0], u[1], u[2], u[3]],
             dtype=(tl.float32, ) * 4, is_pure=True, pack=1)
     else:
         v = tl.inline_asm_elementwise(
-            _ONES8, _ONES8_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3], u[0], u[1]],
+            ONES, _ONES8_C, [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3], u[0], u[1]],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
         u = (v[0], v[1], u[2], u[3])
     return ((a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3],
@@ -202,8 +232,8 @@ def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, GROUP: tl.constexpr, W: 
 
 @triton.jit
 def _apply(acc, ua, ub, s, zz, o, ODD: tl.constexpr):
-    """o += s * (acc - (128 + z) * sum x) for the group just finished: acc and o indexed
-    4 jb + 2h + r (column col + 32h + jb, x row 2t + r), s and zz (128 + z) 2 jb + h."""
+    """o += s * (acc - (BIAS + z) * sum x) for the group just finished: acc and o indexed
+    4 jb + 2h + r (column col + 32h + jb, x row 2t + r), s and zz (BIAS + z) 2 jb + h."""
     o0, o1 = _apply2(acc, 0, ua, ub, s[0], zz[0], o, ODD)
     o2, o3 = _apply2(acc, 2, ua, ub, s[1], zz[1], o, ODD)
     o4, o5 = _apply2(acc, 4, ua, ub, s[2], zz[2], o, ODD)
@@ -225,21 +255,21 @@ def _apply2(acc, i: tl.constexpr, ua, ub, s, zz, o, ODD: tl.constexpr):
 
 
 @triton.jit
-def _scales(s_ptr, z_ptr, at):
-    """The group's scales and 128 + zero points of the lane's 8 columns, indexed 2 jb + h
+def _scales(s_ptr, z_ptr, at, BIAS: tl.constexpr):
+    """The group's scales and BIAS + zero points of the lane's 8 columns, indexed 2 jb + h
     (column col + 32h + jb; at points at col)."""
     s = (tl.load(s_ptr + at).to(tl.float32), tl.load(s_ptr + at + 32).to(tl.float32),
          tl.load(s_ptr + at + 1).to(tl.float32), tl.load(s_ptr + at + 33).to(tl.float32),
          tl.load(s_ptr + at + 2).to(tl.float32), tl.load(s_ptr + at + 34).to(tl.float32),
          tl.load(s_ptr + at + 3).to(tl.float32), tl.load(s_ptr + at + 35).to(tl.float32))
-    z = (tl.load(z_ptr + at).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 32).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 1).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 33).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 2).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 34).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 3).to(tl.float32) + 128.0,
-         tl.load(z_ptr + at + 35).to(tl.float32) + 128.0)
+    z = (tl.load(z_ptr + at).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 32).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 1).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 33).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 2).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 34).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 3).to(tl.float32) + BIAS,
+         tl.load(z_ptr + at + 35).to(tl.float32) + BIAS)
     return s, z
 
 
@@ -247,13 +277,15 @@ def _scales(s_ptr, z_ptr, at):
 def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, sxm,
                          sqk, ssg, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
                          ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
-                         PDL: tl.constexpr):
-    """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16, even row stride) @ int4 qweight
+                         PDL: tl.constexpr, COLUMN: tl.constexpr, ONES: tl.constexpr,
+                         BIAS: tl.constexpr):
+    """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16 or float16, even row stride) @ int4 qweight
     [K / 8, N] (row-major, N % 64 == 0) with float16 scales and zeros [K / GROUP, N],
     GROUP % 64 == 0. Program (n, s): columns 64n.., the s-th of the K splits (more than one:
     float32 partials in ws [splits, M, N], added by the last; SPLIT_PAD a power of two >=
     the splits). ODD: M > 1 (x's odd rows exist); ROWS16: M > 8; AHEAD (1 or 2): steps of
-    64 inputs whose words are loaded ahead. See the module docstring."""
+    64 inputs whose words are loaded ahead. COLUMN, ONES, BIAS: asm_for(ROWS16, float16).
+    See the module docstring."""
     if PDL:
         gdc_launch_dependents()
     IT: tl.constexpr = GROUP // 64  # 64-input steps per group
@@ -302,9 +334,9 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
             q2 = _x_pairs8(xg2 + k0 // 2 + 16, live & (g + 8 < M))
         else:
             p2, q2 = p, q
-        acc, acc2, u = _products(w, p, q, p2, q2, acc, acc2, u, ROWS16)
+        acc, acc2, u = _products(w, p, q, p2, q2, acc, acc2, u, ROWS16, COLUMN, ONES)
         if j % IT == IT - 1:  # the group is complete: its scales and zeros, then restart
-            s, zz = _scales(s_ptr, z_ptr, gl * ssg + col)
+            s, zz = _scales(s_ptr, z_ptr, gl * ssg + col, BIAS)
             o = _apply(acc, u[0], u[1], s, zz, o, ODD)
             if ROWS16:
                 o2 = _apply(acc2, u[2], u[3], s, zz, o2, ODD)
