@@ -16,6 +16,7 @@ kernel does. Tiles: triton_tiles.py; kernels: triton_jit.py.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -26,6 +27,8 @@ import torch
 from tpserve.kernels import pdl
 from tpserve.kernels.quant.base import QuantKernel
 from tpserve.kernels.quant.triton_tiles import Tile, pick_tile
+
+log = logging.getLogger(__name__)
 
 try:  # Triton is optional: supports() says why when it is missing.
     import triton
@@ -117,9 +120,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
-    if (not fp8 and tile is None and INT4_MMA and g is None and m >= MMA_MIN_ROWS
-            and (x.dtype != torch.float16 or MMA_F16)):
-        y = int4_mma_matmul(x, w, s, z, group_size)
+    if not fp8 and tile is None and INT4_MMA and MMA_MIN_ROWS <= m <= 16:
+        y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size)
         if y is not None:
             return y
     k_contig = not fp8 and _k_contiguous(w)
@@ -208,27 +210,37 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     return y
 
 
+def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor | None:
+    """quant_matmul's 2-16 rows through int4_mma_matmul where it applies; the first use on
+    a device, and each reason it does not apply, logged once."""
+    if g is not None:
+        why = "act-order g_idx (each input its own group)"
+    elif x.dtype == torch.float16 and not MMA_F16:
+        why = "float16 activations (opt in with TPSERVE_INT4_MMA_F16=1, or serve --dtype bfloat16)"
+    else:
+        why = mma_refusal(x, w, s, z, group_size)
+    if why:
+        _log_once(f"int4 matmuls of 2-16 rows use the tensor-core tiles, not the tensor-core "
+                  f"GEMV: {why}")
+        return None
+    _log_once(f"int4 matmuls of 2-16 rows on {x.device}: tensor-core GEMV "
+              "(kernels/quant/triton_mma.py)")
+    return int4_mma_matmul(x, w, s, z, group_size)
+
+
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                     group_size: int, warps: int = 0, split: int = 0,
                     ahead: int = 0) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
-    that kernel does not apply: not an NVIDIA sm_80+ GPU, x not bfloat16 or float16 pairs,
-    act-order,
-    groups not a multiple of 64, fewer groups than warps, N not of 64, unaligned words. warps / split / ahead: fixed
-    choices (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
+    that kernel does not apply (mma_refusal says why). warps / split / ahead: fixed choices
+    (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
     m, k = x.shape
     n = w.shape[1]
-    if (m > 16 or z is None or not _ptx(x.device) or not _mma_capable(x.device)
-            or not _16bit_pairs(x) or x.stride(0) % 2 or group_size % 64 or k % group_size
-            or n % triton_mma.COLS.value or w.stride(1) != 1 or w.stride(0) % 4
-            or w.data_ptr() % 16 or s.dtype != torch.float16 or z.dtype != torch.float16
-            or z.stride(-1) != 1 or z.stride(0) != s.stride(0)):
-        return None
     warps = warps or MMA_WARPS[m > 8]
-    programs = n // triton_mma.COLS.value
-    groups = k // group_size
-    if groups < warps:  # one scale per column (GPTQ group_size -1) or nearly: warps would idle
+    if mma_refusal(x, w, s, z, group_size, warps):
         return None
+    programs = n // MMA_COLS
+    groups = k // group_size
     if not split:
         split = 1
         while (programs * split < MMA_PROGRAMS_PER_SM * _num_sms(x.device)
@@ -253,6 +265,43 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
 
 
 MAX_MMA_SPLIT = 16
+MMA_COLS = 64  # output columns per program of triton_mma (its COLS)
+
+
+def mma_refusal(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                group_size: int, warps: int = 0) -> str:
+    """Why the tensor-core int4 GEMV cannot take x @ w ("" when it can)."""
+    m, k = x.shape
+    n = w.shape[1]
+    if m > 16:
+        return f"{m} rows (it takes 16 at most)"
+    if not _ptx(x.device) or not _mma_capable(x.device):
+        return "it needs an NVIDIA GPU of compute capability 8.0 or later"
+    if not _16bit_pairs(x) or x.stride(0) % 2:
+        return f"{x.dtype} activations (it takes bfloat16 and float16, unit stride)"
+    if z is None:
+        return "no zero points"
+    if group_size % 64 or k % group_size:
+        return f"group size {group_size} (it takes multiples of 64 that divide K = {k})"
+    if k // group_size < (warps or MMA_WARPS[m > 8]):
+        return f"{k // group_size} group(s) per column (GPTQ group size -1)"
+    if n % MMA_COLS:
+        return f"{n} output columns (it takes multiples of {MMA_COLS})"
+    if w.stride(1) != 1 or w.stride(0) % 4 or w.data_ptr() % 16:
+        return "qweight not row-major with 16-byte aligned rows"
+    if (s.dtype != torch.float16 or z.dtype != torch.float16 or z.stride(-1) != 1
+            or z.stride(0) != s.stride(0)):
+        return "scales and zeros not float16 [groups, N] alike"
+    return ""
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _LOGGED:  # once per process: every layer of every step would repeat it
+        _LOGGED.add(msg)
+        log.info(msg)
 
 
 @functools.cache
