@@ -273,7 +273,7 @@ def _scales(s_ptr, z_ptr, at, BIAS: tl.constexpr):
     return s, z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # every batch size of a graph bucket: one variant
 def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, sxm,
                          sqk, ssg, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
                          ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
