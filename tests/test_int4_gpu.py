@@ -55,7 +55,7 @@ def test_int4_decode_batches_on_the_tensor_cores_match_transformers(models_dir, 
     from tpserve.kernels.quant import triton_kernel as tk
 
     used = []
-    real = tk.int4_mma_matmul
+    real = tk._mma_launch
 
     def counting(x, *args, **kwargs):
         y = real(x, *args, **kwargs)
@@ -63,7 +63,7 @@ def test_int4_decode_batches_on_the_tensor_cores_match_transformers(models_dir, 
             used.append(x.shape[0])
         return y
 
-    monkeypatch.setattr(tk, "int4_mma_matmul", counting)
+    monkeypatch.setattr(tk, "_mma_launch", counting)
     monkeypatch.setattr(tk, "MMA_F16", True)  # float16 is opt-in until this passes on a GPU
     src = save_model(llama_config(**SHAPE), models_dir / "int4-gpu-float")
     qdir, ref = write_quantized(src, models_dir / "int4-gpu-gptq", models_dir / "int4-gpu-ref",

@@ -44,7 +44,7 @@ def test_float16_and_act_order_keep_the_tiles_with_the_reason_logged_once(gpu_li
                                                                            monkeypatch):
     monkeypatch.setattr(tk, "MMA_F16", False)
     called = []
-    monkeypatch.setattr(tk, "int4_mma_matmul", lambda *a, **kw: called.append(a) or "y")
+    monkeypatch.setattr(tk, "_mma_launch", lambda *a, **kw: called.append(a) or "y")
     x, qw, s, z = _tensors(dtype=torch.float16)
     with caplog.at_level(logging.INFO, logger=tk.__name__):
         for _ in range(3):  # ... but dispatch asks for it to be opted in

@@ -225,7 +225,7 @@ def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor |
         return None
     _log_once(f"int4 matmuls of 2-16 rows on {x.device}: tensor-core GEMV "
               "(kernels/quant/triton_mma.py)")
-    return int4_mma_matmul(x, w, s, z, group_size)
+    return _mma_launch(x, w, s, z, group_size, MMA_WARPS[x.shape[0] > 8], 0, 0)
 
 
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -234,11 +234,18 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
     that kernel does not apply (mma_refusal says why). warps / split / ahead: fixed choices
     (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
-    m, k = x.shape
-    n = w.shape[1]
-    warps = warps or MMA_WARPS[m > 8]
+    warps = warps or MMA_WARPS[x.shape[0] > 8]
     if mma_refusal(x, w, s, z, group_size, warps):
         return None
+    return _mma_launch(x, w, s, z, group_size, warps, split, ahead)
+
+
+def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int,
+                ahead: int) -> torch.Tensor | None:
+    """int4_mma_matmul once mma_refusal has passed (None only where the split-K counters
+    cannot be made: during a capture that comes first)."""
+    m, k = x.shape
+    n = w.shape[1]
     programs = n // MMA_COLS
     groups = k // group_size
     if not split:
