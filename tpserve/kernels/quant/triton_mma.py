@@ -31,11 +31,13 @@ point comes off once per group: s * (sum x (BIAS + q) - (BIAS + z) * sum x), whe
 one more product per k-pair against an A of ones (no cross-lane sums).
 
 A program covers 64 output columns with W warps that share its K range group by group (the
-words of the next AHEAD steps of 64 inputs are loaded before this one's products) and add their partials through
-shared memory; where 64-column programs are too few for the GPU, K is split over SPLIT
-programs whose float32 partials the last to finish adds up (triton_jit._sum_if_last).
-Checked against the torch reference on CUDA by tests/kernels/quant_conformance.py; the
-interpreter cannot run it (inline PTX).
+words of the next AHEAD steps of 64 inputs are loaded before this one's products) and add
+their partials through shared memory; where 64-column programs are too few for the GPU, K
+is split over programs whose float32 partials the last to finish adds up
+(triton_jit._sum_if_last). Checked on CUDA against a float64 oracle
+(tests/kernels/test_int4_mma.py) and, served, against transformers (tests/test_int4_gpu.py);
+the interpreter cannot run it (inline PTX). The float16 variant is opt-in until those pass
+on a GPU (triton_kernel.MMA_F16).
 """
 
 from __future__ import annotations
