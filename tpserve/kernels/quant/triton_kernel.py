@@ -272,7 +272,9 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int,
 
 
 MAX_MMA_SPLIT = 16
-MMA_COLS = 64  # output columns per program of triton_mma (its COLS)
+MMA_COLS = 64  # output columns per program of triton_mma (its COLS; here too for hosts
+# without Triton, where mma_refusal still answers)
+assert triton is None or triton_mma.COLS.value == MMA_COLS
 
 
 def mma_refusal(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,

@@ -150,7 +150,6 @@ _ONES8_C: tl.constexpr = tl.constexpr(_constraints(2, 8))
 _ONES16_C: tl.constexpr = tl.constexpr(_constraints(4, 16))
 
 
-
 @triton.jit
 def _words4(ptr):
     """Four int32 words at ptr (16-byte aligned), one 128-bit load per lane. Weights never
@@ -260,19 +259,23 @@ def _apply2(acc, i: tl.constexpr, ua, ub, s, zz, o, ODD: tl.constexpr):
 def _scales(s_ptr, z_ptr, at, BIAS: tl.constexpr):
     """The group's scales and BIAS + zero points of the lane's 8 columns, indexed 2 jb + h
     (column col + 32h + jb; at points at col)."""
-    s = (tl.load(s_ptr + at).to(tl.float32), tl.load(s_ptr + at + 32).to(tl.float32),
-         tl.load(s_ptr + at + 1).to(tl.float32), tl.load(s_ptr + at + 33).to(tl.float32),
-         tl.load(s_ptr + at + 2).to(tl.float32), tl.load(s_ptr + at + 34).to(tl.float32),
-         tl.load(s_ptr + at + 3).to(tl.float32), tl.load(s_ptr + at + 35).to(tl.float32))
-    z = (tl.load(z_ptr + at).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 32).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 1).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 33).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 2).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 34).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 3).to(tl.float32) + BIAS,
-         tl.load(z_ptr + at + 35).to(tl.float32) + BIAS)
-    return s, z
+    return _eight(s_ptr, at, 0.0), _eight(z_ptr, at, BIAS)
+
+
+@triton.jit
+def _eight(ptr, at, add: tl.constexpr):
+    """ptr[at + 32h + jb] (+ add where add is not 0) as float32, indexed 2 jb + h."""
+    base = ptr + at  # the offsets below then fold into the loads' immediates
+    return (_ld(base, 0, add), _ld(base, 32, add), _ld(base, 1, add), _ld(base, 33, add),
+            _ld(base, 2, add), _ld(base, 34, add), _ld(base, 3, add), _ld(base, 35, add))
+
+
+@triton.jit
+def _ld(base, off: tl.constexpr, add: tl.constexpr):
+    v = tl.load(base + off).to(tl.float32)
+    if add != 0.0:  # x + 0.0 is not folded away (it turns -0.0 into 0.0)
+        v = v + add
+    return v
 
 
 @triton.jit(do_not_specialize=["M"])  # every batch size of a graph bucket: one variant
