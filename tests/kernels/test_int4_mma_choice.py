@@ -1,4 +1,4 @@
-"""Which int4 matmuls of 2-16 rows the tensor-core GEMV (kernels/quant/triton_mma.py) takes,
+"""Which int4 matmuls of 1-16 rows the tensor-core GEMV (kernels/quant/triton_mma.py) takes,
 and the reasons logged for the ones it does not, decided on the CPU with the GPU checks
 stubbed (the kernel itself runs on GPUs only: tests/kernels/test_int4_mma.py)."""
 
@@ -40,14 +40,14 @@ def test_what_it_takes_and_why_it_refuses(gpu_like):
     assert tk.mma_refusal(x.half(), qw, s, z, 128) == ""  # the kernel takes float16 ...
 
 
-def test_float16_and_act_order_keep_the_tiles_with_the_reason_logged_once(gpu_like, caplog,
-                                                                           monkeypatch):
-    monkeypatch.setattr(tk, "MMA_F16", False)
+def test_float16_switched_off_and_act_order_keep_the_tiles_with_the_reason_logged_once(
+        gpu_like, caplog, monkeypatch):
+    monkeypatch.setattr(tk, "MMA_F16", False)  # TPSERVE_INT4_MMA_F16=0
     called = []
     monkeypatch.setattr(tk, "_mma_launch", lambda *a, **kw: called.append(a) or "y")
     x, qw, s, z = _tensors(dtype=torch.float16)
     with caplog.at_level(logging.INFO, logger=tk.__name__):
-        for _ in range(3):  # ... but dispatch asks for it to be opted in
+        for _ in range(3):  # ... unless float16 is switched off
             assert tk._int4_rows_on_tensor_cores(x, qw, s, z, None, 128) is None
         g = torch.zeros(1024, dtype=torch.int32)
         assert tk._int4_rows_on_tensor_cores(x.bfloat16(), qw, s, z, g, 128) is None
@@ -55,7 +55,36 @@ def test_float16_and_act_order_keep_the_tiles_with_the_reason_logged_once(gpu_li
         monkeypatch.setattr(tk, "MMA_F16", True)
         assert tk._int4_rows_on_tensor_cores(x, qw, s, z, None, 128) == "y"
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("TPSERVE_INT4_MMA_F16=1" in m for m in lines) == 1, lines
+    assert sum("TPSERVE_INT4_MMA_F16=0" in m for m in lines) == 1, lines
     assert sum("act-order" in m for m in lines) == 1
-    assert sum("tensor-core GEMV (kernels/quant/triton_mma.py)" in m for m in lines) == 1
+    # once per activation type: bfloat16 from 2 rows, float16 from 1
+    assert sum("tensor-core GEMV (kernels/quant/triton_mma.py)" in m for m in lines) == 2
     assert len(called) == 2
+
+
+class NotTheTensorCores(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, 1), (torch.bfloat16, 2),
+                                        (torch.float16, 1), (torch.float16, 16),
+                                        (torch.bfloat16, 17)])
+def test_rows_that_take_it_by_default(gpu_like, monkeypatch, dtype, rows):
+    """One bfloat16 row keeps the packed GEMV (faster there); one float16 row, whose GEMV
+    computes in float32, takes the tensor cores; above 16 rows the tiles."""
+    for name in ("INT4_MMA", "MMA_F16"):
+        monkeypatch.setattr(tk, name, True)
+    monkeypatch.setattr(tk, "_mma_launch", lambda x, *a, **kw: torch.full((x.shape[0], 128), 7.0))
+    def elsewhere(*a, **kw):
+        raise NotTheTensorCores
+
+    monkeypatch.setattr(tk, "pick_tile", elsewhere)
+    x, qw, s, z = _tensors(m=rows, dtype=dtype)
+    takes = rows <= 16 and rows >= {torch.bfloat16: 2, torch.float16: 1}[dtype]
+    assert tk.MMA_MIN_ROWS[dtype] == {torch.bfloat16: 2, torch.float16: 1}[dtype]
+    if takes:
+        y = tk.quant_matmul(x, qw, s, z, None, 128, fp8=False)
+        assert y.shape == (rows, 128) and bool((y == 7).all())
+    else:
+        with pytest.raises(NotTheTensorCores):
+            tk.quant_matmul(x, qw, s, z, None, 128, fp8=False)

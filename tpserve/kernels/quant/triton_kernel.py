@@ -46,16 +46,20 @@ SUM_BLOCK = 1024
 # bfloat16x2 (triton_jit._dot8_bf16x2: about half the instructions per weight, the
 # products rounded to bfloat16); TPSERVE_INT4_PACKED=0 keeps exact float32 arithmetic.
 PACKED_BF16 = os.environ.get("TPSERVE_INT4_PACKED", "1") != "0"
-# MMA_MIN_ROWS-16 rows of bfloat16 or float16 against int4 weights on the tensor cores (triton_mma.py)
-# where the layout allows it (NVIDIA sm_80+); TPSERVE_INT4_MMA=0 keeps the GEMV and tiles.
+# 1 or 2 to 16 rows of bfloat16 or float16 against int4 weights on the tensor cores
+# (triton_mma.py) where the layout allows it (NVIDIA sm_80+); TPSERVE_INT4_MMA=0 keeps the
+# GEMV and tiles.
 INT4_MMA = os.environ.get("TPSERVE_INT4_MMA", "1") != "0"
-MMA_MIN_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "2"))
-# float16 activations take it only when asked (TPSERVE_INT4_MMA_F16=1): that variant ran in
-# the engine on an H200 at the bfloat16 variant's speed, but its GPU conformance run did not
-# finish within that session's device time (docs/quantization.md).
-MMA_F16 = os.environ.get("TPSERVE_INT4_MMA_F16", "0") == "1"
-# One row keeps the GEMV: on one H200 the one-row step took 2.70 ms with this kernel on
-# gate_up alone and 2.55 without it, though gate_up alone timed faster (docs/quantization.md).
+# TPSERVE_INT4_MMA_F16=0 keeps float16 activations off it (on one H200 its float16 variant
+# passed the float64 oracle and transformers, docs/quantization.md).
+MMA_F16 = os.environ.get("TPSERVE_INT4_MMA_F16", "1") != "0"
+# The fewest rows it takes, per activation type. One bfloat16 row keeps the packed
+# bfloat16x2 GEMV: on one H200 the one-row step took 2.70 ms with this kernel on gate_up
+# alone and 2.55 without it, though gate_up alone timed faster. One float16 row has only the
+# float32 GEMV, which is slower: 3.12 against 2.84 ms per step on the tensor cores
+# (docs/quantization.md). TPSERVE_INT4_MMA_MIN_ROWS=N sets both.
+_MIN_ROWS = os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "")
+MMA_MIN_ROWS = {torch.bfloat16: int(_MIN_ROWS or 2), torch.float16: int(_MIN_ROWS or 1)}
 # Rows up to which it launches with programmatic dependent launch (kernels/pdl.py; at most
 # pdl.MAX_ROWS): 2 rows 2.94 -> 2.79 ms per step with it, 8 rows unchanged.
 MMA_PDL_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_PDL_ROWS", "8"))
@@ -120,7 +124,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
-    if not fp8 and tile is None and INT4_MMA and MMA_MIN_ROWS <= m <= 16:
+    if (not fp8 and tile is None and INT4_MMA
+            and MMA_MIN_ROWS.get(x.dtype, 2) <= m <= 16):
         y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size)
         if y is not None:
             return y
@@ -211,21 +216,26 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
 
 
 def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor | None:
-    """quant_matmul's 2-16 rows through int4_mma_matmul where it applies; the first use on
-    a device, and each reason it does not apply, logged once."""
+    """quant_matmul's 1 or 2 to 16 rows (MMA_MIN_ROWS) through int4_mma_matmul where it
+    applies; the first use on a device, and each reason it does not apply, logged once."""
     if g is not None:
         why = "act-order g_idx (each input its own group)"
     elif x.dtype == torch.float16 and not MMA_F16:
-        why = "float16 activations (opt in with TPSERVE_INT4_MMA_F16=1, or serve --dtype bfloat16)"
+        why = "float16 activations (TPSERVE_INT4_MMA_F16=0 is set)"
     else:
         why = mma_refusal(x, w, s, z, group_size)
     if why:
-        _log_once(f"int4 matmuls of 2-16 rows use the tensor-core tiles, not the tensor-core "
-                  f"GEMV: {why}")
+        _log_once(f"int4 matmuls of {_rows(x.dtype)} rows use the GEMV and tiles, not the "
+                  f"tensor-core GEMV: {why}")
         return None
-    _log_once(f"int4 matmuls of 2-16 rows on {x.device}: tensor-core GEMV "
+    _log_once(f"int4 matmuls of {_rows(x.dtype)} rows on {x.device}: tensor-core GEMV "
               "(kernels/quant/triton_mma.py)")
     return _mma_launch(x, w, s, z, group_size, MMA_WARPS[x.shape[0] > 8], 0, 0)
+
+
+def _rows(dtype: torch.dtype) -> str:
+    lo = MMA_MIN_ROWS.get(dtype, 2)
+    return "1-16" if lo <= 1 else f"{lo}-16"
 
 
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,

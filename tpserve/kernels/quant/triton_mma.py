@@ -36,8 +36,8 @@ their partials through shared memory; where 64-column programs are too few for t
 is split over programs whose float32 partials the last to finish adds up
 (triton_jit._sum_if_last). Checked on CUDA against a float64 oracle
 (tests/kernels/test_int4_mma.py) and, served, against transformers (tests/test_int4_gpu.py);
-the interpreter cannot run it (inline PTX). The float16 variant is opt-in until those pass
-on a GPU (triton_kernel.MMA_F16).
+the interpreter cannot run it (inline PTX). Both variants passed both on an H200; which
+rows take it per type: triton_kernel.MMA_MIN_ROWS.
 """
 
 from __future__ import annotations
