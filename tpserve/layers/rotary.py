@@ -52,7 +52,9 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
     inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     kind = params["rope_type"]
-    if kind == "default":
+    if kind in ("default", "dynamic"):
+        # Dynamic NTK: transformers' own frequencies until a sequence passes
+        # max_position_embeddings (RotaryEmbedding refuses a table longer than that).
         return inv, 1.0
     if kind == "linear":
         return inv / float(params["factor"]), 1.0
@@ -69,7 +71,7 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
     if kind == "yarn":
         return _yarn(rot_dim, base, params)
     raise ValueError(
-        f"rope_type {kind!r} is not supported yet (supported: default, linear, llama3, yarn); "
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, dynamic, llama3, yarn); "
         "the model's config.json asks for it"
     )
 
@@ -104,6 +106,20 @@ def _yarn(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]
     return (1.0 / (factor * freqs)) * ramp + (1.0 / freqs) * keep, float(attn)
 
 
+def _check_dynamic_length(params: dict, max_positions: int) -> None:
+    """Dynamic NTK rescales the frequencies by the longest position of each forward pass once
+    it passes max_position_embeddings, so keys already cached were rotated by other ones:
+    one table cannot follow that, and tpserve serves such a model within its positions."""
+    limit = params.get("max_position_embeddings")
+    if params["rope_type"] == "dynamic" and limit and max_positions > int(limit):
+        raise ValueError(
+            f"rope_type 'dynamic' (dynamic NTK scaling) changes the rotary frequencies once a "
+            f"sequence passes the model's {limit} positions (max_position_embeddings), which a "
+            f"paged KV cache cannot follow; tpserve serves this model up to {limit} tokens, "
+            f"where its rotary is the unscaled one: pass --max-total-tokens {limit} or less "
+            f"(asked for {max_positions})")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -114,6 +130,7 @@ class RotaryEmbedding(nn.Module):
                  partial_rotary_factor: float = 1.0) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * partial_rotary_factor)
+        _check_dynamic_length(params, max_positions)
         plan_rotary(self.rot_dim)  # the attention backend's warmup compiles this width
         inv, scale = inv_frequencies(self.rot_dim, params)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
