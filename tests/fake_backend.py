@@ -37,11 +37,15 @@ def stop_safe_prefix(text: str, stops: tuple[str, ...], final: bool) -> str:
     return text[: len(text) - hold]
 
 
+# The text of every word token made so far, by id: decode() spells them as a tokenizer would.
+WORD_TEXTS: dict[int, str] = {}
+
+
 def word_token(word: str, position: int) -> TokenInfo:
     # Stable ids (crc32, not hash(), which is salted per process) and distinct logprobs.
-    return TokenInfo(
-        id=3 + zlib.crc32(word.encode()) % 30000, text=" " + word, logprob=-0.1 * (position + 1)
-    )
+    tid = 3 + zlib.crc32(word.encode()) % 30000
+    WORD_TEXTS[tid] = " " + word
+    return TokenInfo(id=tid, text=" " + word, logprob=-0.1 * (position + 1))
 
 
 @dataclass
@@ -106,7 +110,10 @@ class FakeBackend:
         return len(text.split())
 
     def decode(self, ids: list[int]) -> str:
-        """A token-id prompt's words: id 7 is the word "t7"."""
+        """Word tokens the fake generated as their text (" word"); other ids, a token-id
+        prompt's, as words: id 7 is the word "t7"."""
+        if ids and all(i in WORD_TEXTS for i in ids):
+            return "".join(WORD_TEXTS[i] for i in ids)
         return " ".join(f"t{i}" for i in ids)
 
     def apply_chat_template(self, messages: list[dict]) -> str:

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tpserve.engine.info import ModelInfo
-from tpserve.engine.request import GenerationEvent, SamplingParams
+from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
     I32_MAX,
@@ -288,6 +288,12 @@ class OpenAIRoutes:
             raise failed[0]
         return opened
 
+    def _token_text(self, tok: TokenInfo) -> str:
+        """A generated token's own text, for log-probabilities: decoded from its id as the
+        engine names its alternatives (tok.text is the piece of text released with it)."""
+        decode = getattr(self.backend, "decode", None)
+        return tok.text if decode is None else decode([tok.id])
+
     def _echo(self, prompt: str | list[int]) -> str:
         """What `echo` puts before a choice's text: the prompt, as text."""
         if isinstance(prompt, str):
@@ -317,7 +323,8 @@ class OpenAIRoutes:
         prefixes = [e for e in echoed for _ in range(n)]
 
         if req.stream:
-            logs = [CompletionLogprobs(k, len(p)) for p in prefixes] if want_lp else None
+            logs = ([CompletionLogprobs(k, len(p), self._token_text) for p in prefixes]
+                    if want_lp else None)
 
             def choice(i: int, text: str, finish: str | None, events: list) -> dict:
                 lp = None
@@ -336,7 +343,7 @@ class OpenAIRoutes:
             final, prefix = events[-1], prefixes[i]
             lp = None
             if want_lp:
-                log = CompletionLogprobs(k, len(prefix))
+                log = CompletionLogprobs(k, len(prefix), self._token_text)
                 if req.echo:
                     log.add_prompt(final.prefill, prefix, final.prefill_top)
                 for e in events:
@@ -367,7 +374,7 @@ class OpenAIRoutes:
 
             def delta(i: int, text: str, finish: str | None, events: list) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
-                lp = chat_logprobs(events, k) if want_lp and events else None
+                lp = chat_logprobs(events, k, self._token_text) if want_lp and events else None
                 return {"index": i, "delta": msg, "logprobs": lp, "finish_reason": finish}
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
@@ -378,7 +385,7 @@ class OpenAIRoutes:
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": final_text(events)},
-            "logprobs": chat_logprobs(events, k) if want_lp else None,
+            "logprobs": chat_logprobs(events, k, self._token_text) if want_lp else None,
             "finish_reason": _FINISH[events[-1].finish_reason],
         } for i, events in enumerate(results)]
         body = {

@@ -6,29 +6,42 @@ Chat (`logprobs: true`, `top_logprobs: k`): per generated token
 `token_logprobs`, `top_logprobs` (a dict per token: the k likeliest, and the chosen token,
 as OpenAI always adds it) and `text_offset` (where each token starts in the returned text).
 
-Special tokens (the end-of-sequence token) are left out: they are not part of the returned
-text either. With `echo`, the prompt's tokens come first: their log-probabilities (and
+Each entry names the token itself (`text_of`: its own decoded text, as its alternatives are
+named), not the piece of text the stream released with it: that piece is empty while a
+stop string or an incomplete character holds text back, and carries several tokens' text
+after. Special tokens (the end-of-sequence token) are left out: they are not part of the
+returned text either. With `echo`, the prompt's tokens come first: their log-probabilities (and
 alternatives) are what the model gave each prompt token after the ones before it; the first
 has none (null), as in OpenAI's answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tpserve.engine.request import GenerationEvent, TokenInfo
+
+# A generated token -> its own text (the backend's decode of its id).
+TokenText = Callable[[TokenInfo], str]
+
+
+def streamed_text(tok: TokenInfo) -> str:
+    """For a backend that cannot decode: the text the engine sent with the token."""
+    return tok.text
 
 
 def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def chat_entry(tok: TokenInfo, top: list[TokenInfo] | None, k: int) -> dict[str, Any]:
+def chat_entry(tok: TokenInfo, top: list[TokenInfo] | None, k: int,
+               text_of: TokenText = streamed_text) -> dict[str, Any]:
+    text = text_of(tok)
     return {
-        "token": tok.text,
+        "token": text,
         "logprob": tok.logprob,
-        "bytes": _utf8(tok.text),
+        "bytes": _utf8(text),
         "top_logprobs": [
             {"token": t.text, "logprob": t.logprob, "bytes": _utf8(t.text)}
             for t in (top or [])[:k]
@@ -36,20 +49,23 @@ def chat_entry(tok: TokenInfo, top: list[TokenInfo] | None, k: int) -> dict[str,
     }
 
 
-def chat_logprobs(events: Iterable[GenerationEvent], k: int) -> dict[str, Any]:
+def chat_logprobs(events: Iterable[GenerationEvent], k: int,
+                  text_of: TokenText = streamed_text) -> dict[str, Any]:
     """`choices[i].logprobs` of a chat answer (or of one chunk: pass its events)."""
     return {
-        "content": [chat_entry(e.token, e.top_tokens, k) for e in events if not e.token.special],
+        "content": [chat_entry(e.token, e.top_tokens, k, text_of)
+                    for e in events if not e.token.special],
         "refusal": None,
     }
 
 
 class CompletionLogprobs:
     """`choices[i].logprobs` of a legacy completion, token by token. `offset` is where the
-    next token starts in the choice's text (after an echoed prompt, its length)."""
+    next token starts in the choice's text (after an echoed prompt, its length); it advances
+    by each token's own text, as vLLM counts it."""
 
-    def __init__(self, k: int, offset: int = 0) -> None:
-        self.k, self.offset = k, offset
+    def __init__(self, k: int, offset: int = 0, text_of: TokenText = streamed_text) -> None:
+        self.k, self.offset, self.text_of = k, offset, text_of
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float | None] | None] = []
@@ -59,9 +75,10 @@ class CompletionLogprobs:
         """A generated token and its ranked alternatives."""
         if tok.special:
             return
+        own = TokenInfo(tok.id, self.text_of(tok), tok.logprob, tok.special)
         ranked = {t.text: t.logprob for t in (top or [])[: self.k]}
-        ranked.setdefault(tok.text, tok.logprob)
-        self._append(tok, ranked)
+        ranked.setdefault(own.text, own.logprob)
+        self._append(own, ranked)
 
     def add_prompt(self, prompt: list[TokenInfo], text: str,
                    tops: list[list[TokenInfo]] | None = None) -> None:

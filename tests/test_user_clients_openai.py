@@ -1,0 +1,102 @@
+"""The `openai` client against the app over a real engine (the embedded default model, tp = 1
+in-process): what its users read back, held to OpenAI's documented shapes and to
+transformers' tokenizer and greedy output."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import make_engine
+from fake_backend import serve
+from tiny_models import hf_greedy
+from transformers import AutoTokenizer
+
+from tpserve.engine.async_engine import AsyncEngine
+from tpserve.server.app import build_app
+from tpserve.weights import DEFAULT_MODEL_DIR
+
+openai = pytest.importorskip("openai")
+
+MODEL_ID = "tpserve/default-model"
+PROMPT = "The default value of"
+
+
+@pytest.fixture(scope="module")
+def url():
+    backend = AsyncEngine(lambda: make_engine(DEFAULT_MODEL_DIR, 1, local=True, block_size=16,
+                                              num_blocks=256, max_model_len=256),
+                          MODEL_ID, max_concurrent_requests=16)
+    backend.start()
+    backend.wait_ready(120)
+    try:
+        with serve(build_app(backend)) as base:
+            yield base
+    finally:
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """transformers' greedy continuation of PROMPT: (ids, each token's own text)."""
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = hf_greedy(DEFAULT_MODEL_DIR, [PROMPT], 8)[0]
+    return ids, [tok.decode([i]) for i in ids]
+
+
+def _stop_inside(texts: list[str]) -> str:
+    """A stop string that starts inside the second token and ends inside the fourth, so
+    that the server holds text back while it could still be forming."""
+    joined = "".join(texts)
+    start = len(texts[0]) + len(texts[1]) - 1
+    end = len(texts[0]) + len(texts[1]) + len(texts[2]) + 1
+    return joined[start:end]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_name_the_tokens_when_a_stop_string_holds_text(
+        client, greedy, stream):
+    """OpenAI's `logprobs.tokens` are the generated tokens, and the chosen token appears once
+    in its `top_logprobs` under the same text; a stop string in the request must not turn
+    them into the pieces of text the server released."""
+    ids, texts = greedy
+    stop = _stop_inside(texts)
+    kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
+              stop=[stop])
+    tokens, tops, text = [], [], ""
+    if stream:
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.text
+                if c.logprobs:
+                    tokens += c.logprobs.tokens
+                    tops += c.logprobs.top_logprobs
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, tokens, tops = choice.text, choice.logprobs.tokens, choice.logprobs.top_logprobs
+    assert text == "".join(texts).split(stop)[0]
+    assert tokens == texts[:len(tokens)] and len(tokens) >= 4
+    # Greedy: the chosen token is the likeliest, so it is the only entry of a top-1 list.
+    assert tops == [{t: tops[i][t]} for i, t in enumerate(tokens)]
+
+
+def test_chat_logprobs_name_the_tokens_when_a_stop_string_holds_text(client):
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "What is a list?"}],
+              max_tokens=8, temperature=0, logprobs=True, top_logprobs=1)
+    plain = client.chat.completions.create(**kw).choices[0]
+    texts = [e.token for e in plain.logprobs.content]
+    prompt = tok.apply_chat_template(kw["messages"], tokenize=False, add_generation_prompt=True)
+    ids = hf_greedy(DEFAULT_MODEL_DIR, [prompt], 8)[0]
+    assert texts == [tok.decode([i]) for i in ids]
+    stop = _stop_inside(texts)
+    held = client.chat.completions.create(stop=stop, **kw).choices[0]
+    entries = held.logprobs.content
+    assert held.message.content == "".join(texts).split(stop)[0]
+    assert [e.token for e in entries] == texts[:len(entries)] and len(entries) >= 4
+    for e in entries:
+        assert e.bytes == list(e.token.encode("utf-8"))
+        assert [t.token for t in e.top_logprobs] == [e.token]
