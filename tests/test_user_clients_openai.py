@@ -100,3 +100,16 @@ def test_chat_logprobs_name_the_tokens_when_a_stop_string_holds_text(client):
     for e in entries:
         assert e.bytes == list(e.token.encode("utf-8"))
         assert [t.token for t in e.top_logprobs] == [e.token]
+
+
+def test_models_retrieve_answers_the_served_model_and_404s_others(client, url):
+    """openai's `models.retrieve` (GET /v1/models/{model}; the served id has a slash)."""
+    import httpx
+
+    card = client.models.retrieve(MODEL_ID)
+    assert (card.id, card.object) == (MODEL_ID, "model")
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    body = httpx.get(url + "/v1/models/gpt-4o").json()
+    assert set(body) == {"error", "error_type"} and "gpt-4o" in body["error"]

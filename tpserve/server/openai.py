@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -252,15 +252,20 @@ class OpenAIRoutes:
             "system_fingerprint": f"tpserve-{info.version}",
         }
 
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.backend.info().model_id, "object": "model",
+                "created": self.created, "owned_by": "tpserve"}
+
     async def models(self) -> dict:
-        info = self.backend.info()
-        card = {
-            "id": info.model_id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tpserve",
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model} (openai's `models.retrieve`): the served model's card."""
+        card = self._card()
+        if model_id != card["id"]:
+            raise HTTPException(404, f"model `{model_id}` is not served here (this server "
+                                     f"serves `{card['id']}`)")
+        return card
 
     async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                         n: int,
@@ -449,6 +454,8 @@ def openai_router(backend: EngineBackend, metrics: Metrics) -> APIRouter:
     routes = OpenAIRoutes(backend, metrics)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/models", routes.models, methods=["GET"])
+    # Hub ids have a slash: `org/name`.
+    router.add_api_route("/models/{model_id:path}", routes.model, methods=["GET"])
     router.add_api_route("/completions", routes.completions, methods=["POST"])
     router.add_api_route("/chat/completions", routes.chat, methods=["POST"])
     return router
