@@ -113,3 +113,32 @@ def test_models_retrieve_answers_the_served_model_and_404s_others(client, url):
         client.models.retrieve("gpt-4o")
     body = httpx.get(url + "/v1/models/gpt-4o").json()
     assert set(body) == {"error", "error_type"} and "gpt-4o" in body["error"]
+
+
+@pytest.mark.parametrize("route,body,names,not_named", [
+    ("/v1/completions", {"prompt": "word " * 400, "max_tokens": 3}, ["`prompt`"],
+     ["`inputs`", "`truncate`"]),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 255}, ["`prompt`", "`max_tokens`"],
+     ["`inputs`", "`max_new_tokens`"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]},
+     ["`messages`"], ["`inputs`", "`truncate`"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 255},
+     ["`messages`", "`max_completion_tokens`"], ["`inputs`", "`max_new_tokens`"]),
+])
+def test_context_errors_name_the_openai_fields(url, client, route, body, names, not_named):
+    """A prompt (or prompt + max_tokens) beyond the context is a 422 with the error body,
+    never a silent truncation, and its message speaks of the fields the client sent, not
+    TGI's (`inputs`, `max_new_tokens`, `truncate` do not exist in OpenAI's API)."""
+    import httpx
+
+    r = httpx.post(url + route, json={"model": MODEL_ID, **body}, timeout=60)
+    assert r.status_code == 422
+    got = r.json()
+    assert set(got) == {"error", "error_type"} and got["error_type"] == "validation"
+    for name in names:
+        assert name in got["error"], got["error"]
+    for name in not_named:
+        assert name not in got["error"], got["error"]
+    # The server keeps serving.
+    assert client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2).choices

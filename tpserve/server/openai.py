@@ -215,6 +215,17 @@ def _check_choices(req: _Sampling, prompts: int, info: ModelInfo) -> None:
             "--max-concurrent-requests): send fewer per request")
 
 
+def _in_openai_terms(exc: BaseException, prompt: str, max_tokens: str) -> BaseException:
+    """The engine words its length errors in TGI's fields (`inputs`, `max_new_tokens`, "or
+    set `truncate`"), which an OpenAI client never sent: name the request's own fields."""
+    if not isinstance(exc, ValidationError):
+        return exc
+    msg = str(exc)
+    new = (msg.replace(" or set `truncate`", "").replace("`inputs`", f"`{prompt}`")
+           .replace("`max_new_tokens`", f"`{max_tokens}`"))
+    return exc if new == msg else ValidationError(new)
+
+
 def _seeded(params: SamplingParams, i: int) -> SamplingParams:
     """Choice i of a seeded request: its own seed, so the choices differ and each repeats."""
     if params.seed is None or i == 0:
@@ -268,10 +279,11 @@ class OpenAIRoutes:
         return card
 
     async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
-                        n: int,
+                        n: int, terms: tuple[str, str],
                         add_special_tokens: bool = True) -> list[TrackedStream]:
         """n engine requests per prompt, started side by side (so they share prefill
-        steps); if one is refused, the others are closed and its error is raised."""
+        steps); if one is refused, the others are closed and its error is raised, in the
+        request's `terms` (its prompt and max-tokens field names)."""
         jobs = [(p, _seeded(params, i)) for p in prompts for i in range(n)]
         tasks = [asyncio.ensure_future(self.metrics.open_stream(
             self.backend, p, sp, add_special_tokens=add_special_tokens)) for p, sp in jobs]
@@ -290,7 +302,7 @@ class OpenAIRoutes:
         if failed:
             for tracked in opened:
                 await tracked.aclose()
-            raise failed[0]
+            raise _in_openai_terms(failed[0], *terms)
         return opened
 
     def _token_text(self, tok: TokenInfo) -> str:
@@ -323,7 +335,7 @@ class OpenAIRoutes:
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      top_n=k, prompt_logprobs=want_lp and req.echo)
         echoed = [self._echo(p) if req.echo else "" for p in prompts]
-        streams = await self._open_all(prompts, params, n)
+        streams = await self._open_all(prompts, params, n, ("prompt", "max_tokens"))
         base = self._envelope("cmpl", "text_completion", info)
         prefixes = [e for e in echoed for _ in range(n)]
 
@@ -372,7 +384,9 @@ class OpenAIRoutes:
             max_new = max(1, info.max_total_tokens - self.backend.count_tokens(prompt))
         params = req.sampling_params(info, max_new, top_n=k)
         # The chat template already contains the BOS/special tokens it wants.
-        streams = await self._open_all([prompt], params, n, add_special_tokens=False)
+        max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        streams = await self._open_all([prompt], params, n, ("messages", max_field),
+                                       add_special_tokens=False)
         want_lp = bool(req.logprobs)
 
         if req.stream:
