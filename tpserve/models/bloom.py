@@ -18,6 +18,7 @@ from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpserve.layers.norm import LayerNorm
+from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.layers.sharding import shard_size
 from tpserve.models.loader import load_into
 from tpserve.weights import TensorSlice
@@ -114,6 +115,7 @@ class BloomModel(nn.Module):
 class BloomForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
+        refuse_checkpoint_quant("BloomForCausalLM")
         self.config = config
         self.transformer = BloomModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

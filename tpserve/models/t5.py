@@ -21,6 +21,7 @@ from tpserve.layers.linear import (
     RowParallelLinear,
 )
 from tpserve.layers.norm import RMSNorm
+from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.layers.relative_position import RelativePositionBias
 from tpserve.models.loader import load_into
 
@@ -163,6 +164,7 @@ class T5ForConditionalGeneration(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         # max_positions sizes nothing: T5's positions are relative and bucketed.
         super().__init__()
+        refuse_checkpoint_quant("T5ForConditionalGeneration")
         self.config = config
         self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(config, "encoder", decoder=False)

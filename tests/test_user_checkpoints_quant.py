@@ -1,0 +1,60 @@
+"""Quantized checkpoints shaped unlike tests/test_quant_tp.py's: a family tpserve does not
+serve quantized (Bloom, T5) is refused at start with the family, the method and what to do,
+instead of failing at load on a tensor shape; --quantize fp8 (a cast at load) still serves
+them, and matches transformers running the same per-channel cast."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from engine_utils import greedy, make_engine
+from tiny_models import PROMPTS, bloom_config, hf_greedy, save_model, t5_config
+
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+from tpserve.layers.quant.config import QuantizationError
+from tpserve.worker.build import check_shardable
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def engine_cfg(tp: int) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                        parallel=ParallelConfig(tp_size=tp))
+
+
+@pytest.mark.parametrize(("family", "qcfg"), [("bloom", GPTQ), ("bloom", FP8), ("t5", AWQ)])
+def test_quantized_checkpoint_of_a_family_without_int4_layers_is_refused(family, qcfg):
+    hf = bloom_config() if family == "bloom" else t5_config()
+    hf.quantization_config = dict(qcfg)
+    with pytest.raises(QuantizationError) as err:
+        check_shardable(engine_cfg(2), hf)
+    msg = str(err.value)
+    name = {"bloom": "BloomForCausalLM", "t5": "T5ForConditionalGeneration"}[family]
+    for needle in (name, qcfg["quant_method"], "--quantize fp8"):
+        assert needle in msg, msg
+
+
+def test_bloom_cast_to_fp8_at_load_matches_transformers(models_dir, tmp_path):
+    """--quantize fp8 on a float Bloom (tp = 1): each linear's rows scaled to e4m3 at load;
+    the oracle is transformers on the same cast weights."""
+    from safetensors.torch import load_file, save_file
+
+    src = save_model(bloom_config(), models_dir / "bloom-fp8-cast-src", std=0.5, vector_std=0.1)
+    weights = load_file(src / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(("query_key_value.weight", "dense.weight", "dense_h_to_4h.weight",
+                          "dense_4h_to_h.weight")):
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+            weights[name] = (w / scale).to(torch.float8_e4m3fn).float() * scale
+    ref = tmp_path / "ref"
+    shutil.copytree(src, ref)
+    save_file(weights, ref / "model.safetensors", metadata={"format": "pt"})
+    engine = make_engine(src, 1, local=True, quantize="fp8")
+    try:
+        assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
+    finally:
+        engine.shutdown()
