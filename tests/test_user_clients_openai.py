@@ -142,3 +142,25 @@ def test_context_errors_name_the_openai_fields(url, client, route, body, names, 
         assert name not in got["error"], got["error"]
     # The server keeps serving.
     assert client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2).choices
+
+
+def test_nullable_flags_sent_as_null_take_their_defaults(url, client):
+    """OpenAI's schema has `stream` and `echo` as "boolean or null" (default false), and
+    clients that write every field send null: that is a plain answer, not a 422."""
+    import httpx
+
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "temperature": 0, "stream": None, "stream_options": None})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion"
+    cmpl = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL_ID, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+        "stream": None, "echo": None})
+    assert cmpl.status_code == 200, cmpl.text
+    plain = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2,
+                                      temperature=0)
+    assert cmpl.json()["choices"][0]["text"] == plain.choices[0].text
+    assert client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        stream=None).object == "chat.completion"

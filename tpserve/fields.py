@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 U64_MAX = 2**64 - 1  # TGI's seed is a u64
 # Token counts fit the engine's int32 tensors; larger values could only fail later.
@@ -36,6 +36,10 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 # An empty stop string would match before the first token.
 StopText = NonEmptyText
+
+# OpenAI's "boolean or null" flags (`stream`, `echo`): clients that write every field send
+# null, which means the default, false.
+NullableFlag = Annotated[bool, BeforeValidator(lambda v: False if v is None else v)]
 
 TokenCount = Annotated[int, Field(ge=1, le=I32_MAX)]
 TopK = Annotated[int, Field(ge=1, le=I32_MAX)]

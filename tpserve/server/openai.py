@@ -30,6 +30,7 @@ from tpserve.fields import (
     FrequencyPenalty,
     LogitBias,
     NonEmptyText,
+    NullableFlag,
     OpenAITemperature,
     OpenAITopP,
     RepetitionPenalty,
@@ -73,7 +74,7 @@ class _Sampling(BaseModel):
     top_p: OpenAITopP | None = None
     seed: Seed | None = None
     stop: StopText | list[StopText] | None = None
-    stream: bool = False
+    stream: NullableFlag = False
     stream_options: StreamOptions | None = None
     # Choices per prompt: each is its own engine request (seeded ones get seed + i).
     n: Annotated[int, Field(ge=1)] | None = None
@@ -131,7 +132,7 @@ class CompletionRequest(_Sampling):
              | Annotated[list[NonEmptyText], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
     max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
-    echo: bool = False
+    echo: NullableFlag = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
     logprobs: Annotated[int, Field(ge=0)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
