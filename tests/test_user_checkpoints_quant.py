@@ -58,3 +58,39 @@ def test_bloom_cast_to_fp8_at_load_matches_transformers(models_dir, tmp_path):
         assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
     finally:
         engine.shutdown()
+
+
+# AutoGPTQ before its settings joined config.json wrote them to quantize_config.json (with
+# no quant_method in its older releases); early AutoAWQ wrote quant_config.json with its own
+# key names. config.json then has no quantization_config.
+SIDE_FILES = {
+    "gptq": ("quantize_config.json", {"bits": 4, "group_size": 32, "damp_percent": 0.01,
+                                      "desc_act": False, "sym": True, "true_sequential": True,
+                                      "model_file_base_name": "model"}),
+    "awq": ("quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                  "version": "GEMM"}),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(SIDE_FILES))
+def test_quantization_settings_in_a_file_of_their_own_are_read(models_dir, tmp_path, fmt):
+    import json
+
+    from quant_checkpoints import write_quantized
+    from tiny_models import llama_config
+
+    src = models_dir / "side-file-float"
+    if not (src / "config.json").exists():
+        save_model(llama_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                num_key_value_heads=2), src)
+    qdir, ref = write_quantized(src, tmp_path / "q", tmp_path / "ref", fmt=fmt, group=32)
+    config = json.loads((qdir / "config.json").read_text())
+    del config["quantization_config"]
+    (qdir / "config.json").write_text(json.dumps(config))
+    name, settings = SIDE_FILES[fmt]
+    (qdir / name).write_text(json.dumps(settings))
+    engine = make_engine(qdir, 1, local=True)
+    try:
+        assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
+    finally:
+        engine.shutdown()

@@ -82,7 +82,28 @@ def load_hf_config(path: Path | str):
 
     from tpserve.hf_config import text_only
 
-    return text_only(AutoConfig.from_pretrained(str(path)))
+    return adopt_quant_file(text_only(AutoConfig.from_pretrained(str(path))), Path(path))
+
+
+# Quantizers that wrote their settings to a file of their own, with the method it implies:
+# AutoGPTQ before its settings joined config.json (older releases name no quant_method),
+# early AutoAWQ (w_bit, q_group_size, version "GEMM").
+QUANT_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def adopt_quant_file(hf_config, path: Path):
+    """hf_config, given the quantization_config of a side file where config.json has none
+    (transformers ignores those files and would build a float model)."""
+    if getattr(hf_config, "quantization_config", None):
+        return hf_config
+    for name, method in QUANT_FILES:
+        f = path / name
+        if f.is_file():
+            q = json.loads(f.read_text())
+            q["quant_method"] = str(q.get("quant_method") or method).lower()
+            hf_config.quantization_config = q
+            break
+    return hf_config
 
 
 def safetensors_files(path: Path) -> list[Path]:
