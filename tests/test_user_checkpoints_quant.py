@@ -94,3 +94,19 @@ def test_quantization_settings_in_a_file_of_their_own_are_read(models_dir, tmp_p
         assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
     finally:
         engine.shutdown()
+
+
+def test_quantized_vision_language_gemma3_is_served_quantized(models_dir, tmp_path):
+    """A GPTQ Gemma 3 vision-language checkpoint keeps quantization_config on the outer
+    config; served as text, its language model must still be built quantized."""
+    from quant_checkpoints import write_quantized
+    from tiny_models import family_checkpoint
+
+    src = family_checkpoint(models_dir, "gemma3-vlm")
+    qdir, ref = write_quantized(src, tmp_path / "q", tmp_path / "ref", fmt="gptq", group=32,
+                                sym=False)
+    engine = make_engine(qdir, 1, local=True)
+    try:
+        assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
+    finally:
+        engine.shutdown()

@@ -58,7 +58,7 @@ def text_only(hf_config):
     """The config to build and serve: the config itself, or for a TEXT_ONLY vision-language
     checkpoint its text config, named as the text-only architecture, with the composite
     model's tied-head flag (transformers ties the head by the outer config) and, where the
-    text config has none, its dtype."""
+    text config has none, its dtype and quantization_config."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in TEXT_ONLY), None)
     text = getattr(hf_config, "text_config", None)
@@ -68,6 +68,10 @@ def text_only(hf_config):
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
     if getattr(text, "dtype", None) is None:  # published configs give it on the outer one
         text.dtype = getattr(hf_config, "dtype", None)
+    # A quantized checkpoint's quantization_config is the outer config's too.
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None and getattr(text, "quantization_config", None) is None:
+        text.quantization_config = quant
     return text
 
 
