@@ -19,6 +19,17 @@ _MODELS: dict[str, str] = {
 }
 
 
+# The architecture a config.json that names none stands for, by its model_type (what
+# transformers' Auto classes go by).
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM", "t5": "T5ForConditionalGeneration",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "bloom": "BloomForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+}
+
+
 def register(architecture: str, target: str) -> None:
     _MODELS[architecture] = target
 
@@ -29,11 +40,14 @@ def supported_architectures() -> list[str]:
 
 def model_class(config):
     archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[config.model_type]]
     for arch in archs:
         if arch in _MODELS:
             module, _, attr = _MODELS[arch].partition(":")
             return getattr(importlib.import_module(module), attr)
     raise ValueError(
-        f"unsupported model architecture {archs or '(config.json names none)'}; tpserve "
+        f"unsupported model architecture {archs or '(config.json names none)'} (model_type "
+        f"{getattr(config, 'model_type', None)!r}); tpserve "
         f"supports: {', '.join(supported_architectures())}"
     )
