@@ -42,3 +42,23 @@ def test_an_architecture_tpserve_does_not_serve_is_still_refused():
     cfg = LlamaConfig(architectures=["LlamaForSequenceClassification"])
     with pytest.raises(ValueError, match="LlamaForSequenceClassification"):
         model_class(cfg)
+
+
+def test_kv_heads_that_cannot_replicate_name_the_tps_that_work():
+    """12 heads, 2 KV heads (6:1) at tp = 3: 3 divides the heads but 2 KV heads neither
+    split nor replicate over 3 ranks; the refusal lists the tps that do."""
+    from tiny_models import llama_config
+
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.errors import ShardingError
+    from tpserve.worker.build import check_shardable
+
+    hf = llama_config(hidden_size=96, num_attention_heads=12, num_key_value_heads=2)
+    cfg = EngineConfig(model=ModelConfig(path="u", model_id="u", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=3))
+    with pytest.raises(ShardingError) as err:
+        check_shardable(cfg, hf)
+    msg = str(err.value)
+    for needle in ("'model.layers.0.self_attn.k_proj.weight'", "[16, 96]", "tp=3",
+                   "2 key/value heads", "tp = 1, 2, 4, 6 or 12"):
+        assert needle in msg, msg

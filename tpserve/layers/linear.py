@@ -116,6 +116,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             load_region(param, w, (src, n, dst), (0, self.in_features))
 
 
+def _tps_that_work(heads: int, kv_heads: int) -> str:
+    """The tps whose ranks each get whole query heads and whole (or replicated) KV heads."""
+    ok = [str(t) for t in range(1, heads + 1)
+          if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+    listed = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
+    return f"This model shards at tp = {listed}."
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections split by heads. When tp exceeds the KV heads, each KV head
     is replicated on tp / num_kv_heads ranks (rank r holds KV head r * num_kv_heads // tp)."""
@@ -138,7 +146,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                 raise ShardingError(
                     f"cannot shard {f'{prefix}.{kn}.weight'!r} (shape "
                     f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: {num_kv_heads} "
-                    f"key/value heads can be replicated only when tp is a multiple of them")
+                    f"key/value heads can be replicated only when tp is a multiple of them. "
+                    f"{_tps_that_work(num_heads, num_kv_heads)}")
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
