@@ -121,7 +121,7 @@ def _tps_that_work(heads: int, kv_heads: int) -> str:
     ok = [str(t) for t in range(1, heads + 1)
           if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
     listed = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
-    return f"This model shards at tp = {listed}."
+    return f"Its attention heads shard at tp = {listed}."
 
 
 class QKVParallelLinear(ColumnParallelLinear):
