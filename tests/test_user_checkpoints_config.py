@@ -44,21 +44,26 @@ def test_an_architecture_tpserve_does_not_serve_is_still_refused():
         model_class(cfg)
 
 
-def test_kv_heads_that_cannot_replicate_name_the_tps_that_work():
+@pytest.mark.parametrize(("heads", "kv", "tp", "rule", "tps"), [
+    (12, 2, 3, "2 key/value heads can be replicated only", "1, 2, 4, 6 or 12"),
+    (6, 3, 2, "key/value heads = 3 is not divisible by 2", "1, 3 or 6")])
+def test_kv_heads_that_cannot_shard_name_the_tps_that_work(heads, kv, tp, rule, tps):
     """12 heads, 2 KV heads (6:1) at tp = 3: 3 divides the heads but 2 KV heads neither
-    split nor replicate over 3 ranks; the refusal lists the tps that do."""
+    split nor replicate over 3 ranks; 6 heads, 3 KV heads at tp = 2 likewise. The refusal
+    lists the tps that work (tp = 6 replicates the 3 KV heads)."""
     from tiny_models import llama_config
 
     from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
     from tpserve.errors import ShardingError
     from tpserve.worker.build import check_shardable
 
-    hf = llama_config(hidden_size=96, num_attention_heads=12, num_key_value_heads=2)
+    hf = llama_config(hidden_size=96, num_attention_heads=heads, num_key_value_heads=kv)
     cfg = EngineConfig(model=ModelConfig(path="u", model_id="u", max_model_len=64),
-                       parallel=ParallelConfig(tp_size=3))
+                       parallel=ParallelConfig(tp_size=tp))
     with pytest.raises(ShardingError) as err:
         check_shardable(cfg, hf)
     msg = str(err.value)
-    for needle in ("'model.layers.0.self_attn.k_proj.weight'", "[16, 96]", "tp=3",
-                   "2 key/value heads", "tp = 1, 2, 4, 6 or 12"):
+    shape = f"[{kv * 96 // heads}, 96]"
+    for needle in ("'model.layers.0.self_attn.k_proj.weight'", shape, f"tp={tp}", rule,
+                   f"tp = {tps}."):
         assert needle in msg, msg

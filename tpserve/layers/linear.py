@@ -136,6 +136,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         qn, kn, _ = part_names
         self.num_heads = shard_size(num_heads, tp.size, tensor=f"{prefix}.{qn}.weight",
                                     what="attention heads", shape=(num_heads * head_dim, hidden))
+        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
+            raise ShardingError(
+                f"cannot shard {f'{prefix}.{kn}.weight'!r} (shape "
+                f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: key/value heads = "
+                f"{num_kv_heads} is not divisible by {tp.size}. "
+                f"{_tps_that_work(num_heads, num_kv_heads)}")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = shard_size(num_kv_heads, tp.size, tensor=f"{prefix}.{kn}.weight",
                                            what="key/value heads",
