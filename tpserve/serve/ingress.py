@@ -9,9 +9,10 @@ request makes to a replica is its generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tpserve.engine.info import ModelInfo
@@ -43,6 +44,33 @@ def unwrap_replica_error(exc: BaseException) -> BaseException:
         return exc
     return GenerationError(f"the replica failed: {type(exc).__name__}: "
                            f"{str(cause or exc).splitlines()[0] if str(cause or exc) else ''}")
+
+
+@contextlib.contextmanager
+def own_serve_request_id() -> Iterator[None]:
+    """A handle call made inside this block gets an internal request id of its own.
+
+    A DeploymentHandle call takes the internal request id of the ingress request it is made
+    in, and Serve's router keys the requests it is placing by that id: a second call with an
+    id it already holds is taken for a retry of the first and never placed. The choices of
+    one OpenAI request (`n`, a list of prompts) are calls made side by side, so each needs
+    its own id. The ingress request's context is left as it was.
+    """
+    try:
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+
+        var = serve_context._serve_request_context
+        current = serve_context._get_serve_request_context()
+        token = var.set(dataclasses.replace(current,
+                                            _internal_request_id=generate_request_id()))
+    except (ImportError, AttributeError, TypeError):  # another Ray: nothing to isolate
+        yield
+        return
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 class ReplicaSetBackend:
@@ -123,8 +151,9 @@ class ReplicaSetBackend:
         shard died and Serve has not replaced it yet) fails before generating anything, so
         the request is sent again and the router picks another replica."""
         for attempt in range(RETRIES + 1):
-            stream = self.handle.options(stream=True).generate.remote(
-                prompt, params, truncate, add_special_tokens)
+            with own_serve_request_id():
+                stream = self.handle.options(stream=True).generate.remote(
+                    prompt, params, truncate, add_special_tokens)
             try:
                 return stream, await stream.__anext__()
             except (asyncio.CancelledError, GeneratorExit):
