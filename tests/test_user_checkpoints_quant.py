@@ -110,3 +110,20 @@ def test_quantized_vision_language_gemma3_is_served_quantized(models_dir, tmp_pa
         assert greedy(engine, PROMPTS, 12) == hf_greedy(ref, PROMPTS, 12)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("extra", [{"checkpoint_format": "marlin"}, {"is_marlin_format": True},
+                                   {"checkpoint_format": "bitblas"}])
+def test_gptq_layouts_other_than_gptq_and_gptq_v2_are_refused(extra):
+    """Marlin- or BitBLAS-packed GPTQ checkpoints store other tensors (B, s, ...) in another
+    order; read as the gptq layout they would fail at load on missing qweight tensors, or
+    worse, load garbage. They are refused by name at start."""
+    from types import SimpleNamespace
+
+    from tpserve.layers.quant.config import resolve_quant
+
+    hf = SimpleNamespace(quantization_config={**GPTQ, **extra})
+    with pytest.raises(QuantizationError) as err:
+        resolve_quant("auto", hf)
+    fmt = extra.get("checkpoint_format", "marlin")
+    assert f"'{fmt}'" in str(err.value) and "gptq_v2" in str(err.value), str(err.value)

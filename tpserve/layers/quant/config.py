@@ -92,9 +92,15 @@ def _parse(q: dict, kernel: str) -> QuantConfig:
             f"this {method} checkpoint quantizes lm_head too (quantization_config.lm_head = "
             "true); tpserve keeps the LM head in float: use a checkpoint with a float head")
     if method == "gptq":
+        layout = "marlin" if q.get("is_marlin_format") else q.get("checkpoint_format", "gptq")
+        if layout not in ("gptq", "gptq_v2"):
+            raise QuantizationError(
+                f"GPTQ checkpoint_format {layout!r} is not supported; tpserve reads the gptq and "
+                "gptq_v2 layouts (qweight, qzeros, scales, g_idx): use the checkpoint's gptq "
+                "release")
         return _int4(q, method, kernel, desc_act=bool(q.get("desc_act", False)),
                      sym=bool(q.get("sym", True)),
-                     zero_offset=0 if q.get("checkpoint_format", "gptq") == "gptq_v2" else 1)
+                     zero_offset=0 if layout == "gptq_v2" else 1)
     if method == "awq":
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm":
