@@ -63,6 +63,39 @@ def _raise_for(resp: httpx.Response) -> None:
     raise _error_from(resp.status_code, payload, resp.text)
 
 
+class _LineSplitter:
+    """SSE lines from text chunks, ended by \\n (a \\r before it dropped) only: a TGI server
+    writes U+2028, U+2029 and U+0085 raw inside its JSON, where str.splitlines() and
+    httpx's iter_lines() would end a line."""
+
+    def __init__(self) -> None:
+        self._rest = ""
+
+    def feed(self, chunk: str) -> list[str]:
+        *lines, self._rest = (self._rest + chunk).split("\n")
+        return [line.removesuffix("\r") for line in lines]
+
+    def end(self) -> list[str]:
+        rest, self._rest = self._rest, ""
+        return [rest.removesuffix("\r")] if rest else []
+
+
+def _lines(chunks: Iterator[str]) -> Iterator[str]:
+    split = _LineSplitter()
+    for chunk in chunks:
+        yield from split.feed(chunk)
+    yield from split.end()
+
+
+async def _alines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    split = _LineSplitter()
+    async for chunk in chunks:
+        for line in split.feed(chunk):
+            yield line
+    for line in split.end():
+        yield line
+
+
 def _parse_event(line: str) -> wire.StreamResponse | None:
     """One SSE line -> StreamResponse; raises the server's in-band error events."""
     if not line.startswith("data:"):
@@ -200,7 +233,7 @@ class Client(_Base):
             if resp.status_code != 200:
                 resp.read()
                 _raise_for(resp)
-            for line in resp.iter_lines():
+            for line in _lines(resp.iter_text()):
                 event = _parse_event(line)
                 if event is not None:
                     yield event
@@ -279,7 +312,7 @@ class AsyncClient(_Base):
             if resp.status_code != 200:
                 await resp.aread()
                 _raise_for(resp)
-            async for line in resp.aiter_lines():
+            async for line in _alines(resp.aiter_text()):
                 event = _parse_event(line)
                 if event is not None:
                     yield event

@@ -73,9 +73,14 @@ def _finite_or_none(obj):
 def sse(payload: dict | str, space: bool = False) -> str:
     """One SSE event. TGI writes `data:` with no space, OpenAI `data: `; parsers accept both.
     A NaN or infinite number (a log-probability of a filtered token) is written as null, as
-    in whole answers: json.dumps would write -Infinity, which is not JSON."""
-    data = payload if isinstance(payload, str) else json.dumps(_finite_or_none(payload),
-                                                               separators=(",", ":"))
+    in whole answers: json.dumps would write -Infinity, which is not JSON. A JSON string given
+    as it is gets U+2028, U+2029 and U+0085 escaped: JSON allows them raw, but clients that
+    read the stream with str.splitlines() or httpx's iter_lines() end a line at each."""
+    if isinstance(payload, str):
+        data = (payload.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+                .replace("\x85", "\\u0085"))
+    else:  # json.dumps escapes every non-ASCII character
+        data = json.dumps(_finite_or_none(payload), separators=(",", ":"))
     return f"data: {data}\n\n" if space else f"data:{data}\n\n"
 
 
