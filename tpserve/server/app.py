@@ -179,7 +179,8 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     )
     app.add_api_route("/", tgi.compat, methods=["POST"])
 
-    @app.get("/health")
+    # HEAD too: uptime monitors and load balancers probe with it (TGI answers it).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             ready = backend.ready()

@@ -99,12 +99,17 @@ def as_tpserve_error(exc: Exception) -> TPServeError:
     return wrapped
 
 
-async def _on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(
-        {"error": public_message(describe_errors(exc.errors()), False),
-         "error_type": "validation"},
-        status_code=422,
-    )
+async def _on_request_validation(request: Request, exc: RequestValidationError
+                                 ) -> JSONResponse:
+    message = describe_errors(exc.errors())
+    ctype = request.headers.get("content-type", "")
+    if "json" not in ctype.lower() and any(tuple(e.get("loc", ())) == ("body",)
+                                           for e in exc.errors()):
+        # FastAPI reads a body of another type (curl -d sends a form type) as bytes.
+        message = (f"the body must be JSON sent with `content-type: application/json` "
+                   f"(this request's content-type is `{ctype[:100]}`)")
+    return JSONResponse({"error": public_message(message, False), "error_type": "validation"},
+                        status_code=422)
 
 
 async def _on_tpserve_error(_: Request, exc: TPServeError) -> JSONResponse:

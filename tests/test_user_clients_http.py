@@ -1,0 +1,31 @@
+"""What plain HTTP tools (curl, uptime monitors) get from the app over the fake backend."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def test_health_answers_head_as_get(server, backend):
+    """Uptime monitors and load balancers probe with HEAD; TGI (axum's `get`) answers it."""
+    url = server[1]
+    assert httpx.head(url + "/health").status_code == 200
+    backend.is_ready = False
+    assert httpx.head(url + "/health").status_code == httpx.get(url + "/health").status_code
+    assert httpx.get(url + "/health").status_code == 503
+
+
+def test_a_json_body_sent_without_a_json_content_type_says_so(server, backend):
+    """`curl -d '{...}'` without -H sends application/x-www-form-urlencoded: the 422 must
+    say what to change, not "Input should be a valid dictionary"."""
+    url = server[1]
+    for route, body in (("/generate", '{"inputs": "a b", "parameters": {}}'),
+                        ("/v1/completions", '{"prompt": "a b", "max_tokens": 2}')):
+        r = httpx.post(url + route, content=body,
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 422
+        got = r.json()
+        assert got["error_type"] == "validation"
+        assert "content-type: application/json" in got["error"], got["error"]
+        # The same body as JSON is served.
+        assert httpx.post(url + route, content=body,
+                          headers={"content-type": "application/json"}).status_code == 200
