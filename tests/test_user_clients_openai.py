@@ -164,3 +164,18 @@ def test_nullable_flags_sent_as_null_take_their_defaults(url, client):
     assert client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         stream=None).object == "chat.completion"
+
+
+def test_openai_seed_and_top_p_ranges_are_openais(client, greedy):
+    """OpenAI's schema: `seed` is any int64 (clients send -1), `top_p` is 0 to 1 (0 keeps
+    only the likeliest token, i.e. greedy). Both were 422s."""
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids, _ = greedy
+    kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=8)
+    assert client.completions.create(top_p=0, **kw).choices[0].text == tok.decode(ids)
+    a = client.completions.create(seed=-1, n=2, **kw).choices
+    b = client.completions.create(seed=-1, n=2, **kw).choices
+    assert [c.text for c in a] == [c.text for c in b]
+    assert client.completions.create(seed=-2**63, **kw).choices
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(seed=-2**63 - 1, **kw)

@@ -45,6 +45,8 @@ TokenCount = Annotated[int, Field(ge=1, le=I32_MAX)]
 TopK = Annotated[int, Field(ge=1, le=I32_MAX)]
 TopN = Annotated[int, Field(ge=0, le=I32_MAX)]
 Seed = Annotated[int, Field(ge=0, le=U64_MAX)]
+# OpenAI's seed is an int64 (clients send -1); taken modulo 2^64 into the engine's u64 seed.
+OpenAISeed = Annotated[int, Field(ge=-(2**63), le=U64_MAX)]
 
 FrequencyPenalty = Annotated[float, _finite(ge=-2.0, le=2.0)]
 # OpenAI's logit_bias: token ids (JSON object keys, so written as strings) to -100..100.
@@ -55,9 +57,9 @@ RepetitionPenalty = Annotated[float, _finite(gt=0.0)]
 # TGI: strictly positive (0 is not greedy there); OpenAI: 0 (greedy) to 2.
 TGITemperature = Annotated[float, _finite(gt=0.0)]
 OpenAITemperature = Annotated[float, _finite(ge=0.0, le=2.0)]
-# TGI: open interval (0, 1); OpenAI: (0, 1], 1 meaning "no top-p".
+# TGI: open interval (0, 1); OpenAI: [0, 1], 1 meaning "no top-p", 0 only the likeliest.
 OpenUnitInterval = Annotated[float, _finite(gt=0.0, lt=1.0)]
-OpenAITopP = Annotated[float, _finite(gt=0.0, le=1.0)]
+OpenAITopP = Annotated[float, _finite(ge=0.0, le=1.0)]
 
 
 def unsupported(feature: str, allowed: Any = None) -> AfterValidator:

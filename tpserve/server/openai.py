@@ -31,10 +31,10 @@ from tpserve.fields import (
     LogitBias,
     NonEmptyText,
     NullableFlag,
+    OpenAISeed,
     OpenAITemperature,
     OpenAITopP,
     RepetitionPenalty,
-    Seed,
     StopText,
     Text,
     TokenCount,
@@ -72,7 +72,7 @@ class _Sampling(BaseModel):
     max_tokens: TokenCount | None = None
     temperature: OpenAITemperature | None = None
     top_p: OpenAITopP | None = None
-    seed: Seed | None = None
+    seed: OpenAISeed | None = None
     stop: StopText | list[StopText] | None = None
     stream: NullableFlag = False
     stream_options: StreamOptions | None = None
@@ -101,7 +101,7 @@ class _Sampling(BaseModel):
             )
         common = {
             "max_new_tokens": max_new_tokens,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed % (U64_MAX + 1),
             "stop": tuple(stop),
             "frequency_penalty": self.frequency_penalty or None,
             "presence_penalty": self.presence_penalty or None,
@@ -115,7 +115,9 @@ class _Sampling(BaseModel):
             "prompt_logprobs": prompt_logprobs,
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        if temperature == 0:  # OpenAI's spelling of greedy decoding; top_p is moot then
+        # OpenAI's spellings of greedy decoding: temperature 0, or top_p 0 (only the likeliest
+        # token is kept).
+        if temperature == 0 or self.top_p == 0:
             return SamplingParams(do_sample=False, **common)
         # top_p == 1 keeps every token, which the engine spells as "no top_p".
         top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
