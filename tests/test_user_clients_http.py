@@ -29,3 +29,13 @@ def test_a_json_body_sent_without_a_json_content_type_says_so(server, backend):
         # The same body as JSON is served.
         assert httpx.post(url + route, content=body,
                           headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_a_union_field_error_says_each_thing_once(server, backend):
+    """OpenAI's `prompt` is a string or one of three kinds of list: a wrong type must not
+    repeat "Input should be a valid list" once per list kind."""
+    r = httpx.post(server[1] + "/v1/completions", json={"prompt": 5})
+    assert r.status_code == 422
+    parts = r.json()["error"].split("; ")
+    assert len(parts) == len(set(parts)), parts
+    assert "`prompt`: Input should be a valid string" in parts

@@ -164,7 +164,8 @@ def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
             parts.append(f"`{'.'.join(loc)}`: {err.get('msg')}")
         else:
             parts.append(f"request body: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request"
+    # A union (OpenAI's prompt: a string or three kinds of list) fails once per member.
+    return "; ".join(dict.fromkeys(parts)) or "invalid request"
 
 
 class _WireModel(BaseModel):
