@@ -14,7 +14,6 @@ import socket
 import httpx
 import pytest
 from serve_fakes import FakeHandle, FakeReplica
-from test_serve_ingress import WordTokenizer
 
 from tpserve.engine.request import SamplingParams
 from tpserve.serve.ingress import ReplicaSetBackend
@@ -54,7 +53,7 @@ class IdRecordingHandle(FakeHandle):
 
 def test_side_by_side_generations_of_one_request_get_their_own_serve_request_ids():
     handle = IdRecordingHandle([FakeReplica("r0"), FakeReplica("r1")])
-    backend = ReplicaSetBackend(handle, WordTokenizer())
+    backend = ReplicaSetBackend(handle, tokenizer=None)  # generate() does not tokenize
     asyncio.run(backend.refresh_info())
 
     async def one_http_request():
