@@ -54,7 +54,9 @@ def own_serve_request_id() -> Iterator[None]:
     in, and Serve's router keys the requests it is placing by that id: a second call with an
     id it already holds is taken for a retry of the first and never placed. The choices of
     one OpenAI request (`n`, a list of prompts) are calls made side by side, so each needs
-    its own id. The ingress request's context is left as it was.
+    its own id. The ingress request's context is left as it was. (Serve also files a call
+    under that id to cancel it with the ingress request; the ingress cancels its streams
+    itself: generate() below, when the client leaves.)
     """
     try:
         from ray.serve import context as serve_context
