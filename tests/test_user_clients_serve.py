@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 import pytest
@@ -81,6 +82,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _settled_tokens(url: str) -> float:
+    """Tokens the replicas generated so far, once none runs anything (their stats are polled
+    about once a second)."""
+    last = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reps = httpx.get(url + "/info", timeout=10).json()["replicas"]
+        busy = any(r.get("running_sequences", 0) or r.get("waiting_sequences", 0) for r in reps)
+        total = sum(r.get("tokens_generated", 0.0) for r in reps)
+        if not busy and total == last:
+            return total
+        last = None if busy else total
+        time.sleep(1.2)
+    raise AssertionError(f"replicas still busy: {reps}")
+
+
 @pytest.mark.slow
 def test_n_choices_and_prompt_lists_are_answered_through_serve(ray_cluster, llama_dir):
     """The real Serve ingress and router, 2 replicas of tp = 1: `n` = 2 and two prompts
@@ -116,5 +133,20 @@ def test_n_choices_and_prompt_lists_are_answered_through_serve(ray_cluster, llam
             "model": "tiny", "prompt": prompts, "max_tokens": 6, "temperature": 0})
         assert r.status_code == 200, r.text
         assert [c["text"] for c in r.json()["choices"]] == want
+        # A client that leaves stops its choices on the replicas (the ingress cancels them):
+        # far fewer than the 2 x 2 x 240 tokens asked for are generated.
+        before = _settled_tokens(url)
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 240, "n": 2}
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as resp:
+            next(resp.iter_lines())  # the first chunk, then leave
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.2)
+        # The replicas' gauges are those of their last step: steps of another request
+        # refresh them (an aborted request's last gauges still say it runs).
+        for _ in range(2):
+            httpx.post(url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": prompts[1], "max_tokens": 1})
+        assert _settled_tokens(url) - before < 2 * 240
     finally:
         app.shutdown()
