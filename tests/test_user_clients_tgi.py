@@ -6,13 +6,14 @@ of them, so an SSE event that carries one raw arrives cut in two."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import pytest
 from fake_backend import FakeBackend, serve
 
-from tpserve.client import Client
+from tpserve.client import AsyncClient, Client
 from tpserve.engine.request import GenerationEvent, TokenInfo
 from tpserve.server.app import build_app
 
@@ -79,5 +80,16 @@ def test_tpserve_client_reads_raw_separators_from_a_tgi_server():
     client._http = httpx.Client(base_url="http://tgi.invalid",
                                 transport=httpx.MockTransport(tgi))
     got = list(client.generate_stream("x", max_new_tokens=3))
+    assert [e.token.text for e in got] == SEPARATORS
+    assert got[-1].generated_text == TEXT
+
+    class MockedAsyncClient(AsyncClient):
+        def _client_kwargs(self):
+            return {**super()._client_kwargs(), "transport": httpx.MockTransport(tgi)}
+
+    async def stream():
+        return [e async for e in MockedAsyncClient("http://tgi.invalid").generate_stream("x")]
+
+    got = asyncio.run(stream())
     assert [e.token.text for e in got] == SEPARATORS
     assert got[-1].generated_text == TEXT
