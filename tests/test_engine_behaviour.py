@@ -188,3 +188,21 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llama_dir):
     vocab = engine.hf_config.vocab_size
     with pytest.raises(ValidationError, match=rf"`logit_bias` names token id {vocab}"):
         engine.add_request([1, 2], SamplingParams(logit_bias=((3, 1.0), (vocab, 1.0))))
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused_and_others_served(llama_dir):
+    """At tp 1 such an id failed the embedding for every request in the step; at tp > 1 it
+    read zeros. Now that request alone is refused (a 422 over HTTP)."""
+    from tpserve.errors import ValidationError
+
+    engine = make_engine(llama_dir, 1, local=True)
+    vocab = engine.hf_config.vocab_size
+    for ids, bad in (([1, vocab, 2], vocab), ([5, -1], -1), ([vocab + 7], vocab + 7)):
+        with pytest.raises(ValidationError, match=rf"`inputs` holds token id {bad}, which is "
+                                                  rf"not in the model's vocabulary \(ids 0 to "
+                                                  rf"{vocab - 1}\)"):
+            engine.add_request(ids, SamplingParams(max_new_tokens=2))
+    s = engine.add_request([1, vocab - 1], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert len(s.output_ids) == 3

@@ -96,7 +96,11 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
 
 
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
-    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+    # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
+    # config.json has no quantization_config.
+    quant_files = {"quantize_config.json": b'{"bits": 4, "group_size": 128}',
+                   "quant_config.json": b'{"w_bit": 4, "q_group_size": 128}'}
+    with FakeHub.from_dir("acme/tiny", llama_dir, quant_files) as hub:
         code = ("from tpserve.hub import ensure_model; "
                 "print(ensure_model('acme/tiny', None, weights=False))")
         out = subprocess.run([sys.executable, "-c", code], env=hub_env(tmp_path, hub),
@@ -104,6 +108,7 @@ def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
         assert out.returncode == 0, out.stderr
         assert "config.json" in hub.downloaded()
         assert not any(f.endswith(".safetensors") for f in hub.downloaded())
+        assert set(quant_files) <= hub.downloaded()
 
 
 def test_a_node_without_the_directory_resolves_the_hub_id(tmp_path, monkeypatch, llama_dir):

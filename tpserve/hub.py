@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json",
                   "generation_config.json", "tokenizer*", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
-                  "*.tiktoken", "chat_template.json", "chat_template.jinja"]
+                  "*.tiktoken", "chat_template.json", "chat_template.jinja",
+                  # quantizers' own settings files (weights.adopt_quant_file)
+                  "quantize_config.json", "quant_config.json"]
 # Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
 # duplicates the weights (Mistral's repositories carry both).
 IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.h5",

@@ -175,6 +175,16 @@ class EngineCore:
                 f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. Given: {n} "
                 f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
         vocab = getattr(self.hf_config, "vocab_size", None)
+        # Ids past the embedding would fail the whole step at tp 1 (an index error for every
+        # request in it) and read zeros at tp > 1 (each rank masks what it does not hold).
+        lo, hi = min(prompt_ids), max(prompt_ids)
+        if lo < 0 or (vocab and hi >= vocab):
+            tid = lo if lo < 0 else hi
+            raise ValidationError(
+                f"`inputs` holds token id {tid}, which is not in the model's vocabulary (ids 0 "
+                f"to {vocab - 1}): token ids sent directly must be below the model's "
+                f"vocab_size; a tokenizer that makes such ids does not match the checkpoint's "
+                f"config.json")
         bad = [tid for tid, _ in params.logit_bias if tid < 0 or (vocab and tid >= vocab)]
         if bad:
             raise ValidationError(f"`logit_bias` names token id {bad[0]}, which is not in the "
