@@ -180,11 +180,11 @@ class EngineCore:
         lo, hi = min(prompt_ids), max(prompt_ids)
         if lo < 0 or (vocab and hi >= vocab):
             tid = lo if lo < 0 else hi
+            ids = f"ids 0 to {vocab - 1}" if vocab else "ids are not negative"
             raise ValidationError(
-                f"`inputs` holds token id {tid}, which is not in the model's vocabulary (ids 0 "
-                f"to {vocab - 1}): token ids sent directly must be below the model's "
-                f"vocab_size; a tokenizer that makes such ids does not match the checkpoint's "
-                f"config.json")
+                f"`inputs` holds token id {tid}, which is not in the model's vocabulary "
+                f"({ids}): token ids sent directly must be below the model's vocab_size; a "
+                f"tokenizer that makes such ids does not match the checkpoint's config.json")
         bad = [tid for tid, _ in params.logit_bias if tid < 0 or (vocab and tid >= vocab)]
         if bad:
             raise ValidationError(f"`logit_bias` names token id {bad[0]}, which is not in the "
