@@ -34,6 +34,11 @@ from tpserve.startup import shard_startup
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # a poll returns at once when tokens are ready; this bounds an idle wait
+# After an abort leaves the driver with nothing to run, it keeps polling (without waiting
+# for tokens) until the core reports the aborted sequences gone, at most this long: the
+# gauges (running sequences, KV blocks, work tokens, which the replica router reads) would
+# otherwise keep the last step's values until the next request.
+SETTLE_S = 2.0
 CHECK_TIMEOUT_S = 30.0  # rank 0 silent this long while idle counts as lost
 
 
@@ -50,6 +55,10 @@ def _settle(ref, wait_s: float = 0.0) -> None:
         ray.get(ref, timeout=wait_s)
     except Exception:  # noqa: BLE001 - reported elsewhere
         pass
+
+
+def _idle(stats: dict) -> bool:
+    return not stats.get("running_sequences") and not stats.get("waiting_sequences")
 
 
 class CoreClient:
@@ -113,7 +122,7 @@ class CoreClient:
         self.startup = shard_startup(placed, info["marks"])
         self.executor = self  # health() for the driver, as Engine.executor.health()
         self._stats: dict[str, float] = {}
-        self._to_abort: list[int] = []
+        self._settle_until = 0.0  # an abort not yet seen in the core's gauges (SETTLE_S)
         # The driver's share of serving (gauges, cumulative): seconds waiting in the poll
         # for the core's tokens, and seconds turning them into events (detokenization, stop
         # strings). A benchmark takes differences across a burst.
@@ -179,9 +188,11 @@ class CoreClient:
     def abort(self, seq_id: int) -> None:
         self.output.remove(seq_id)
         self.core.abort.remote([seq_id])
+        self._settle_until = time.monotonic() + SETTLE_S
 
     def has_work(self) -> bool:
-        return bool(self.output.requests)
+        """Requests to serve, or an abort whose effect the gauges do not show yet."""
+        return bool(self.output.requests) or self._settle_until > 0.0
 
     def step(self):
         """One long poll: (seq_id, event) for every token since the last poll."""
@@ -197,6 +208,10 @@ class CoreClient:
         events, stopped = self.output.process_packed(outputs)
         if stopped:
             self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
+            self._settle_until = time.monotonic() + SETTLE_S
+        if self._settle_until and not self.output.requests and (
+                _idle(self._stats) or time.monotonic() > self._settle_until):
+            self._settle_until = 0.0
         self.process_seconds += time.perf_counter() - t1
         return events, None
 
