@@ -28,6 +28,19 @@ def _valid_unicode(v: str) -> str:
     return v
 
 
+def _not_bool(v: Any) -> Any:
+    # pydantic's lax mode reads JSON `true` as 1 and 1.0: a client that sent a boolean where a
+    # number belongs made a mistake, which must not run as a one-token request.
+    if isinstance(v, bool):
+        raise ValueError(f"must be a number, not `{str(v).lower()}`")
+    return v
+
+
+# Numbers that refuse JSON booleans; every numeric field of both schemas is one of these.
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
 def _finite(**range_: float) -> Any:
     return Field(allow_inf_nan=False, **range_)
 
@@ -41,25 +54,25 @@ StopText = NonEmptyText
 # null, which means the default, false.
 NullableFlag = Annotated[bool, BeforeValidator(lambda v: False if v is None else v)]
 
-TokenCount = Annotated[int, Field(ge=1, le=I32_MAX)]
-TopK = Annotated[int, Field(ge=1, le=I32_MAX)]
-TopN = Annotated[int, Field(ge=0, le=I32_MAX)]
-Seed = Annotated[int, Field(ge=0, le=U64_MAX)]
+TokenCount = Annotated[Int, Field(ge=1, le=I32_MAX)]
+TopK = Annotated[Int, Field(ge=1, le=I32_MAX)]
+TopN = Annotated[Int, Field(ge=0, le=I32_MAX)]
+Seed = Annotated[Int, Field(ge=0, le=U64_MAX)]
 # OpenAI's seed is an int64 (clients send -1); taken modulo 2^64 into the engine's u64 seed.
-OpenAISeed = Annotated[int, Field(ge=-(2**63), le=U64_MAX)]
+OpenAISeed = Annotated[Int, Field(ge=-(2**63), le=U64_MAX)]
 
-FrequencyPenalty = Annotated[float, _finite(ge=-2.0, le=2.0)]
+FrequencyPenalty = Annotated[Float, _finite(ge=-2.0, le=2.0)]
 # OpenAI's logit_bias: token ids (JSON object keys, so written as strings) to -100..100.
-TokenIdKey = Annotated[int, Field(ge=0, le=I32_MAX)]
-LogitBias = Annotated[float, _finite(ge=-100.0, le=100.0)]
+TokenIdKey = Annotated[Int, Field(ge=0, le=I32_MAX)]
+LogitBias = Annotated[Float, _finite(ge=-100.0, le=100.0)]
 # Divides positive logits: any finite positive value; the sampler keeps rows finite.
-RepetitionPenalty = Annotated[float, _finite(gt=0.0)]
+RepetitionPenalty = Annotated[Float, _finite(gt=0.0)]
 # TGI: strictly positive (0 is not greedy there); OpenAI: 0 (greedy) to 2.
-TGITemperature = Annotated[float, _finite(gt=0.0)]
-OpenAITemperature = Annotated[float, _finite(ge=0.0, le=2.0)]
+TGITemperature = Annotated[Float, _finite(gt=0.0)]
+OpenAITemperature = Annotated[Float, _finite(ge=0.0, le=2.0)]
 # TGI: open interval (0, 1); OpenAI: [0, 1], 1 meaning "no top-p", 0 only the likeliest.
-OpenUnitInterval = Annotated[float, _finite(gt=0.0, lt=1.0)]
-OpenAITopP = Annotated[float, _finite(ge=0.0, le=1.0)]
+OpenUnitInterval = Annotated[Float, _finite(gt=0.0, lt=1.0)]
+OpenAITopP = Annotated[Float, _finite(ge=0.0, le=1.0)]
 
 
 def unsupported(feature: str, allowed: Any = None) -> AfterValidator:

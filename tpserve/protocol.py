@@ -18,6 +18,7 @@ from tpserve.engine.request import SamplingParams
 from tpserve.errors import ValidationError
 from tpserve.fields import (
     FrequencyPenalty,
+    Int,
     NonEmptyText,
     OpenUnitInterval,
     RepetitionPenalty,
@@ -41,7 +42,7 @@ class GenerateParameters(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     best_of: Annotated[
-        Annotated[int, Field(ge=1)] | None,
+        Annotated[Int, Field(ge=1)] | None,
         unsupported("`best_of` > 1 (tpserve generates exactly one sequence per request)", 1),
     ] = None
     decoder_input_details: bool = False

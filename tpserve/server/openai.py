@@ -28,6 +28,7 @@ from tpserve.fields import (
     I32_MAX,
     U64_MAX,
     FrequencyPenalty,
+    Int,
     LogitBias,
     NonEmptyText,
     NullableFlag,
@@ -57,6 +58,8 @@ from tpserve.server.streaming import (
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+# Conversations longer than this (characters) are rendered off the event loop.
+INLINE_RENDER_CHARS = 8192
 
 
 class StreamOptions(BaseModel):
@@ -77,7 +80,7 @@ class _Sampling(BaseModel):
     stream: NullableFlag = False
     stream_options: StreamOptions | None = None
     # Choices per prompt: each is its own engine request (seeded ones get seed + i).
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[Int, Field(ge=1)] | None = None
     frequency_penalty: FrequencyPenalty | None = None
     presence_penalty: FrequencyPenalty | None = None  # OpenAI's range, -2 to 2
     # TGI's extension, sent by text_generation.Client.chat.
@@ -124,7 +127,7 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=I32_MAX)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[Int, Field(ge=0, le=I32_MAX)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
@@ -136,8 +139,8 @@ class CompletionRequest(_Sampling):
     max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: NullableFlag = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
-    logprobs: Annotated[int, Field(ge=0)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Annotated[Int, Field(ge=0)] | None = None
+    best_of: Annotated[Int, Field(ge=1)] | None = None
     suffix: Annotated[Text | None, unsupported("`suffix` (insertion)")] = None
 
     @property
@@ -179,7 +182,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Any] | None, unsupported("`tools` (function calling)")] = None
     tool_choice: Any = None
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format)] = None
@@ -374,6 +377,23 @@ class OpenAIRoutes:
         body = {**base, "choices": choices, "usage": _usage([e[-1] for e in results], n)}
         return AnswerResponse(body)
 
+    async def _render_chat(self, req: ChatRequest, info: ModelInfo) -> tuple[str, int]:
+        """The prompt and max new tokens of a chat request. A long conversation is rendered
+        and counted on a worker thread: a tokenizer takes seconds over megabytes, and on the
+        event loop every other client of the server would wait for it."""
+        messages = [m.as_template_input() for m in req.messages]
+        max_new = req.max_completion_tokens or req.max_tokens
+
+        def render() -> tuple[str, int]:
+            prompt = self.backend.apply_chat_template(messages)
+            if max_new is None:  # OpenAI's chat default: whatever the context window leaves
+                return prompt, max(1, info.max_total_tokens - self.backend.count_tokens(prompt))
+            return prompt, max_new
+
+        if sum(len(v) for m in messages for v in m.values()) <= INLINE_RENDER_CHARS:
+            return render()
+        return await asyncio.to_thread(render)
+
     async def chat(self, req: ChatRequest, request: Request) -> Response:
         info = self._info()
         n = req.choices()
@@ -381,10 +401,7 @@ class OpenAIRoutes:
         if req.top_logprobs and not req.logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs`: true")
         k = _check_top("top_logprobs", req.top_logprobs, info) if req.logprobs else 0
-        prompt = self.backend.apply_chat_template([m.as_template_input() for m in req.messages])
-        max_new = req.max_completion_tokens or req.max_tokens
-        if max_new is None:  # OpenAI's chat default: whatever the context window leaves
-            max_new = max(1, info.max_total_tokens - self.backend.count_tokens(prompt))
+        prompt, max_new = await self._render_chat(req, info)
         params = req.sampling_params(info, max_new, top_n=k)
         # The chat template already contains the BOS/special tokens it wants.
         max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

@@ -1,0 +1,132 @@
+"""A hostile client against the real app over the fake backend: booleans where numbers are
+expected, and a huge chat request that must not stall everyone else's requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tpserve.server.app import build_app
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "a b"}]
+
+# JSON `true` is not a number: pydantic's lax mode read it as 1 (max_new_tokens=true ran a
+# one-token generation, n=true one choice, prompt=[true] token id 1).
+BOOL_CASES = {
+    "tgi_max_new_tokens": ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": True}},
+                           "max_new_tokens"),
+    "tgi_temperature": ("/generate", {"inputs": "a", "parameters": {"temperature": True}},
+                        "temperature"),
+    "tgi_top_k": ("/generate", {"inputs": "a", "parameters": {"top_k": True}}, "top_k"),
+    "tgi_top_p": ("/generate", {"inputs": "a", "parameters": {"top_p": False}}, "top_p"),
+    "tgi_seed": ("/generate", {"inputs": "a", "parameters": {"seed": True}}, "seed"),
+    "tgi_truncate": ("/generate", {"inputs": "a", "parameters": {"truncate": True}},
+                     "truncate"),
+    "tgi_top_n_tokens": ("/generate", {"inputs": "a", "parameters": {"top_n_tokens": True}},
+                         "top_n_tokens"),
+    "tgi_best_of": ("/generate", {"inputs": "a", "parameters": {"best_of": True}}, "best_of"),
+    "tgi_repetition_penalty": ("/generate",
+                               {"inputs": "a", "parameters": {"repetition_penalty": True}},
+                               "repetition_penalty"),
+    "oa_max_tokens": ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    "oa_n": ("/v1/completions", {"prompt": "a", "n": True}, "n"),
+    "oa_best_of": ("/v1/completions", {"prompt": "a", "best_of": True}, "best_of"),
+    "oa_logprobs": ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    "oa_temperature": ("/v1/completions", {"prompt": "a", "temperature": False},
+                       "temperature"),
+    "oa_seed": ("/v1/completions", {"prompt": "a", "seed": False}, "seed"),
+    "oa_token_prompt": ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    "oa_logit_bias": ("/v1/completions", {"prompt": "a", "logit_bias": {"5": True}},
+                      "logit_bias"),
+    "chat_n": (CHAT, {"messages": MSG, "n": True}, "n"),
+    "chat_max_completion_tokens": (CHAT, {"messages": MSG, "max_completion_tokens": True},
+                                   "max_completion_tokens"),
+    "chat_top_logprobs": (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": True},
+                          "top_logprobs"),
+    "chat_presence_penalty": (CHAT, {"messages": MSG, "presence_penalty": True},
+                              "presence_penalty"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOOL_CASES), ids=list(BOOL_CASES))
+def test_booleans_are_not_numbers(server, backend, case):
+    _, url = server
+    route, body, field = BOOL_CASES[case]
+    r = httpx.post(url + route, json=body, timeout=10)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation"
+    assert field in r.json()["error"]
+    assert not backend.calls  # nothing reached the engine
+    ok = httpx.post(url + "/generate", json={"inputs": "a b", "parameters": {"max_new_tokens": 2}},
+                    timeout=10)
+    assert ok.status_code == 200 and ok.json()["generated_text"] == " a b"
+
+
+def test_numbers_still_accepted_where_booleans_were_refused(server, backend):
+    _, url = server
+    r = httpx.post(url + "/v1/completions", timeout=10, json={
+        "prompt": [5, 6], "max_tokens": 2, "n": 1, "temperature": 0, "seed": 0,
+        "logit_bias": {"5": 1}, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/generate", timeout=10, json={"inputs": "a b", "parameters": {
+        "max_new_tokens": 2, "temperature": 1, "top_k": 1, "seed": 0, "top_n_tokens": 0}})
+    assert r.status_code == 200, r.text
+
+
+class SlowTemplate:
+    """A backend whose chat template and token count take real CPU time, as a tokenizer
+    does on a 4 MB conversation (seconds), without yielding to the event loop."""
+
+    def __init__(self, backend, seconds: float) -> None:
+        self._backend, self._seconds = backend, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def apply_chat_template(self, messages):
+        time.sleep(self._seconds)
+        return self._backend.apply_chat_template(messages)
+
+    def count_tokens(self, text):
+        time.sleep(self._seconds)
+        return self._backend.count_tokens(text)
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    from fake_backend import FakeBackend, serve
+
+    fake = FakeBackend()
+    with serve(build_app(SlowTemplate(fake, 1.0))) as url:
+        yield fake, url
+
+
+def test_huge_chat_request_does_not_stall_other_clients(slow_server):
+    """Rendering and counting a huge conversation ran on the event loop: while one 3 MB
+    chat request was being templated (seconds on a real tokenizer), /health and every other
+    request of the server waited."""
+    fake, url = slow_server
+    fake.reset()
+    big = [{"role": "user", "content": "w " * 1_500_000}]
+    result = {}
+
+    def chat():
+        result["r"] = httpx.post(url + CHAT, json={"messages": big}, timeout=30)
+
+    t = threading.Thread(target=chat)
+    t.start()
+    time.sleep(0.3)  # the chat request is being rendered now
+    latencies = []
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert result["r"].status_code == 422  # far past the fake's 64 input tokens
+    assert result["r"].json()["error_type"] == "validation"
+    assert latencies and max(latencies) < 0.5, latencies
