@@ -1,4 +1,4 @@
-"""The tensor-core int4 GEMV of 1-16 rows (kernels/quant/triton_mma.py) against the float64
+"""The tensor-core int4 GEMV of 1-16 rows, and 17-24 sixteen a launch (kernels/quant/triton_mma.py) against the float64
 oracle of quant_conformance: bfloat16 and float16, every batch size it takes, groups of 64 and 128, symmetric and
 not, whole and split K (in order sums by the last program), one to eight warps per program,
 weights loaded one and two steps ahead,
@@ -65,6 +65,30 @@ def test_matches_the_oracle_at_every_batch_size_and_split(k, n, group, dtype, sy
 
         y = TritonQuantKernel().int4_matmul(x, qw, s, z, group)
         assert _rel(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_17_to_24_rows_sixteen_a_launch(dtype):
+    """quant_matmul's 17-24 rows: the kernel once per 16 rows into one output (MMA_CHUNK_ROWS),
+    split K included (N = 128 leaves programs to split)."""
+    from tpserve.kernels.quant import triton_kernel as tk
+
+    for m in (17, 20, 24):
+        (x, qw, s, z), ref = _case(4096, 128, 128, False, m, 40 + m, dtype)
+        launches = []
+        real = tk._mma_launch
+
+        def counting(x, *a, _real=real, _seen=launches, **kw):
+            _seen.append(x.shape[0])
+            return _real(x, *a, **kw)
+
+        tk._mma_launch = counting
+        try:
+            y = tk.quant_matmul(x, qw, s, z, None, 128, False)
+        finally:
+            tk._mma_launch = real
+        assert launches == [16, m - 16], launches
+        assert y.shape == (m, 128) and _rel(y, ref) < TOL[dtype], (m, _rel(y, ref))
 
 
 def test_refuses_what_it_cannot_take():

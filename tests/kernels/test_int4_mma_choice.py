@@ -66,25 +66,38 @@ class NotTheTensorCores(Exception):
     pass
 
 
-@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, 1), (torch.bfloat16, 2),
-                                        (torch.float16, 1), (torch.float16, 16),
-                                        (torch.bfloat16, 17)])
-def test_rows_that_take_it_by_default(gpu_like, monkeypatch, dtype, rows):
+@pytest.mark.parametrize("dtype,rows,launches", [
+    (torch.bfloat16, 1, None), (torch.bfloat16, 2, [2]), (torch.float16, 1, [1]),
+    (torch.float16, 16, [16]), (torch.bfloat16, 17, [16, 1]), (torch.float16, 24, [16, 8]),
+    (torch.bfloat16, 25, None)])
+def test_rows_that_take_it_by_default(gpu_like, monkeypatch, dtype, rows, launches):
     """One bfloat16 row keeps the packed GEMV (faster there); one float16 row, whose GEMV
-    computes in float32, takes the tensor cores; above 16 rows the tiles."""
+    computes in float32, takes the tensor cores; 17-24 rows take them 16 rows a launch;
+    above 24 the tiles."""
     for name in ("INT4_MMA", "MMA_F16"):
         monkeypatch.setattr(tk, name, True)
-    monkeypatch.setattr(tk, "_mma_launch", lambda x, *a, **kw: torch.full((x.shape[0], 128), 7.0))
+    monkeypatch.setattr(tk, "MMA_CHUNK_ROWS", 24)
+    seen = []
+
+    def fake(x, *a, out=None, **kw):
+        seen.append(x.shape[0])
+        y = x[:, :128].float() * 0 + 7 + len(seen)  # each launch its own value
+        if out is not None:
+            out.copy_(y)
+        return y.to(x.dtype)
+
     def elsewhere(*a, **kw):
         raise NotTheTensorCores
 
+    monkeypatch.setattr(tk, "_mma_launch", fake)
     monkeypatch.setattr(tk, "pick_tile", elsewhere)
     x, qw, s, z = _tensors(m=rows, dtype=dtype)
-    takes = rows <= 16 and rows >= {torch.bfloat16: 2, torch.float16: 1}[dtype]
     assert tk.MMA_MIN_ROWS[dtype] == {torch.bfloat16: 2, torch.float16: 1}[dtype]
-    if takes:
-        y = tk.quant_matmul(x, qw, s, z, None, 128, fp8=False)
-        assert y.shape == (rows, 128) and bool((y == 7).all())
-    else:
+    if launches is None:
         with pytest.raises(NotTheTensorCores):
             tk.quant_matmul(x, qw, s, z, None, 128, fp8=False)
+        return
+    y = tk.quant_matmul(x, qw, s, z, None, 128, fp8=False)
+    assert seen == launches and y.shape == (rows, 128)
+    for i, n in enumerate(launches):  # launch i wrote rows 16 i .. 16 i + n
+        assert bool((y[16 * i:16 * i + n] == 8 + i).all()), i

@@ -60,6 +60,10 @@ MMA_F16 = os.environ.get("TPSERVE_INT4_MMA_F16", "1") != "0"
 # (docs/quantization.md). TPSERVE_INT4_MMA_MIN_ROWS=N sets both.
 _MIN_ROWS = os.environ.get("TPSERVE_INT4_MMA_MIN_ROWS", "")
 MMA_MIN_ROWS = {torch.bfloat16: int(_MIN_ROWS or 2), torch.float16: int(_MIN_ROWS or 1)}
+# 17 to MMA_CHUNK_ROWS rows: the kernel once per 16 rows. On one H200 24 rows took 172.6 us
+# over a decoder layer's four linears this way against 206.2 on the 17-64 tiles; 32 rows
+# took as long either way (206.4 against 206.1), more took longer (docs/quantization.md).
+MMA_CHUNK_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_CHUNK_ROWS", "24"))
 # Rows up to which it launches with programmatic dependent launch (kernels/pdl.py; at most
 # pdl.MAX_ROWS): 2 rows 2.94 -> 2.79 ms per step with it, 8 rows unchanged.
 MMA_PDL_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_PDL_ROWS", "8"))
@@ -125,7 +129,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
     if (not fp8 and tile is None and INT4_MMA
-            and MMA_MIN_ROWS.get(x.dtype, 2) <= m <= 16):
+            and MMA_MIN_ROWS.get(x.dtype, 2) <= m <= max(16, MMA_CHUNK_ROWS)):
         y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size)
         if y is not None:
             return y
@@ -216,26 +220,36 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
 
 
 def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor | None:
-    """quant_matmul's 1 or 2 to 16 rows (MMA_MIN_ROWS) through int4_mma_matmul where it
-    applies; the first use on a device, and each reason it does not apply, logged once."""
+    """quant_matmul's MMA_MIN_ROWS to MMA_CHUNK_ROWS rows through the tensor-core GEMV where
+    it applies, 16 rows a launch; the first use on a device, and each reason it does not
+    apply, logged once."""
+    m = x.shape[0]
     if g is not None:
         why = "act-order g_idx (each input its own group)"
     elif x.dtype == torch.float16 and not MMA_F16:
         why = "float16 activations (TPSERVE_INT4_MMA_F16=0 is set)"
     else:
-        why = mma_refusal(x, w, s, z, group_size)
+        why = mma_refusal(x[:16], w, s, z, group_size)
     if why:
         _log_once(f"int4 matmuls of {_rows(x.dtype)} rows use the GEMV and tiles, not the "
                   f"tensor-core GEMV: {why}")
         return None
     _log_once(f"int4 matmuls of {_rows(x.dtype)} rows on {x.device}: tensor-core GEMV "
               "(kernels/quant/triton_mma.py)")
-    return _mma_launch(x, w, s, z, group_size, MMA_WARPS[x.shape[0] > 8], 0, 0)
+    if m <= 16:
+        return _mma_launch(x, w, s, z, group_size, MMA_WARPS[m > 8], 0, 0)
+    y = torch.empty(m, w.shape[1], device=x.device, dtype=x.dtype)
+    for i in range(0, m, 16):
+        rows = min(16, m - i)
+        if _mma_launch(x[i:i + rows], w, s, z, group_size, MMA_WARPS[rows > 8], 0, 0,
+                       out=y[i:i + rows]) is None:
+            return None
+    return y
 
 
 def _rows(dtype: torch.dtype) -> str:
     lo = MMA_MIN_ROWS.get(dtype, 2)
-    return "1-16" if lo <= 1 else f"{lo}-16"
+    return f"{lo}-{max(16, MMA_CHUNK_ROWS)}"
 
 
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -250,10 +264,11 @@ def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.
     return _mma_launch(x, w, s, z, group_size, warps, split, ahead)
 
 
-def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int,
-                ahead: int) -> torch.Tensor | None:
-    """int4_mma_matmul once mma_refusal has passed (None only where the split-K counters
-    cannot be made: during a capture that comes first)."""
+def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """int4_mma_matmul once mma_refusal has passed, into out (contiguous [M, N]) or a new
+    tensor (None only where the split-K counters cannot be made: during a capture that comes
+    first)."""
     m, k = x.shape
     n = w.shape[1]
     programs = n // MMA_COLS
@@ -264,7 +279,7 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int,
                and groups // (2 * split) >= warps and split < MAX_MMA_SPLIT):
             split *= 2
     split = min(split, groups)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
     counters, ws, split_pad = s, y, 0
     if split > 1:
         counters = _split_counters(x.device)
