@@ -110,7 +110,12 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        for name in names:  # the index is the checkpoint's data, not a path to trust
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise CheckpointError(f"{index} names {name!r}, a file outside the checkpoint "
+                                      "directory: shard files must be inside it")
+        return [path / name for name in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
