@@ -15,9 +15,17 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import ray.exceptions
+
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
-from tpserve.errors import GenerationError, NotReadyError, TPServeError, ValidationError
+from tpserve.errors import (
+    GenerationError,
+    NotReadyError,
+    ShardLostError,
+    TPServeError,
+    ValidationError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +44,19 @@ def retryable(err: BaseException) -> bool:
 
 def unwrap_replica_error(exc: BaseException) -> BaseException:
     """A replica's exception as the HTTP layer maps it: tpserve errors keep their class (and
-    status), a replica that died mid-request is a generation failure (500)."""
+    status); a replica whose actor died mid-request (process killed, node lost) lost its
+    shard group as a dead shard does (503 shard_lost, retry); anything else is a generation
+    failure (500)."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, TPServeError):
         return cause
     if isinstance(exc, TPServeError):
         return exc
+    if isinstance(exc, ray.exceptions.RayActorError):  # ActorDiedError, ActorUnavailableError
+        first = str(exc).strip().splitlines()
+        return ShardLostError(f"the replica serving this request was lost ({type(exc).__name__}"
+                              f"{': ' + first[0] if first else ''}); Serve is replacing it, "
+                              "retry the request (the other replicas serve it)")
     return GenerationError(f"the replica failed: {type(exc).__name__}: "
                            f"{str(cause or exc).splitlines()[0] if str(cause or exc) else ''}")
 
