@@ -130,3 +130,69 @@ def test_huge_chat_request_does_not_stall_other_clients(slow_server):
     assert result["r"].status_code == 422  # far past the fake's 64 input tokens
     assert result["r"].json()["error_type"] == "validation"
     assert latencies and max(latencies) < 0.5, latencies
+
+
+# --- DNS rebinding --------------------------------------------------------------------------
+# A web page on evil.example whose name is re-pointed to 127.0.0.1 becomes same-origin with
+# an open server on the loopback address: the browser then sends JSON and reads the answers
+# (the model, /info). Its requests carry `Host: evil.example`, which no local client sends;
+# an address (127.0.0.1, 10.1.2.3) cannot be rebound, so any IP literal is served.
+
+
+def _raw_get(url: str, path: str, host: bytes) -> tuple[int, bytes]:
+    import socket
+
+    addr = url.split("//")[1]
+    ip, port = addr.rsplit(":", 1)
+    with socket.create_connection((ip, int(port)), timeout=10) as s:
+        s.sendall(b"GET " + path.encode() + b" HTTP/1.1\r\nHost: " + host
+                  + b"\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+@pytest.mark.parametrize("host", [b"evil.example", b"evil.example:8080", b"127.0.0.1.evil.example",
+                                  b"localhost.evil.example", b"evil.example."])
+def test_open_loopback_server_refuses_foreign_host_names(server, backend, host):
+    import json
+
+    _, url = server
+    status, body = _raw_get(url, "/info", host)
+    assert status == 403, body
+    error = json.loads(body)
+    assert error["error_type"] == "forbidden" and "Host" in error["error"]
+
+
+@pytest.mark.parametrize("host", [b"127.0.0.1", b"localhost:8080", b"LOCALHOST", b"[::1]:80",
+                                  b"api.localhost", b"127.0.0.2:1", b"0.0.0.0:9",
+                                  b"10.1.2.3"])
+def test_open_loopback_server_serves_loopback_host_names(server, backend, host):
+    _, url = server
+    status, body = _raw_get(url, "/info", host)
+    assert status == 200, body
+
+
+def test_host_names_allowed_by_environment(monkeypatch):
+    from fake_backend import FakeBackend, serve
+
+    monkeypatch.setenv("TPSERVE_ALLOWED_HOSTS", "llm.internal, other.example")
+    with serve(build_app(FakeBackend())) as url:
+        assert _raw_get(url, "/info", b"llm.internal:8080")[0] == 200
+        assert _raw_get(url, "/info", b"evil.example")[0] == 403
+    monkeypatch.setenv("TPSERVE_ALLOWED_HOSTS", "*")
+    with serve(build_app(FakeBackend())) as url:
+        assert _raw_get(url, "/info", b"evil.example")[0] == 200
+
+
+def test_server_with_api_key_does_not_check_host():
+    """A key already defeats rebinding (the page does not know it); reverse proxies that
+    forward the public name keep working."""
+    from fake_backend import FakeBackend, serve
+
+    from tpserve.config import ServerConfig
+
+    with serve(build_app(FakeBackend(), ServerConfig(api_keys=("k",)))) as url:
+        assert _raw_get(url, "/health", b"public.example")[0] == 200

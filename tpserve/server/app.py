@@ -17,7 +17,12 @@ from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
-from tpserve.server.security import ALWAYS_PUBLIC, APIKeyMiddleware, BodyLimitMiddleware
+from tpserve.server.security import (
+    ALWAYS_PUBLIC,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+)
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
@@ -166,6 +171,8 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     public = ALWAYS_PUBLIC | ({"/metrics"} if config.metrics_public else set())
     app.add_middleware(APIKeyMiddleware, keys=config.api_keys, public=frozenset(public))
+    if not config.api_keys:  # an open server: guard it against DNS rebinding
+        app.add_middleware(HostCheckMiddleware.from_env)
 
     stream_doc = {"description": "Server-Sent Events, one StreamResponse per token"}
     app.add_api_route("/generate", tgi.generate, methods=["POST"], response_model=wire.Response)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
+import os
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Routes a load balancer or orchestrator must reach without a key.
 ALWAYS_PUBLIC = frozenset({"/health"})
+# Host names an open loopback server also answers (comma-separated; `*`: any).
+ALLOWED_HOSTS_ENV = "TPSERVE_ALLOWED_HOSTS"
 
 
 async def send_error(send: Send, status: int, message: str, error_type: str,
@@ -109,3 +113,62 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counted_receive, send)
+
+
+def _host_name(header: bytes) -> str:
+    """The name of a Host header, without port, brackets or a trailing dot, lowercased."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".") if host != "." else host
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _loopback(server: tuple | None) -> bool:
+    try:
+        return server is not None and ipaddress.ip_address(server[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class HostCheckMiddleware:
+    """Refuses DNS rebinding against an open (keyless) server on a loopback address: a web
+    page whose name is re-pointed to 127.0.0.1 is same-origin with the server, so the
+    browser would send it JSON and let the page read the answers. Such requests carry the
+    page's host name; local clients send `localhost` or an address. Servers with a key, or
+    bound to another address, are not checked (the key, or the network, is the guard)."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    @classmethod
+    def from_env(cls, app: ASGIApp) -> HostCheckMiddleware:
+        names = os.environ.get(ALLOWED_HOSTS_ENV, "")
+        return cls(app, frozenset(n.strip().lower().rstrip(".") for n in names.split(",")
+                                  if n.strip()))
+
+    def _allowed(self, name: str) -> bool:
+        return (name == "localhost" or name.endswith(".localhost") or _is_address(name)
+                or name in self.allowed or "*" in self.allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _loopback(scope.get("server")):
+            header = dict(scope["headers"]).get(b"host")
+            if header is not None and not self._allowed(_host_name(header)):
+                await send_error(
+                    send, 403, f"this server on a loopback address does not answer the Host "
+                    f"{header.decode('latin-1')[:100]!r} (DNS rebinding guard): use localhost "
+                    f"or an address, set an API key, or list the name in {ALLOWED_HOSTS_ENV}",
+                    "forbidden")
+                return
+        await self.app(scope, receive, send)
