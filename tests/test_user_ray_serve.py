@@ -4,7 +4,10 @@ server answers one (503 `shard_lost`, retry), not an internal error."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import httpx
 import ray.exceptions
@@ -51,3 +54,59 @@ def test_unwrap_maps_every_lost_actor_error_and_keeps_others_as_500():
         assert isinstance(err, ShardLostError) and err.status_code == 503, (exc, err)
     err = unwrap_replica_error(RuntimeError("boom"))
     assert not isinstance(err, ShardLostError) and err.status_code == 500
+
+
+def _stream_in_thread(url: str, n: int, out: dict) -> threading.Thread:
+    def run():
+        r = httpx.post(url + "/generate_stream", timeout=30,
+                       json={"inputs": "a b c", "parameters": {"max_new_tokens": n}})
+        out["events"] = [json.loads(e[5:]) for e in r.text.split("\n\n")
+                         if e.startswith("data:")]
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _wait_for(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_drain_lets_in_flight_streams_finish_and_refuses_new_requests_with_503():
+    """What `tpserve launch --replicas R` does on SIGINT/SIGTERM before stopping Serve (which
+    cut the streams after 10 s and sent new requests a 404 from Serve's proxy)."""
+    backend, handle = make_backend(2)
+    for r in handle.replicas:
+        r.backend.token_delay = 0.05
+    with serve(build_app(backend)) as url:
+        out: dict = {}
+        t = _stream_in_thread(url, 16, out)  # ~0.8 s
+        _wait_for(lambda: backend.inflight == 1)
+        t0 = time.monotonic()
+        assert asyncio.run(backend.drain(10.0)) == 0
+        assert time.monotonic() - t0 > 0.2  # it waited for the stream
+        t.join()
+        assert len(out["events"]) == 16 and out["events"][-1]["details"] is None
+        assert all("error" not in e for e in out["events"])
+        h = httpx.get(url + "/health")
+        assert h.status_code == 503 and "shutting down" in h.json()["error"]
+        r = httpx.post(url + "/generate", json={"inputs": "a b"}, timeout=10)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"], r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a b", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503, r.text
+        assert backend.inflight == 0
+
+
+def test_drain_gives_up_after_its_timeout_and_says_how_many_are_left():
+    backend, handle = make_backend(1)
+    handle.replicas[0].backend.token_delay = 0.05
+    with serve(build_app(backend)) as url:
+        out: dict = {}
+        t = _stream_in_thread(url, 60, out)  # ~3 s
+        _wait_for(lambda: backend.inflight == 1)
+        assert asyncio.run(backend.drain(0.2)) == 1
+        t.join()
+    assert backend.inflight == 0

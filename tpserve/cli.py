@@ -551,9 +551,15 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
     spec = serve_app.ReplicaSpec(num_replicas=count, min_replicas=args.min_replicas,
                                  max_replicas=args.max_replicas,
                                  placement_strategy=ray_strategy(cfg.parallel.placement))
-    stop = threading.Event()
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(_signum, _frame) -> None:
+        if stop.is_set():  # a second Ctrl-C skips the drain
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         url = serve_app.run(cfg, spec, args.host, args.port, server=server)
         scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
@@ -563,7 +569,12 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
               flush=True)
         while not stop.wait(1.0):
             pass
-        log.info("shutting down")
+        log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
+                 "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
+        left = serve_app.drain(args.shutdown_timeout, force)
+        if left:
+            log.warning("%d request(s) still running after --shutdown-timeout; ending them",
+                        left)
         return 0
     except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
         log.error("start-up failed: %s", exc)

@@ -112,6 +112,28 @@ def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,
     return f"http://{host}:{port}"
 
 
+def drain(timeout_s: float, cancel=None) -> int | None:
+    """New requests get 503 at the ingress, those in flight get timeout_s to finish (before
+    shutdown() stops the replicas, which would cut them); how many were left, None when
+    `cancel` (a threading.Event) was set first or the ingress did not answer."""
+    import time
+
+    from ray import serve
+
+    try:
+        ref = serve.get_app_handle(APP_NAME).drain.remote(timeout_s)
+        deadline = time.monotonic() + timeout_s + 10.0
+        while cancel is None or not cancel.is_set():
+            try:
+                return ref.result(timeout_s=0.5)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    break
+    except Exception:  # noqa: BLE001 - no ingress left to drain: shut down anyway
+        log.warning("could not drain the ingress before shutting down", exc_info=True)
+    return None
+
+
 def shutdown() -> None:
     from ray import serve
 

@@ -104,6 +104,10 @@ class ReplicaSetBackend:
         self._table: dict[str, dict] = {}  # replica id -> its last status()
         self._tokens_seen: dict[str, tuple[float, float]] = {}  # replica -> (time, tokens)
         self._poller: asyncio.Task | None = None
+        # Set by begin_drain (tpserve launch got SIGINT/SIGTERM): new requests get 503 with
+        # this reason, those in flight (counted in `inflight`) carry on.
+        self.draining: str | None = None
+        self.inflight = 0
 
     async def refresh_info(self) -> ModelInfo:
         """Ask one replica for the model's limits (the same on every replica)."""
@@ -131,10 +135,32 @@ class ReplicaSetBackend:
 
     # --- EngineBackend --------------------------------------------------------------------
     def ready(self) -> bool:
-        if self._info is None:
+        if self._info is None or self.draining is not None:
             return False
         # Before the first poll the table is empty; a replica answered refresh_info already.
         return not self._table or any(r["ready"] for r in self._table.values())
+
+    def not_ready_reason(self) -> str:
+        if self.draining is not None:
+            return self.draining
+        if self._table and not any(r["ready"] for r in self._table.values()):
+            return "no replica can serve (" + "; ".join(
+                replica_state(r) for r in self._table.values()) + ")"
+        return "the model is still loading"
+
+    def begin_drain(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests (503 with `reason`); those in flight carry on."""
+        self.draining = reason
+
+    async def drain(self, timeout_s: float) -> int:
+        """begin_drain, then wait up to timeout_s for the requests in flight to end; returns
+        how many are still running."""
+        self.begin_drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.inflight
 
     def info(self) -> ModelInfo:
         if self._info is None:
@@ -145,6 +171,16 @@ class ReplicaSetBackend:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        truncate: int | None = None,
                        add_special_tokens: bool = True) -> AsyncIterator[GenerationEvent]:
+        if self.draining is not None:
+            raise NotReadyError(self.draining)
+        self.inflight += 1
+        try:
+            async for event in self._generate(prompt, params, truncate, add_special_tokens):
+                yield event
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, prompt, params, truncate, add_special_tokens):
         stream, first = await self._start(prompt, params, truncate, add_special_tokens)
         finished = False
         try:
@@ -158,6 +194,9 @@ class ReplicaSetBackend:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to what the HTTP layer reports
+            if self.draining is not None and isinstance(exc, ray.exceptions.RayActorError):
+                raise GenerationError("the server shut down before this request finished "
+                                      "(--shutdown-timeout ran out)") from None
             raise unwrap_replica_error(exc) from None
         finally:
             if not finished:  # the client left: cancelling aborts it on the replica
@@ -255,6 +294,11 @@ class TPServeIngress:
         await self.backend.refresh_info()
         await self.backend.refresh_replicas()
         self.backend.start_polling()
+
+    async def drain(self, timeout_s: float) -> int:
+        """`tpserve launch` on SIGINT/SIGTERM: new requests get 503, those in flight get
+        timeout_s to finish; how many are still running."""
+        return await self.backend.drain(timeout_s)
 
     def __serve_build_asgi_app__(self):
         from tpserve.server.app import build_app
