@@ -110,3 +110,35 @@ def test_drain_gives_up_after_its_timeout_and_says_how_many_are_left():
         assert asyncio.run(backend.drain(0.2)) == 1
         t.join()
     assert backend.inflight == 0
+
+
+def test_replica_deployment_logs_no_access_line_per_status_poll(monkeypatch):
+    """The ingress asks every replica for status() each second: with Serve's access log on
+    the replicas, `tpserve launch --replicas 2` printed 2 `CALL status OK` lines a second."""
+    from ray import serve
+    from ray.serve.schema import LoggingConfig
+    from test_serve_cli import config
+
+    from tpserve.serve import app
+
+    captured = []
+    real = serve.deployment
+
+    def spy(cls=None, **kw):
+        d = real(cls, **kw) if cls is not None else real(**kw)
+        original = d.options
+
+        def options(**opts):
+            captured.append(original(**opts))
+            return captured[-1]
+
+        d.options = options
+        return d
+
+    monkeypatch.setattr(serve, "deployment", spy)
+    app.build_application(config(2, "cpu"), app.ReplicaSpec(num_replicas=2))
+    by_name = {d.name: d for d in captured}
+    replica_log = LoggingConfig(**by_name[app.REPLICA_DEPLOYMENT].logging_config)
+    assert replica_log.enable_access_log is False
+    ingress_log = by_name[app.INGRESS_DEPLOYMENT].logging_config
+    assert ingress_log is None or LoggingConfig(**ingress_log).enable_access_log

@@ -70,6 +70,10 @@ def build_application(cfg: EngineConfig, spec: ReplicaSpec, server=None):
         health_check_timeout_s=spec.health_check_timeout_s,
         # In-flight generations get this long to finish when a replica is stopped.
         graceful_shutdown_timeout_s=10,
+        # No access log on the replicas: the ingress polls each one's status every second
+        # (for /info and /metrics), which logged two lines per replica per second on the
+        # launch terminal; the ingress's own access log still lists every HTTP request.
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class=TPServeRequestRouter,
             request_router_kwargs=dict(spec.router_kwargs or {}),
