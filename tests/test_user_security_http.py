@@ -226,3 +226,29 @@ def test_stop_sequence_of_512_characters_is_accepted(server, backend):
     r = httpx.post(url + "/v1/completions", json={"prompt": "a b", "stop": [stop]}, timeout=10)
     assert r.status_code == 200, r.text
     assert backend.calls[-1].params.stop == (stop,)
+
+
+# --- logit_bias --------------------------------------------------------------------------
+# The sampler walks every entry of every request's map in Python on every step: a 4 MB body
+# holds a 300,000-entry map (the whole vocabulary of most models, so it passes the engine's
+# vocabulary check), which the whole batch would wait for on each token.
+
+
+def test_logit_bias_with_more_than_1024_entries_is_422(server, backend):
+    _, url = server
+    bias = {str(i): -1 for i in range(1025)}
+    for route, body in (("/v1/completions", {"prompt": "a", "logit_bias": bias}),
+                        (CHAT, {"messages": MSG, "logit_bias": bias})):
+        r = httpx.post(url + route, json=body, timeout=10)
+        assert r.status_code == 422, r.text[:200]
+        assert "logit_bias" in r.json()["error"] and "1024" in r.json()["error"]
+    assert not backend.calls
+
+
+def test_logit_bias_with_1024_entries_is_accepted(server, backend):
+    _, url = server
+    bias = {str(i): -1 for i in range(1024)}
+    r = httpx.post(url + "/v1/completions", json={"prompt": "a b", "logit_bias": bias},
+                   timeout=10)
+    assert r.status_code == 200, r.text[:200]
+    assert len(backend.calls[-1].params.logit_bias) == 1024

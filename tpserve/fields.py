@@ -69,6 +69,10 @@ FrequencyPenalty = Annotated[Float, _finite(ge=-2.0, le=2.0)]
 # OpenAI's logit_bias: token ids (JSON object keys, so written as strings) to -100..100.
 TokenIdKey = Annotated[Int, Field(ge=0, le=I32_MAX)]
 LogitBias = Annotated[Float, _finite(ge=-100.0, le=100.0)]
+# The sampler walks each request's map on every step; a vocabulary-sized one (300,000
+# entries fit in a 4 MB body) would slow every token of the whole batch.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LogitBiasMap = Annotated[dict[TokenIdKey, LogitBias], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
 # Divides positive logits: any finite positive value; the sampler keeps rows finite.
 RepetitionPenalty = Annotated[Float, _finite(gt=0.0)]
 # TGI: strictly positive (0 is not greedy there); OpenAI: 0 (greedy) to 2.

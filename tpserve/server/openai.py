@@ -29,7 +29,7 @@ from tpserve.fields import (
     U64_MAX,
     FrequencyPenalty,
     Int,
-    LogitBias,
+    LogitBiasMap,
     NonEmptyText,
     NullableFlag,
     OpenAISeed,
@@ -39,7 +39,6 @@ from tpserve.fields import (
     StopText,
     Text,
     TokenCount,
-    TokenIdKey,
     unsupported,
 )
 from tpserve.server.backend import EngineBackend, not_ready_message
@@ -86,7 +85,7 @@ class _Sampling(BaseModel):
     # TGI's extension, sent by text_generation.Client.chat.
     repetition_penalty: RepetitionPenalty | None = None
     # {"token id": bias}; the engine checks the ids against the model's vocabulary.
-    logit_bias: dict[TokenIdKey, LogitBias] | None = None
+    logit_bias: LogitBiasMap | None = None
     user: Text | None = None
 
     def stop_list(self) -> list[str]:
