@@ -457,11 +457,20 @@ def launch(args: argparse.Namespace) -> int:
     ray_up = time.time()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from tpserve.cluster.placement import driver_names
+
     here = ray.get_runtime_context().get_node_id()
-    driver = ray.remote(Driver).options(
-        name="driver", num_cpus=0, max_concurrency=4,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(cfg, args.host, args.port, args.log_level, server)
+    names = driver_names()
+    for name in names:  # another deployment on this cluster may hold "driver"
+        try:
+            driver = ray.remote(Driver).options(
+                name=name, num_cpus=0, max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            ).remote(cfg, args.host, args.port, args.log_level, server)
+            break
+        except ValueError as exc:
+            if "already taken" not in str(exc) or name == names[-1]:
+                raise
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(_signum, _frame) -> None:

@@ -72,9 +72,26 @@ def check_capacity(bundle: dict[str, float], tp: int) -> None:
 
 def shard_names(tp: int, namespace: str) -> list[str]:
     """Named actors must be unique per namespace: a second replica on the same cluster gets
-    suffixed names rather than a collision."""
-    suffix = "" if _name_free("shard-0", namespace) else f"-{uuid.uuid4().hex[:6]}"
+    suffixed names rather than a collision; the suffix of its driver's name when it has one
+    (the shards of `driver-1a2b3c` are `shard-<rank>-1a2b3c`)."""
+    suffix = _driver_suffix()
+    if not _name_free(f"shard-0{suffix}", namespace):
+        suffix = f"-{uuid.uuid4().hex[:6]}"
     return [f"shard-{rank}{suffix}" for rank in range(tp)]
+
+
+def driver_names() -> list[str]:
+    """The names `tpserve launch` tries for its driver actor, in order: `driver`, then one
+    with a suffix for a second deployment on the same cluster."""
+    return ["driver", f"driver-{uuid.uuid4().hex[:6]}"]
+
+
+def _driver_suffix() -> str:
+    try:
+        name = ray.get_runtime_context().get_actor_name() or ""
+    except Exception:  # noqa: BLE001 - not in an actor (tests, the Python API)
+        return ""
+    return name[len("driver"):] if name.startswith("driver-") else ""
 
 
 def _name_free(name: str, namespace: str) -> bool:

@@ -1,0 +1,63 @@
+"""`tpserve launch --address` as a Ray user meets it: two deployments on one existing
+cluster (two models, or two versions side by side) each get their own, self-describing
+actor names, both serve, and stopping one leaves the other and the cluster running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from server_process import launched
+from tiny_models import hf_greedy
+from transformers import AutoTokenizer
+
+import tpserve
+
+LIST = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
+        "print(json.dumps(sorted(a['name'] for a in ray.util.list_named_actors("
+        "all_namespaces=True) if a['namespace'] == 'tpserve')))")
+
+
+def named_actors(address: str) -> list[str]:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    r = subprocess.run([sys.executable, "-c", LIST % address], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_launches_share_one_cluster_with_their_own_actor_names(llama_dir, tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 4, "include_dashboard": False})
+    try:
+        ref = hf_greedy(llama_dir, ["Hello world"], 8)[0]
+        text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
+        args = ["--model", str(llama_dir), "--tp", "2", "--address", cluster.address,
+                "--num-blocks", "64"]
+        with launched(args, tmp_path / "first.log") as first:
+            with launched(args, tmp_path / "second.log") as second:
+                for url in (first, second):
+                    r = tpserve.Client(url, timeout=60).generate("Hello world",
+                                                                 max_new_tokens=8)
+                    assert r.generated_text == text
+                names = named_actors(cluster.address)
+                assert "driver" in names and "shard-0" in names and "shard-1" in names
+                other = [n for n in names if n.startswith("driver-")]
+                assert len(other) == 1, names
+                suffix = other[0][len("driver"):]
+                # The second deployment's shards carry its driver's suffix.
+                assert {f"shard-0{suffix}", f"shard-1{suffix}"} <= set(names), names
+                assert len(names) == 6, names
+            # The second one stopped: its actors are gone, the first still serves.
+            assert named_actors(cluster.address) == ["driver", "shard-0", "shard-1"]
+            r = tpserve.Client(first, timeout=60).generate("Hello world", max_new_tokens=8)
+            assert r.generated_text == text
+        assert named_actors(cluster.address) == []
+    finally:
+        cluster.shutdown()
