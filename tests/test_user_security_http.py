@@ -252,3 +252,39 @@ def test_logit_bias_with_1024_entries_is_accepted(server, backend):
                    timeout=10)
     assert r.status_code == 200, r.text[:200]
     assert len(backend.calls[-1].params.logit_bias) == 1024
+
+
+# --- token-id prompts ----------------------------------------------------------------------
+
+
+class CountingDecode:
+    def __init__(self, backend) -> None:
+        self._backend, self.decoded = backend, 0
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self._backend.decode(ids)
+
+
+def test_over_long_token_id_prompt_is_refused_before_any_work():
+    """A 4 MB body holds 1.9 million token ids; with `echo` each prompt was decoded to text
+    on the event loop (0.3 s) before the engine found it too long."""
+    from fake_backend import FakeBackend, serve
+
+    fake = FakeBackend()
+    counting = CountingDecode(fake)
+    limit = fake.info_.max_input_tokens
+    with serve(build_app(counting)) as url:
+        for prompt in ([7] * (limit + 1), [[7] * 3, [7] * (limit + 1)]):
+            r = httpx.post(url + "/v1/completions", timeout=10,
+                           json={"prompt": prompt, "echo": True, "max_tokens": 1})
+            assert r.status_code == 422, r.text
+            assert r.json()["error"].startswith(f"`prompt` must have at most {limit} tokens")
+        assert counting.decoded == 0 and not fake.calls
+        ok = httpx.post(url + "/v1/completions", timeout=10,
+                        json={"prompt": [7] * limit, "echo": True, "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        assert counting.decoded == limit

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 U64_MAX = 2**64 - 1  # TGI's seed is a u64
 # Token counts fit the engine's int32 tensors; larger values could only fail later.
@@ -67,7 +67,10 @@ OpenAISeed = Annotated[Int, Field(ge=-(2**63), le=U64_MAX)]
 
 FrequencyPenalty = Annotated[Float, _finite(ge=-2.0, le=2.0)]
 # OpenAI's logit_bias: token ids (JSON object keys, so written as strings) to -100..100.
-TokenIdKey = Annotated[Int, Field(ge=0, le=I32_MAX)]
+TokenIdKey = Annotated[int, Field(ge=0, le=I32_MAX)]  # written as a string: never a bool
+# A prompt's token ids: strict (no bool, float or string), which pydantic checks without a
+# Python call per id; a 4 MB body holds 1.9 million of them.
+TokenId = Annotated[int, Strict(), Field(ge=0, le=I32_MAX)]
 LogitBias = Annotated[Float, _finite(ge=-100.0, le=100.0)]
 # The sampler walks each request's map on every step; a vocabulary-sized one (300,000
 # entries fit in a 4 MB body) would slow every token of the whole batch.

@@ -25,7 +25,6 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
-    I32_MAX,
     U64_MAX,
     FrequencyPenalty,
     Int,
@@ -39,6 +38,7 @@ from tpserve.fields import (
     StopText,
     Text,
     TokenCount,
+    TokenId,
     unsupported,
 )
 from tpserve.server.backend import EngineBackend, not_ready_message
@@ -126,7 +126,7 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
-TokenIds = Annotated[list[Annotated[Int, Field(ge=0, le=I32_MAX)]], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
@@ -218,6 +218,15 @@ def _check_choices(req: _Sampling, prompts: int, info: ModelInfo) -> None:
             f"{prompts} prompt(s) x `n` = {req.choices()} asks for {total} choices, more than "
             f"this server runs at once ({info.max_concurrent_requests}, "
             "--max-concurrent-requests): send fewer per request")
+
+
+def _check_token_prompts(prompts: Sequence[str | list[int]], info: ModelInfo) -> None:
+    """Token-id prompts too long for the model, refused before they are decoded for `echo`
+    or queued (a 4 MB body holds 1.9 million ids); text prompts are counted by the engine."""
+    for p in prompts:
+        if not isinstance(p, str) and len(p) > info.max_input_tokens:
+            raise ValidationError(f"`prompt` must have at most {info.max_input_tokens} tokens. "
+                                  f"Given: {len(p)}. Shorten the prompt.")
 
 
 def _in_openai_terms(exc: BaseException, prompt: str, max_tokens: str) -> BaseException:
@@ -329,6 +338,7 @@ class OpenAIRoutes:
         info = self._info()
         prompts, n = req.prompts, req.choices()
         _check_choices(req, len(prompts), info)
+        _check_token_prompts(prompts, info)
         if req.best_of is not None and req.best_of != n:
             raise ValidationError("`best_of` other than `n` is not supported by tpserve (it "
                                   "returns every sequence it generates)")
