@@ -61,3 +61,38 @@ def test_two_launches_share_one_cluster_with_their_own_actor_names(llama_dir, tm
         assert named_actors(cluster.address) == []
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_launcher_exits_nonzero_when_its_driver_actor_dies(tmp_path):
+    """The driver actor (HTTP server and engine loop) is killed: the launcher used to keep
+    running with nothing listening, so a supervisor never restarted it."""
+    import signal
+    import time
+
+    import httpx
+    from server_process import launched_process
+    from test_rebuild_server import descendants, shard_pid
+
+    log = tmp_path / "server.log"
+    with launched_process(["--tp", "2", "--log-level", "info"], log) as (proc, url):
+        assert httpx.get(url + "/health").status_code == 200
+        ray_pids = descendants(proc.pid)  # raylet, GCS, workers: the launcher's children
+        os.kill(shard_pid(proc.pid, "Driver"), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.returncode == 1, log.read_text()[-3000:]
+        assert "the driver actor died" in log.read_text()
+        deadline = time.monotonic() + 20
+        while [p for p in ray_pids if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in ray_pids if _running(p)], "Ray processes left behind"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

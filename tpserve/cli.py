@@ -500,7 +500,15 @@ def launch(args: argparse.Namespace) -> int:
             + summary.get("startup", [])))
         print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
         while not stop.wait(1.0):
-            pass
+            lost = _driver_lost(driver)
+            if lost:
+                # The HTTP server and the engine loop went with it (and the shards, which
+                # it owned): exit, so that a supervisor (systemd, Kubernetes) restarts us.
+                log.error("the driver actor (HTTP server and engine loop) died: %s; "
+                          "stopping", lost)
+                print(f"tpserve: error: the driver actor died ({lost}); restart tpserve "
+                      "launch", file=sys.stderr, flush=True)
+                return 1
         log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
                  "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
         left = _wait(driver.drain.remote(args.shutdown_timeout), force)
@@ -523,6 +531,20 @@ def launch(args: argparse.Namespace) -> int:
         # joined cluster (--address) keeps running, only this job's actors are gone.
         ray.shutdown()
         log.info("stopped")
+
+
+def _driver_lost(driver) -> str | None:
+    """Why the driver actor is gone, or None while it answers (or is only slow)."""
+    import ray
+
+    try:
+        ray.get(driver.ready.remote(), timeout=10)
+    except ray.exceptions.RayActorError as exc:
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    except ray.exceptions.GetTimeoutError:
+        pass  # busy, not gone: its HTTP server may still answer
+    return None
 
 
 def _wait(ref, cancel: threading.Event):
