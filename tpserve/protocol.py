@@ -17,6 +17,7 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import SamplingParams
 from tpserve.errors import ValidationError
 from tpserve.fields import (
+    FailFast,
     FrequencyPenalty,
     Int,
     NonEmptyText,
@@ -54,7 +55,7 @@ class GenerateParameters(BaseModel):
     repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool = False
     seed: Seed | None = None
-    stop: list[StopText] = Field(default_factory=list)
+    stop: Annotated[list[StopText], FailFast] = Field(default_factory=list)
     temperature: TGITemperature | None = None
     top_k: TopK | None = None
     top_n_tokens: TopN | None = None

@@ -26,6 +26,7 @@ from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
     U64_MAX,
+    FailFast,
     FrequencyPenalty,
     Int,
     LogitBiasMap,
@@ -75,7 +76,7 @@ class _Sampling(BaseModel):
     temperature: OpenAITemperature | None = None
     top_p: OpenAITopP | None = None
     seed: OpenAISeed | None = None
-    stop: StopText | list[StopText] | None = None
+    stop: StopText | Annotated[list[StopText], FailFast] | None = None
     stream: NullableFlag = False
     stream_options: StreamOptions | None = None
     # Choices per prompt: each is its own engine request (seeded ones get seed + i).
@@ -126,15 +127,15 @@ class _Sampling(BaseModel):
         return SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, **common)
 
 
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]
 
 
 class CompletionRequest(_Sampling):
     # A string, a token-id list (used as it is: nothing is added, as lm-eval's requests
     # expect), or a list of either (one set of choices each).
     prompt: (NonEmptyText | TokenIds
-             | Annotated[list[NonEmptyText], Field(min_length=1)]
-             | Annotated[list[TokenIds], Field(min_length=1)])
+             | Annotated[list[NonEmptyText], Field(min_length=1, fail_fast=True)]
+             | Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])
     max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: NullableFlag = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
@@ -157,7 +158,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Text
-    content: Text | list[ContentPart] | None = None
+    content: Text | Annotated[list[ContentPart], FailFast] | None = None
     name: Text | None = None
 
     def as_template_input(self) -> dict[str, str]:
@@ -178,7 +179,7 @@ def _text_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
