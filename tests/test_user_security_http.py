@@ -325,3 +325,14 @@ def test_many_invalid_items_are_422_at_once(server, backend, case):
     assert r.json()["error_type"] == "validation" and len(r.json()["error"]) < 2000
     assert elapsed < 2.0, elapsed  # parsing the JSON itself takes ~0.1 s
     assert not backend.calls
+
+
+def test_number_past_pythons_digit_limit_says_so(server, backend):
+    """Python refuses to parse integers of more than 4,300 digits; the 422 said only that the
+    body must be UTF-8 and not nested too deep, neither of which was wrong."""
+    _, url = server
+    raw = b'{"inputs": "a", "parameters": {"max_new_tokens": ' + b"9" * 5000 + b"}}"
+    r = httpx.post(url + "/generate", content=raw, timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "4,300 digits" in r.json()["error"]

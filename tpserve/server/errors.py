@@ -117,15 +117,17 @@ async def _on_tpserve_error(_: Request, exc: TPServeError) -> JSONResponse:
 
 
 # FastAPI answers 400 with this detail when the body cannot be decoded at all (bytes that are
-# not UTF-8, JSON nested past the parser's depth): malformed input, so a 422 like the others.
+# not UTF-8, JSON nested past the parser's depth, an integer past Python's 4,300-digit limit):
+# malformed input, so a 422 like the others.
 _UNPARSEABLE = "There was an error parsing the body"
 
 
 async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.detail == _UNPARSEABLE:
         return JSONResponse(
-            {"error": "the request body is not valid JSON: it must be UTF-8 and nested at "
-                      "most a few hundred levels deep", "error_type": "validation"},
+            {"error": "the request body is not valid JSON: it must be UTF-8, nested at most "
+                      "a few hundred levels deep, and have no number of more than 4,300 "
+                      "digits", "error_type": "validation"},
             status_code=422)
     # 413 (body limit) is the client's input, like the 422s.
     error_type = "validation" if exc.status_code == 413 else "http"
