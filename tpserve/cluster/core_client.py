@@ -39,6 +39,14 @@ POLL_S = 0.05  # a poll returns at once when tokens are ready; this bounds an id
 # gauges (running sequences, KV blocks, work tokens, which the replica router reads) would
 # otherwise keep the last step's values until the next request.
 SETTLE_S = 2.0
+# A rank that is alive but silent (its process stopped, or wedged outside Python) is no
+# death Ray reports: rank 0 would wait in a collective with it for --collective-timeout
+# (600 s by default). When the core's step count has not moved for STALL_S while requests
+# wait, every rank is asked for health(); one that does not answer within
+# STALL_HEALTH_TIMEOUT_S counts as lost. (Each actor answers health() from a thread of its
+# own, so a rank busy in a long step still answers.)
+STALL_S = 30.0
+STALL_HEALTH_TIMEOUT_S = 30.0
 CHECK_TIMEOUT_S = 30.0  # rank 0 silent this long while idle counts as lost
 
 
@@ -123,6 +131,7 @@ class CoreClient:
         self.executor = self  # health() for the driver, as Engine.executor.health()
         self._stats: dict[str, float] = {}
         self._settle_until = 0.0  # an abort not yet seen in the core's gauges (SETTLE_S)
+        self._steps_seen, self._progress_at = -1.0, time.monotonic()  # STALL_S
         # The driver's share of serving (gauges, cumulative): seconds waiting in the poll
         # for the core's tokens, and seconds turning them into events (detokenization, stop
         # strings). A benchmark takes differences across a burst.
@@ -205,6 +214,7 @@ class CoreClient:
         if err is not None:
             self.output.requests.clear()  # the core dropped them
             raise CoreStepError(f"{err[0]}: {err[1]}", err[2])
+        self._check_progress(t1)
         events, stopped = self.output.process_packed(outputs)
         if stopped:
             self.core.abort.remote(stopped)  # a stop string: the core frees the blocks
@@ -232,6 +242,25 @@ class CoreClient:
                 except Exception as exc:  # noqa: BLE001 - reported with the rank
                     why = f"{type(exc).__name__}: {exc}"
                 raise ShardFailedError(f"shard {rank} ({self.names[rank]}) failed: {why}")
+
+    def _check_progress(self, now: float) -> None:
+        """Raise ShardFailedError when requests wait, no step has ended for STALL_S, and a
+        rank does not answer health() (see STALL_S)."""
+        steps = self._stats.get("steps", -1.0)
+        if steps != self._steps_seen or not self.output.requests:
+            self._steps_seen, self._progress_at = steps, now
+            return
+        if now - self._progress_at < STALL_S:
+            return
+        self._progress_at = now  # next check after another STALL_S at the earliest
+        refs = [a.health.remote() for a in self.actors]
+        _, silent = ray.wait(refs, num_returns=len(refs), timeout=STALL_HEALTH_TIMEOUT_S)
+        if silent:
+            rank = refs.index(silent[0])
+            raise ShardFailedError(
+                f"shard {rank} ({self.names[rank]}) stopped answering: no step ended for "
+                f"{STALL_S + STALL_HEALTH_TIMEOUT_S:.0f}s and it did not answer a health "
+                f"check in {STALL_HEALTH_TIMEOUT_S:.0f}s (its process is stopped or wedged)")
 
     def check(self) -> None:
         """Raise if a rank is gone (AsyncEngine calls this while idle): a follower's ended
