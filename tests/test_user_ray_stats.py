@@ -12,7 +12,7 @@ from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.request import SamplingParams
 
 
-def _settles(backend: AsyncEngine, timeout_s: float) -> dict:
+async def _settles(backend: AsyncEngine, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         s = backend.stats()
@@ -21,7 +21,7 @@ def _settles(backend: AsyncEngine, timeout_s: float) -> dict:
             return s
         if time.monotonic() > deadline:
             return s
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
 
 
 def test_abort_on_an_idle_replica_shows_in_its_stats_without_a_next_step(ray_cluster,
@@ -36,13 +36,14 @@ def test_abort_on_an_idle_replica_shows_in_its_stats_without_a_next_step(ray_clu
             got = [await stream.__anext__() for _ in range(3)]
             busy = backend.stats()
             await stream.aclose()  # the client went away: the engine aborts the request
-            return got, busy
+            # (Waited for on the same event loop: the engine may still deliver events of
+            # the step in flight to it.)
+            return got, busy, await _settles(backend, 3.0)
 
-        got, busy = asyncio.run(start_then_abort())
+        got, busy, s = asyncio.run(start_then_abort())
         assert len(got) == 3 and not got[-1].finished
         assert busy["running_sequences"] == 1 and busy["work_tokens"] > 0
         assert busy["kv_blocks_free"] < busy["kv_blocks_total"]
-        s = _settles(backend, 3.0)
         assert s["running_sequences"] == 0, s
         assert s["work_tokens"] == 0, s
         assert s["kv_blocks_free"] == s["kv_blocks_total"], s
