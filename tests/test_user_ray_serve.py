@@ -142,3 +142,63 @@ def test_replica_deployment_logs_no_access_line_per_status_poll(monkeypatch):
     assert replica_log.enable_access_log is False
     ingress_log = by_name[app.INGRESS_DEPLOYMENT].logging_config
     assert ingress_log is None or LoggingConfig(**ingress_log).enable_access_log
+
+
+def test_second_replicas_launch_on_a_cluster_refuses_instead_of_replacing_the_first(
+        monkeypatch):
+    """`tpserve launch --replicas 2 --address X` twice: serve.run would redeploy the same
+    application name over the first deployment, and the second one's Ctrl-C (serve.shutdown)
+    would stop the first as well."""
+    from types import SimpleNamespace
+
+    import pytest
+    from ray import serve
+    from test_serve_cli import config
+
+    from tpserve.serve import app
+
+    called = []
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(
+        applications={app.APP_NAME: object()}))
+    monkeypatch.setattr(serve, "start", lambda **kw: called.append("start"))
+    monkeypatch.setattr(serve, "run", lambda *a, **kw: called.append("run"))
+    with pytest.raises(app.AppExistsError, match="already runs a tpserve deployment"):
+        app.run(config(2, "cpu"), app.ReplicaSpec(num_replicas=2), "127.0.0.1", 8000)
+    assert called == []
+    # With no such application, it deploys.
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={}))
+    monkeypatch.setattr(app, "build_application", lambda *a, **kw: "bound app")
+    assert app.run(config(2, "cpu"), app.ReplicaSpec(num_replicas=2), "127.0.0.1",
+                   8000) == "http://127.0.0.1:8000"
+    assert called == ["start", "run"]
+
+
+def test_refused_second_launch_leaves_the_first_deployment_running(monkeypatch, capsys):
+    """The refusing launcher exits 1 without serve.shutdown() (which would stop the Serve
+    instance, and the first deployment with it)."""
+    from types import SimpleNamespace
+
+    import ray
+    from test_serve_cli import config, parse
+
+    from tpserve import cli
+    from tpserve.serve import app
+
+    def refuse(*a, **kw):
+        raise app.AppExistsError("this Ray cluster already runs a tpserve deployment")
+
+    stopped = []
+    monkeypatch.setattr(cli, "_start_ray", lambda *a, **kw: None)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.setattr(app, "run", refuse)
+    monkeypatch.setattr(app, "shutdown", lambda: stopped.append("serve"))
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
+    args = parse("--replicas", "2", "--address", "auto")
+    assert cli.launch_replicas(args, config(2, "cpu"), SimpleNamespace(ssl_certfile=None)) == 1
+    assert stopped == ["ray"]  # disconnected, Serve left alone
+    assert "already runs a tpserve deployment" in capsys.readouterr().err
+    # Any other start-up failure still tears down what this launch started.
+    monkeypatch.setattr(app, "run", lambda *a, **kw: 1 / 0)
+    stopped.clear()
+    assert cli.launch_replicas(args, config(2, "cpu"), SimpleNamespace(ssl_certfile=None)) == 1
+    assert stopped == ["serve", "ray"]

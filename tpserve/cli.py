@@ -591,6 +591,7 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    ours = True
     try:
         url = serve_app.run(cfg, spec, args.host, args.port, server=server)
         scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
@@ -609,12 +610,16 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
         log.error("start-up failed: %s", exc)
+        print(f"tpserve: error: start-up failed: {exc}", file=sys.stderr, flush=True)
+        # Another launch's application: stopping Serve would stop it too.
+        ours = not isinstance(exc, serve_app.AppExistsError)
         return 1
     finally:
-        try:
-            serve_app.shutdown()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
+        if ours:
+            try:
+                serve_app.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
         ray.shutdown()
 
 

@@ -18,6 +18,10 @@ REPLICA_DEPLOYMENT = "tpserve-replica"
 INGRESS_DEPLOYMENT = "tpserve-ingress"
 
 
+class AppExistsError(RuntimeError):
+    """The cluster already serves a tpserve application: it is left alone."""
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
     """How many replicas and how they are placed and checked."""
@@ -110,6 +114,13 @@ def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
+    if APP_NAME in serve.status().applications:
+        # serve.run would redeploy over it, and its shutdown would stop it: refuse instead.
+        raise AppExistsError(
+            f"this Ray cluster already runs a tpserve deployment with replicas (the Serve "
+            f"application {APP_NAME!r}); a second one would replace it, and stopping either "
+            "would stop both. Stop that one first, or start this one on another Ray cluster "
+            "(or without --address)")
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(cfg, spec, server), name=APP_NAME, route_prefix="/",
               blocking=blocking)
