@@ -205,3 +205,27 @@ def test_load_mixed_streams_lose_nothing(server, expected):
     assert len(results) == 48
     want = dict(zip(PROMPTS, texts, strict=True))
     assert all(text == want[p] for p, text in results)
+
+
+def test_launched_server_bounds_request_heads(server):
+    """`tpserve launch` serves with server.http_protocol: a head that keeps growing past
+    64 KiB is answered 431 with the error body (uvicorn's own protocol kept reading it)."""
+    import contextlib
+    import json
+    import socket
+
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
+        with contextlib.suppress(OSError):  # the server answers and closes meanwhile
+            for _ in range(64):  # 4 MiB at most, in 64 KiB pieces
+                s.sendall(b"a" * 65536)
+                time.sleep(0.01)
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), head[:200]
+    assert json.loads(body)["error_type"] == "validation"
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200  # others served

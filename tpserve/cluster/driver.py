@@ -37,6 +37,7 @@ class Driver:
         from tpserve.engine.async_engine import AsyncEngine
         from tpserve.engine.rebuild import RebuildPolicy
         from tpserve.server.app import build_app
+        from tpserve.server.http_protocol import http_protocol
 
         cfg = self.cfg
         # The same factory builds the group at start and after a lost shard (a rebuild).
@@ -55,7 +56,9 @@ class Driver:
                                "pick another --port") from None
         self.port = sock.getsockname()[1]
         tls = self.server_cfg.ssl_certfile is not None
+        # http_protocol: request heads bounded (431 over 64 KiB, 408 after 30 s)
         config = uvicorn.Config(app, log_level=self.log_level, access_log=False,
+                                http=http_protocol(),
                                 timeout_graceful_shutdown=5, server_header=False,
                                 ssl_certfile=self.server_cfg.ssl_certfile,
                                 ssl_keyfile=self.server_cfg.ssl_keyfile)
