@@ -174,3 +174,21 @@ def test_non_streamed_answers_over_http_time_out_and_free_the_engine(backend):
             break
         time.sleep(0.02)
     assert backend.inflight == 0 and not backend.engine.has_work()
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(backend):
+    """A Python API user whose loop ended (asyncio.run once per request) while its stream was
+    still producing: the engine thread used to die on the closed loop (call_soon_threadsafe
+    raises), so nothing was served after it. Now that request is aborted and others run."""
+    loop = asyncio.new_event_loop()
+    gen = backend.generate("Hello world", SamplingParams(max_new_tokens=100, ignore_eos=True))
+    loop.run_until_complete(gen.__anext__())
+    loop.close()  # `gen` is still referenced: no abort from its finalizer
+    for _ in range(200):  # the next step's events find the closed loop
+        time.sleep(0.02)
+        if not backend.engine.has_work():
+            break
+    assert not backend.engine.has_work()  # the orphaned request was aborted
+    events = asyncio.run(asyncio.wait_for(_collect(backend, "The quick", 4), 60))
+    assert len(events) == 4 and events[-1].finished
+    del gen

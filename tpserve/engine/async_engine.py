@@ -204,9 +204,9 @@ class _Submit:
 
     def fail(self, exc: BaseException) -> None:
         if self.answered:
-            self.loop.call_soon_threadsafe(self.sink.put_nowait, exc)
+            _post(self.loop, self.sink.put_nowait, exc)
         else:
-            self.loop.call_soon_threadsafe(_set_exception, self.accepted, exc)
+            _post(self.loop, _set_exception, self.accepted, exc)
 
 
 @dataclass
@@ -506,7 +506,8 @@ class AsyncEngine:
             self._ray_metrics.request_arrived(seq.seq_id)
             if not item.answered:
                 item.answered = True
-                item.loop.call_soon_threadsafe(_set_result, item.accepted, item.handle)
+                if not _post(item.loop, _set_result, item.accepted, item.handle):
+                    self._abort(_Abort(item.handle))  # its caller is gone
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -532,7 +533,11 @@ class AsyncEngine:
                 self._live.pop(seq_id, None)
                 self._seq_of.pop(item.handle, None)
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            if not _post(loop, _deliver, batch):  # its callers are gone: free their places
+                gone = [h for h, i in self._seq_of.items()
+                        if getattr(self._live.get(i), "loop", None) is loop]
+                for handle in gone:
+                    self._abort(_Abort(handle))
         if self._trace is not None and events:
             self._trace.event("events", len(events))
             done = sum(1 for _, ev in events if ev.finished)
@@ -664,6 +669,16 @@ def _summary(exc: BaseException, limit: int = 300) -> str:
 
 def _is_last(item) -> bool:
     return isinstance(item, BaseException) or item.finished
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """loop.call_soon_threadsafe(fn, *args), or False where that loop has closed (a caller's
+    asyncio.run ended with its stream open): the engine thread must outlive any caller."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _deliver(batch: list[tuple[EventSink, GenerationEvent]]) -> None:
