@@ -157,7 +157,8 @@ def test_lost_shard_fails_started_requests_replays_queued_ones_and_rebuilds(life
         await asyncio.to_thread(_wait_for, built[0].stepped.is_set)
         gate.clear()  # hold the rebuild so the state in between can be seen
         built[0].lost.set()
-        with pytest.raises(ShardLostError, match="shard 1 of group 0 failed"):
+        with pytest.raises(ShardLostError, match="shard 1 of group 0 failed.*rebuilding the "
+                                                 "shard group, retry when GET /health"):
             await long
         assert not backend.ready() and backend.state == "rebuilding"
         assert "rebuilding the shard group (attempt 1 of 1)" in backend.not_ready_reason()
@@ -198,16 +199,17 @@ def test_request_that_got_no_token_is_served_by_the_rebuilt_group(lifecycle):
 def test_budget_spent_leaves_a_server_that_answers_503_with_the_reason(lifecycle):
     backend, built, _, metrics = lifecycle
 
-    async def lose_once():
+    async def lose_once(then: str):
         long = asyncio.ensure_future(_collect(backend, 10_000))
         await asyncio.to_thread(_wait_for, built[-1].stepped.is_set)
         built[-1].lost.set()
-        with pytest.raises(ShardLostError):
+        with pytest.raises(ShardLostError, match=then):
             await long
 
-    asyncio.run(lose_once())
+    asyncio.run(lose_once("the server is rebuilding the shard group"))
     _wait_for(backend.ready)
-    asyncio.run(lose_once())
+    # The budget is spent: no promise of a rebuild to retry against.
+    asyncio.run(lose_once(r"no rebuild left \(--max-rebuilds\) and stops serving: restart"))
     _wait_for(lambda: backend.state == "failed")
     reason = backend.not_ready_reason()
     assert "1 of --max-rebuilds 1 attempts spent" in reason and "shard 1 of group 1" in reason

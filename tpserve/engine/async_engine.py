@@ -570,9 +570,12 @@ class AsyncEngine:
         lost = _replica_dead(exc)
         if lost:  # unhealthy before any caller hears of the loss
             self._lose(exc)
+            then = ("the server is rebuilding the shard group, retry when GET /health answers "
+                    "200" if self.state == "rebuilding" else "the server has no rebuild left "
+                    "(--max-rebuilds) and stops serving: restart it")
             err: GenerationError = ShardLostError(
-                f"a shard of the model was lost while this request ran ({_summary(exc)}); the "
-                "server is rebuilding the shard group, retry when GET /health answers 200")
+                f"a shard of the model was lost while this request ran ({_summary(exc)}); "
+                f"{then}")
         else:
             err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
         for seq_id, item in list(self._live.items()):
