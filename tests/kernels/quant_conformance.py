@@ -114,11 +114,12 @@ def fp8_case(k: int, n: int, seed: int):
     return w8, scale, (w8.double() * scale.double()[:, None]).t()
 
 
-def _check(res: Result, label: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+def _check(res: Result, label: str, y: torch.Tensor, ref: torch.Tensor,
+           tol: float = 0.0) -> None:
     res.cases += 1
     y = y.double().cpu()
     err = ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
-    if not torch.isfinite(y).all() or err > TOL[res.dtype]:
+    if not torch.isfinite(y).all() or err > (tol or TOL[res.dtype]):
         res.failed.append(f"{label}: relative error {err:.3g}")
     res.worst = max(res.worst, err if err == err else float("inf"))
 
@@ -157,6 +158,58 @@ def run_quant_conformance(kernel, device: str, dtype: torch.dtype,
     return res
 
 
+# [gate; up] shapes: each half a multiple of 8 columns (int4 packs zeros 8 to a word), with
+# and without tails in the GEMV's column blocks, K cutting the last group or not.
+GATED_SHAPES = ((256, 96), (384, 208), (1024, 64), (200, 112))
+
+
+def run_gated_conformance(kernel, device: str, dtype: torch.dtype, shapes=GATED_SHAPES,
+                          groups=GROUPS, expect: bool = True) -> Result:
+    """int4_gated_matmul (one row, [gate; up] columns, silu and the tanh GELU) against the
+    float64 oracle with the roundings of the two launches it replaces: g and u rounded to
+    dtype, the activation rounded, then the product. Tolerance: twice a plain matmul's,
+    since g and u each carry one (a rounding of g that flips against the oracle's moves the
+    activation by a step of dtype). expect: the kernel must offer the launch for every case
+    (it may return None only where expect is False)."""
+    import math
+
+    from tpserve.kernels.quant.registry import load_kernel_class
+
+    if isinstance(kernel, str):
+        kernel = load_kernel_class(kernel)()
+    dev = torch.device(device)
+    res = Result(kernel.name + " gated", device, dtype)
+    sdt = torch.float32 if dtype == torch.float32 else torch.float16
+    seed = 500
+    for k, n in shapes:
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + n)).to(dtype)
+        for group in groups:
+            for sym in (True, False):
+                for gelu in (False, True):
+                    seed += 1
+                    qw, s, z, _, q = int4_case(k, n, group, sym, False, seed)
+                    y = kernel.int4_gated_matmul(x.to(dev), in_kernel_order(qw.to(dev), kernel),
+                                                 s.to(dev, sdt), z.to(dev, sdt), group, gelu)
+                    label = f"gated K={k} N={n} g={group} sym={sym} gelu={gelu}"
+                    if y is None:
+                        if expect:
+                            res.cases += 1
+                            res.failed.append(f"{label}: not offered")
+                        continue
+                    gu = _int4_ref(x.double(), q, s.to(sdt), z.to(sdt), group, None)
+                    gu = gu.to(dtype).double()
+                    g, u = gu[:, :n // 2], gu[:, n // 2:]
+                    if gelu:
+                        a = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi)
+                                                      * (g + 0.044715 * g ** 3)))
+                    else:
+                        a = g * torch.sigmoid(g)
+                    assert y.shape == (1, n // 2) and y.dtype == dtype, (label, y.shape)
+                    _check(res, label, y, (a.to(dtype).double() * u).to(dtype).double(),
+                           2 * TOL[dtype])
+    return res
+
+
 def _int4_ref(xd, q, s, z, group, gi):
     """x @ w with w rebuilt from the nibbles and the stored (dtype-rounded) scales and zeros,
     in float64."""
@@ -176,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", help="JSON tile table (benchmarks/quant_sweep.py) to apply first")
     ap.add_argument("--shapes", help="K x N pairs, e.g. 256x96,200x97 (default: SHAPES)")
     ap.add_argument("--batches", help="batch sizes, e.g. 1,2,5,16 (default: BATCHES)")
+    ap.add_argument("--gated", action="store_true",
+                    help="also the one-row gated MLP launch (int4_gated_matmul) of each kernel")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.tiles:
@@ -200,6 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r.worst:.2e} |")
             for f in r.failed[:5]:
                 print(f"FAILED {r.kernel} {dt}: {f}")
+            if args.gated:
+                # Triton offers it in the row-major order the layers hold; others may not.
+                expect = name == "triton" or (not isinstance(name, str)
+                                              and not name.int4_k_contiguous)
+                r = run_gated_conformance(name, args.device, getattr(torch, dt), expect=expect)
+                bad += len(r.failed)
+                rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | "
+                            f"{len(r.failed)} | {r.worst:.2e} |")
+                for f in r.failed[:5]:
+                    print(f"FAILED {r.kernel} {dt}: {f}")
     table = "\n".join(["| kernel | device | dtype | cases | failed | worst relative error |",
                        "| --- | --- | --- | --- | --- | --- |", *rows])
     print(table)

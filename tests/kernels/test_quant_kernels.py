@@ -83,6 +83,25 @@ def test_triton_tile_sets_under_the_interpreter(tile_set):
     """)
 
 
+@pytest.mark.parametrize("tiles", ["table", "rows-split"])
+def test_gated_mlp_launch_under_the_interpreter(tiles):
+    """int4_gated_matmul: a gated MLP's [gate; up] projection and its activation (silu, tanh
+    GELU) in one one-row GEMV launch, against the float64 oracle with the two launches'
+    roundings; with the table's tile (no split at these shapes) and with three splits summed
+    and gated by the last (rows-split); tails in the column blocks (N = 2 x 56). bfloat16
+    runs the interpreter's float32 arithmetic (the packed path is PTX: the compile test
+    and the GPU conformance cover it)."""
+    kernel = "'triton'" if tiles == "table" else f"triton_with_tiles({tiles!r})"
+    _interpret(f"""
+        from quant_conformance import run_gated_conformance, triton_with_tiles
+        for dt in (torch.float32, torch.bfloat16):
+            r = run_gated_conformance({kernel}, "cpu", dt, shapes=((200, 112), (256, 96)),
+                                      groups=(32, 128))
+            print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
+            assert r.cases == 16 and not r.failed
+    """)
+
+
 def test_the_oracle_catches_one_wrong_bit_per_word():
     """The conformance check fails a GEMV that misreads the lowest bit of each packed word
     (every eighth weight off by one step)."""

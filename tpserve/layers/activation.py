@@ -57,9 +57,17 @@ class GatedActivation(nn.Module):
 
     def project(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """self(proj(x)), in one launch for one row where warmup chose the fused GEMV for
-        proj; two launches otherwise."""
-        tile = getattr(proj, "gemv_gated_tile", None)
-        if tile is not None and x.numel() == x.shape[-1]:
-            y = gemv.gated(x, proj.weight, tile, proj.gemv_gated)
-            return y.view(*x.shape[:-1], y.shape[-1])
+        proj, or where proj's quantized weights have such a launch (LinearMethod.apply_gated);
+        two launches otherwise."""
+        if x.numel() == x.shape[-1]:
+            tile = getattr(proj, "gemv_gated_tile", None)
+            if tile is not None:
+                y = gemv.gated(x, proj.weight, tile, proj.gemv_gated)
+                return y.view(*x.shape[:-1], y.shape[-1])
+            method = getattr(proj, "method", None)
+            if (method is not None and self.name in GATED_ACTS
+                    and getattr(proj, "bias", None) is None):
+                y = method.apply_gated(proj, x, GATED_ACTS[self.name])
+                if y is not None:
+                    return y
         return self(proj(x))

@@ -45,6 +45,16 @@ class QuantKernel(ABC):
                    scale: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]."""
 
+    def int4_gated_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          zeros: torch.Tensor, group_size: int,
+                          gelu_tanh: bool) -> torch.Tensor | None:
+        """A gated MLP's projection and activation at once: qweight's N columns are [gate; up],
+        and the result is act(x W_gate) * (x W_up), [M, N / 2] (act: silu, or the tanh GELU
+        with gelu_tanh; g and u each rounded to x's dtype before it), or None where this
+        kernel has no such launch for x (the layer then runs int4_matmul and the activation).
+        Optional: the default has none."""
+        return None
+
 
 def empty_qweight(k_words: int, n: int, k_contiguous: bool, device=None) -> torch.Tensor:
     """An int32 qweight [k_words, N], K-contiguous (strides (1, k_words)) when asked."""

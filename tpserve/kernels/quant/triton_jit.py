@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tpserve.kernels.triton_fused import gated
 from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait, pdl_enter
 from tpserve.kernels.triton_rotary import _fp8_range, _round_e4m3
 
@@ -160,13 +161,13 @@ def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk,
 
 @triton.jit
 def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_ptr, N, K,
-                       group_size, sxk, sos, son, sqk, ssg, HAS_GIDX: tl.constexpr,
+                       group_size, sxk, sos, son, sqk, ssg, up, HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                        ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
                        PDL: tl.constexpr, SPLIT_PAD: tl.constexpr,
                        GROUP_LOG2: tl.constexpr = -1, ZF16: tl.constexpr = False,
-                       LOOP_STAGES: tl.constexpr = 1):
+                       LOOP_STAGES: tl.constexpr = 1, GATED: tl.constexpr = 0):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -190,15 +191,28 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     tile). ZF16 (PACKED, zeros in float16): zero points become bfloat16x2 pairs with
     integer instructions (_bf16x2_offset_zeros). LOOP_STAGES > 1 (with PREFETCH 0): Triton
     pipelines the loop's loads through shared memory (asynchronous copies issued that many
-    K-blocks ahead), so more bytes are in flight than registers could hold."""
+    K-blocks ahead), so more bytes are in flight than registers could hold.
+    GATED (1: silu, 2: the tanh GELU; 0: off): a gated MLP's [gate; up] projection and its
+    activation in one launch. The weight's columns are [gate; up], `up` of each; program n
+    reads the BLOCK_N / 2 gate columns from n * BLOCK_N / 2 and the up columns `up` further
+    (the bytes of a plain program, two contiguous runs) and writes act(g) * u for them into
+    y [up] (_gated_store), so the [gate; up] row is never written and read back. With
+    splits, out holds the partials of both halves and the last split gates their sums."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
     tl.static_assert(not ZF16 or PACKED, "ZF16 is for the packed path")
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
+    if GATED:
+        H: tl.constexpr = BLOCK_N // 2
+        jn = tl.arange(0, BLOCK_N)
+        cols = pid_n * H + jn % H  # the gate column each lane's half stands for
+        offs_n = cols + (jn // H) * up
+        nmask = cols < up
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
     rr = tl.arange(0, BLOCK_K // 8)
     xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if XPAIRS else x_ptr
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
@@ -274,24 +288,30 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
             else:
                 acc += t * s
     y = tl.sum(acc, axis=0)
-    if EVEN:
-        tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty))
+    if GATED and not SPLIT_PAD:
+        _gated_store(y, y_ptr, pid_n * (BLOCK_N // 2), up, 1, 1, BLOCK_N // 2, GATED)
     else:
-        tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty),
-                 mask=nmask)
+        if EVEN:
+            tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty),
+                     mask=nmask)
     if SPLIT_PAD:
         _sum_if_last(out_ptr, y_ptr, cnt_ptr + pid_n, offs_n, nmask, sos, son,
-                     tl.num_programs(1), SPLIT_PAD)
+                     tl.num_programs(1), SPLIT_PAD, GATED, pid_n * (BLOCK_N // 2), up, 1, 1,
+                     BLOCK_N // 2)
 
 
 @triton.jit
 def _sum_if_last(ws_ptr, y_ptr, cnt_ptr, offs_n, nmask, sws, son, splits,
-                 SPLIT_PAD: tl.constexpr):
+                 SPLIT_PAD: tl.constexpr, GATED: tl.constexpr = 0, col0=0, up=0, m=1,
+                 R: tl.constexpr = 1, H: tl.constexpr = 1):
     """Called by every split of a column block after it stored its partial sums to ws
     [splits, N]: the split that arrives last (the counter at cnt_ptr says so) reads all of
     them, in split order, and writes their sum to y. The barrier makes every thread's
     stores part of the counter's release; the partials are read through L2 (.cg), where
-    the other programs' stores are."""
+    the other programs' stores are. GATED: offs_n lists R rows of H gate columns then their
+    H up columns, and the sums go through _gated_store (col0, up, m: its arguments)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == splits - 1:
@@ -299,8 +319,30 @@ def _sum_if_last(ws_ptr, y_ptr, cnt_ptr, offs_n, nmask, sws, son, splits,
         parts = tl.load(ws_ptr + sp[:, None] * sws + offs_n[None, :] * son,
                         mask=(sp < splits)[:, None] & nmask[None, :], other=0.0,
                         cache_modifier=".cg")
-        tl.store(y_ptr + offs_n, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=nmask)
+        if GATED:
+            _gated_store(tl.sum(parts, axis=0), y_ptr, col0, up, m, R, H, GATED)
+        else:
+            tl.store(y_ptr + offs_n, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty),
+                     mask=nmask)
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _gated_store(y, y_ptr, col0, up, m, R: tl.constexpr, H: tl.constexpr,
+                 GATED: tl.constexpr):
+    """y: float32 sums of R rows, each H gate columns then the H matching up columns
+    (R * 2H values in that order). Stores act(g) * u into rows < m of y [m, up] at columns
+    col0..col0 + H, each of g and u rounded to y's dtype first, as the projection's output
+    would be before a separate activation kernel reads it (triton_fused.gated)."""
+    dtype = y_ptr.dtype.element_ty
+    y3 = tl.reshape(y, (R, 2, H))
+    half = tl.arange(0, 2)[None, :, None]
+    g = tl.sum(tl.where(half == 0, y3, 0.0), axis=1).to(dtype).to(tl.float32)
+    u = tl.sum(tl.where(half == 1, y3, 0.0), axis=1).to(dtype).to(tl.float32)
+    cols = col0 + tl.arange(0, H)[None, :]
+    rows = tl.arange(0, R)[:, None]
+    tl.store(y_ptr + rows * up + cols, gated(g, u, dtype, GATED == 2),
+             mask=(cols < up) & (rows < m))
 
 
 @triton.jit

@@ -71,6 +71,9 @@ MMA_PDL_ROWS = int(os.environ.get("TPSERVE_INT4_MMA_PDL_ROWS", "8"))
 # and how many steps of 64 inputs are loaded ahead: the best of the variants that
 # benchmarks/int4_mma_bench.py times on one H200 (docs/quantization.md).
 MMA_WARPS = (4, 2)
+# One-row gated MLPs: [gate; up] projection and activation in one launch (quant_matmul's
+# `gated`); TPSERVE_INT4_GATED=0 runs them as two.
+INT4_GATED = os.environ.get("TPSERVE_INT4_GATED", "1") != "0"
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -123,17 +126,25 @@ def fit_shared_memory(tile: Tile, elem_bytes: int, limit: int) -> Tile:
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                  g: torch.Tensor | None, group_size: int, fp8: bool,
-                 tile: Tile | None = None) -> torch.Tensor:
-    """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype."""
+                 tile: Tile | None = None, gated: int = 0) -> torch.Tensor | None:
+    """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype.
+    gated (int4, one row; 1: silu, 2: the tanh GELU): w's columns are a gated MLP's
+    [gate; up], and the result is act(x W_gate) * (x W_up), [1, N / 2], from one launch; or
+    None where no single launch does that here (the caller runs the projection, then the
+    activation)."""
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
+    if gated and (fp8 or m != 1 or n % 2):
+        return None
     if (not fp8 and tile is None and INT4_MMA
             and MMA_MIN_ROWS.get(x.dtype, 2) <= m <= max(16, MMA_CHUNK_ROWS)):
-        y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size)
+        y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size, gated)
         if y is not None:
             return y
     k_contig = not fp8 and _k_contiguous(w)
+    if gated and (k_contig or g is not None):
+        return None
     if not k_contig and w.stride(-1) != 1:
         w = w.contiguous()
     if tile is None:
@@ -145,7 +156,9 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     bk = tile.block_k
     k_span = _cdiv(_cdiv(k, tile.split), bk) * bk
     split = _cdiv(k, k_span)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if gated and tile.block_m:
+        return None
+    y = torch.empty(m, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     sos = out.stride(0) if split > 1 else 0
     has_gidx = g is not None and not fp8
@@ -189,19 +202,32 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                 summed, split_pad = True, max(2, 1 << (split - 1).bit_length())
             else:
                 summed, split_pad, counters = False, 0, s
+            up = n // 2 if gated else 0
+            if gated and (split > 1 and not summed or tile.block_n < 2):
+                return None  # partials a second kernel would sum, ungated
+            if gated:
+                # Each program takes block_n / 2 gate columns and as many up columns (the
+                # bytes of a plain program), so the grid is the same size.
+                grid = (_cdiv(up, tile.block_n // 2), split)
             jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, n, k, group_size,
                                          x.stride(1), sos, out.stride(-1), w.stride(0),
-                                         s.stride(0), HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
+                                         s.stride(0), up, HAS_GIDX=has_gidx,
+                                         ROW_SCALES=row_scales,
                                          PREFETCH=0 if tile.pipeline else int(tile.prefetch),
                                          K_SPAN=k_span, BLOCK_K=bk, BLOCK_N=tile.block_n,
-                                         EVEN=k % k_span == 0 and n % tile.block_n == 0,
+                                         EVEN=k % k_span == 0 and (
+                                             up % (tile.block_n // 2) == 0 if gated
+                                             else n % tile.block_n == 0),
                                          ASM=_ptx(x.device), XPAIRS=pairs,
                                          PACKED=packed, SPLIT_PAD=split_pad,
                                          GROUP_LOG2=_log2(group_size),
                                          ZF16=packed and z.dtype == torch.float16,
-                                         LOOP_STAGES=max(1, tile.pipeline), **launch, **chain)
-            if summed:
+                                         LOOP_STAGES=max(1, tile.pipeline), GATED=gated,
+                                         **launch, **chain)
+            if summed or gated:
                 return y
+    elif gated:
+        return None
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
@@ -219,10 +245,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     return y
 
 
-def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor | None:
+def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int,
+                               gated: int = 0) -> torch.Tensor | None:
     """quant_matmul's MMA_MIN_ROWS to MMA_CHUNK_ROWS rows through the tensor-core GEMV where
-    it applies, 16 rows a launch; the first use on a device, and each reason it does not
-    apply, logged once."""
+    it applies, 16 rows a launch (gated: quant_matmul's, up to 16 rows); the first use on a
+    device, and each reason it does not apply, logged once."""
     m = x.shape[0]
     if g is not None:
         why = "act-order g_idx (each input its own group)"
@@ -237,7 +264,9 @@ def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int) -> torch.Tensor |
     _log_once(f"int4 matmuls of {_rows(x.dtype)} rows on {x.device}: tensor-core GEMV "
               "(kernels/quant/triton_mma.py)")
     if m <= 16:
-        return _mma_launch(x, w, s, z, group_size, MMA_WARPS[m > 8], 0, 0)
+        return _mma_launch(x, w, s, z, group_size, MMA_WARPS[m > 8], 0, 0, gated=gated)
+    if gated:
+        return None
     y = torch.empty(m, w.shape[1], device=x.device, dtype=x.dtype)
     for i in range(0, m, 16):
         rows = min(16, m - i)
@@ -254,21 +283,23 @@ def _rows(dtype: torch.dtype) -> str:
 
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                     group_size: int, warps: int = 0, split: int = 0,
-                    ahead: int = 0) -> torch.Tensor | None:
+                    ahead: int = 0, gated: int = 0) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
     that kernel does not apply (mma_refusal says why). warps / split / ahead: fixed choices
-    (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD)."""
+    (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD). gated:
+    as quant_matmul's."""
     warps = warps or MMA_WARPS[x.shape[0] > 8]
     if mma_refusal(x, w, s, z, group_size, warps):
         return None
-    return _mma_launch(x, w, s, z, group_size, warps, split, ahead)
+    return _mma_launch(x, w, s, z, group_size, warps, split, ahead, gated=gated)
 
 
 def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
-                out: torch.Tensor | None = None) -> torch.Tensor | None:
+                out: torch.Tensor | None = None, gated: int = 0) -> torch.Tensor | None:
     """int4_mma_matmul once mma_refusal has passed, into out (contiguous [M, N]) or a new
     tensor (None only where the split-K counters cannot be made: during a capture that comes
-    first)."""
+    first). gated: as quant_matmul's; y is then [M, N / 2] (a program takes 32 gate columns
+    and their 32 up columns, so the grid is the same)."""
     m, k = x.shape
     n = w.shape[1]
     programs = n // MMA_COLS
@@ -279,7 +310,9 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
                and groups // (2 * split) >= warps and split < MAX_MMA_SPLIT):
             split *= 2
     split = min(split, groups)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype) if out is None else out
+    if out is None:
+        out = torch.empty(m, n // 2 if gated else n, device=x.device, dtype=x.dtype)
+    y = out
     counters, ws, split_pad = s, y, 0
     if split > 1:
         counters = _split_counters(x.device)
@@ -289,9 +322,9 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
         split_pad = max(2, 1 << (split - 1).bit_length())
     chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
-        x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0),
+        x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0), n // 2,
         GROUP=group_size, W=warps, ODD=m > 1, ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD,
-        SPLIT_PAD=split_pad, num_warps=warps, **chain,
+        SPLIT_PAD=split_pad, GATED=gated, num_warps=warps, **chain,
         **triton_mma.asm_for(m > 8, x.dtype == torch.float16))
     return y
 
@@ -452,3 +485,9 @@ class TritonQuantKernel(QuantKernel):
     def fp8_matmul(self, x, weight, scale):
         return quant_matmul(x, weight, scale, None, None, 1, True,
                             self._tile("fp8", x, weight.shape[0]))
+
+    def int4_gated_matmul(self, x, qweight, scales, zeros, group_size, gelu_tanh):
+        if not INT4_GATED:
+            return None
+        return quant_matmul(x, qweight, scales, zeros, None, group_size, False,
+                            self._tile("int4", x, qweight.shape[1]), gated=2 if gelu_tanh else 1)

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.quant.triton_jit import _pairs_i_i4, _sum_if_last
+from tpserve.kernels.triton_fused import gated
 from tpserve.kernels.triton_pdl import gdc_launch_dependents, gdc_wait
 
 COLS = tl.constexpr(64)  # output columns per program
@@ -217,17 +218,19 @@ def _products(w, p, q, p2, q2, acc, acc2, u, ROWS16: tl.constexpr, COLUMN: tl.co
 
 
 @triton.jit
-def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, GROUP: tl.constexpr, W: tl.constexpr):
+def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP: tl.constexpr,
+              W: tl.constexpr):
     """The lane's 16 words of its j-th step of 64 inputs: packed rows t and t + 4 of
-    columns col..col + 3, then of col + 32..col + 35 (a step past the split's last group
-    reads that group again; its x is masked to 0)."""
+    columns col..col + 3, then of col + hoff..col + hoff + 3 (hoff: 32, or a gated
+    projection's up offset; a step past the split's last group reads that group again; its
+    x is masked to 0)."""
     IT: tl.constexpr = GROUP // 64
     gi = tl.minimum(g_lo + warp + W * (j // IT), g_hi - 1)
     rp = qw_ptr + ((gi * GROUP + 64 * (j % IT)) // 8 + t) * sqk + col
     a0, a1, a2, a3 = _words4(rp)
     b0, b1, b2, b3 = _words4(rp + 4 * sqk)
-    c0, c1, c2, c3 = _words4(rp + 32)
-    d0, d1, d2, d3 = _words4(rp + 4 * sqk + 32)
+    c0, c1, c2, c3 = _words4(rp + hoff)
+    d0, d1, d2, d3 = _words4(rp + 4 * sqk + hoff)
     return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
 
 
@@ -256,18 +259,19 @@ def _apply2(acc, i: tl.constexpr, ua, ub, s, zz, o, ODD: tl.constexpr):
 
 
 @triton.jit
-def _scales(s_ptr, z_ptr, at, BIAS: tl.constexpr):
+def _scales(s_ptr, z_ptr, at, hoff, BIAS: tl.constexpr):
     """The group's scales and BIAS + zero points of the lane's 8 columns, indexed 2 jb + h
-    (column col + 32h + jb; at points at col)."""
-    return _eight(s_ptr, at, 0.0), _eight(z_ptr, at, BIAS)
+    (column col + hoff h + jb; at points at col)."""
+    return _eight(s_ptr, at, hoff, 0.0), _eight(z_ptr, at, hoff, BIAS)
 
 
 @triton.jit
-def _eight(ptr, at, add: tl.constexpr):
-    """ptr[at + 32h + jb] (+ add where add is not 0) as float32, indexed 2 jb + h."""
+def _eight(ptr, at, hoff, add: tl.constexpr):
+    """ptr[at + hoff h + jb] (+ add where add is not 0) as float32, indexed 2 jb + h."""
     base = ptr + at  # the offsets below then fold into the loads' immediates
-    return (_ld(base, 0, add), _ld(base, 32, add), _ld(base, 1, add), _ld(base, 33, add),
-            _ld(base, 2, add), _ld(base, 34, add), _ld(base, 3, add), _ld(base, 35, add))
+    up = base + hoff
+    return (_ld(base, 0, add), _ld(up, 0, add), _ld(base, 1, add), _ld(up, 1, add),
+            _ld(base, 2, add), _ld(up, 2, add), _ld(base, 3, add), _ld(up, 3, add))
 
 
 @triton.jit
@@ -280,17 +284,21 @@ def _ld(base, off: tl.constexpr, add: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # every batch size of a graph bucket: one variant
 def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M, N, K, sxm,
-                         sqk, ssg, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
+                         sqk, ssg, up, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
                          ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
                          PDL: tl.constexpr, COLUMN: tl.constexpr, ONES: tl.constexpr,
-                         BIAS: tl.constexpr):
+                         BIAS: tl.constexpr, GATED: tl.constexpr = 0):
     """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16 or float16, even row stride) @ int4 qweight
     [K / 8, N] (row-major, N % 64 == 0) with float16 scales and zeros [K / GROUP, N],
     GROUP % 64 == 0. Program (n, s): columns 64n.., the s-th of the K splits (more than one:
     float32 partials in ws [splits, M, N], added by the last; SPLIT_PAD a power of two >=
     the splits). ODD: M > 1 (x's odd rows exist); ROWS16: M > 8; AHEAD (1 or 2): steps of
     64 inputs whose words are loaded ahead. COLUMN, ONES, BIAS: asm_for(ROWS16, float16).
-    See the module docstring."""
+    GATED (1: silu, 2: the tanh GELU): the weight's columns are a gated MLP's [gate; up],
+    `up` of each; program n takes gate columns 32n.. as the first half of its 64 and their up
+    columns, `up` further, as the second, so each lane holds a gate column and its up
+    column, and y [M, up] gets act(g) * u (triton_jit._gated_store). See the module
+    docstring."""
     if PDL:
         gdc_launch_dependents()
     IT: tl.constexpr = GROUP // 64  # 64-input steps per group
@@ -299,14 +307,15 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     warp = e // 32
     g = lane // 4
     t = lane % 4
-    c = tl.program_id(0) * 64
+    c = tl.program_id(0) * (32 if GATED else 64)
+    hoff = _second_half(up, GATED)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
     groups = K // GROUP
     per_split = tl.cdiv(groups, splits)
     g_lo = pid_k * per_split
     g_hi = tl.minimum(g_lo + per_split, groups)
-    col = c + 4 * g  # this lane's columns: col + jb and col + 32 + jb
+    col = c + 4 * g  # this lane's columns: col + jb and col + hoff + jb
     xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     xg = xw_ptr + g * (sxm // 2) + 4 * t  # B's column g is x's row g (and g + 8)
     xg2 = xg + 8 * (sxm // 2)
@@ -316,18 +325,18 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     o, o2 = z16, z16
     acc, acc2, u = z16, z16, (zero, zero, zero, zero)
     # Weights never change while serving: the first words load before the PDL wait.
-    n1 = _words_at(qw_ptr, 0, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+    n1 = _words_at(qw_ptr, 0, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
     if AHEAD == 2:
-        n2 = _words_at(qw_ptr, 1, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+        n2 = _words_at(qw_ptr, 1, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
     if PDL:
         gdc_wait()
     for j in range(0, tl.cdiv(per_split, W) * IT):
         w = n1
         if AHEAD == 2:
             n1 = n2
-            n2 = _words_at(qw_ptr, j + 2, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+            n2 = _words_at(qw_ptr, j + 2, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
         else:
-            n1 = _words_at(qw_ptr, j + 1, g_lo, g_hi, warp, t, col, sqk, GROUP, W)
+            n1 = _words_at(qw_ptr, j + 1, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
         gi = g_lo + warp + W * (j // IT)
         gl = tl.minimum(gi, g_hi - 1)
         live = gi < g_hi
@@ -341,43 +350,78 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
             p2, q2 = p, q
         acc, acc2, u = _products(w, p, q, p2, q2, acc, acc2, u, ROWS16, COLUMN, ONES)
         if j % IT == IT - 1:  # the group is complete: its scales and zeros, then restart
-            s, zz = _scales(s_ptr, z_ptr, gl * ssg + col, BIAS)
+            s, zz = _scales(s_ptr, z_ptr, gl * ssg + col, hoff, BIAS)
             o = _apply(acc, u[0], u[1], s, zz, o, ODD)
             if ROWS16:
                 o2 = _apply(acc2, u[2], u[3], s, zz, o2, ODD)
             acc, acc2, u = z16, z16, (zero, zero, zero, zero)
-    # Every lane of one warp, after the warps' partials are added: columns col + 32h + jb,
-    # rows 2t and 2t + 1 (and 8 more).
+    # Every lane of one warp, after the warps' partials are added: columns col + hoff h +
+    # jb, rows 2t and 2t + 1 (and 8 more).
     lane32 = tl.arange(0, 32)
     col32 = c + 4 * (lane32 // 4)
     row32 = 2 * (lane32 % 4)
-    if SPLIT_PAD:
-        out = ws_ptr + pid_k * M * N
+    if GATED and not SPLIT_PAD:
+        _store16_gated(y_ptr, row32, col32, M, up, o, W, ODD, GATED)
+        if ROWS16:
+            _store16_gated(y_ptr, row32 + 8, col32, M, up, o2, W, ODD, GATED)
     else:
-        out = y_ptr
-    _store16(out, row32, col32, M, N, o, W, ODD)
-    if ROWS16:
-        _store16(out, row32 + 8, col32, M, N, o2, W, ODD)
+        if SPLIT_PAD:
+            out = ws_ptr + pid_k * M * N
+        else:
+            out = y_ptr
+        _store16(out, row32, col32, M, N, hoff, o, W, ODD)
+        if ROWS16:
+            _store16(out, row32 + 8, col32, M, N, hoff, o2, W, ODD)
     if SPLIT_PAD:
         # The last split of these 64 columns adds every split's M x 64 partials, in order.
         idx = tl.arange(0, ROWS * COLS)
-        offs = (idx // COLS) * N + c + idx % COLS
+        cc = idx % COLS
+        offs = (idx // COLS) * N + c + cc % 32 + (cc // 32) * hoff
         _sum_if_last(ws_ptr, y_ptr, cnt_ptr + tl.program_id(0), offs, idx // COLS < M, M * N,
-                     1, splits, SPLIT_PAD)
+                     1, splits, SPLIT_PAD, GATED, c, up, M, ROWS, 32)
 
 
 @triton.jit
-def _store16(out_ptr, row, col, M, N, o, W: tl.constexpr, ODD: tl.constexpr):
-    """o (indexed 4 jb + 2h + r: column col + 32h + jb, row `row` + r; per lane of one
+def _second_half(up, GATED: tl.constexpr):
+    """How far the second half of a program's columns lies from the first: 32 (a constant,
+    folded into the loads' offsets), or a gated projection's `up`."""
+    if GATED:
+        return up
+    return 32
+
+
+@triton.jit
+def _store16(out_ptr, row, col, M, N, hoff, o, W: tl.constexpr, ODD: tl.constexpr):
+    """o (indexed 4 jb + 2h + r: column col + hoff h + jb, row `row` + r; per lane of one
     warp after the W warps' partials are added) into out [M, N] in its dtype."""
     for jb in tl.static_range(4):
         for h in tl.static_range(2):
-            _store1(out_ptr, row, col + 32 * h + jb, M, N, o[4 * jb + 2 * h], W)
+            _store1(out_ptr, row, col + hoff * h + jb, M, N, o[4 * jb + 2 * h], W)
             if ODD:
-                _store1(out_ptr, row + 1, col + 32 * h + jb, M, N, o[4 * jb + 2 * h + 1], W)
+                _store1(out_ptr, row + 1, col + hoff * h + jb, M, N, o[4 * jb + 2 * h + 1],
+                        W)
 
 
 @triton.jit
 def _store1(out_ptr, row, col, M, N, v, W: tl.constexpr):
     v = tl.sum(tl.reshape(v, (W, 32)), axis=0)
     tl.store(out_ptr + row * N + col, v.to(out_ptr.dtype.element_ty), mask=row < M)
+
+
+@triton.jit
+def _store16_gated(y_ptr, row, col, M, up, o, W: tl.constexpr, ODD: tl.constexpr,
+                   GATED: tl.constexpr):
+    """_store16 of a gated projection (GATED): the lane's gate column col + jb (h = 0) and
+    its up column (h = 1) become act(g) * u in y [M, up] at column col + jb."""
+    for jb in tl.static_range(4):
+        _gate1(y_ptr, row, col + jb, M, up, o[4 * jb], o[4 * jb + 2], W, GATED)
+        if ODD:
+            _gate1(y_ptr, row + 1, col + jb, M, up, o[4 * jb + 1], o[4 * jb + 3], W, GATED)
+
+
+@triton.jit
+def _gate1(y_ptr, row, col, M, up, vg, vu, W: tl.constexpr, GATED: tl.constexpr):
+    dtype = y_ptr.dtype.element_ty
+    g = tl.sum(tl.reshape(vg, (W, 32)), axis=0).to(dtype).to(tl.float32)
+    u = tl.sum(tl.reshape(vu, (W, 32)), axis=0).to(dtype).to(tl.float32)
+    tl.store(y_ptr + row * up + col, gated(g, u, dtype, GATED == 2), mask=row < M)

@@ -45,6 +45,13 @@ class LinearMethod:
         residual stream."""
         return self.apply(layer, x) + residual
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor,
+                    gelu_tanh: bool) -> torch.Tensor | None:
+        """act(x W_gate^T) * (x W_up^T) for a [gate; up] layer with no bias, in one launch,
+        or None where this method has none for x (GatedActivation.project then runs the
+        layer and the activation)."""
+        return None
+
 
 class UnquantizedMethod(LinearMethod):
     """Float weights. The one-row GEMV also does the two extras above in the same launch."""
@@ -165,6 +172,15 @@ class Int4Method(LinearMethod):
         y = _kernel(self.cfg, x, "int4").int4_matmul(
             x.reshape(-1, shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group, g_idx)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def apply_gated(self, layer, x, gelu_tanh):
+        if self.cfg.desc_act:
+            return None
+        shape = x.shape
+        y = _kernel(self.cfg, x, "int4").int4_gated_matmul(
+            x.reshape(-1, shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group,
+            gelu_tanh)
+        return None if y is None else y.reshape(*shape[:-1], y.shape[-1])
 
 
 class Fp8Method(LinearMethod):
