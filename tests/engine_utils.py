@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.engine import Engine
 from tpserve.engine.request import SamplingParams
 
@@ -28,6 +31,26 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
     from tpserve.executor.factory import build_executor
 
     return Engine(cfg, build_executor(cfg, in_process=local))
+
+
+@contextmanager
+def served_engine(path: Path, model_id: str, *, max_model_len: int,
+                  max_concurrent_requests: int) -> Iterator[tuple[AsyncEngine, str]]:
+    """The real app over an in-process tp = 1 engine on `path`, served on a free local port;
+    yields (backend, base URL), stops the engine on exit."""
+    from fake_backend import serve
+
+    from tpserve.server.app import build_app
+
+    backend = AsyncEngine(lambda: make_engine(path, 1, local=True, max_model_len=max_model_len),
+                          model_id, max_concurrent_requests=max_concurrent_requests)
+    backend.start()
+    try:
+        backend.wait_ready(180)
+        with serve(build_app(backend)) as url:
+            yield backend, url
+    finally:
+        backend.stop()
 
 
 def cuda_engine(path: Path, overlap: bool, **scheduler) -> Engine:

@@ -1,13 +1,15 @@
 """A stand-in for a Serve DeploymentHandle over FakeBackend "replicas", with Serve's shape:
 .options(stream=True).generate.remote(...) gives a stream with cancel(), errors come wrapped
 like Ray's RayTaskError (the replica's exception as .cause), .broadcast() reaches every
-replica. Replicas are picked in turn, as a router would."""
+replica. Replicas are picked in turn, as a router would. And a spy on the deployments an
+application declares (spy_deployment_options)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from fake_backend import FakeBackend
 
@@ -107,3 +109,33 @@ class FakeHandle:
 
     def __getattr__(self, name: str) -> _Method:
         return _Method(self, name)
+
+
+@dataclass
+class OptionsCall:
+    """One `.options(**opts)` call on a declared deployment, and the Deployment it returned."""
+    opts: dict[str, Any]
+    deployment: Any
+
+
+def spy_deployment_options(monkeypatch) -> list[OptionsCall]:
+    """Patch `serve.deployment` so every `.options(...)` on a deployment declared from now on
+    is recorded, in order, in the list returned; the real Serve objects are still built."""
+    from ray import serve
+
+    calls: list[OptionsCall] = []
+    real = serve.deployment
+
+    def spy(cls=None, **kw):
+        d = real(cls, **kw) if cls is not None else real(**kw)
+        original = d.options
+
+        def options(**opts):
+            calls.append(OptionsCall(opts, original(**opts)))
+            return calls[-1].deployment
+
+        d.options = options
+        return d
+
+    monkeypatch.setattr(serve, "deployment", spy)
+    return calls

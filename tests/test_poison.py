@@ -10,11 +10,7 @@ import threading
 
 import httpx
 import pytest
-from engine_utils import make_engine
-from fake_backend import serve
-
-from tpserve.engine.async_engine import AsyncEngine
-from tpserve.server.app import build_app
+from engine_utils import served_engine
 
 LONG = ["The quick brown fox", "Hello world, this is", "Once upon a time"]
 LONG_TOKENS = 80
@@ -32,13 +28,8 @@ POISON = {
 
 @pytest.fixture(scope="module")
 def real_server(llama_dir):
-    backend = AsyncEngine(lambda: make_engine(llama_dir, 1, local=True, max_model_len=256),
-                          "tiny", max_concurrent_requests=16)
-    backend.start()
-    backend.wait_ready(180)
-    with serve(build_app(backend)) as url:
-        yield backend, url
-    backend.stop()
+    with served_engine(llama_dir, "tiny", max_model_len=256, max_concurrent_requests=16) as s:
+        yield s
 
 
 def _long_body(prompt: str) -> dict:

@@ -4,6 +4,7 @@ and the Serve deployment options they become (no Ray cluster needed)."""
 from __future__ import annotations
 
 import pytest
+from serve_fakes import spy_deployment_options
 
 from tpserve import cli
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
@@ -47,29 +48,13 @@ def test_replica_keys_in_a_preset(tmp_path):
 
 
 def test_deployment_options_reserve_a_bundle_per_shard_and_autoscale(monkeypatch):
-    from ray import serve
-
     from tpserve.serve import app
 
     cfg = config(4, "cuda")
-    captured = []
-    real = serve.deployment
-
-    def spy(cls=None, **kw):
-        d = real(cls, **kw) if cls is not None else real(**kw)
-        original = d.options
-
-        def options(**opts):
-            captured.append(opts)
-            return original(**opts)
-
-        d.options = options
-        return d
-
-    monkeypatch.setattr(serve, "deployment", spy)
+    calls = spy_deployment_options(monkeypatch)
     app.build_application(cfg, app.ReplicaSpec(num_replicas=2, min_replicas=1,
                                                 max_replicas=3))
-    replica = next(o for o in captured if o["name"] == app.REPLICA_DEPLOYMENT)
+    replica = next(c.opts for c in calls if c.opts["name"] == app.REPLICA_DEPLOYMENT)
     bundles = replica["placement_group_bundles"]
     assert bundles[0] == {"CPU": app.REPLICA_CPUS}
     assert bundles[1:] == [{"GPU": 1.0, "CPU": 1.0}] * 4

@@ -12,7 +12,7 @@ import time
 import httpx
 import ray.exceptions
 from fake_backend import serve
-from serve_fakes import FakeStream
+from serve_fakes import FakeStream, spy_deployment_options
 from test_serve_ingress import make_backend
 
 from tpserve.errors import ShardLostError
@@ -115,29 +115,14 @@ def test_drain_gives_up_after_its_timeout_and_says_how_many_are_left():
 def test_replica_deployment_logs_no_access_line_per_status_poll(monkeypatch):
     """The ingress asks every replica for status() each second: with Serve's access log on
     the replicas, `tpserve launch --replicas 2` printed 2 `CALL status OK` lines a second."""
-    from ray import serve
     from ray.serve.schema import LoggingConfig
     from test_serve_cli import config
 
     from tpserve.serve import app
 
-    captured = []
-    real = serve.deployment
-
-    def spy(cls=None, **kw):
-        d = real(cls, **kw) if cls is not None else real(**kw)
-        original = d.options
-
-        def options(**opts):
-            captured.append(original(**opts))
-            return captured[-1]
-
-        d.options = options
-        return d
-
-    monkeypatch.setattr(serve, "deployment", spy)
+    calls = spy_deployment_options(monkeypatch)
     app.build_application(config(2, "cpu"), app.ReplicaSpec(num_replicas=2))
-    by_name = {d.name: d for d in captured}
+    by_name = {c.deployment.name: c.deployment for c in calls}
     replica_log = LoggingConfig(**by_name[app.REPLICA_DEPLOYMENT].logging_config)
     assert replica_log.enable_access_log is False
     ingress_log = by_name[app.INGRESS_DEPLOYMENT].logging_config

@@ -7,12 +7,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_utils import make_engine
-from fake_backend import serve
+from engine_utils import served_engine
 
 import tpserve
-from tpserve.engine.async_engine import AsyncEngine
-from tpserve.server.app import build_app
 
 DEFAULT_MODEL = Path(tpserve.__file__).parent / "default_model"
 INJECTIONS = [
@@ -26,13 +23,9 @@ INJECTIONS = [
 
 @pytest.fixture(scope="module")
 def real_server():
-    backend = AsyncEngine(lambda: make_engine(DEFAULT_MODEL, 1, local=True, max_model_len=512),
-                          "default", max_concurrent_requests=8)
-    backend.start()
-    backend.wait_ready(180)
-    with serve(build_app(backend)) as url:
-        yield backend, url
-    backend.stop()
+    with served_engine(DEFAULT_MODEL, "default", max_model_len=512,
+                       max_concurrent_requests=8) as s:
+        yield s
 
 
 @pytest.mark.parametrize("text", INJECTIONS)

@@ -30,6 +30,7 @@ class _Request:
     prefill_top: list[list[TokenInfo]] | None = None
     emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
     longest: int = 0  # the longest stop string's length (0: no stop strings)
+    tails: _StopTails | None = None  # include_stop=False: what may begin a stop string
 
 
 class OutputProcessor:
@@ -41,7 +42,8 @@ class OutputProcessor:
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.requests[seq_id] = _Request(
             params, IncrementalDetokenizer(self.tokenizer, self.special_ids),
-            longest=max(map(len, params.stop), default=0))
+            longest=max(map(len, params.stop), default=0),
+            tails=None if params.include_stop_str_in_output else _StopTails(params.stop))
 
     def remove(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
@@ -134,10 +136,7 @@ class OutputProcessor:
     def _held_back(self, req: _Request, finishing: bool) -> str:
         """include_stop=False: the new text that cannot be part of a stop string."""
         seen = req.detok.text
-        hold = 0
-        if not finishing:
-            for stop in req.params.stop:
-                hold = max(hold, _overlap(seen, stop))
+        hold = 0 if finishing else req.tails.hold(seen)
         end = max(req.emitted, len(seen) - hold)
         text, req.emitted = seen[req.emitted:end], end
         return text
@@ -155,12 +154,53 @@ def _find_stop(text: str, stops: tuple[str, ...], new_chars: int, longest: int) 
     return best
 
 
-def _overlap(text: str, stop: str) -> int:
-    """Characters at the end of `text` that may begin `stop`. Called only while no stop
-    string has matched (a match ends the request), so only proper prefixes can be there."""
-    if not text or text[-1] not in stop[:-1]:  # no prefix of stop ends with this character
+class _StopTails:
+    """For each stop string, how many characters at the end of the text may begin it, kept
+    up to date as the text grows (Knuth-Morris-Pratt): a token costs its own characters plus
+    at most one walk down a stop's failure table, not a test of every prefix of every stop."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.fails = [_failure(s) for s in stops]
+        self.tails = [0] * len(stops)
+        self.fed = 0  # characters of the text seen so far
+
+    def hold(self, text: str) -> int:
+        """The most characters at the end of `text` that may begin a stop string. `text`
+        only grows between calls (it extends the text of the last call)."""
+        new, self.fed = text[self.fed :], len(text)
+        tails = self.tails
+        for i, stop in enumerate(self.stops):
+            tails[i] = _advance(tails[i], new, stop, self.fails[i])
+        return max(tails, default=0)
+
+
+def _failure(stop: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of stop[: i + 1] that ends it."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        c = stop[i]
+        while k and stop[k] != c:
+            k = fail[k - 1]
+        if stop[k] == c:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _advance(k: int, chars: str, stop: str, fail: list[int]) -> int:
+    """Given k, the longest k < len(stop) such that some text ends with stop[:k], the same
+    for text + chars. Only a proper prefix can be held back: a whole stop ends the request
+    (and, were it fed on, counts as its longest proper prefix that ends it)."""
+    if len(stop) < 2:
         return 0
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
+    last = len(stop)
+    for c in chars:
+        while k and stop[k] != c:
+            k = fail[k - 1]
+        if stop[k] == c:
+            k += 1
+            if k == last:
+                k = fail[k - 1]
+    return k
