@@ -20,6 +20,7 @@ from tpserve.server.openai import openai_router
 from tpserve.server.security import (
     ALWAYS_PUBLIC,
     APIKeyMiddleware,
+    BodyBudget,
     BodyLimitMiddleware,
     HostCheckMiddleware,
 )
@@ -166,9 +167,11 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
-    # Added last = outermost: keys are checked first, then the body limit, then metrics.
+    # Added last = outermost: keys are checked first, then the body limits, then metrics.
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    budget = BodyBudget(config.body_budget_bytes)
+    metrics.body_bytes.set_function(lambda: budget.held)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, budget=budget)
     public = ALWAYS_PUBLIC | ({"/metrics"} if config.metrics_public else set())
     app.add_middleware(APIKeyMiddleware, keys=config.api_keys, public=frozenset(public))
     if not config.api_keys:  # an open server: guard it against DNS rebinding
