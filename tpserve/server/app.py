@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tpserve import protocol as wire
@@ -192,6 +192,10 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     # HEAD too: uptime monitors and load balancers probe with it (TGI answers it).
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
+        replica_health = getattr(backend, "replica_health", None)
+        if replica_health is not None:  # several replicas (tpserve/serve/): with the counts
+            body = replica_health()
+            return JSONResponse(body, status_code=503 if "error" in body else 200)
         try:
             ready = backend.ready()
         except Exception:  # a backend that cannot answer is not healthy
