@@ -205,6 +205,10 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
                                      "--request-timeout", "2.5", "--metrics-public"))
     assert cfg.api_keys == ("flag-k", "env-a", "env-b")
     assert (cfg.max_body_bytes, cfg.request_timeout_s, cfg.metrics_public) == (1000, 2.5, True)
+    assert cfg.body_budget_bytes == 4000  # --max-body-bytes-in-flight: 4 bodies by default
+    cfg = server_config(_server_args("--max-body-bytes", "1000",
+                                     "--max-body-bytes-in-flight", "1500"))
+    assert cfg.body_budget_bytes == 1500
     assert "without an API key" not in caplog.text
 
 
@@ -221,6 +225,8 @@ def test_open_address_without_key_warns(monkeypatch, caplog):
 @pytest.mark.parametrize("argv,message", [
     (["--ssl-certfile", "c.pem"], "--ssl-keyfile"),
     (["--max-body-bytes", "0"], "--max-body-bytes"),
+    (["--max-body-bytes", "1000", "--max-body-bytes-in-flight", "999"],
+     "--max-body-bytes-in-flight"),
     (["--request-timeout", "0"], "--request-timeout"),
     (["--api-key", ""], "--api-key"),
     (["--max-rebuilds", "-1"], "--max-rebuilds"),

@@ -92,6 +92,11 @@ def test_replicas_match_transformers_and_share_load(serve_url, llama_dir):
     tok = AutoTokenizer.from_pretrained(llama_dir)
     hf_ids = dict(zip(PROMPTS, hf_greedy(llama_dir, PROMPTS, NEW)))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    # app.run returns once Serve has both replicas up; /health says so once the ingress saw it.
+    wait_for(lambda: httpx.get(f"{serve_url}/health", timeout=30).status_code == 200, 10,
+             "/health 200")
+    assert httpx.get(f"{serve_url}/health", timeout=30).json() == {
+        "status": "ok", "replicas_ready": 2, "replicas_wanted": 2}
     out = asyncio.run(generate_all(serve_url, prompts))
     for p, r in zip(prompts, out):
         ids = [t["id"] for t in r["details"]["tokens"]]
@@ -130,11 +135,16 @@ def test_killed_shard_replica_is_replaced_while_other_serves(serve_url):
     info = {r["replica_id"]: r for r in replicas(serve_url)}[victim]
     ray.kill(ray.get_actor(info["shards"][1], namespace=info["namespace"]))
     t0 = time.monotonic()
-    ok = 0
+    ok, health = 0, []
     while time.monotonic() - t0 < 8:  # the replica is being replaced meanwhile
         asyncio.run(generate_all(serve_url, PROMPTS[:2]))
         ok += 2
+        h = httpx.get(f"{serve_url}/health", timeout=30)
+        health.append((h.status_code, h.json().get("status")))
     assert ok >= 2
+    # One replica serves throughout: /health stays 200, and says the other is missing.
+    assert all(code == 200 for code, _ in health), health
+    assert (200, "degraded") in health, health
     ids = wait_for(lambda: (lambda s: s if len(s) == 2 and victim not in s else None)(
         set(served_tokens(serve_url))), 240, "the replica to be replaced")
     new = (ids - old).pop()
@@ -143,6 +153,8 @@ def test_killed_shard_replica_is_replaced_while_other_serves(serve_url):
     after = wait_for(lambda: (lambda s: s if s.get(new, 0) > before.get(new, 0) else None)(
         served_tokens(serve_url)), 30, "the new replica to serve")
     assert all(after[r] > before.get(r, 0) for r in after), (before, after)
+    wait_for(lambda: httpx.get(f"{serve_url}/health", timeout=30).json()["status"] == "ok",
+             10, "/health ok again")
     # The new replica has its own two shards; the lost replica's surviving shard went with it.
     shards = [(r["namespace"], name) for r in replicas(serve_url) for name in r["shards"]]
     assert len(shards) == 4

@@ -31,7 +31,7 @@ class WordTokenizer:
 
 def make_backend(n: int = 2) -> tuple[ReplicaSetBackend, FakeHandle]:
     handle = FakeHandle([FakeReplica(f"r{i}") for i in range(n)])
-    backend = ReplicaSetBackend(handle, WordTokenizer())
+    backend = ReplicaSetBackend(handle, WordTokenizer(), replicas=n)
     asyncio.run(backend.refresh_info())
     asyncio.run(backend.refresh_replicas())
     return backend, handle

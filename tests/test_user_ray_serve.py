@@ -12,11 +12,11 @@ import time
 import httpx
 import ray.exceptions
 from fake_backend import serve
-from serve_fakes import FakeStream, spy_deployment_options
-from test_serve_ingress import make_backend
+from serve_fakes import FakeHandle, FakeReplica, FakeStream, spy_deployment_options
+from test_serve_ingress import WordTokenizer, make_backend
 
 from tpserve.errors import ShardLostError
-from tpserve.serve.ingress import unwrap_replica_error
+from tpserve.serve.ingress import ReplicaSetBackend, unwrap_replica_error
 from tpserve.server.app import build_app
 
 
@@ -45,6 +45,56 @@ def test_replica_actor_lost_mid_stream_is_503_shard_lost(monkeypatch):
         r = httpx.post(url + "/generate", timeout=10,
                        json={"inputs": "a b c", "parameters": {"max_new_tokens": 5}})
         assert r.status_code == 503 and r.json()["error_type"] == "shard_lost", r.text
+
+
+def test_health_waits_for_every_replica_then_says_degraded_while_one_is_replaced():
+    """`--replicas 2`: /health answered 200 as soon as the first replica had loaded, so a load
+    balancer or a start-up script sent full load to half the capacity. Now: 503 with the
+    counts until both are ready; afterwards 200 while any serves, `degraded` below 2."""
+    handle = FakeHandle([FakeReplica("r0")])  # r1 still loading: Serve does not run it yet
+    backend = ReplicaSetBackend(handle, WordTokenizer(), replicas=2)
+    asyncio.run(backend.refresh_info())
+    asyncio.run(backend.refresh_replicas())
+
+    def health() -> tuple[int, dict | None]:
+        asyncio.run(backend.refresh_replicas())  # what the ingress's poller does each second
+        r = httpx.get(url + "/health", timeout=5)
+        return r.status_code, r.json() if r.content else None
+
+    with serve(build_app(backend)) as url:
+        status, body = health()
+        assert status == 503, body
+        assert body["error_type"] == "unhealthy" and "1 of 2 replicas ready" in body["error"]
+        assert (body["replicas_ready"], body["replicas_wanted"]) == (1, 2)
+        # Requests are served meanwhile (by the ready replica); only /health waits.
+        r = httpx.post(url + "/generate", json={"inputs": "a b"}, timeout=10)
+        assert r.status_code == 200, r.text
+
+        handle.replicas.append(FakeReplica("r1"))  # r1 loaded
+        assert health() == (200, {"status": "ok", "replicas_ready": 2, "replicas_wanted": 2})
+        head = httpx.head(url + "/health", timeout=5)
+        assert head.status_code == 200 and head.content == b""
+
+        handle.replicas[1].dead = True  # r1's shard died: Serve is replacing it
+        assert health() == (200, {"status": "degraded", "replicas_ready": 1,
+                                  "replicas_wanted": 2})
+        handle.replicas.pop()  # r1's actor stopped, its replacement is loading
+        assert health() == (200, {"status": "degraded", "replicas_ready": 1,
+                                  "replicas_wanted": 2})
+        handle.replicas[0].dead = True  # none left
+        status, body = health()
+        assert status == 503 and body["error_type"] == "unhealthy", body
+        assert "no replica can serve" in body["error"] and body["replicas_ready"] == 0
+        handle.replicas[:] = [FakeReplica("r2"), FakeReplica("r3")]  # both replaced
+        assert health() == (200, {"status": "ok", "replicas_ready": 2, "replicas_wanted": 2})
+
+
+def test_health_waits_for_the_replicas_asked_for():
+    from tpserve.serve.app import ReplicaSpec
+
+    assert ReplicaSpec(num_replicas=3).replicas_wanted == 3
+    assert ReplicaSpec(num_replicas=3, min_replicas=2, max_replicas=4).replicas_wanted == 2
+    assert ReplicaSpec(num_replicas=3, max_replicas=4).replicas_wanted == 1
 
 
 def test_unwrap_maps_every_lost_actor_error_and_keeps_others_as_500():

@@ -142,6 +142,10 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                      help="serve /metrics without an API key (for a Prometheus scraper)")
     sec.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                      help="larger request bodies are answered 413 before being read")
+    sec.add_argument("--max-body-bytes-in-flight", type=int, default=None, metavar="BYTES",
+                     help="bytes of request bodies held at once, over all requests (each from "
+                     "its first byte until it ends); a body that would pass it is answered "
+                     "429 before being read; default: 4 x --max-body-bytes")
     sec.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="abort a request (504, or an error event when streaming) that has "
                      "not finished this long after it was handed to the engine; default: none")
@@ -374,6 +378,11 @@ def server_config(args: argparse.Namespace):
         raise ValueError("--api-key cannot be empty")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
+    in_flight = args.max_body_bytes_in_flight
+    if in_flight is not None and in_flight < args.max_body_bytes:
+        raise ValueError(f"--max-body-bytes-in-flight ({in_flight}) must be at least "
+                         f"--max-body-bytes ({args.max_body_bytes}), or a body of allowed size "
+                         "would always be answered 429")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds (got {args.request_timeout})")
     if not args.collective_timeout > 0:
@@ -393,6 +402,7 @@ def server_config(args: argparse.Namespace):
                     "use the model; set TPSERVE_API_KEY or --api-key", args.host)
     return ServerConfig(api_keys=tuple(keys), metrics_public=args.metrics_public,
                         max_body_bytes=args.max_body_bytes,
+                        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
                         request_timeout_s=args.request_timeout,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
 

@@ -78,6 +78,12 @@ class EngineConfig:
     cuda_graphs: bool = True
 
 
+# Default --max-body-bytes-in-flight: this many bodies of --max-body-bytes. 16 MiB at the
+# defaults: 128 requests in flight (--max-concurrent-requests) of 128 KiB each, four times
+# the JSON of an 8k-token prompt.
+BODY_BUDGET_BODIES = 4
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front end's security and reliability settings (never sent to the shards)."""
@@ -88,7 +94,17 @@ class ServerConfig:
     metrics_public: bool = False
     # Larger request bodies get 413 before they are read whole.
     max_body_bytes: int = 4 * 1024 * 1024
+    # Bytes of request bodies held at once over all requests (from the first byte until the
+    # request ends); a body that would pass it gets 429. None: BODY_BUDGET_BODIES bodies of
+    # max_body_bytes.
+    max_body_bytes_in_flight: int | None = None
     # Per-request deadline from arrival to the last token, queueing included (None: none).
     request_timeout_s: float | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+
+    @property
+    def body_budget_bytes(self) -> int:
+        if self.max_body_bytes_in_flight is not None:
+            return self.max_body_bytes_in_flight
+        return BODY_BUDGET_BODIES * self.max_body_bytes

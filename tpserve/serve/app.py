@@ -39,6 +39,11 @@ class ReplicaSpec:
     def autoscaling(self) -> bool:
         return self.min_replicas is not None or self.max_replicas is not None
 
+    @property
+    def replicas_wanted(self) -> int:
+        """The replicas GET /health waits for: all of them, or the least autoscaling keeps."""
+        return (self.min_replicas or 1) if self.autoscaling else self.num_replicas
+
 
 def replicas_that_fit(cfg: EngineConfig, shard_cpus: float | None = None) -> int:
     """`--replicas auto`: as many whole replicas as the cluster's devices (or CPUs) hold."""
@@ -99,7 +104,8 @@ def build_application(cfg: EngineConfig, spec: ReplicaSpec, server=None):
     ingress = serve.deployment(serve.ingress()(TPServeIngress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(cfg, bundles), cfg.model.path, server)
+    return ingress.bind(replica.bind(cfg, bundles), cfg.model.path, server,
+                        spec.replicas_wanted)
 
 
 def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,

@@ -97,9 +97,12 @@ class ReplicaSetBackend:
     .method.remote(...), .broadcast(method).results_async(...)).
     """
 
-    def __init__(self, handle: Any, tokenizer: Any) -> None:
+    def __init__(self, handle: Any, tokenizer: Any, replicas: int = 1) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
+        # GET /health: 503 until this many replicas were ready at once, then 200 while any is.
+        self.replicas_wanted = replicas
+        self._all_up = False
         self._info: ModelInfo | None = None
         self._table: dict[str, dict] = {}  # replica id -> its last status()
         self._tokens_seen: dict[str, tuple[float, float]] = {}  # replica -> (time, tokens)
@@ -119,7 +122,12 @@ class ReplicaSetBackend:
         answers = await self.handle.broadcast("status").results_async(
             timeout_s=timeout_s, return_exceptions=True)
         self._table = {a["replica_id"]: a for a in answers if isinstance(a, dict)}
+        if self.replicas_ready() >= self.replicas_wanted:
+            self._all_up = True
         return self._table
+
+    def replicas_ready(self) -> int:
+        return sum(1 for r in self._table.values() if r.get("ready"))
 
     def start_polling(self, period_s: float = REPLICA_POLL_S) -> None:
         """Refresh the replica table in the background (/info and /metrics read it)."""
@@ -147,6 +155,22 @@ class ReplicaSetBackend:
             return "no replica can serve (" + "; ".join(
                 replica_state(r) for r in self._table.values()) + ")"
         return "the model is still loading"
+
+    def replica_health(self) -> dict:
+        """GET /health's body (server/app.py): an error body (503) until every wanted replica
+        has been ready at once, and when none can serve or the server drains; else `status`
+        `ok`, or `degraded` while fewer than wanted serve (one was lost and Serve is
+        replacing it). Both carry the counts."""
+        ready = self.replicas_ready()
+        counts = {"replicas_ready": ready, "replicas_wanted": self.replicas_wanted}
+        if self.draining is None and self._info is not None and ready and not self._all_up:
+            reason = (f"starting: {ready} of {self.replicas_wanted} replicas ready (200 once "
+                      "all are)")
+            return {"error": reason, "error_type": NotReadyError.error_type, **counts}
+        if not self.ready() or not ready:
+            return {"error": self.not_ready_reason(), "error_type": NotReadyError.error_type,
+                    **counts}
+        return {"status": "ok" if ready >= self.replicas_wanted else "degraded", **counts}
 
     def begin_drain(self, reason: str = "the server is shutting down") -> None:
         """Stop accepting requests (503 with `reason`); those in flight carry on."""
@@ -285,12 +309,13 @@ def replica_state(status: dict) -> str:
 class TPServeIngress:
     """The ingress deployment class (wrapped by serve.ingress in app.py)."""
 
-    async def __init__(self, replica_handle: Any, model_path: str, server: Any = None) -> None:
+    async def __init__(self, replica_handle: Any, model_path: str, server: Any = None,
+                       replicas: int = 1) -> None:
         from transformers import AutoTokenizer
 
         self.server = server  # ServerConfig: API keys, body limit, deadlines, as the direct server
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.backend = ReplicaSetBackend(replica_handle, tokenizer)
+        self.backend = ReplicaSetBackend(replica_handle, tokenizer, replicas)
         await self.backend.refresh_info()
         await self.backend.refresh_replicas()
         self.backend.start_polling()

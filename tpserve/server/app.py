@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tpserve import protocol as wire
@@ -20,6 +20,7 @@ from tpserve.server.openai import openai_router
 from tpserve.server.security import (
     ALWAYS_PUBLIC,
     APIKeyMiddleware,
+    BodyBudget,
     BodyLimitMiddleware,
     HostCheckMiddleware,
 )
@@ -166,9 +167,11 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
-    # Added last = outermost: keys are checked first, then the body limit, then metrics.
+    # Added last = outermost: keys are checked first, then the body limits, then metrics.
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    budget = BodyBudget(config.body_budget_bytes)
+    metrics.body_bytes.set_function(lambda: budget.held)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, budget=budget)
     public = ALWAYS_PUBLIC | ({"/metrics"} if config.metrics_public else set())
     app.add_middleware(APIKeyMiddleware, keys=config.api_keys, public=frozenset(public))
     if not config.api_keys:  # an open server: guard it against DNS rebinding
@@ -189,6 +192,10 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     # HEAD too: uptime monitors and load balancers probe with it (TGI answers it).
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
+        replica_health = getattr(backend, "replica_health", None)
+        if replica_health is not None:  # several replicas (tpserve/serve/): with the counts
+            body = replica_health()
+            return JSONResponse(body, status_code=503 if "error" in body else 200)
         try:
             ready = backend.ready()
         except Exception:  # a backend that cannot answer is not healthy

@@ -48,7 +48,8 @@ class EngineBackend(Protocol):
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
     # Optional, for several replicas behind one address (tpserve/serve/):
     # `replicas() -> list[dict]`, listed by GET /info under "replicas", and
-    # `replica_stats() -> dict[str, dict[str, float]]`, exported as tpserve_replica gauges.
+    # `replica_stats() -> dict[str, dict[str, float]]`, exported as tpserve_replica gauges,
+    # and `replica_health() -> dict`, GET /health's body: 503 when it has an "error" key.
 
 
 def not_ready_message(backend: EngineBackend) -> str:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from tpserve.errors import (
     GenerationError,
     NotReadyError,
+    OverloadedError,
     RequestTimeoutError,
     ShardLostError,
     TPServeError,
@@ -129,8 +130,10 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
                       "a few hundred levels deep, and have no number of more than 4,300 "
                       "digits", "error_type": "validation"},
             status_code=422)
-    # 413 (body limit) is the client's input, like the 422s.
-    error_type = "validation" if exc.status_code == 413 else "http"
+    # 413 (body limit) is the client's input, like the 422s; 429 (the bytes of bodies held
+    # at once) is the server's load, like the engine's 429.
+    error_type = {413: "validation", 429: OverloadedError.error_type}.get(exc.status_code,
+                                                                         "http")
     return JSONResponse(
         {"error": public_message(str(exc.detail), exc.status_code >= 500),
          "error_type": error_type},

@@ -54,6 +54,12 @@ class Metrics:
             "Requests handed to the backend (queued or running), not finished",
             registry=r,
         )
+        self.body_bytes = Gauge(
+            "tpserve_http_request_body_bytes",
+            "Bytes of request bodies held at once, received or arriving "
+            "(429 past --max-body-bytes-in-flight)",
+            registry=r,
+        )
         self.generated_tokens = Counter(
             "tpserve_generated_tokens", "Tokens generated and sent to clients", registry=r
         )

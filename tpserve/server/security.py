@@ -1,4 +1,4 @@
-"""API keys and the request body limit, as pure ASGI middleware.
+"""API keys and the request body limits, as pure ASGI middleware.
 
 Pure ASGI (not BaseHTTPMiddleware) so that nothing buffers bodies or hides disconnects.
 """
@@ -71,23 +71,53 @@ class APIKeyMiddleware:
         )
 
 
+class BodyBudget:
+    """The bytes of request bodies one app holds at once, received or still arriving.
+
+    The body limit alone lets N clients each send a body just under it at once, all held in
+    memory before admission control could answer 429. One per app, used from its event loop
+    only (so no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 class BodyLimitMiddleware:
     """413 for bodies over `max_bytes`: at once from Content-Length, or as soon as a chunked
-    body's bytes pass the limit (so at most `max_bytes` is ever buffered)."""
+    body's bytes pass the limit (so at most `max_bytes` is ever buffered). 429 `overloaded`
+    when a body would take `budget` past its limit: at once for a declared length (reserved
+    whole before the body is read), or as a chunked body grows. A request's bytes stay taken
+    until the app is done with it, whichever way it ends."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyBudget) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.budget = budget
 
     def _too_large(self) -> str:
         return (f"request body is larger than the server's limit of {self.max_bytes} bytes "
                 "(--max-body-bytes)")
+
+    def _over_budget(self) -> str:
+        return (f"the server is receiving as many request bodies as it holds at once (at most "
+                f"{self.budget.limit} bytes, --max-body-bytes-in-flight); retry shortly")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
+        held = 0
         if length is not None:
             try:
                 declared = int(length)
@@ -99,20 +129,31 @@ class BodyLimitMiddleware:
             if declared > self.max_bytes:
                 await send_error(send, 413, self._too_large(), "validation")
                 return
+            if not self.budget.take(declared):
+                await send_error(send, 429, self._over_budget(), "overloaded")
+                return
+            held = declared
         seen = 0
 
         async def counted_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, held
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                # Raised inside the route's body read: FastAPI lets HTTPException through
+                # to the error handlers, which answer in TGI's shape.
                 if seen > self.max_bytes:
-                    # Raised inside the route's body read: FastAPI lets HTTPException through
-                    # to the error handlers, which answer in TGI's shape.
                     raise HTTPException(413, self._too_large())
+                if seen > held:  # a chunked body: take what it grew by
+                    if not self.budget.take(seen - held):
+                        raise HTTPException(429, self._over_budget())
+                    held = seen
             return message
 
-        await self.app(scope, counted_receive, send)
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            self.budget.give(held)
 
 
 def _host_name(header: bytes) -> str:
