@@ -171,8 +171,6 @@ def run_gated_conformance(kernel, device: str, dtype: torch.dtype, shapes=GATED_
     since g and u each carry one (a rounding of g that flips against the oracle's moves the
     activation by a step of dtype). expect: the kernel must offer the launch for every case
     (it may return None only where expect is False)."""
-    import math
-
     from tpserve.kernels.quant.registry import load_kernel_class
 
     if isinstance(kernel, str):
@@ -196,18 +194,24 @@ def run_gated_conformance(kernel, device: str, dtype: torch.dtype, shapes=GATED_
                             res.cases += 1
                             res.failed.append(f"{label}: not offered")
                         continue
-                    gu = _int4_ref(x.double(), q, s.to(sdt), z.to(sdt), group, None)
-                    gu = gu.to(dtype).double()
-                    g, u = gu[:, :n // 2], gu[:, n // 2:]
-                    if gelu:
-                        a = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi)
-                                                      * (g + 0.044715 * g ** 3)))
-                    else:
-                        a = g * torch.sigmoid(g)
                     assert y.shape == (1, n // 2) and y.dtype == dtype, (label, y.shape)
-                    _check(res, label, y, (a.to(dtype).double() * u).to(dtype).double(),
+                    _check(res, label, y, gated_ref(x, q, s.to(sdt), z.to(sdt), group, gelu),
                            2 * TOL[dtype])
     return res
+
+
+def gated_ref(x, q, s, z, group: int, gelu: bool) -> torch.Tensor:
+    """The oracle of a gated int4 projection (float64, with the two launches' roundings to
+    x's dtype: g and u, the activation, the product); q's columns are [gate; up]."""
+    import math
+
+    gu = _int4_ref(x.double().cpu(), q, s.cpu(), z.cpu(), group, None).to(x.dtype).double()
+    g, u = gu.chunk(2, dim=-1)
+    if gelu:
+        a = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+    else:
+        a = g * torch.sigmoid(g)
+    return (a.to(x.dtype).double() * u).to(x.dtype).double()
 
 
 def _int4_ref(xd, q, s, z, group, gi):

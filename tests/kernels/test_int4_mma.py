@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_conformance import _int4_ref, int4_case
+from quant_conformance import _int4_ref, gated_ref, int4_case
 
 pytestmark = pytest.mark.gpu
 
@@ -89,6 +89,32 @@ def test_17_to_24_rows_sixteen_a_launch(dtype):
             tk._mma_launch = real
         assert launches == [16, m - 16], launches
         assert y.shape == (m, 128) and _rel(y, ref) < TOL[dtype], (m, _rel(y, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_gated_mlp_one_row(dtype):
+    """A gated MLP's [gate; up] projection and its activation in one launch (gated): a
+    program's 64 columns are 32 gate columns and their up columns; whole K and splits summed
+    and gated by the last; silu and the tanh GELU; against the float64 oracle with the two
+    launches' roundings. Also through quant_matmul, as the layers call it (float16 one row
+    lands here; bfloat16 one row on the packed GEMV's gated launch)."""
+    from tpserve.kernels.quant.triton_kernel import int4_mma_matmul, quant_matmul
+
+    dev = _cuda()
+    for k, n, group in ((4096, 256, 128), (14336, 128, 128), (1024, 4096, 64)):
+        qw, s, z, _, q = int4_case(k, n, group, False, False, k + n)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+        s16, z16 = s.to(torch.float16), z.to(torch.float16)
+        args = (x.to(dev), qw.to(dev), s16.to(dev), z16.to(dev), group)
+        for gelu in (False, True):
+            ref = gated_ref(x, q, s16, z16, group, gelu)
+            for split in (0, 1, 3):
+                y = int4_mma_matmul(*args, split=split, gated=1 + gelu)
+                assert y is not None and y.shape == (1, n // 2) and y.dtype == dtype
+                err = _rel(y, ref)
+                assert err < 2 * TOL[dtype], (k, n, group, gelu, split, err)
+            y = quant_matmul(*args[:4], None, group, False, gated=1 + gelu)
+            assert y is not None and _rel(y, ref) < 2 * TOL[dtype], (k, n, gelu)
 
 
 def test_refuses_what_it_cannot_take():
