@@ -99,7 +99,7 @@ def test_fold_is_refused_where_it_cannot_help(models_dir, llama_dir):
         model = engine.executor.worker.model
         before = model.model.layers[0].input_layernorm.weight.clone()
         why = model.fold_norms()
-        assert why == "layer 0: warmup kept the vendor GEMM for qkv_proj, down_proj"
+        assert why == "layer 0: qkv_proj: warmup kept the vendor GEMM"
         assert not model.model.norms_folded
         assert torch.equal(model.model.layers[0].input_layernorm.weight, before)
     finally:
@@ -126,3 +126,34 @@ def test_fold_into_moves_the_weight():
         torch.testing.assert_close(lin(norm(x)), want, rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match="cannot fold a norm of 8"):
             norm.fold_into(torch.nn.Linear(4, 5))
+
+
+@pytest.mark.parametrize("name", ["qwen2-gptq-actorder", "llama-gptq-sym"])
+def test_int4_folded_norms_match_transformers(models_dir, monkeypatch, name):
+    """int4 QKV projections take the norm without absorbing its weight (group scales cannot
+    hold a per-input weight): the norm keeps its weight for steps of several rows, and a
+    one-row step applies it inside QKV's matmul (on the CPU the torch reference path: the
+    norm, then the matmul; the GPU's one launch is checked in tests/kernels and
+    test_int4_gpu). Greedy one-row continuations and multi-row prefill logits against
+    transformers on the dequantized weights."""
+    from quant_checkpoints import write_quantized
+    from test_quant_tp import CHECKPOINTS, float_checkpoint
+
+    family, kwargs = CHECKPOINTS[name]
+    qdir, ref = write_quantized(float_checkpoint(models_dir, family), models_dir / f"fold-{name}",
+                                models_dir / f"fold-{name}-ref", **kwargs)
+    ref_tokens, ref_logits = hf_greedy(ref, PROMPTS, 16), hf_last_logits(ref, PROMPTS)
+    calls = _one_row_runs(monkeypatch)
+    engine = make_engine(qdir, 1, local=True)
+    try:
+        model = engine.executor.worker.model
+        before = model.model.layers[0].input_layernorm.weight.clone()
+        assert model.fold_norms(need_gemv=False) is None
+        assert torch.equal(model.model.layers[0].input_layernorm.weight, before)
+        assert_matches_reference(engine, PROMPTS, [t[:4] for t in ref_tokens], ref_logits)
+        calls.clear()
+        for prompt, want in zip(PROMPTS, ref_tokens, strict=True):
+            assert greedy(engine, [prompt], len(want)) == [want]
+        assert calls and set(calls) == {1}
+    finally:
+        engine.shutdown()

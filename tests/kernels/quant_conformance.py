@@ -171,32 +171,84 @@ def run_gated_conformance(kernel, device: str, dtype: torch.dtype, shapes=GATED_
     since g and u each carry one (a rounding of g that flips against the oracle's moves the
     activation by a step of dtype). expect: the kernel must offer the launch for every case
     (it may return None only where expect is False)."""
+    def one(kernel, x, qw, s, z, q, group, variant, dev):
+        gelu = variant
+        y = kernel.int4_gated_matmul(x.to(dev), qw, s.to(dev), z.to(dev), group, gelu)
+        return y, gated_ref(x, q, s, z, group, gelu), 2 * TOL[dtype]
+
+    return _run_one_row(kernel, device, dtype, shapes, groups, expect, "gated",
+                        (False, True), False, one)
+
+
+def run_fold_conformance(kernel, device: str, dtype: torch.dtype, shapes=GATED_SHAPES,
+                         groups=GROUPS, expect: bool = True) -> Result:
+    """int4_normed_matmul (x / rms(x) * gamma, then the product) and int4_add_matmul
+    (residual + the product), one row, with and without act-order, against float64 oracles
+    with the separate launches' roundings: the norm's output rounded to dtype (its
+    x / rms(x) rounded first, as Llama's norm does), the product rounded before the add.
+    The normed tolerance is twice a plain matmul's (the launch rounds x * gamma where the
+    norm rounds x / rms(x)). expect: as run_gated_conformance."""
+    def one(kernel, x, qw, s, z, q, group, variant, dev):
+        mode, gi = variant
+        gen = torch.Generator().manual_seed(q.shape[0] + q.shape[1] + group)
+        xs = (x.double() * 30).to(dtype)  # a residual stream: not unit-scaled
+        gid = gi.to(dev) if gi is not None else None
+        if mode == "rms":
+            gamma = (torch.rand(q.shape[0], generator=gen) + 0.5).to(dtype)
+            eps = 1e-5
+            xd = xs.double()
+            unit = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+            normed = (unit.double() * gamma.double()).to(dtype).double()
+            y = kernel.int4_normed_matmul(xs.to(dev), qw, s.to(dev), z.to(dev), group,
+                                          gamma.to(dev), eps, gid)
+            return y, _int4_ref(normed, q, s, z, group, gi), 2 * TOL[dtype]
+        res = (torch.randn(1, q.shape[1], generator=gen) * 3).to(dtype)
+        y = kernel.int4_add_matmul(xs.to(dev), qw, s.to(dev), z.to(dev), group, res.to(dev),
+                                   gid)
+        ref = (_int4_ref(xs.double(), q, s, z, group, gi).to(dtype).double()
+               + res.double()).to(dtype).double()
+        return y, ref, TOL[dtype]
+
+    return _run_one_row(kernel, device, dtype, shapes, groups, expect, "fold",
+                        [(m, a) for m in ("rms", "residual") for a in (False, True)], True,
+                        one)
+
+
+def _run_one_row(kernel, device, dtype, shapes, groups, expect, label, variants,
+                 act_orders: bool, one) -> Result:
+    """The shared loop of the one-row fused launches: for every shape, group, symmetry and
+    variant, `one` returns (y or None, oracle, tolerance)."""
     from tpserve.kernels.quant.registry import load_kernel_class
 
     if isinstance(kernel, str):
         kernel = load_kernel_class(kernel)()
     dev = torch.device(device)
-    res = Result(kernel.name + " gated", device, dtype)
+    res = Result(f"{kernel.name} {label}", device, dtype)
     sdt = torch.float32 if dtype == torch.float32 else torch.float16
     seed = 500
     for k, n in shapes:
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + n)).to(dtype)
         for group in groups:
             for sym in (True, False):
-                for gelu in (False, True):
+                for variant in variants:
                     seed += 1
-                    qw, s, z, _, q = int4_case(k, n, group, sym, False, seed)
-                    y = kernel.int4_gated_matmul(x.to(dev), in_kernel_order(qw.to(dev), kernel),
-                                                 s.to(dev, sdt), z.to(dev, sdt), group, gelu)
-                    label = f"gated K={k} N={n} g={group} sym={sym} gelu={gelu}"
+                    act = act_orders and isinstance(variant, tuple) and variant[1]
+                    qw, s, z, gi, q = int4_case(k, n, group, sym, act, seed)
+                    qw = in_kernel_order(qw.to(dev), kernel)
+                    if act:
+                        variant = (variant[0], gi)
+                    elif act_orders:
+                        variant = (variant[0], None)
+                    y, ref, tol = one(kernel, x, qw, s.to(sdt), z.to(sdt), q, group, variant,
+                                      dev)
+                    name = f"{label} K={k} N={n} g={group} sym={sym} {variant!s:.40}"
                     if y is None:
                         if expect:
                             res.cases += 1
-                            res.failed.append(f"{label}: not offered")
+                            res.failed.append(f"{name}: not offered")
                         continue
-                    assert y.shape == (1, n // 2) and y.dtype == dtype, (label, y.shape)
-                    _check(res, label, y, gated_ref(x, q, s.to(sdt), z.to(sdt), group, gelu),
-                           2 * TOL[dtype])
+                    assert y.dtype == dtype and y.shape == ref.shape, (name, y.shape)
+                    _check(res, name, y, ref, tol)
     return res
 
 
@@ -233,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", help="JSON tile table (benchmarks/quant_sweep.py) to apply first")
     ap.add_argument("--shapes", help="K x N pairs, e.g. 256x96,200x97 (default: SHAPES)")
     ap.add_argument("--batches", help="batch sizes, e.g. 1,2,5,16 (default: BATCHES)")
-    ap.add_argument("--gated", action="store_true",
-                    help="also the one-row gated MLP launch (int4_gated_matmul) of each kernel")
+    ap.add_argument("--fused", action="store_true",
+                    help="also the one-row fused launches of each kernel (int4_gated_matmul, "
+                         "int4_normed_matmul, int4_add_matmul)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.tiles:
@@ -259,16 +312,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"{r.worst:.2e} |")
             for f in r.failed[:5]:
                 print(f"FAILED {r.kernel} {dt}: {f}")
-            if args.gated:
-                # Triton offers it in the row-major order the layers hold; others may not.
+            if args.fused:
+                # Triton offers them in the row-major order the layers hold; others may not.
                 expect = name == "triton" or (not isinstance(name, str)
                                               and not name.int4_k_contiguous)
-                r = run_gated_conformance(name, args.device, getattr(torch, dt), expect=expect)
-                bad += len(r.failed)
-                rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | "
-                            f"{len(r.failed)} | {r.worst:.2e} |")
-                for f in r.failed[:5]:
-                    print(f"FAILED {r.kernel} {dt}: {f}")
+                for run in (run_gated_conformance, run_fold_conformance):
+                    r = run(name, args.device, getattr(torch, dt), expect=expect)
+                    bad += len(r.failed)
+                    rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | "
+                                f"{len(r.failed)} | {r.worst:.2e} |")
+                    for f in r.failed[:5]:
+                        print(f"FAILED {r.kernel} {dt}: {f}")
     table = "\n".join(["| kernel | device | dtype | cases | failed | worst relative error |",
                        "| --- | --- | --- | --- | --- | --- |", *rows])
     print(table)

@@ -102,6 +102,23 @@ def test_gated_mlp_launch_under_the_interpreter(tiles):
     """)
 
 
+@pytest.mark.parametrize("tiles", ["table", "rows-split"])
+def test_norm_and_residual_launches_under_the_interpreter(tiles):
+    """int4_normed_matmul (an RMSNorm's x / rms(x) * gamma formed inside the one-row GEMV)
+    and int4_add_matmul (the residual added as it stores), with and without act-order,
+    whole K and three splits summed by the last, against float64 oracles with the separate
+    launches' roundings."""
+    kernel = "'triton'" if tiles == "table" else f"triton_with_tiles({tiles!r})"
+    _interpret(f"""
+        from quant_conformance import run_fold_conformance, triton_with_tiles
+        for dt in (torch.float32, torch.bfloat16):
+            r = run_fold_conformance({kernel}, "cpu", dt, shapes=((200, 112), (256, 96)),
+                                     groups=(32, 128))
+            print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
+            assert r.cases == 32 and not r.failed
+    """)
+
+
 def test_the_oracle_catches_one_wrong_bit_per_word():
     """The conformance check fails a GEMV that misreads the lowest bit of each packed word
     (every eighth weight off by one step)."""

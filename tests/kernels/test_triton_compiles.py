@@ -168,14 +168,25 @@ def test_int4_gemv_compiles(dtype):
                  dict(HAS_GIDX=gidx, ROW_SCALES=row_scales, PREFETCH=prefetch, K_SPAN=1024,
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
                       PACKED=packed, PDL=even, SPLIT_PAD=4 if prefetch else 0,
-                      GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages))
+                      GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
+                      GATED=0, RMS=False, RESIDUAL=False))
         if not gidx and prefetch:  # the gated MLP's launch: silu, then the tanh GELU
             _compile(jit.int4_gemv_n_kernel, ptrs,
                      dict(HAS_GIDX=False, ROW_SCALES=row_scales, PREFETCH=prefetch,
                           K_SPAN=1024, BLOCK_K=128, BLOCK_N=16, EVEN=even, ASM=True,
                           XPAIRS=dtype == "bf16", PACKED=packed, PDL=even, SPLIT_PAD=4,
                           GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                          GATED=1 + even))
+                          GATED=1 + even, RMS=False, RESIDUAL=False))
+            # A decoder layer's input norm (x * gamma as read, 1 / rms(x) as stored) and
+            # the residual add, whole K and split.
+            for rms in (True, False):
+                _compile(jit.int4_gemv_n_kernel, ptrs,
+                         dict(HAS_GIDX=False, ROW_SCALES=row_scales, PREFETCH=prefetch,
+                              K_SPAN=1024, BLOCK_K=128, BLOCK_N=16, EVEN=even, ASM=True,
+                              XPAIRS=dtype == "bf16", PACKED=packed, PDL=even,
+                              SPLIT_PAD=4 * rms, GROUP_LOG2=log2,
+                              ZF16=packed and not row_scales, LOOP_STAGES=stages, GATED=0,
+                              RMS=rms, RESIDUAL=not rms))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
@@ -213,7 +224,7 @@ def test_int4_mma_gemv_compiles(rows, split_pad, f16):
     _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32",
                                        "s_ptr": "*fp16", "z_ptr": "*fp16", "*": act},
              dict(GROUP=128, W=4, ODD=rows > 1, ROWS16=rows > 8, AHEAD=1 + (rows == 8),
-                  SPLIT_PAD=split_pad, PDL=rows == 1, **tm.asm_for(rows > 8, f16)))
+                  SPLIT_PAD=split_pad, PDL=rows == 1, GATED=0, **tm.asm_for(rows > 8, f16)))
     if rows == 1:  # a gated MLP's projection and activation in one launch (one row)
         _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32",
                                            "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",

@@ -10,7 +10,7 @@ from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
-from tpserve.layers.quant.methods import UnquantizedMethod
+from tpserve.layers.quant.methods import Int4Method, UnquantizedMethod
 from tpserve.layers.rotary import RotaryEmbedding, layer_rope_parameters, rope_parameters
 from tpserve.models.loader import load_into
 
@@ -116,29 +116,32 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm(attn, h)
         return self.mlp(x, residual=h)
 
-    def why_not_foldable(self, need_gemv: bool) -> str | None:
+    def why_not_foldable(self, need_gemv: bool, dtype: torch.dtype) -> str | None:
         """None when fold_norms can run here, else why not. need_gemv: qkv_proj and
-        down_proj must also have the one-row GEMV (warmup's choice), the launch that
-        normalises or adds for free; through F.linear the fold would trade each norm launch
-        for another."""
+        down_proj must also have one-row launches that normalise and add for free (for
+        float weights the GEMV warmup chose, for int4 the kernel's; fp8 has none); through
+        F.linear the fold would trade each norm launch for another."""
         mlp = self.mlp
         if type(mlp) is not GatedMLP:
             return f"its feed-forward block is a {type(mlp).__name__}, not a gated MLP"
         projs = {"qkv_proj": self.self_attn.qkv_proj, "down_proj": mlp.down_proj}
         for name, proj in projs.items():
-            if not isinstance(proj.method, UnquantizedMethod):
-                return f"{name} holds quantized weights"
+            if not isinstance(proj.method, (UnquantizedMethod, Int4Method)):
+                return f"{name} holds {type(proj.method).__name__} weights"
         if mlp.down_proj.tp_size != 1 or mlp.down_proj.bias is not None:
             return "down_proj is split over ranks or has a bias: its add is a launch of its own"
         if need_gemv:
-            slow = [name for name, proj in projs.items() if proj.gemv_tile is None]
-            if slow:
-                return f"warmup kept the vendor GEMM for {', '.join(slow)}"
+            for name, proj in projs.items():
+                why = proj.method.why_not_fused_one_row(proj, dtype, normed=name == "qkv_proj")
+                if why:
+                    return f"{name}: {why}"
         return None
 
     def fold_norms(self) -> None:
-        """The input norm's weight into qkv_proj (forward_folded)."""
-        self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        """The input norm into qkv_proj (forward_folded): its weight into float weights,
+        or kept for int4's GEMV to apply (LinearMethod.fold_norm)."""
+        qkv = self.self_attn.qkv_proj
+        qkv.method.fold_norm(qkv, self.input_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -191,7 +194,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if type(layer) is not LlamaDecoderLayer:
                 return f"layer {i} is a {type(layer).__name__}"
-            why = layer.why_not_foldable(need_gemv)
+            why = layer.why_not_foldable(need_gemv, self.embed_tokens.weight.dtype)
             if why:
                 return f"layer {i}: {why}"
         for layer in self.layers:

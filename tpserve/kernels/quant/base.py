@@ -45,6 +45,21 @@ class QuantKernel(ABC):
                    scale: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]."""
 
+    def int4_normed_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor, group_size: int, gamma: torch.Tensor,
+                           eps: float, g_idx: torch.Tensor | None = None) -> torch.Tensor | None:
+        """int4_matmul of an RMSNorm's output, x / sqrt(mean(x^2) + eps) * gamma, from the
+        raw x in one launch (a decoder layer's input norm folded into its QKV projection),
+        or None where this kernel has no such launch for x. Optional: the default has none."""
+        return None
+
+    def int4_add_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, group_size: int, residual: torch.Tensor,
+                        g_idx: torch.Tensor | None = None) -> torch.Tensor | None:
+        """residual + int4_matmul(x) in one launch (the product rounded to x's dtype before
+        the add), or None where this kernel has no such launch. Optional: none by default."""
+        return None
+
     def int4_gated_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                           zeros: torch.Tensor, group_size: int,
                           gelu_tanh: bool) -> torch.Tensor | None:

@@ -160,14 +160,16 @@ def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk,
 
 
 @triton.jit
-def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_ptr, N, K,
-                       group_size, sxk, sos, son, sqk, ssg, up, HAS_GIDX: tl.constexpr,
+def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_ptr, gam_ptr,
+                       res_ptr, N, K, group_size, sxk, sos, son, sqk, ssg, up, eps,
+                       HAS_GIDX: tl.constexpr,
                        ROW_SCALES: tl.constexpr, PREFETCH: tl.constexpr, K_SPAN: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
                        ASM: tl.constexpr, XPAIRS: tl.constexpr, PACKED: tl.constexpr,
                        PDL: tl.constexpr, SPLIT_PAD: tl.constexpr,
                        GROUP_LOG2: tl.constexpr = -1, ZF16: tl.constexpr = False,
-                       LOOP_STAGES: tl.constexpr = 1, GATED: tl.constexpr = 0):
+                       LOOP_STAGES: tl.constexpr = 1, GATED: tl.constexpr = 0,
+                       RMS: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -197,7 +199,14 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     reads the BLOCK_N / 2 gate columns from n * BLOCK_N / 2 and the up columns `up` further
     (the bytes of a plain program, two contiguous runs) and writes act(g) * u for them into
     y [up] (_gated_store), so the [gate; up] row is never written and read back. With
-    splits, out holds the partials of both halves and the last split gates their sums."""
+    splits, out holds the partials of both halves and the last split gates their sums.
+    RMS (x unit stride): x is the residual stream and the product is that of an RMSNorm's
+    output, x / rms(x) * gamma (gam_ptr, in x's dtype; eps added to the mean square), so a
+    decoder layer's input norm needs no launch: x * gamma is formed as x is read (packed: one
+    bfloat16x2 multiply per pair, so rounded to bfloat16 where the norm rounds x / rms(x)),
+    and the program that writes the output scales it by 1 / rms(x) (_finish).
+    RESIDUAL: y = res + the product (rounded to y's dtype first, as a separate add would see
+    it): the residual stream's add done by the layer that feeds it."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
     tl.static_assert(not ZF16 or PACKED, "ZF16 is for the packed path")
     if PDL:
@@ -264,6 +273,11 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                 z = z.to(tl.float32)
         if PACKED:
             p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN)
+            if RMS:
+                gw_ptr = gam_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                g0, g1, g2, g3 = _x_pairs(gw_ptr, krow, K, EVEN)
+                p0, p1, p2, p3 = _mul_bf16x2(p0, g0), _mul_bf16x2(p1, g1), \
+                    _mul_bf16x2(p2, g2), _mul_bf16x2(p3, g3)
             t = _dot8_bf16x2(word, p0[:, None], p1[:, None], p2[:, None], p3[:, None],
                              _bf16x2_offset_zeros(z, ZF16 and not ROW_SCALES))
             acc += t * s
@@ -273,6 +287,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
             xw = krow  # the int32 pair of the previous input (XPAIRS); a placeholder before
             for j in tl.static_range(8):
                 xj, xw = _x_rows(x_ptr, xw_ptr, krow, j, xw, K, sxk, EVEN, XPAIRS)
+                if RMS:
+                    xj = xj * tl.load(gam_ptr + krow + j, mask=rmask, other=0.0).to(tl.float32)
                 off = 1.0 * (1 << (23 - 4 * (j % 4)))
                 q = _nibble_float(word if j < 4 else hi, j, ASM)  # off + nibble
                 if HAS_GIDX:  # every input row has its own group
@@ -288,8 +304,10 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
             else:
                 acc += t * s
     y = tl.sum(acc, axis=0)
-    if GATED and not SPLIT_PAD:
-        _gated_store(y, y_ptr, pid_n * (BLOCK_N // 2), up, 1, 1, BLOCK_N // 2, GATED)
+    plain: tl.constexpr = SPLIT_PAD > 0 or (GATED == 0 and not RMS and not RESIDUAL)
+    if not plain:  # the only program of its columns: it finishes them
+        _finish(y, y_ptr, offs_n, nmask, x_ptr, res_ptr, K, sxk, eps, pid_n * (BLOCK_N // 2),
+                up, 1, RMS, RESIDUAL, GATED, 1, BLOCK_N // 2)
     else:
         if EVEN:
             tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty))
@@ -298,20 +316,21 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                      mask=nmask)
     if SPLIT_PAD:
         _sum_if_last(out_ptr, y_ptr, cnt_ptr + pid_n, offs_n, nmask, sos, son,
-                     tl.num_programs(1), SPLIT_PAD, GATED, pid_n * (BLOCK_N // 2), up, 1, 1,
-                     BLOCK_N // 2)
+                     tl.num_programs(1), SPLIT_PAD, x_ptr, res_ptr, K, sxk, eps,
+                     pid_n * (BLOCK_N // 2), up, 1, RMS, RESIDUAL, GATED, 1, BLOCK_N // 2)
 
 
 @triton.jit
 def _sum_if_last(ws_ptr, y_ptr, cnt_ptr, offs_n, nmask, sws, son, splits,
-                 SPLIT_PAD: tl.constexpr, GATED: tl.constexpr = 0, col0=0, up=0, m=1,
-                 R: tl.constexpr = 1, H: tl.constexpr = 1):
+                 SPLIT_PAD: tl.constexpr, x_ptr, res_ptr, K, sxk, eps, col0, up, m,
+                 RMS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                 R: tl.constexpr, H: tl.constexpr):
     """Called by every split of a column block after it stored its partial sums to ws
     [splits, N]: the split that arrives last (the counter at cnt_ptr says so) reads all of
-    them, in split order, and writes their sum to y. The barrier makes every thread's
+    them, in split order, and writes their sum to y through _finish (whose arguments
+    follow SPLIT_PAD; plain: RMS, RESIDUAL and GATED off). The barrier makes every thread's
     stores part of the counter's release; the partials are read through L2 (.cg), where
-    the other programs' stores are. GATED: offs_n lists R rows of H gate columns then their
-    H up columns, and the sums go through _gated_store (col0, up, m: its arguments)."""
+    the other programs' stores are."""
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
     if arrived == splits - 1:
@@ -319,12 +338,49 @@ def _sum_if_last(ws_ptr, y_ptr, cnt_ptr, offs_n, nmask, sws, son, splits,
         parts = tl.load(ws_ptr + sp[:, None] * sws + offs_n[None, :] * son,
                         mask=(sp < splits)[:, None] & nmask[None, :], other=0.0,
                         cache_modifier=".cg")
-        if GATED:
-            _gated_store(tl.sum(parts, axis=0), y_ptr, col0, up, m, R, H, GATED)
-        else:
-            tl.store(y_ptr + offs_n, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty),
-                     mask=nmask)
+        _finish(tl.sum(parts, axis=0), y_ptr, offs_n, nmask, x_ptr, res_ptr, K, sxk, eps,
+                col0, up, m, RMS, RESIDUAL, GATED, R, H)
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _finish(y, y_ptr, offs_n, nmask, x_ptr, res_ptr, K, sxk, eps, col0, up, m,
+            RMS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, R: tl.constexpr,
+            H: tl.constexpr):
+    """Store a GEMV's float32 sums y (columns offs_n) into y_ptr: scaled by 1 / rms(x) with
+    RMS, added to the residual res with RESIDUAL, through _gated_store with GATED (offs_n
+    then lists R rows of H gate columns and their H up columns; col0, up, m its
+    arguments)."""
+    if RMS:
+        y = y * _inv_rms(x_ptr, K, sxk, eps)
+    if GATED:
+        _gated_store(y, y_ptr, col0, up, m, R, H, GATED)
+    else:
+        dtype = y_ptr.dtype.element_ty
+        if RESIDUAL:
+            r = tl.load(res_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            y = y.to(dtype).to(tl.float32) + r
+        tl.store(y_ptr + offs_n, y.to(dtype), mask=nmask)
+
+
+@triton.jit
+def _inv_rms(x_ptr, K, sxk, eps):
+    """1 / sqrt(mean(x^2) + eps) over x's K inputs, in float32 (x is in L2: the GEMV just
+    read it)."""
+    BLOCK: tl.constexpr = 1024
+    ss = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + kk * sxk, mask=kk < K, other=0.0).to(tl.float32)
+        ss += v * v
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _mul_bf16x2(a, b):
+    """Two bfloat16 products in one instruction (CUDA sm_90), rounded to bfloat16."""
+    return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit

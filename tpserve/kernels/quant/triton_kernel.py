@@ -74,6 +74,10 @@ MMA_WARPS = (4, 2)
 # One-row gated MLPs: [gate; up] projection and activation in one launch (quant_matmul's
 # `gated`); TPSERVE_INT4_GATED=0 runs them as two.
 INT4_GATED = os.environ.get("TPSERVE_INT4_GATED", "1") != "0"
+# One-row steps of Llama-shaped int4 models: the input norm inside the QKV GEMV and the
+# residual add inside down_proj's (quant_matmul's `rms` and `residual`, LlamaModel's
+# fold_norms); TPSERVE_INT4_FOLD=0 keeps both as launches of their own.
+INT4_FOLD = os.environ.get("TPSERVE_INT4_FOLD", "1") != "0"
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -126,24 +130,31 @@ def fit_shared_memory(tile: Tile, elem_bytes: int, limit: int) -> Tile:
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                  g: torch.Tensor | None, group_size: int, fp8: bool,
-                 tile: Tile | None = None, gated: int = 0) -> torch.Tensor | None:
+                 tile: Tile | None = None, gated: int = 0,
+                 rms: tuple[torch.Tensor, float] | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype.
     gated (int4, one row; 1: silu, 2: the tanh GELU): w's columns are a gated MLP's
     [gate; up], and the result is act(x W_gate) * (x W_up), [1, N / 2], from one launch; or
     None where no single launch does that here (the caller runs the projection, then the
-    activation)."""
+    activation). rms = (gamma, eps) and residual (int4, one row; the same None where they
+    cannot be done in the launch): x is the residual stream, multiplied as an RMSNorm's
+    output x / rms(x) * gamma; residual + the product."""
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
-    if gated and (fp8 or m != 1 or n % 2):
+    fused = gated or rms is not None or residual is not None
+    if fused and (fp8 or m != 1 or (gated and n % 2)):
         return None
     if (not fp8 and tile is None and INT4_MMA
             and MMA_MIN_ROWS.get(x.dtype, 2) <= m <= max(16, MMA_CHUNK_ROWS)):
+        if rms is not None or residual is not None:
+            return None  # the tensor-core GEMV has neither (its float16 x * gamma would overflow)
         y = _int4_rows_on_tensor_cores(x, w, s, z, g, group_size, gated)
         if y is not None:
             return y
     k_contig = not fp8 and _k_contiguous(w)
-    if gated and (k_contig or g is not None):
+    if fused and (k_contig or (gated and g is not None)):
         return None
     if not k_contig and w.stride(-1) != 1:
         w = w.contiguous()
@@ -156,7 +167,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     bk = tile.block_k
     k_span = _cdiv(_cdiv(k, tile.split), bk) * bk
     split = _cdiv(k, k_span)
-    if gated and tile.block_m:
+    if fused and tile.block_m:
         return None
     y = torch.empty(m, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
@@ -203,15 +214,24 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             else:
                 summed, split_pad, counters = False, 0, s
             up = n // 2 if gated else 0
-            if gated and (split > 1 and not summed or tile.block_n < 2):
-                return None  # partials a second kernel would sum, ungated
+            if fused and (split > 1 and not summed or tile.block_n < 2 or x.stride(1) != 1):
+                return None  # partials a second kernel would sum, plain
             if gated:
                 # Each program takes block_n / 2 gate columns and as many up columns (the
                 # bytes of a plain program), so the grid is the same size.
                 grid = (_cdiv(up, tile.block_n // 2), split)
-            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, n, k, group_size,
-                                         x.stride(1), sos, out.stride(-1), w.stride(0),
-                                         s.stride(0), up, HAS_GIDX=has_gidx,
+            gamma = rms[0] if rms is not None else s
+            res = residual.reshape(-1) if residual is not None else s
+            if residual is not None and res.stride(0) != 1:
+                return None
+            if rms is not None and (gamma.stride(-1) != 1 or packed and (
+                    gamma.dtype != x.dtype or gamma.data_ptr() % 4)):
+                return None
+            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, gamma, res, n, k,
+                                         group_size, x.stride(1), sos, out.stride(-1),
+                                         w.stride(0), s.stride(0), up,
+                                         rms[1] if rms is not None else 0.0,
+                                         HAS_GIDX=has_gidx,
                                          ROW_SCALES=row_scales,
                                          PREFETCH=0 if tile.pipeline else int(tile.prefetch),
                                          K_SPAN=k_span, BLOCK_K=bk, BLOCK_N=tile.block_n,
@@ -223,10 +243,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          GROUP_LOG2=_log2(group_size),
                                          ZF16=packed and z.dtype == torch.float16,
                                          LOOP_STAGES=max(1, tile.pipeline), GATED=gated,
+                                         RMS=rms is not None, RESIDUAL=residual is not None,
                                          **launch, **chain)
-            if summed or gated:
+            if summed or fused:
                 return y
-    elif gated:
+    elif fused:
         return None
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
@@ -485,6 +506,19 @@ class TritonQuantKernel(QuantKernel):
     def fp8_matmul(self, x, weight, scale):
         return quant_matmul(x, weight, scale, None, None, 1, True,
                             self._tile("fp8", x, weight.shape[0]))
+
+    def int4_normed_matmul(self, x, qweight, scales, zeros, group_size, gamma, eps,
+                           g_idx=None):
+        if not INT4_FOLD:
+            return None
+        return quant_matmul(x, qweight, scales, zeros, g_idx, group_size, False,
+                            self._tile("int4", x, qweight.shape[1]), rms=(gamma, eps))
+
+    def int4_add_matmul(self, x, qweight, scales, zeros, group_size, residual, g_idx=None):
+        if not INT4_FOLD:
+            return None
+        return quant_matmul(x, qweight, scales, zeros, g_idx, group_size, False,
+                            self._tile("int4", x, qweight.shape[1]), residual=residual)
 
     def int4_gated_matmul(self, x, qweight, scales, zeros, group_size, gelu_tanh):
         if not INT4_GATED:

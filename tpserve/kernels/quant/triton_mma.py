@@ -378,7 +378,8 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
         cc = idx % COLS
         offs = (idx // COLS) * N + c + cc % 32 + (cc // 32) * hoff
         _sum_if_last(ws_ptr, y_ptr, cnt_ptr + tl.program_id(0), offs, idx // COLS < M, M * N,
-                     1, splits, SPLIT_PAD, GATED, c, up, M, ROWS, 32)
+                     1, splits, SPLIT_PAD, x_ptr, y_ptr, K, 1, 0.0, c, up, M, False, False,
+                     GATED, ROWS, 32)
 
 
 @triton.jit

@@ -52,6 +52,17 @@ class LinearMethod:
         layer and the activation)."""
         return None
 
+    def fold_norm(self, layer: nn.Module, norm: nn.Module) -> None:
+        """Take the RMSNorm in front of `layer`, so that apply_normed applies it (the norm's
+        own launch then only runs for steps of several rows)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take a norm")
+
+    def why_not_fused_one_row(self, layer: nn.Module, dtype: torch.dtype,
+                              normed: bool) -> str | None:
+        """None where a one-row apply_normed (normed) or apply_add costs no launch of its
+        own for x of dtype, else why (LlamaModel.fold_norms folds only where both do)."""
+        return f"{type(self).__name__} has no such launch"
+
 
 class UnquantizedMethod(LinearMethod):
     """Float weights. The one-row GEMV also does the two extras above in the same launch."""
@@ -68,6 +79,12 @@ class UnquantizedMethod(LinearMethod):
 
     def apply_add(self, layer, x, residual):
         return gemv.linear(x, layer.weight, layer.gemv_tile, residual=residual)
+
+    def fold_norm(self, layer, norm):
+        norm.fold_into(layer)  # its weight into ours; it becomes a unit norm
+
+    def why_not_fused_one_row(self, layer, dtype, normed):
+        return None if layer.gemv_tile is not None else "warmup kept the vendor GEMM"
 
 
 def _kernel(cfg: QuantConfig, x: torch.Tensor, method: str):
@@ -172,6 +189,59 @@ class Int4Method(LinearMethod):
         y = _kernel(self.cfg, x, "int4").int4_matmul(
             x.reshape(-1, shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group, g_idx)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def fold_norm(self, layer, norm):
+        # int4 group scales cannot absorb a per-input weight: the norm stays as it is, and
+        # one-row steps multiply x by its weight inside the GEMV.
+        self.norm = norm
+        self.gamma = (norm.weight.float() + norm.offset).to(norm.weight.dtype)
+
+    def apply_normed(self, layer, x, eps):
+        norm = getattr(self, "norm", None)
+        if norm is None:
+            raise RuntimeError(f"{type(self).__name__}.apply_normed before fold_norm")
+        shape = x.shape
+        g_idx = layer.g_idx if self.cfg.desc_act else None
+        y = None
+        if x.numel() == shape[-1] and self.gamma.dtype == x.dtype:
+            y = _kernel(self.cfg, x, "int4").int4_normed_matmul(
+                x.reshape(1, -1), layer.qweight, layer.scales, layer.qzeros, self.group,
+                self.gamma, eps, g_idx)
+        if y is None:
+            return self.apply(layer, norm(x))
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def apply_add(self, layer, x, residual):
+        shape = x.shape
+        y = None
+        if x.numel() == shape[-1]:
+            g_idx = layer.g_idx if self.cfg.desc_act else None
+            y = _kernel(self.cfg, x, "int4").int4_add_matmul(
+                x.reshape(1, -1), layer.qweight, layer.scales, layer.qzeros, self.group,
+                residual.reshape(1, -1), g_idx)
+        if y is None:
+            return self.apply(layer, x) + residual
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def why_not_fused_one_row(self, layer, dtype, normed):
+        """Asks the kernel with a row of zeros (warmup time: this also compiles the launch
+        the decode graphs will capture)."""
+        k = layer.qweight.shape[0] * 8
+        n = layer.qweight.shape[1]
+        x = torch.zeros(1, k, dtype=dtype, device=layer.qweight.device)
+        kernel = _kernel(self.cfg, x, "int4")
+        g_idx = layer.g_idx if self.cfg.desc_act else None
+        if normed:
+            y = kernel.int4_normed_matmul(x, layer.qweight, layer.scales, layer.qzeros,
+                                          self.group, torch.ones(k, dtype=dtype,
+                                                                 device=x.device), 1e-6, g_idx)
+        else:
+            y = kernel.int4_add_matmul(x, layer.qweight, layer.scales, layer.qzeros,
+                                       self.group, torch.zeros(1, n, dtype=dtype,
+                                                               device=x.device), g_idx)
+        what = "normalises its input" if normed else "adds the residual"
+        return None if y is not None else \
+            f"its int4 kernel ({kernel.name}) has no one-row launch that {what} for {dtype}"
 
     def apply_gated(self, layer, x, gelu_tanh):
         if self.cfg.desc_act:
