@@ -89,6 +89,32 @@ def test_greedy_without_penalty_reports_raw_log_softmax():
     torch.testing.assert_close(res.top_logprobs, raw.topk(2).values)
 
 
+def test_raw_logprobs_rows_report_the_models_own_next_to_rows_that_do_not():
+    """raw_logprobs (OpenAI's routes): the token is drawn as before, but it and its
+    alternatives report the model's log_softmax, whatever the temperature, filters, penalties
+    and biases; the other rows of the batch keep reporting the distribution drawn from."""
+    import dataclasses
+
+    raw_params = [dataclasses.replace(p, raw_logprobs=True, top_n_tokens=3) for p in MIXED]
+    params = [q for pair in zip(raw_params, MIXED, strict=True) for q in pair]
+    logits = _logits(len(params))
+    rows = _rows(params)
+    plain = sample(logits[1::2], rows[1::2])
+    res = sample(logits, rows)
+    torch.testing.assert_close(res.token_ids[1::2], plain.token_ids)  # draws are unchanged
+    torch.testing.assert_close(res.logprobs[1::2], plain.logprobs)
+    model = logits[0::2].log_softmax(-1)
+    tokens = res.token_ids[0::2]
+    torch.testing.assert_close(res.logprobs[0::2], model.gather(1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(res.top_logprobs[0::2, :3], model.topk(3).values)
+    assert res.top_ids[0::2, :3].tolist() == model.topk(3).indices.tolist()
+    for i, r in enumerate(rows[0::2]):  # drawn from the processed distribution, as before
+        ref = distribution(logits[2 * i], r.params, list(r.history) if r.history else None, 5)
+        assert math.isfinite(float(ref[int(tokens[i])]))
+        if r.params.greedy:
+            assert int(tokens[i]) == int(ref.argmax())
+
+
 def test_no_top_n_gives_none():
     res = sample(_logits(2), _rows([SamplingParams(), SamplingParams(do_sample=True)]))
     assert res.top_ids is None and res.top_logprobs is None

@@ -66,9 +66,12 @@ class GenerateParameters(BaseModel):
 
     @property
     def sampling(self) -> bool:
-        """TGI's rule: any sampling knob that is set turns sampling on."""
-        knobs = (self.temperature, self.top_k, self.top_p, self.typical_p)
-        return self.do_sample or any(k is not None for k in knobs)
+        """TGI's rule: a sampling knob that changes the distribution turns sampling on.
+        Temperature 1.0 changes nothing, and TGI decodes greedily with it (its router reads
+        a missing temperature as 1.0); the other knobs' neutral values are refused."""
+        knobs = (self.top_k, self.top_p, self.typical_p)
+        return (self.do_sample or self.temperature not in (None, 1.0)
+                or any(k is not None for k in knobs))
 
 
 class GenerateRequest(BaseModel):
@@ -122,7 +125,7 @@ def to_sampling_params(params: GenerateParameters) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         do_sample=params.sampling,
-        temperature=params.temperature,
+        temperature=params.temperature if params.sampling else None,
         top_k=params.top_k,
         top_p=params.top_p,
         typical_p=params.typical_p,

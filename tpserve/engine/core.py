@@ -53,6 +53,8 @@ class _Launched:
 
     handle: object  # the executor's
     sync: bool  # must be collected before the next step is scheduled
+    # seq id -> the prompt position of the first log-probability its chunk reports
+    scored: dict[int, int] = field(default_factory=dict)
 
 
 def decoder_start_token_id(path: str, hf_config) -> int:
@@ -207,9 +209,11 @@ class EngineCore:
         else:
             seq = Sequence(next(self._ids), list(prompt_ids), params)
         state = CoreRequest(seq)
-        if self.encoder_decoder and params.prompt_logprobs:
-            # The decoder's input is only the start token, which has no log-probability.
-            state.prefill.append((self.decoder_start, None, []))
+        if params.prompt_logprobs:
+            # Nothing predicts the first token (an encoder-decoder's decoder start token, the
+            # whole of its decoder input): it has no log-probability, and a one-token prompt
+            # gets no step that reports any.
+            state.prefill.append((seq.prompt_ids[0], None, []))
         self.requests[seq.seq_id] = state
         self.scheduler.add(seq)
         return seq
@@ -261,19 +265,24 @@ class EngineCore:
         if state.sent_table is not seq.block_table:
             state.sent_table, state.sent_blocks = seq.block_table, 0
         blocks_from, state.sent_blocks = state.sent_blocks, len(seq.block_table)
+        wants_lp = (p.prompt_logprobs and seq.encoder_ids is None
+                    and start < len(seq.prompt_ids) and len(state.prefill) < len(seq.prompt_ids))
+        # A chunk reports log p of its tokens after the first; the first's comes from the
+        # previous chunk's last position, which only a sampling step computes. A later chunk
+        # of a prompt being scored so starts one token early (that token's K/V is written
+        # again, with the same values).
+        back = 1 if wants_lp and start > 0 else 0
         step = SeqStep(
-            seq_id=seq.seq_id, token_ids=_tokens(seq, start, s.num_new),
-            start_pos=start, block_table=seq.block_table[blocks_from:],
+            seq_id=seq.seq_id, token_ids=_tokens(seq, start - back, s.num_new + back),
+            start_pos=start - back, block_table=seq.block_table[blocks_from:],
             blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if p.needs_history else None,
-            num_generated=len(seq.output_ids),
-            prompt_logprobs=p.prompt_logprobs and start < len(seq.prompt_ids))
+            num_generated=len(seq.output_ids), prompt_logprobs=wants_lp)
         if state.unresolved and PENDING_TOKEN in step.token_ids:
             # Sampled by the step still on the device (at most one token: step n+1 is
             # scheduled after step n-1 was collected).
             step.prev_at = step.token_ids.index(PENDING_TOKEN)
         if seq.encoder_ids is not None:
-            step.prompt_logprobs = False
             step.encoder_len = len(seq.encoder_ids)
             step.cross_block_table = list(seq.cross_block_table)
             if start == 0:  # first step, or recompute after a preemption
@@ -318,6 +327,8 @@ class EngineCore:
         batch = StepBatch(next(self._steps), steps, return_logits, released=self._released)
         self._released = []
         handle = self.executor.launch_step(batch)
+        # Where each scored chunk's log-probabilities start: token_ids[1:] of the chunk.
+        scored = {st.seq_id: st.start_pos + 1 for st in steps if st.prompt_logprobs}
         self.steps_run += 1
         self.step_tokens += sum(s.num_new for s in scheduled)
         if any(not st.sample or len(st.token_ids) > 1 for st in steps):
@@ -335,14 +346,15 @@ class EngineCore:
             n = len(seq.output_ids)
             if n >= p.max_new_tokens or seq.num_input_tokens + n >= self.max_model_len:
                 seq.hold = True  # this token is its last: schedule it no more
-        return _Launched(handle, sync)
+        return _Launched(handle, sync, scored)
 
     def _collect(self, launched: _Launched) -> tuple[list[TokenOutput], StepOutput]:
         t0 = time.perf_counter()
         out = self.executor.collect(launched.handle)
         self.device_wait_seconds += time.perf_counter() - t0
         for seq_id, lps in out.prompt_logprobs.items():
-            self._record_prefill(seq_id, lps, out.prompt_top.get(seq_id))
+            self._record_prefill(seq_id, lps, out.prompt_top.get(seq_id),
+                                 launched.scored.get(seq_id, 1))
         outputs = []
         for tok in out.tokens:
             state = self.requests.get(tok.seq_id)
@@ -351,17 +363,17 @@ class EngineCore:
         return outputs, out
 
     def _record_prefill(self, seq_id: int, lps: list[float],
-                        tops: list[list[tuple[int, float]]] | None = None) -> None:
+                        tops: list[list[tuple[int, float]]] | None, first: int) -> None:
+        """Log-probabilities of prompt positions first, first + 1, ...: those that extend
+        the prefill (a chunk recomputed after a preemption repeats known ones)."""
         state = self.requests.get(seq_id)
         if state is None:
             return
-        ids = state.seq.prompt_ids
-        if not state.prefill:
-            state.prefill.append((ids[0], None, []))
-        start = len(state.prefill)
+        ids, prefill = state.seq.prompt_ids, state.prefill
         for i, lp in enumerate(lps):
-            if start + i < len(ids):
-                state.prefill.append((ids[start + i], lp, tops[i] if tops else []))
+            pos = first + i
+            if pos == len(prefill) and pos < len(ids):
+                prefill.append((ids[pos], lp, tops[i] if tops else []))
 
     def _append(self, state: CoreRequest, tok) -> TokenOutput:
         """Put a collected token in its place: the oldest of the sequence's pending ones."""

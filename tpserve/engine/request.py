@@ -30,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # Number of most likely alternatives reported per generated token (0: none).
     top_n_tokens: int = 0
+    # Which log-probabilities a generated token and its alternatives report: the model's own
+    # (True: OpenAI's and vLLM's, the same whatever the temperature, top_p or penalties), or
+    # those of the distribution the token was drawn from (False: TGI's).
+    raw_logprobs: bool = False
     # Report log-probabilities of the prompt tokens (TGI's decoder_input_details).
     prompt_logprobs: bool = False
     # Whether generated_text (and the stream) keeps a stop string that ended generation:

@@ -113,7 +113,10 @@ class Scheduler:
             s.seq.num_computed += s.num_new
             self.blocks.after_compute(s.seq)
             if self.sliding_window and not s.seq.finished:
-                self.blocks.release_outside_window(s.seq, self.sliding_window)
+                # A prompt being scored starts each chunk at the last token computed
+                # (EngineCore._seq_step), whose query sees one key further back.
+                scored = 1 if s.seq.params.prompt_logprobs else 0
+                self.blocks.release_outside_window(s.seq, self.sliding_window + scored)
 
     def can_ever_fit(self, num_tokens: int, encoder_tokens: int = 0) -> bool:
         """Whether one sequence of num_tokens (decoder) tokens, plus the cross K/V of

@@ -31,7 +31,7 @@ _BIG = 1e30  # stand-in for +inf: large, but sums of a few stay finite in float3
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _MAX_BIAS = 1e20  # |logit_bias| (OpenAI allows +-100); keeps sums finite in float32
-_FLOATS, _INTS = 6, 5  # packed columns per row: see _pack
+_FLOATS, _INTS = 6, 6  # packed columns per row: see _pack
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _pack(rows: list[SampleRow]) -> tuple[torch.Tensor, _Packed]:
                    min(max(pp, -_MAX_FREQ_PENALTY), _MAX_FREQ_PENALTY)]
         mixed = _seed_mix(r.seed)
         ints += [int(greedy), 0 if p.top_k is None or greedy else p.top_k, mixed & _M32,
-                 mixed >> 32, r.step & _M32]
+                 mixed >> 32, r.step & _M32, int(p.raw_logprobs)]
         if r.history and rp != 1.0:
             uniq = set(r.history)
             hist_ids += uniq
@@ -299,7 +299,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         d = _to_device(buf, logits.device)
         head = d[: n * (_FLOATS + _INTS)].view(n, _FLOATS + _INTS)
         fl = head[:, :_FLOATS].to(torch.int32).view(torch.float32)
-        greedy, top_k, lo, hi, step = (head[:, _FLOATS + j] for j in range(_INTS))
+        greedy, top_k, lo, hi, step, raw_lp = (head[:, _FLOATS + j] for j in range(_INTS))
         keys = _key32(lo, hi, step)
         if packed:
             x = _penalise(x, d, fl, packed)
@@ -320,6 +320,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         safe = raw.nan_to_num(nan=-_BIG, posinf=_BIG, neginf=-_BIG)
         dist = torch.where(bad[:, None], safe, dist)
         token = torch.where(bad, safe.argmax(-1), token)
+        if any(r.params.raw_logprobs for r in rows):  # the model's own, not those drawn from
+            dist = torch.where(raw_lp.bool()[:, None], safe, dist)
     logp = dist.log_softmax(-1)
     chosen = logp.gather(1, token[:, None])[:, 0]
     if top_n:

@@ -116,6 +116,9 @@ class _Sampling(BaseModel):
             "include_stop_str_in_output": False,
             "top_n_tokens": top_n,
             "prompt_logprobs": prompt_logprobs,
+            # OpenAI's log-probabilities (and vLLM's) are the model's, whatever the
+            # temperature, top_p, penalties or biases: the same numbers as at temperature 0.
+            "raw_logprobs": True,
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         # OpenAI's spellings of greedy decoding: temperature 0, or top_p 0 (only the likeliest

@@ -10,9 +10,11 @@ Each entry names the token itself (`text_of`: its own decoded text, as its alter
 named), not the piece of text the stream released with it: that piece is empty while a
 stop string or an incomplete character holds text back, and carries several tokens' text
 after. Special tokens (the end-of-sequence token) are left out: they are not part of the
-returned text either. With `echo`, the prompt's tokens come first: their log-probabilities (and
-alternatives) are what the model gave each prompt token after the ones before it; the first
-has none (null), as in OpenAI's answers.
+returned text either. The numbers are the model's own log-probabilities
+(SamplingParams.raw_logprobs), as OpenAI and vLLM report them: temperature, top_p, penalties
+and biases change which token is drawn, not what it reports. With `echo`, the prompt's
+tokens come first: their log-probabilities (and alternatives) are what the model gave each
+prompt token after the ones before it; the first has none (null), as in OpenAI's answers.
 """
 
 from __future__ import annotations
