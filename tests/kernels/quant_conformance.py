@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                 expect = name == "triton" or (not isinstance(name, str)
                                               and not name.int4_k_contiguous)
                 for run in (run_gated_conformance, run_fold_conformance):
-                    r = run(name, args.device, getattr(torch, dt), expect=expect)
+                    # Its one-row float16 matmul is the tensor-core GEMV, which normalises
+                    # and adds nothing (triton_kernel.quant_matmul); fixed tiles skip it.
+                    offered = expect and not (run is run_fold_conformance
+                                              and name == "triton" and dt == "float16")
+                    r = run(name, args.device, getattr(torch, dt), expect=offered)
                     bad += len(r.failed)
                     rows.append(f"| {r.kernel} | {args.device} | {dt} | {r.cases} | "
                                 f"{len(r.failed)} | {r.worst:.2e} |")
