@@ -83,39 +83,28 @@ def test_triton_tile_sets_under_the_interpreter(tile_set):
     """)
 
 
-@pytest.mark.parametrize("tiles", ["table", "rows-split"])
-def test_gated_mlp_launch_under_the_interpreter(tiles):
-    """int4_gated_matmul: a gated MLP's [gate; up] projection and its activation (silu, tanh
-    GELU) in one one-row GEMV launch, against the float64 oracle with the two launches'
-    roundings; with the table's tile (no split at these shapes) and with three splits summed
-    and gated by the last (rows-split); tails in the column blocks (N = 2 x 56). bfloat16
-    runs the interpreter's float32 arithmetic (the packed path is PTX: the compile test
-    and the GPU conformance cover it)."""
-    kernel = "'triton'" if tiles == "table" else f"triton_with_tiles({tiles!r})"
-    _interpret(f"""
-        from quant_conformance import run_gated_conformance, triton_with_tiles
-        for dt in (torch.float32, torch.bfloat16):
-            r = run_gated_conformance({kernel}, "cpu", dt, shapes=((200, 112), (256, 96)),
-                                      groups=(32, 128))
-            print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
-            assert r.cases == 16 and not r.failed
-    """)
+# The one-row fused launches: run_* of quant_conformance and the cases it must count.
+FUSED_RUNS = {"gated": ("run_gated_conformance", 16), "fold": ("run_fold_conformance", 32)}
 
 
+@pytest.mark.parametrize("launch", sorted(FUSED_RUNS))
 @pytest.mark.parametrize("tiles", ["table", "rows-split"])
-def test_norm_and_residual_launches_under_the_interpreter(tiles):
-    """int4_normed_matmul (an RMSNorm's x / rms(x) * gamma formed inside the one-row GEMV)
-    and int4_add_matmul (the residual added as it stores), with and without act-order,
-    whole K and three splits summed by the last, against float64 oracles with the separate
-    launches' roundings."""
+def test_one_row_fused_launches_under_the_interpreter(launch, tiles):
+    """The one-row GEMV launches that do more than the matmul, against float64 oracles with
+    the separate launches' roundings: "gated", a gated MLP's [gate; up] projection and its
+    activation (silu, tanh GELU); "fold", an RMSNorm's x / rms(x) * gamma formed inside the
+    GEMV and the residual added as it stores, with and without act-order. With the table's
+    tile (no split at these shapes) and three splits finished by the last (rows-split);
+    tails in the column blocks (N = 2 x 56). bfloat16 runs the interpreter's float32
+    arithmetic (the packed path is PTX: the compile test and the GPU conformance cover it)."""
+    run, cases = FUSED_RUNS[launch]
     kernel = "'triton'" if tiles == "table" else f"triton_with_tiles({tiles!r})"
     _interpret(f"""
-        from quant_conformance import run_fold_conformance, triton_with_tiles
+        from quant_conformance import {run}, triton_with_tiles
         for dt in (torch.float32, torch.bfloat16):
-            r = run_fold_conformance({kernel}, "cpu", dt, shapes=((200, 112), (256, 96)),
-                                     groups=(32, 128))
+            r = {run}({kernel}, "cpu", dt, shapes=((200, 112), (256, 96)), groups=(32, 128))
             print(dt, r.cases, len(r.failed), r.worst, r.failed[:3])
-            assert r.cases == 32 and not r.failed
+            assert r.cases == {cases} and not r.failed
     """)
 
 
