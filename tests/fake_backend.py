@@ -106,7 +106,7 @@ class FakeBackend:
     def info(self) -> ModelInfo:
         return self.info_
 
-    def count_tokens(self, text: str) -> int:
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         return len(text.split())
 
     def decode(self, ids: list[int]) -> str:

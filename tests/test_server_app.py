@@ -431,6 +431,28 @@ def test_openai_chat(http, backend):
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
 
 
+def test_openai_chat_without_max_tokens_fills_the_window_as_the_prompt_is_submitted(
+        http, backend, monkeypatch):
+    """OpenAI's chat default for max_tokens: what the context window leaves after the
+    prompt, counted as it is submitted (the template already holds its special tokens, so
+    none are added): a tokenizer that adds a BOS must not count it, or the answer stops one
+    token short of the window."""
+    asked = []
+
+    def count(text, add_special_tokens=True):  # a Llama-like tokenizer: BOS when asked
+        asked.append(add_special_tokens)
+        return len(text.split()) + add_special_tokens
+
+    monkeypatch.setattr(backend, "count_tokens", count)
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "one two three"}], "temperature": 0})
+    assert r.status_code == 200, r.text
+    call = backend.calls[-1]
+    assert asked == [False] and call.add_special_tokens is False
+    window = backend.info_.max_total_tokens
+    assert call.params.max_new_tokens == window - len(call.prompt.split())
+
+
 def test_openai_chat_stream(http):
     body = {
         "messages": [{"role": "user", "content": "yo </s>"}],

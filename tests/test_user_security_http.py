@@ -91,9 +91,9 @@ class SlowTemplate:
         time.sleep(self._seconds)
         return self._backend.apply_chat_template(messages)
 
-    def count_tokens(self, text):
+    def count_tokens(self, text, add_special_tokens=True):
         time.sleep(self._seconds)
-        return self._backend.count_tokens(text)
+        return self._backend.count_tokens(text, add_special_tokens)
 
 
 @pytest.fixture(scope="module")

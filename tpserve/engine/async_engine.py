@@ -365,9 +365,9 @@ class AsyncEngine:
                 "last_step_seconds": self.last_step_seconds,
                 "bridge_step_seconds": self.bridge_seconds}
 
-    def count_tokens(self, text: str) -> int:
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         self._require_ready()
-        return len(self.engine.tokenize(text))
+        return len(self.engine.tokenize(text, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         from tpserve.errors import ValidationError

@@ -259,8 +259,8 @@ class ReplicaSetBackend:
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise ValidationError(f"chat template failed on these messages: {exc}") from exc
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text).input_ids)
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        return len(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

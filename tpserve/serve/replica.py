@@ -149,8 +149,8 @@ class TPReplica:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.backend.apply_chat_template(messages)
 
-    def count_tokens(self, text: str) -> int:
-        return self.backend.count_tokens(text)
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        return self.backend.count_tokens(text, add_special_tokens)
 
     def stats(self) -> dict[str, float]:
         s = self.backend.stats()

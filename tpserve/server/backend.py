@@ -40,7 +40,10 @@ class EngineBackend(Protocol):
     def apply_chat_template(self, messages: list[dict]) -> str:
         """Render OpenAI-style messages to a prompt; ValidationError when the model has none."""
 
-    def count_tokens(self, text: str) -> int: ...
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        """Tokens of `text` as a prompt; add_special_tokens=False for a rendered chat prompt,
+        which already holds the special tokens its template wants (as generate() is then
+        called)."""
 
     # Optional: `decode(ids) -> str`, token ids as text (OpenAI's echo of a token-id
     # prompt; without it such a prompt cannot be echoed).

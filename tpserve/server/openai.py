@@ -400,7 +400,10 @@ class OpenAIRoutes:
         def render() -> tuple[str, int]:
             prompt = self.backend.apply_chat_template(messages)
             if max_new is None:  # OpenAI's chat default: whatever the context window leaves
-                return prompt, max(1, info.max_total_tokens - self.backend.count_tokens(prompt))
+                # Counted as it is submitted: the template already holds its special tokens
+                # (a BOS counted twice left the answer one token short of the window).
+                used = self.backend.count_tokens(prompt, add_special_tokens=False)
+                return prompt, max(1, info.max_total_tokens - used)
             return prompt, max_new
 
         if sum(len(v) for m in messages for v in m.values()) <= INLINE_RENDER_CHARS:
