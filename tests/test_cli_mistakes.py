@@ -118,6 +118,15 @@ def test_more_gpu_shards_than_gpus_is_refused(monkeypatch, llama_dir):
         cli.engine_config(args)
 
 
+def test_strict_spread_without_a_cluster_is_refused_before_ray_starts(capsys, no_ray,
+                                                                     llama_dir):
+    """The one-node cluster tpserve starts could never place it: this used to be found by
+    the driver actor after Ray had started, with its traceback in the log."""
+    err = _main(capsys, "--model", str(llama_dir), "--tp", "2", "--placement", "strict-spread")
+    assert "--placement strict-spread puts each of the 2 shards on its own node" in err
+    assert "--address" in err
+
+
 def test_a_port_in_use_is_refused_before_ray_starts(capsys, no_ray, llama_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -345,6 +345,7 @@ def engine_config(args: argparse.Namespace):
     check_shardable(cfg, hf)
     preflight.check_shard_count(device, shards, args.cpus_per_shard, args.address,
                                 _device_count(device))
+    preflight.check_placement(args.placement, args.tp, args.address)
     from dataclasses import replace
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))

@@ -79,6 +79,15 @@ def check_shard_count(device: str, shards: int, cpus_per_shard: int | None,
             "devices with --address")
 
 
+def check_placement(placement: str, tp: int, address: str | None) -> None:
+    """strict-spread wants a node per shard; the cluster tpserve starts has one node."""
+    if placement == "strict-spread" and tp > 1 and not address:
+        raise ValueError(
+            f"--placement strict-spread puts each of the {tp} shards on its own node, but "
+            "without --address tpserve starts a one-node cluster: join a cluster of "
+            f"{tp} nodes or more with --address, or use --placement pack (or spread)")
+
+
 def check_port(host: str, port: int) -> None:
     """Bind host:port as the driver will (SO_REUSEADDR), then let go of it."""
     if port == 0:
