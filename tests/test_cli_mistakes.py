@@ -83,6 +83,13 @@ def test_a_preset_that_cannot_be_read_is_a_usage_error(capsys, tmp_path, text, m
     assert exit_.value.code == 2 and message in err and str(preset) in err
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_file_given_as_the_model_names_its_directory(capsys, no_ray, llama_dir, name):
+    """It used to say the file `does not exist` (./x) or try the hub for it (x)."""
+    err = _main(capsys, "--model", str(llama_dir / name))
+    assert f"--model {llama_dir / name} is a file" in err and f"here {llama_dir}" in err
+
+
 def test_max_input_tokens_must_leave_room_for_a_generated_token(capsys, no_ray, llama_dir):
     # TGI's rule; the server used to start and then answer every long prompt oddly.
     err = _main(capsys, "--model", str(llama_dir), "--max-input-tokens", "2000",

@@ -278,6 +278,10 @@ def _load_config(path: Path):
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
     preflight.check_ranges(args)
+    if args.model and Path(args.model).expanduser().is_file():
+        raise CheckpointError(
+            f"--model {args.model} is a file: pass the checkpoint's directory (config.json, "
+            f"*.safetensors, tokenizer files), here {Path(args.model).expanduser().parent}")
     if args.model and Path(args.model).expanduser().is_dir():
         # A local checkpoint is checked before torch is even imported (seconds on a small
         # machine), so a checkpoint tpserve cannot serve is refused at once.
