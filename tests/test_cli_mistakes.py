@@ -100,16 +100,20 @@ def test_max_input_tokens_must_leave_room_for_a_generated_token(capsys, no_ray, 
     assert "--max-input-tokens (64) must be below" in err
 
 
-def test_more_cpu_shards_than_cores_is_refused_unless_asked_for(monkeypatch, llama_dir):
+def test_more_cpu_shards_than_cores_run_with_a_warning(monkeypatch, caplog, llama_dir):
+    """CPU shards share cores (tests and small machines serve --tp 4 on two): the launch goes
+    on and says it will be slower, unless --cpus-per-shard chose, or a cluster was joined."""
     monkeypatch.setattr(preflight.os, "cpu_count", lambda: 2)
     args = ["launch", "--model", str(llama_dir), "--device", "cpu", "--tp", "4"]
-    with pytest.raises(ValueError, match=r"4 shards .* 2 CPU core\(s\): use --tp 2 or less, "
-                                         r"or pass --cpus-per-shard 1"):
-        cli.engine_config(cli.apply_preset(cli.build_parser(), args))
-    # Asked for explicitly (as the tests do on a 2-core machine), or on a joined cluster.
+    with caplog.at_level("WARNING", logger="tpserve"):
+        cfg = cli.engine_config(cli.apply_preset(cli.build_parser(), args))
+    assert cfg.parallel.tp_size == 4
+    assert "4 CPU shards (--tp x --replicas) share this machine's 2 core(s)" in caplog.text
     for extra in (["--cpus-per-shard", "1"], ["--address", "auto"]):
-        cfg = cli.engine_config(cli.apply_preset(cli.build_parser(), args + extra))
-        assert cfg.parallel.tp_size == 4
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tpserve"):
+            cfg = cli.engine_config(cli.apply_preset(cli.build_parser(), args + extra))
+        assert cfg.parallel.tp_size == 4 and "share this machine" not in caplog.text
 
 
 def test_more_gpu_shards_than_gpus_is_refused(monkeypatch, llama_dir):

@@ -347,8 +347,10 @@ def engine_config(args: argparse.Namespace):
     from tpserve.worker.build import check_shardable
 
     check_shardable(cfg, hf)
-    preflight.check_shard_count(device, shards, args.cpus_per_shard, args.address,
-                                _device_count(device))
+    crowded = preflight.check_shard_count(device, shards, args.cpus_per_shard, args.address,
+                                          _device_count(device))
+    if crowded:
+        log.warning(crowded)
     preflight.check_placement(args.placement, args.tp, args.address)
     from dataclasses import replace
 

@@ -57,20 +57,22 @@ def check_token_limits(max_total: int, max_input: int | None) -> None:
 
 
 def check_shard_count(device: str, shards: int, cpus_per_shard: int | None,
-                      address: str | None, device_count: int | None) -> None:
-    """On a cluster tpserve starts itself (no --address), every shard needs a device of its
-    own (CUDA, XPU) or a CPU core; more shards than that cannot place or would crawl."""
+                      address: str | None, device_count: int | None) -> str | None:
+    """On a cluster tpserve starts itself (no --address), every GPU shard needs a device of
+    its own (CUDA, XPU): more shards than devices cannot place (ValueError). CPU shards share
+    cores when there are more shards than cores: they run (tests and small machines serve
+    --tp 4 on two cores), slower; the returned warning says so (None when nothing to say)."""
     if address:
-        return  # the cluster's resources decide; placement says so if they do not fit
+        return None  # the cluster's resources decide; placement says so if they do not fit
     what = "shard" if shards == 1 else "shards"
     if device == "cpu":
         cores = os.cpu_count() or 1
         if shards > cores and cpus_per_shard is None:
-            raise ValueError(
-                f"{shards} {what} (--tp x --replicas) but this machine has {cores} CPU core(s): "
-                f"use --tp {cores} or less, or pass --cpus-per-shard 1 to run every shard "
-                "anyway on shared cores (slower), or join a larger cluster with --address")
-    elif device_count is not None and shards > device_count:
+            return (f"{shards} CPU {what} (--tp x --replicas) share this machine's {cores} "
+                    f"core(s): every shard runs, slower than with --tp {cores} or less (pass "
+                    "--cpus-per-shard to choose, or join a larger cluster with --address)")
+        return None
+    if device_count is not None and shards > device_count:
         mask = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
         raise ValueError(
             f"{shards} {what} (--tp x --replicas) need {shards} {device.upper()} devices, one "
