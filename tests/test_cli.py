@@ -317,3 +317,31 @@ def test_kv_cache_dtype_fp8_without_float8_in_torch_is_a_start_up_error(llama_di
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs torch.float8_e4m3fn.*"
                                          "--kv-cache-dtype auto"):
         engine_config(args)
+
+
+def _subcommands() -> dict:
+    return build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+
+
+def test_every_flag_of_every_subcommand_has_help_and_is_documented():
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    for name, sub in _subcommands().items():
+        assert f"tpserve {name}" in (ROOT / "README.md").read_text(), name
+        for action in sub._actions:  # noqa: SLF001
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = action.option_strings[0]
+            assert (action.help or "").strip(), f"tpserve {name} {flag} has no help text"
+            assert f"`{flag}`" in docs or f"tpserve {name} {flag}" in docs, \
+                f"tpserve {name} {flag} is in no doc"
+
+
+def test_every_choice_of_a_launch_flag_is_in_its_readme_row():
+    """--quantize took gptq and awq while the README's row named only auto, fp8 and none."""
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--[a-z0-9-]+)` \|.*$",
+                                                          (ROOT / "README.md").read_text(),
+                                                          re.MULTILINE)}
+    missing = [f"{a.option_strings[0]} {c}" for a in _launch_actions() if a.choices
+               for c in a.choices if f"`{c}`" not in rows[a.option_strings[0]]
+               and f"| {c} |" not in rows[a.option_strings[0]]]
+    assert not missing, f"values missing from the README's flag table: {missing}"

@@ -181,3 +181,95 @@ def test_tgi_client_sees_tgi_errors(url, backend):
         list(tgi.generate_stream("a b", max_new_tokens=5))
     backend.fail_after = None
     assert tgi.generate("a", max_new_tokens=1).generated_text == " a"
+
+
+# --- no answer from the server -------------------------------------------------------------
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _each_call(url: str, timeout: float):
+    """Every request method of both clients, as a zero-argument call."""
+    sync = Client(url, timeout=timeout)
+
+    async def agen():
+        return [e async for e in AsyncClient(url, timeout=timeout).generate_stream("a")]
+
+    return {"generate": lambda: sync.generate("a"),
+            "generate_stream": lambda: list(sync.generate_stream("a")),
+            "info": sync.info,
+            "async generate": lambda: asyncio.run(AsyncClient(url, timeout=timeout)
+                                                  .generate("a")),
+            "async generate_stream": lambda: asyncio.run(agen()),
+            "async info": lambda: asyncio.run(AsyncClient(url, timeout=timeout).info())}
+
+
+def test_a_server_that_is_not_running_is_a_clear_connection_error():
+    """httpx's bare `[Errno 111] Connection refused` used to escape, naming no server."""
+    from tpserve.client import ServerUnreachableError
+    from tpserve.errors import TPServeError
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    for name, call in _each_call(url, 5).items():
+        with pytest.raises(ServerUnreachableError, match=f"cannot connect to {url}") as info:
+            call()
+        assert "tpserve launch" in str(info.value), name
+        assert isinstance(info.value, ConnectionError), name
+        assert isinstance(info.value, TPServeError), name
+
+
+def test_a_server_that_does_not_answer_in_time_is_a_timeout_error():
+    """httpx's bare `timed out` used to escape; now it names the server and the timeout."""
+    import socket
+
+    from tpserve.client import ClientTimeoutError
+    from tpserve.errors import RequestTimeoutError
+
+    with socket.socket() as silent:  # accepts connections (backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for name, call in _each_call(url, 0.3).items():
+            with pytest.raises(ClientTimeoutError, match=r"sent nothing for 0.3 s") as info:
+                call()
+            assert isinstance(info.value, TimeoutError), name
+            assert isinstance(info.value, RequestTimeoutError), name
+
+
+def test_a_connection_lost_mid_stream_is_a_connection_error():
+    import socket
+    import threading
+
+    from tpserve.client import ServerUnreachableError
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def answer_then_die() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n5\r\ndata:")  # then gone
+
+        thread = threading.Thread(target=answer_then_die)
+        thread.start()
+        url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        with pytest.raises(ServerUnreachableError, match=f"connection to {url} failed"):
+            list(Client(url, timeout=5).generate_stream("a"))
+        thread.join(timeout=5)
+
+
+def test_a_base_url_without_a_scheme_is_refused_at_once():
+    """`Client("localhost:8080")` used to fail on the first call with httpx's "unsupported
+    protocol 'localhost://'"."""
+    with pytest.raises(ValueError, match="must start with http:// or https://, as in "
+                                         "'http://localhost:8080'"):
+        Client("localhost:8080")
+    with pytest.raises(ValueError, match="http://"):
+        AsyncClient("127.0.0.1:8080")

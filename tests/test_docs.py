@@ -94,3 +94,72 @@ def test_hints_name_commands_and_flags_that_exist():
         text = re.sub(r"`ray start[^`]*`", "", text)  # Ray's own CLI flags
         unknown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", text)) - flags
         assert not unknown, f"{path.relative_to(ROOT)} names flags tpserve lacks: {unknown}"
+
+
+# --- the examples run ------------------------------------------------------------------------
+# The address the docs use, whichever way they spell it.
+DOC_URL = re.compile(r"(?:http://)?(?:localhost|127\.0\.0\.1):8080")
+
+
+def _fenced(lang: str) -> list[tuple[str, str]]:
+    """(doc:block number, code) of each ```lang block that talks to a server on :8080."""
+    found = []
+    for md in DOCS:
+        blocks = re.findall(rf"```{lang}\n(.*?)```", md.read_text(), re.DOTALL)
+        found += [(f"{md.name}:{i}", code) for i, code in enumerate(blocks)
+                  if DOC_URL.search(code)]
+    return found
+
+
+def _curl_commands() -> list[tuple[str, str]]:
+    """Every curl command line of the docs against :8080: the README's inline one and those
+    of ```bash blocks (continuation lines joined)."""
+    commands = [(f"README.md:inline{i}", c) for i, c in enumerate(
+        re.findall(r"`(curl [^`]*)`", (ROOT / "README.md").read_text())) if DOC_URL.search(c)]
+    for where, block in _fenced("bash"):
+        lines = block.replace("\\\n", " ").splitlines()
+        commands += [(f"{where}:{i}", line.split("  #")[0]) for i, line in enumerate(lines)
+                     if line.startswith("curl ") and DOC_URL.search(line)]
+    return commands
+
+
+def test_the_examples_are_found():
+    """The collection below is not empty by accident (a changed fence or address)."""
+    assert len(_fenced("python")) >= 2 and len(_curl_commands()) >= 5
+
+
+@pytest.mark.parametrize("where,code", _fenced("python"), ids=[w for w, _ in _fenced("python")])
+def test_python_examples_run_against_a_server(server, backend, where, code, capsys):
+    """Each Python example, pointed at a server (the HTTP app over a fake engine), runs as
+    written, including its `async def main()` when it defines one."""
+    import asyncio
+
+    url = server[1]
+    namespace: dict = {"__name__": "__doc_example__"}
+    exec(compile(DOC_URL.sub(url, code), where, "exec"), namespace)  # noqa: S102
+    if asyncio.iscoroutinefunction(namespace.get("main")):
+        asyncio.run(namespace["main"]())
+    assert "Traceback" not in capsys.readouterr().out
+
+
+def test_the_readme_python_one_liner_runs_against_a_server(server, backend):
+    (line,) = re.findall(r"`(tpserve\.Client\([^`]*)`", (ROOT / "README.md").read_text())
+    import tpserve
+
+    text = eval(DOC_URL.sub(server[1], line), {"tpserve": tpserve})  # noqa: S307
+    assert isinstance(text, str) and text
+
+
+@pytest.mark.parametrize("where,command", _curl_commands(),
+                         ids=[w for w, _ in _curl_commands()])
+def test_curl_examples_get_an_answer(server, backend, where, command):
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    host = server[1].removeprefix("http://")
+    out = subprocess.run(["bash", "-c", DOC_URL.sub(host, command) + " --fail-with-body"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, f"{where}: {command}\n{out.stdout}{out.stderr}"
+    assert out.stdout.strip() and '"error"' not in out.stdout, out.stdout

@@ -140,6 +140,27 @@ def test_offline_with_empty_cache_says_what_to_do(tmp_path):
     assert "hf download acme/tiny" in err and "local directory" in err
 
 
+def test_unreachable_hub_says_the_model_is_not_cached_and_what_to_do(tmp_path):
+    """No network (not offline mode): the message used to be huggingface_hub's "Got:
+    ConnectError: ..." and never said that the cache had been looked in, nor where."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = hub_env(tmp_path, None)
+    env["HF_ENDPOINT"] = endpoint
+    out = resolve_in_subprocess(env, "acme/tiny", None, "tpserve.hub.ensure_model")
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()[-1]
+    assert f"'acme/tiny' is not in the hub cache {tmp_path / 'hub-cache'}" in err
+    assert f"could not be downloaded from {endpoint}" in err and "Got:" not in err
+    assert "`hf download acme/tiny`" in err and "--model" in err
+    # A bare name may be a mistyped local directory: say that none is there either.
+    out = resolve_in_subprocess(env, "my-model", None, "tpserve.hub.ensure_model")
+    assert "(nor is my-model a directory here)" in out.stderr
+
+
 @pytest.mark.slow
 def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
     from transformers import AutoTokenizer

@@ -14,7 +14,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from tpserve import __version__
+from tpserve import __version__, preflight
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
 
@@ -198,7 +198,16 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     if getattr(args, "config", None):
         import yaml
 
-        preset = yaml.safe_load(args.config.read_text()) or {}
+        try:
+            preset = yaml.safe_load(args.config.read_text()) or {}
+        except OSError as exc:
+            parser.error(f"--config {args.config}: {exc.strerror or exc}")
+        except yaml.YAMLError as exc:
+            parser.error(f"--config {args.config} is not valid YAML: "
+                         f"{' '.join(str(exc).split())}")
+        if not isinstance(preset, dict):
+            parser.error(f"--config {args.config} must map flag names to values "
+                         "(e.g. `tp: 2`), not hold a YAML list or a single value")
         sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
         known = {a.dest for a in sub._actions}  # noqa: SLF001
         unknown = sorted(set(k.replace("-", "_") for k in preset) - known)
@@ -268,6 +277,11 @@ def _load_config(path: Path):
 
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
+    preflight.check_ranges(args)
+    if args.model and Path(args.model).expanduser().is_file():
+        raise CheckpointError(
+            f"--model {args.model} is a file: pass the checkpoint's directory (config.json, "
+            f"*.safetensors, tokenizer files), here {Path(args.model).expanduser().parent}")
     if args.model and Path(args.model).expanduser().is_dir():
         # A local checkpoint is checked before torch is even imported (seconds on a small
         # machine), so a checkpoint tpserve cannot serve is refused at once.
@@ -295,6 +309,7 @@ def engine_config(args: argparse.Namespace):
     max_pos = (getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
                or (512 if getattr(hf, "is_encoder_decoder", False) else 2048))
     max_len = args.max_total_tokens or min(int(max_pos), 8192)
+    preflight.check_token_limits(max_len, args.max_input_tokens)
     log.info("max total tokens per request: %d (%s)", max_len,
              "--max-total-tokens" if args.max_total_tokens else
              f"the model's {max_pos} positions" + (", capped at 8192; raise it with "
@@ -332,11 +347,38 @@ def engine_config(args: argparse.Namespace):
     from tpserve.worker.build import check_shardable
 
     check_shardable(cfg, hf)
+    crowded = preflight.check_shard_count(device, shards, args.cpus_per_shard, args.address,
+                                          _device_count(device))
+    if crowded:
+        log.warning(crowded)
+    preflight.check_placement(args.placement, args.tp, args.address)
     from dataclasses import replace
+
+    return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+
+
+def _device_count(device: str) -> int | None:
+    if device == "cpu":
+        return None
+    import torch
+
+    return getattr(torch, device).device_count()
+
+
+def _quiet_snapshot(hf) -> str:
+    """The config as plain data (hf_config.snapshot), without the deprecation notes that
+    transformers logs for every deprecated property the snapshot reads (`torch_dtype`,
+    `use_return_dict`): they are about the walk, not about the user's checkpoint."""
+    from transformers.utils import logging as hf_logging
 
     from tpserve.hf_config import snapshot
 
-    return replace(cfg, model=replace(cfg.model, hf_snapshot=snapshot(hf)))
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return snapshot(hf)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _kv_cache_dtype(args: argparse.Namespace) -> str:
@@ -393,6 +435,7 @@ def server_config(args: argparse.Namespace):
                          f"{args.max_rebuilds} and {args.rebuild_backoff})")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    preflight.check_tls_files(args.ssl_certfile, args.ssl_keyfile)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -429,7 +472,14 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
 
     tp, device = cfg.parallel.tp_size, cfg.parallel.device
     if args.address:
-        ray.init(address=args.address, namespace="tpserve")
+        preflight.check_ray_address(args.address)
+        try:
+            ray.init(address=args.address, namespace="tpserve")
+        except ConnectionError as exc:
+            raise RuntimeError(
+                f"could not join the Ray cluster at --address {args.address} ({exc}): start "
+                "one with `ray start --head`, or leave out --address to start a local "
+                "cluster") from None
         log.info("ray: joined the cluster at %s (%s)", args.address, ray.cluster_resources())
         return
     # "local": a new cluster even when another one runs on this machine (a second tpserve, a
@@ -456,6 +506,7 @@ def launch(args: argparse.Namespace) -> int:
     checked = time.time()
 
     _check_replica_flags(args)
+    preflight.check_port(args.host, args.port)  # before Ray: its start takes seconds
     import ray
 
     from tpserve.cluster.driver import Driver
@@ -528,7 +579,6 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if hasattr(exc, "cause") else exc
-        log.error("start-up failed: %s", cause)
         print(f"tpserve: error: start-up failed: {cause}", file=sys.stderr)
         return 1
     finally:
@@ -619,7 +669,6 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
                         left)
         return 0
     except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
-        log.error("start-up failed: %s", exc)
         print(f"tpserve: error: start-up failed: {exc}", file=sys.stderr, flush=True)
         # Another launch's application: stopping Serve would stop it too.
         ours = not isinstance(exc, serve_app.AppExistsError)
@@ -746,8 +795,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernels(args)
     except (CheckpointError, ShardingError, KernelUnavailableError, RuntimeError,
             ValueError) as exc:
-        log.error("%s", exc)
-        print(f"tpserve: error: {exc}", file=sys.stderr)
+        # One line, no traceback: the message says what to do.
+        print(f"tpserve: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -1,13 +1,16 @@
 """Python clients for tpserve's (and TGI's) /generate API, mirroring text_generation.Client.
 
 Parameters are validated locally with the same pydantic models the server uses, so a
-bad argument fails before any network round trip with the server's wording.
+bad argument fails before any network round trip with the server's wording. Every failure is
+a tpserve.errors.TPServeError: the server's answers as in docs/http_api.md, and no answer at
+all as ServerUnreachableError or ClientTimeoutError below.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -24,6 +27,18 @@ from tpserve.errors import (
     UnauthorizedError,
     ValidationError,
 )
+
+
+class ServerUnreachableError(TPServeError, ConnectionError):
+    """No connection to the server (refused, unknown host, connect timeout), or the
+    connection was lost before the answer ended. Nothing came back from tpserve itself."""
+
+    error_type = "unreachable"
+
+
+class ClientTimeoutError(RequestTimeoutError, TimeoutError):
+    """The server sent nothing for `timeout` seconds (Client(timeout=...)); the client gave
+    up and closed the connection, which aborts the request on the server."""
 
 _ERRORS: dict[str, type[TPServeError]] = {
     "validation": ValidationError,
@@ -80,6 +95,30 @@ class _LineSplitter:
         return [rest.removesuffix("\r")] if rest else []
 
 
+@contextmanager
+def _transport_errors(base_url: str, timeout: float | None) -> Iterator[None]:
+    """httpx's transport errors as tpserve errors that name the server and what to do."""
+    try:
+        yield
+    except httpx.ConnectTimeout as exc:
+        raise ServerUnreachableError(
+            f"could not connect to {base_url} within {timeout} s: check the address and "
+            "that the server's host is reachable") from exc
+    except httpx.TimeoutException as exc:
+        raise ClientTimeoutError(
+            f"{base_url} sent nothing for {timeout} s (Client timeout={timeout}): the "
+            "request was abandoned; give a longer timeout (None waits forever) or ask for "
+            "fewer tokens") from exc
+    except httpx.ConnectError as exc:
+        raise ServerUnreachableError(
+            f"cannot connect to {base_url} ({exc}): is `tpserve launch` running there? It "
+            "prints the address it serves on once ready") from exc
+    except httpx.TransportError as exc:
+        raise ServerUnreachableError(
+            f"the connection to {base_url} failed before the answer ended "
+            f"({type(exc).__name__}: {exc})") from exc
+
+
 def _lines(chunks: Iterator[str]) -> Iterator[str]:
     split = _LineSplitter()
     for chunk in chunks:
@@ -126,9 +165,12 @@ class _Base:
         base_url: str,
         headers: dict[str, str] | None = None,
         cookies: dict[str, str] | None = None,
-        timeout: float = 10,
+        timeout: float | None = 10,
         api_key: str | None = None,
     ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, as in "
+                             f"'http://{base_url}' (got {base_url!r})")
         self.base_url = base_url.rstrip("/")
         if api_key is not None:  # the server's --api-key / TPSERVE_API_KEY
             headers = {**(headers or {}), "Authorization": f"Bearer {api_key}"}
@@ -146,14 +188,20 @@ class _Base:
 
 
 class Client(_Base):
-    """Synchronous client. Keeps one connection pool; use as a context manager or close()."""
+    """Synchronous client. Keeps one connection pool; use as a context manager or close().
+
+    base_url: the server's address (`http://HOST:PORT`). timeout: seconds to wait for the
+    connection and for each piece of the answer (a non-streamed answer comes whole, so it
+    bounds the whole generation); None waits forever. api_key: sent as `Authorization:
+    Bearer KEY` (the server's --api-key).
+    """
 
     def __init__(
         self,
         base_url: str,
         headers: dict[str, str] | None = None,
         cookies: dict[str, str] | None = None,
-        timeout: float = 10,
+        timeout: float | None = 10,
         api_key: str | None = None,
     ) -> None:
         super().__init__(base_url, headers, cookies, timeout, api_key)
@@ -176,7 +224,9 @@ class Client(_Base):
             return False
 
     def info(self) -> dict[str, Any]:
-        resp = self._http.get("/info")
+        """GET /info: the model, its limits and the deployment (tp_size, device...)."""
+        with _transport_errors(self.base_url, self.timeout):
+            resp = self._http.get("/info")
         _raise_for(resp)
         return resp.json()
 
@@ -200,9 +250,15 @@ class Client(_Base):
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
     ) -> wire.Response:
-        """Generate a completion of `prompt`; the result always carries `details`."""
+        """Generate a completion of `prompt`; the result always carries `details`.
+
+        Raises tpserve.errors.ValidationError (bad arguments, checked here first, or 422),
+        OverloadedError (429), NotReadyError (503) and the others of docs/http_api.md with
+        the server's message; ServerUnreachableError / ClientTimeoutError without an answer.
+        """
         body = _body(prompt, False, **_params(locals()))
-        resp = self._http.post("/generate", json=body)
+        with _transport_errors(self.base_url, self.timeout):
+            resp = self._http.post("/generate", json=body)
         _raise_for(resp)
         return wire.Response.model_validate(resp.json())
 
@@ -226,10 +282,14 @@ class Client(_Base):
     ) -> Iterator[wire.StreamResponse]:
         """Yield one StreamResponse per token; the last has generated_text and details.
 
-        Stopping the iteration early closes the connection, which aborts the request.
+        Stopping the iteration early closes the connection, which aborts the request. Errors
+        as generate(); one the server reports mid-stream raises where it arrives.
         """
         body = _body(prompt, True, **_params(locals()))
-        with self._http.stream("POST", "/generate_stream", json=body) as resp:
+        with (
+            _transport_errors(self.base_url, self.timeout),
+            self._http.stream("POST", "/generate_stream", json=body) as resp,
+        ):
             if resp.status_code != 200:
                 resp.read()
                 _raise_for(resp)
@@ -248,6 +308,7 @@ class AsyncClient(_Base):
     """
 
     async def health(self) -> bool:
+        """True when the server answers /health with 200 (model loaded)."""
         try:
             async with httpx.AsyncClient(**self._client_kwargs()) as http:
                 return (await http.get("/health")).status_code == 200
@@ -255,8 +316,10 @@ class AsyncClient(_Base):
             return False
 
     async def info(self) -> dict[str, Any]:
-        async with httpx.AsyncClient(**self._client_kwargs()) as http:
-            resp = await http.get("/info")
+        """GET /info: the model, its limits and the deployment (tp_size, device...)."""
+        with _transport_errors(self.base_url, self.timeout):
+            async with httpx.AsyncClient(**self._client_kwargs()) as http:
+                resp = await http.get("/info")
         _raise_for(resp)
         return resp.json()
 
@@ -280,9 +343,11 @@ class AsyncClient(_Base):
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
     ) -> wire.Response:
+        """As Client.generate."""
         body = _body(prompt, False, **_params(locals()))
-        async with httpx.AsyncClient(**self._client_kwargs()) as http:
-            resp = await http.post("/generate", json=body)
+        with _transport_errors(self.base_url, self.timeout):
+            async with httpx.AsyncClient(**self._client_kwargs()) as http:
+                resp = await http.post("/generate", json=body)
         _raise_for(resp)
         return wire.Response.model_validate(resp.json())
 
@@ -304,18 +369,20 @@ class AsyncClient(_Base):
         watermark: bool = False,
         top_n_tokens: int | None = None,
     ) -> AsyncIterator[wire.StreamResponse]:
+        """As Client.generate_stream."""
         body = _body(prompt, True, **_params(locals()))
-        async with (
-            httpx.AsyncClient(**self._client_kwargs()) as http,
-            http.stream("POST", "/generate_stream", json=body) as resp,
-        ):
-            if resp.status_code != 200:
-                await resp.aread()
-                _raise_for(resp)
-            async for line in _alines(resp.aiter_text()):
-                event = _parse_event(line)
-                if event is not None:
-                    yield event
+        with _transport_errors(self.base_url, self.timeout):
+            async with (
+                httpx.AsyncClient(**self._client_kwargs()) as http,
+                http.stream("POST", "/generate_stream", json=body) as resp,
+            ):
+                if resp.status_code != 200:
+                    await resp.aread()
+                    _raise_for(resp)
+                async for line in _alines(resp.aiter_text()):
+                    event = _parse_event(line)
+                    if event is not None:
+                        yield event
 
 
 def _params(arguments: dict[str, Any]) -> dict[str, Any]:

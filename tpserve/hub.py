@@ -117,10 +117,14 @@ def _download(model_id: str, revision: str | None, weights: bool) -> Path:
             f"{model_id} was not found on {constants.ENDPOINT}: check the id, or set HF_TOKEN "
             f"if it is private ({_first_line(exc)})") from None
     except Exception as exc:  # noqa: BLE001 - network, HTTP and disk errors alike
+        # Say where it looked first: offline, "not in the cache" is the actual problem.
+        local = "" if "/" in model_id else f" (nor is {model_id} a directory here)"
         raise CheckpointError(
-            f"could not download {model_id} from {constants.ENDPOINT}: {_first_line(exc)}. "
-            "Check the network (HF_ENDPOINT selects a mirror), or download it elsewhere and "
-            "pass a local directory to --model.") from None
+            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()}{local} "
+            f"and could not be downloaded from {constants.ENDPOINT}: "
+            f"{_first_line(exc).removeprefix('Got: ')}. Check the network (HF_ENDPOINT "
+            f"selects a mirror), or fetch it where there is one (`hf download {model_id}`) "
+            "and copy the hub cache (HF_HUB_CACHE) or pass the directory to --model.") from None
     if not (path / "config.json").exists():
         raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
                               "transformers model tpserve can serve")
