@@ -100,23 +100,22 @@ def _transport_errors(base_url: str, timeout: float | None) -> Iterator[None]:
     """httpx's transport errors as tpserve errors that name the server and what to do."""
     try:
         yield
-    except httpx.ConnectTimeout as exc:
-        raise ServerUnreachableError(
-            f"could not connect to {base_url} within {timeout} s: check the address and "
-            "that the server's host is reachable") from exc
-    except httpx.TimeoutException as exc:
-        raise ClientTimeoutError(
-            f"{base_url} sent nothing for {timeout} s (Client timeout={timeout}): the "
-            "request was abandoned; give a longer timeout (None waits forever) or ask for "
-            "fewer tokens") from exc
-    except httpx.ConnectError as exc:
-        raise ServerUnreachableError(
-            f"cannot connect to {base_url} ({exc}): is `tpserve launch` running there? It "
-            "prints the address it serves on once ready") from exc
     except httpx.TransportError as exc:
-        raise ServerUnreachableError(
-            f"the connection to {base_url} failed before the answer ended "
-            f"({type(exc).__name__}: {exc})") from exc
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            raise ClientTimeoutError(
+                f"{base_url} sent nothing for {timeout} s (Client timeout={timeout}): the "
+                "request was abandoned; give a longer timeout (None waits forever) or ask for "
+                "fewer tokens") from exc
+        if isinstance(exc, httpx.ConnectTimeout):
+            why = (f"could not connect to {base_url} within {timeout} s: check the address "
+                   "and that the server's host is reachable")
+        elif isinstance(exc, httpx.ConnectError):
+            why = (f"cannot connect to {base_url} ({exc}): is `tpserve launch` running "
+                   "there? It prints the address it serves on once ready")
+        else:
+            why = (f"the connection to {base_url} failed before the answer ended "
+                   f"({type(exc).__name__}: {exc})")
+        raise ServerUnreachableError(why) from exc
 
 
 def _lines(chunks: Iterator[str]) -> Iterator[str]:
