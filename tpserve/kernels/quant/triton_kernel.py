@@ -247,8 +247,6 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          **launch, **chain)
             if summed or fused:
                 return y
-    elif fused:
-        return None
     else:
         grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
         # float32 activations get an exact float32 product, not TF32.
@@ -269,7 +267,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
 def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int,
                                gated: int = 0) -> torch.Tensor | None:
     """quant_matmul's MMA_MIN_ROWS to MMA_CHUNK_ROWS rows through the tensor-core GEMV where
-    it applies, 16 rows a launch (gated: quant_matmul's, up to 16 rows); the first use on a
+    it applies, 16 rows a launch (gated: quant_matmul's, one row); the first use on a
     device, and each reason it does not apply, logged once."""
     m = x.shape[0]
     if g is not None:
@@ -286,8 +284,6 @@ def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int,
               "(kernels/quant/triton_mma.py)")
     if m <= 16:
         return _mma_launch(x, w, s, z, group_size, MMA_WARPS[m > 8], 0, 0, gated=gated)
-    if gated:
-        return None
     y = torch.empty(m, w.shape[1], device=x.device, dtype=x.dtype)
     for i in range(0, m, 16):
         rows = min(16, m - i)
