@@ -1,11 +1,13 @@
 """A loopback HTTP server that answers the Hugging Face hub API calls huggingface_hub makes to
 download one repository (model info by revision, recursive tree listing, resolve/<rev>/<file>
-with the commit and ETag headers), so hub downloads are tested without the internet."""
+with the commit and ETag headers), so hub downloads are tested without the internet; and a
+SilentHub that accepts connections and never answers (a hung hub or proxy)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -125,3 +127,39 @@ class FakeHub:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+
+class SilentHub:
+    """Accepts every TCP connection and never sends a byte: a hub, mirror or proxy that hangs.
+    The connections are held open (so the client waits on them) until the context ends."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted = 0
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            self._held.append(conn)
+
+    def __enter__(self) -> SilentHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
