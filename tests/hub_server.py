@@ -1,20 +1,30 @@
 """A loopback HTTP server that answers the Hugging Face hub API calls huggingface_hub makes to
 download one repository (model info by revision, recursive tree listing, resolve/<rev>/<file>
-with the commit and ETag headers), so hub downloads are tested without the internet."""
+with the commit and ETag headers), so hub downloads are tested without the internet; and a
+SilentHub that accepts connections and never answers (a hung hub or proxy)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 
 class FakeHub:
-    def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c" * 40) -> None:
+    """pace=(size, pause): the weights (*.safetensors) are sent `size` bytes at a time with
+    `pause` seconds between (a slow but steady hub); stall_after=N: their first N bytes are
+    sent, then nothing until the hub closes (a hub that stops in the middle of a file)."""
+
+    def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c" * 40,
+                 pace: tuple[int, float] | None = None, stall_after: int | None = None) -> None:
         self.repo_id, self.files, self.commit = repo_id, files, commit
+        self.pace, self.stall_after = pace, stall_after
+        self._closing = threading.Event()
         self.requests: list[str] = []  # "METHOD path" of every request, in order
         self.auth: set[str | None] = set()  # Authorization headers seen
         hub = self
@@ -43,6 +53,7 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()  # lets a stalled answer end
         self.server.shutdown()
         self.server.server_close()
 
@@ -82,9 +93,24 @@ class FakeHub:
             h.send_header("Content-Type", "application/octet-stream")
             h.end_headers()
             if body:
-                h.wfile.write(data)
+                self._send_body(h, data, weights=name.endswith(".safetensors"))
             return None
         return self._error(h, 404, None, "not a route of this fake hub")
+
+    def _send_body(self, h: BaseHTTPRequestHandler, data: bytes, weights: bool) -> None:
+        if weights and self.stall_after is not None:
+            h.wfile.write(data[:self.stall_after])
+            h.wfile.flush()
+            self._closing.wait()
+        elif weights and self.pace is not None:
+            size, pause = self.pace
+            for start in range(0, len(data), size):
+                if start:
+                    time.sleep(pause)
+                h.wfile.write(data[start:start + size])
+                h.wfile.flush()
+        else:
+            h.wfile.write(data)
 
     def _known(self, rev: str) -> bool:
         return rev in ("main", self.commit)
@@ -125,3 +151,39 @@ class FakeHub:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+
+class SilentHub:
+    """Accepts every TCP connection and never sends a byte: a hub, mirror or proxy that hangs.
+    The connections are held open (so the client waits on them) until the context ends."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted = 0
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            self._held.append(conn)
+
+    def __enter__(self) -> SilentHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+        for conn in self._held:
+            conn.close()

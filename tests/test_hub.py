@@ -122,10 +122,12 @@ def test_a_node_without_the_directory_resolves_the_hub_id(tmp_path, monkeypatch,
     assert asked == []
     gone = str(tmp_path / "on-the-head-node-only")
     assert node_model_path(gone, "acme/tiny", "v1", False) == llama_dir
-    assert asked == [("acme/tiny", "v1", False)]
+    assert asked == [("acme/tiny", "v1", False, None)]
     snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("d" * 40)
     node_model_path(str(snapshot), "acme/tiny", "main")  # the launching node's commit wins
-    assert asked[-1] == ("acme/tiny", "d" * 40, True)
+    assert asked[-1] == ("acme/tiny", "d" * 40, True, None)
+    node_model_path(gone, "acme/tiny", None, True, 7.5)  # --download-timeout reaches the node
+    assert asked[-1] == ("acme/tiny", None, True, 7.5)
     with pytest.raises(CheckpointError, match="file system every node mounts"):
         node_model_path(gone, "/data/models/tiny")
 

@@ -49,6 +49,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "files only; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
                    "default: the embedded model")
     p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
+    p.add_argument("--download-timeout", type=float, default=None, metavar="SECONDS",
+                   help="downloading a hub id: seconds the hub (or a proxy) may stay silent, "
+                   "not connecting, not answering a request or sending no byte of a file, "
+                   "before the download fails with an error naming it (each wait; a slow "
+                   "download that keeps receiving bytes is never cut); default: "
+                   "HF_HUB_DOWNLOAD_TIMEOUT where set, else 60")
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights of the checkpoint's shapes (benchmarks; needs "
                    "only config.json and a tokenizer)")
@@ -296,7 +302,8 @@ def engine_config(args: argparse.Namespace):
     )
     from tpserve.weights import resolve_model
 
-    path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy")
+    path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy",
+                         download_timeout=args.download_timeout)
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
     check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
     hf = _load_config(path)
@@ -323,7 +330,8 @@ def engine_config(args: argparse.Namespace):
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
                           load_format=args.load_format, quantize=args.quantize,
-                          quant_kernel=args.quant_kernel),
+                          quant_kernel=args.quant_kernel,
+                          download_timeout_s=args.download_timeout),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address, placement=args.placement,
                                 dist_timeout_s=args.collective_timeout,

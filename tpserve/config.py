@@ -19,6 +19,9 @@ class ModelConfig:
     # unquantized checkpoint at load). quant_kernel: the int4/fp8 matmul kernel, or auto.
     quantize: str = "auto"
     quant_kernel: str = "auto"
+    # Seconds the hub may stay silent while a node downloads model_id (tpserve/hub.py);
+    # None: HF_HUB_DOWNLOAD_TIMEOUT where set, else 60.
+    download_timeout_s: float | None = None
     # The launcher's checked transformers config as plain data (tpserve/hf_config.py), set
     # once check_shardable passed: shards and the driver read it instead of importing
     # transformers' config machinery again (seconds per process). Empty: read config.json.

@@ -27,6 +27,7 @@ FLAG_RANGES: dict[str, tuple[float, float | None, bool]] = {
     "kv_cache_memory_gb": (0, None, True),
     "gpu_memory_utilization": (0, 1, True),
     "shutdown_timeout": (0, None, False),
+    "download_timeout": (0, None, True),
 }
 
 

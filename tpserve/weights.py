@@ -31,10 +31,12 @@ def hub_cache_dir() -> str:
         return os.path.expanduser("~/.cache/huggingface/hub")
 
 
-def resolve_model(model: str | None, revision: str | None = None, weights: bool = True) -> Path:
+def resolve_model(model: str | None, revision: str | None = None, weights: bool = True,
+                  download_timeout: float | None = None) -> Path:
     """A local directory, or a hub id: from the local hub cache, else downloaded into it
-    (tpserve/hub.py; HF_HUB_OFFLINE=1 forbids the download). weights=False: a hub id needs
-    only its config and tokenizer (--load-format dummy)."""
+    (tpserve/hub.py; HF_HUB_OFFLINE=1 forbids the download, and download_timeout bounds each
+    silence of the hub). weights=False: a hub id needs only its config and tokenizer
+    (--load-format dummy)."""
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise CheckpointError(
@@ -53,11 +55,11 @@ def resolve_model(model: str | None, revision: str | None = None, weights: bool 
         raise CheckpointError(
             f"model {model!r} not found: {local.resolve()} does not exist (a path; a hub id "
             "looks like org/name)")
-    return hub.ensure_model(model, revision, weights)
+    return hub.ensure_model(model, revision, weights, download_timeout)
 
 
 def node_model_path(path: str, model_id: str, revision: str | None = None,
-                    weights: bool = True) -> Path:
+                    weights: bool = True, download_timeout: float | None = None) -> Path:
     """The checkpoint directory on this node. The launching node resolved `path`; a shard on
     another node without that directory (no shared file system) resolves the hub id itself,
     downloading into its own node's cache."""
@@ -69,7 +71,7 @@ def node_model_path(path: str, model_id: str, revision: str | None = None,
     if hub.is_hub_id(model_id):
         if p.parent.name == "snapshots":  # pin the commit the launching node resolved, so
             revision = p.name             # every shard reads the same weights
-        return hub.ensure_model(model_id, revision, weights)
+        return hub.ensure_model(model_id, revision, weights, download_timeout)
     raise CheckpointError(
         f"{path} does not exist on this node: put the checkpoint on a file system every node "
         "mounts at the same path, or copy it to that path on every node")

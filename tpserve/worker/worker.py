@@ -132,7 +132,8 @@ class Worker:
         t0 = time.perf_counter()
         m = self.cfg.model
         # rayops hook: a node without the launching node's directory resolves the hub id.
-        path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy"))
+        path = str(node_model_path(m.path, m.model_id, m.revision, m.load_format != "dummy",
+                                   m.download_timeout_s))
         # A snapshot describes the checkpoint wherever this node keeps it.
         same = self.hf_config is not None and (bool(m.hf_snapshot) or Path(path) == Path(m.path))
         hf = self.hf_config if same else load_hf_config(path)

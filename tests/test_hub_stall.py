@@ -1,0 +1,123 @@
+"""A hub (or proxy) that accepts the connection and then says nothing must not hang a launch:
+the download fails within the silence allowed, in one line naming the hub, the wait and what
+to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hub_server import FakeHub, SilentHub
+from test_hub import hub_env
+
+ENSURE = "from tpserve.hub import ensure_model; print(ensure_model('acme/tiny'))"
+
+
+def run_python(code: str, env: dict[str, str], limit: float = 20.0):
+    """`code` in a fresh interpreter (huggingface_hub reads HF_* at import), killed after
+    `limit` seconds so that a hang fails the test instead of hanging it."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=limit)
+    return out, time.monotonic() - start
+
+
+def test_silent_hub_fails_with_a_message_instead_of_hanging(tmp_path: Path):
+    """The first request (the revision's metadata) gets no answer: huggingface_hub sends it
+    without a read timeout, so this waited forever. HF_HUB_DOWNLOAD_TIMEOUT, set by the
+    user, is the silence allowed."""
+    with SilentHub() as hub:
+        env = hub_env(tmp_path, None)
+        env.update(HF_ENDPOINT=hub.url, HF_HUB_DOWNLOAD_TIMEOUT="2")
+        out, took = run_python(ENSURE, env)
+        assert hub.accepted >= 1
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()[-1]
+    assert "CheckpointError" in err and "Traceback" not in out.stdout
+    assert hub.url in err and "2 s" in err, err
+    assert took < 15, f"took {took:.1f} s for a 2 s timeout"
+
+
+def test_launch_on_a_silent_hub_exits_with_one_line(tmp_path: Path):
+    """`tpserve launch --download-timeout` on a hub that never answers: exit 2 within
+    seconds, one `tpserve: error:` line that names the hub and the wait and says what to do,
+    and neither Ray nor the HTTP server started."""
+    with SilentHub() as hub:
+        env = hub_env(tmp_path, None)
+        env["HF_ENDPOINT"] = hub.url
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/tiny", "--download-timeout", "1.5"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and "Ray instance" not in out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("tpserve: error: model 'acme/tiny' is not in the hub cache"), err
+    assert f"{hub.url} accepted the connection but sent no answer for 1.5 s" in err
+    assert "--download-timeout SECONDS" in err and "HF_HUB_OFFLINE=1" in err
+    assert "`hf download acme/tiny`" in err and "HF_ENDPOINT" in err
+    assert took < 25, f"took {took:.1f} s for a 1.5 s timeout"
+
+
+WEIGHTS = bytes(range(256)) * 128  # 32 KiB
+
+
+def _files() -> dict[str, bytes]:
+    return {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}",
+            "model.safetensors": WEIGHTS}
+
+
+def test_a_file_that_stops_midway_fails_and_the_next_attempt_completes(tmp_path: Path):
+    """The hub answers the metadata, then stops after the first bytes of the weights: the
+    download fails naming that file; what it left in the cache does not get in the way of
+    the next attempt against a hub that answers."""
+    code = ("from tpserve.hub import ensure_model; "
+            "print(ensure_model('acme/tiny', timeout=1.5))")
+    with FakeHub("acme/tiny", _files(), stall_after=1000) as hub:
+        out, took = run_python(code, hub_env(tmp_path, hub))
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()[-1]
+    assert "stopped sending in the middle of an answer for 1.5 s" in err, err
+    assert "/acme/tiny/resolve/" in err and "model.safetensors" in err
+    assert took < 15, f"took {took:.1f} s for a 1.5 s timeout"
+    cut = list((tmp_path / "hub-cache").rglob("snapshots/*/model.safetensors"))
+    assert not cut, f"a cut-off file is in the snapshot: {cut}"
+    with FakeHub("acme/tiny", _files()) as hub:
+        out, _ = run_python(code, hub_env(tmp_path, hub))
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_a_slow_but_steady_hub_is_not_cut(tmp_path: Path):
+    """Bytes every 0.4 s for about 3 s in all, with a 1.5 s timeout: the bound is on
+    silence, not on the time a file takes."""
+    code = ("from tpserve.hub import ensure_model; "
+            "print(ensure_model('acme/tiny', timeout=1.5))")
+    with FakeHub("acme/tiny", _files(), pace=(4096, 0.4)) as hub:
+        out, took = run_python(code, hub_env(tmp_path, hub))
+    assert out.returncode == 0, out.stderr
+    assert took > 2.8  # longer than the timeout, so it was not a bound on the total
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_the_timeout_comes_from_the_flag_else_the_hub_variable_else_60(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from tpserve import hub, preflight
+
+    monkeypatch.delenv("HF_HUB_DOWNLOAD_TIMEOUT", raising=False)
+    assert hub.download_timeout() == hub.DEFAULT_DOWNLOAD_TIMEOUT_S == 60
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "25")
+    assert hub.download_timeout() == 25 and hub.download_timeout(3.5) == 3.5
+    for junk in ("soon", "0", "-1", "nan"):
+        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", junk)
+        assert hub.download_timeout() == 60
+    with pytest.raises(ValueError, match="--download-timeout must be > 0"):
+        preflight.check_ranges(argparse.Namespace(download_timeout=0.0))
