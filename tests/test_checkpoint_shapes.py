@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import greedy, load_rank, make_engine
-from tiny_models import PROMPTS, family_checkpoint, hf_greedy
+from engine_utils import assert_close_rel, greedy, load_rank, make_engine, prefill_logits
+from tiny_models import PROMPTS, family_checkpoint, hf_first_step_logits, hf_greedy
 
 
 def _strip_model_prefix(src, dst):
@@ -47,6 +47,68 @@ def test_llama_without_the_model_prefix_matches_transformers(ray_cluster, llama_
     assert ref == hf_greedy(llama_dir, PROMPTS, 16)
     engine = make_engine(bare, 2)
     try:
+        assert greedy(engine, PROMPTS, 16) == ref
+    finally:
+        engine.shutdown()
+
+
+def _t5_variant(kind: str):
+    """t5_config's Flan-style model (gated-gelu, an lm_head of its own) under mT5's or
+    UMT5's config class. mT5 is T5 v1.1 (transformers never scales its decoder output);
+    UMT5 gives every self-attention layer a relative position bias of its own."""
+    from tiny_models import t5_config
+    from transformers import MT5Config, UMT5Config
+
+    args = t5_config(True).to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        args.pop(key, None)
+    cls, arch = {"mt5": (MT5Config, "MT5ForConditionalGeneration"),
+                 "umt5": (UMT5Config, "UMT5ForConditionalGeneration")}[kind]
+    cfg = cls(**args)
+    cfg.architectures = [arch]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def t5_variant(models_dir):
+    from tiny_models import save_t5_model
+
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            path = save_t5_model(_t5_variant(kind), models_dir / kind)
+            cache[kind] = path, hf_greedy(path, PROMPTS, 16), hf_first_step_logits(path, PROMPTS)
+        return cache[kind]
+
+    return get
+
+
+def test_umt5_layers_have_biases_of_their_own(t5_variant):
+    """Guards the oracle: every UMT5 layer's bias is in the file and differs from the first
+    layer's, so a model that shared the first layer's (as T5 does) would diverge."""
+    from safetensors.torch import load_file
+
+    path, _, _ = t5_variant("umt5")
+    w = load_file(str(path / "model.safetensors"))
+    for stack in ("encoder", "decoder"):
+        first, second = (w[f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias"
+                           ".weight"] for i in (0, 1))
+        assert (first - second).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(("kind", "tp"), [("mt5", 1), ("mt5", 2), ("umt5", 1), ("umt5", 2)])
+def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
+    """The first decoder step's logits (which a decoder output scaled by d_model ** -0.5,
+    as T5 but not mT5 scales it, would change without changing greedy tokens) and greedy
+    continuations."""
+    path, ref, ref_logits = t5_variant(kind)
+    # Guards the oracle (UMT5 repeats one token after the one-token prompt "A").
+    assert sum(len(set(t)) > 3 for t in ref) >= 3 and len({tuple(t) for t in ref}) == 4
+    engine = make_engine(path, tp, local=tp == 1, max_model_len=128)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            assert_close_rel(got, want, 1e-4)
         assert greedy(engine, PROMPTS, 16) == ref
     finally:
         engine.shutdown()
