@@ -11,7 +11,13 @@ import shutil
 import pytest
 import torch
 from engine_utils import assert_close_rel, greedy, load_rank, make_engine, prefill_logits
-from tiny_models import PROMPTS, family_checkpoint, hf_first_step_logits, hf_greedy
+from tiny_models import (
+    PROMPTS,
+    family_checkpoint,
+    hf_first_step_logits,
+    hf_greedy,
+    hf_last_logits,
+)
 
 
 def _strip_model_prefix(src, dst):
@@ -112,3 +118,78 @@ def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
         assert greedy(engine, PROMPTS, 16) == ref
     finally:
         engine.shutdown()
+
+
+# Phi-3 long-context scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini): rotary frequencies divided
+# by short_factor within original_max_position_embeddings, cos/sin scaled by
+# sqrt(1 + ln(factor) / ln(original)). Past the original context transformers' generate()
+# recomputes the whole sequence with long_factor, which a paged cache cannot follow, so
+# tpserve serves such a model within it (rotary.longrope_original). The tiny model's
+# original context (96) holds the longest prompt (52 tokens) and 32 new tokens.
+LONGROPE_ORIGINAL = 96
+
+
+def _longrope(short=(1.0, 2.0, 4.0, 8.0)):
+    """head_dim 16 at partial_rotary_factor 0.5: 4 frequencies, one factor each."""
+    from tiny_models import phi3_config
+
+    return phi3_config(
+        rope_scaling={"type": "longrope", "short_factor": list(short),
+                      "long_factor": [3.0, 6.0, 12.0, 24.0]},
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        max_position_embeddings=4 * LONGROPE_ORIGINAL)
+
+
+@pytest.fixture(scope="module")
+def longrope(models_dir):
+    from tiny_models import save_model
+
+    path = save_model(_longrope(), models_dir / "phi3-longrope")
+    return path, hf_greedy(path, PROMPTS, 32), hf_last_logits(path, PROMPTS)
+
+
+def test_longrope_short_factors_change_the_reference(longrope, models_dir):
+    """Guards the oracle: the same weights with short factors of 1 continue otherwise, so
+    matching transformers checks them."""
+    from tiny_models import save_model
+
+    path, ref, _ = longrope
+    assert all(len(set(t)) > 3 for t in ref) and len({tuple(t) for t in ref}) == 4
+    plain = save_model(_longrope(short=(1.0, 1.0, 1.0, 1.0)), models_dir / "phi3-longrope-1")
+    assert hf_greedy(plain, PROMPTS, 32) != ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_phi3_longrope_matches_transformers(ray_cluster, longrope, tp):
+    """Prefill logits (which the attention factor, 1.14 here, scales) and greedy tokens."""
+    path, ref, ref_logits = longrope
+    engine = make_engine(path, tp, local=tp == 1)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            assert_close_rel(got, want, 1e-4)
+        assert greedy(engine, PROMPTS, 32) == ref
+    finally:
+        engine.shutdown()
+
+
+def test_longrope_requests_past_the_original_context_are_refused(longrope):
+    """The engine's limit per request drops to original_max_position_embeddings (256 asked
+    for here), and a request past it is refused with the rule, not answered otherwise than
+    transformers."""
+    from tpserve.engine.request import SamplingParams
+    from tpserve.errors import ValidationError
+
+    path, _, _ = longrope
+    engine = make_engine(path, 1, local=True, max_model_len=256)
+    try:
+        assert engine.max_model_len == LONGROPE_ORIGINAL
+        assert engine.max_input_tokens == LONGROPE_ORIGINAL - 1
+        engine.validate(list(range(3, 53)), SamplingParams(max_new_tokens=46))
+        with pytest.raises(ValidationError) as err:
+            engine.validate(list(range(3, 53)), SamplingParams(max_new_tokens=47))
+    finally:
+        engine.shutdown()
+    msg = str(err.value)
+    for needle in ("longrope", f"must be <= {LONGROPE_ORIGINAL}",
+                   "original_max_position_embeddings", "47 `max_new_tokens`"):
+        assert needle in msg, msg
