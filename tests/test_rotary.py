@@ -36,8 +36,8 @@ def test_inverse_frequencies_match_transformers(name):
 
 
 def test_unsupported_rope_type_is_a_clear_error():
-    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
-        inv_frequencies(64, {"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_type 'made-up' is not supported"):
+        inv_frequencies(64, {"rope_type": "made-up", "rope_theta": 1e4})
 
 
 @pytest.mark.parametrize(("scaling", "full"), [

@@ -5,9 +5,8 @@ the d_model ** -0.5 output scaling). One engine per (model, tp) serves every tes
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_utils import assert_close_rel, make_engine, prefill_logits
-from tiny_models import PROMPTS, hf_greedy, save_t5_model, t5_config
+from tiny_models import PROMPTS, hf_first_step_logits, hf_greedy, save_t5_model, t5_config
 
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.request import SamplingParams
@@ -25,21 +24,6 @@ NUM_BLOCKS = 64
 def t5_dirs(models_dir):
     return {name: save_t5_model(t5_config(flan), models_dir / f"t5-{name}")
             for name, flan in MODELS.items()}
-
-
-def hf_first_step_logits(path, prompts: list[str]) -> list[torch.Tensor]:
-    """transformers' logits for the first decoder token (after decoder_start_token_id)."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
-    start = torch.tensor([[model.config.decoder_start_token_id]])
-    out = []
-    for p in prompts:
-        with torch.no_grad():
-            out.append(model(input_ids=tok(p, return_tensors="pt").input_ids,
-                             decoder_input_ids=start).logits[0, -1].float())
-    return out
 
 
 @pytest.fixture(scope="module")

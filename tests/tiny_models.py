@@ -306,6 +306,21 @@ def hf_last_logits(path: Path, prompts: list[str]) -> list[torch.Tensor]:
     return res
 
 
+def hf_first_step_logits(path, prompts: list[str]) -> list[torch.Tensor]:
+    """transformers' logits for the first decoder token (after decoder_start_token_id)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
+    start = torch.tensor([[model.config.decoder_start_token_id]])
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            out.append(model(input_ids=tok(p, return_tensors="pt").input_ids,
+                             decoder_input_ids=start).logits[0, -1].float())
+    return out
+
+
 def t5_config(flan: bool = True, **kw):
     """T5ForConditionalGeneration. flan=True: v1.1/Flan style (gated-gelu, an lm_head of its
     own, no output scaling; 4 heads, few buckets and max_distance 24 so long prompts reach

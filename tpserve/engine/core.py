@@ -57,6 +57,15 @@ class _Launched:
     scored: dict[int, int] = field(default_factory=dict)
 
 
+def _longrope_original(hf_config) -> int | None:
+    """original_max_position_embeddings of a longrope (Phi-3 long-context) model, else None."""
+    if getattr(hf_config, "is_encoder_decoder", False):
+        return None
+    from tpserve.layers.rotary import longrope_original, rope_parameters
+
+    return longrope_original(rope_parameters(hf_config))
+
+
 def decoder_start_token_id(path: str, hf_config) -> int:
     """The first decoder token of an encoder-decoder model, found where transformers'
     generate looks: the config, generation_config.json, then bos; T5 uses pad."""
@@ -107,7 +116,17 @@ class EngineCore:
         self.encoder_decoder = bool(getattr(self.hf_config, "is_encoder_decoder", False))
         self.decoder_start = (decoder_start_token_id(cfg.model.path, self.hf_config)
                               if self.encoder_decoder else None)
-        self.max_input_tokens = cfg.scheduler.max_input_tokens or self.max_model_len - 1
+        self.longrope_original = _longrope_original(hf_config)
+        if self.longrope_original is not None and self.max_model_len > self.longrope_original:
+            # Past it transformers recomputes the sequence with other frequencies
+            # (rotary.longrope_original); served within it, exactly, and said so.
+            log.warning("rope_type longrope: serving at most %d tokens per request (the "
+                        "model's original_max_position_embeddings), not %d: past it the "
+                        "rotary switches to long_factor for the whole sequence, which a paged "
+                        "KV cache cannot follow", self.longrope_original, self.max_model_len)
+            self.max_model_len = self.longrope_original
+        self.max_input_tokens = min(cfg.scheduler.max_input_tokens or self.max_model_len - 1,
+                                    self.max_model_len - 1)
         self._start_executor(cfg)
         window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
         self.scheduler = Scheduler(self._block_manager(window),
@@ -173,9 +192,12 @@ class EngineCore:
             raise ValidationError(f"`inputs` must have at most {self.max_input_tokens} tokens. "
                                   f"Given: {n}. Shorten the prompt or set `truncate`.")
         if n + params.max_new_tokens > self.max_model_len:
+            why = (f" (rope_type longrope: served within original_max_position_embeddings = "
+                   f"{self.longrope_original}, past which the rotary changes for the whole "
+                   f"sequence)" if self.longrope_original is not None else "")
             raise ValidationError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. Given: {n} "
-                f"`inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}{why}. "
+                f"Given: {n} `inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
         vocab = getattr(self.hf_config, "vocab_size", None)
         # Ids past the embedding would fail the whole step at tp 1 (an index error for every
         # request in it) and read zeros at tp > 1 (each rank masks what it does not hold).

@@ -23,6 +23,9 @@ def rope_parameters(config) -> dict:
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    if params["rope_type"] == "longrope":  # Phi-3 keeps it beside rope_scaling
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None))
     return params
 
 
@@ -70,10 +73,48 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn(rot_dim, base, params)
+    if kind == "longrope":
+        return _longrope(rot_dim, base, params)
     raise ValueError(
-        f"rope_type {kind!r} is not supported yet (supported: default, linear, dynamic, llama3, yarn); "
-        "the model's config.json asks for it"
+        f"rope_type {kind!r} is not supported yet (supported: default, linear, dynamic, llama3, "
+        "yarn, longrope); the model's config.json asks for it"
     )
+
+
+def longrope_original(params: dict) -> int | None:
+    """The original context of a longrope model (original_max_position_embeddings), past
+    which its rotary switches from short_factor to long_factor; None for other rope types.
+
+    transformers' Phi-3 does not switch position by position: once a sequence is longer
+    than this, generate() drops the KV cache and recomputes the whole sequence with the long
+    factors (Phi3ForCausalLM.prepare_inputs_for_generation), and a longer prompt is rotated
+    with them throughout. A paged KV cache keeps the keys it wrote, so tpserve serves such a
+    model within its original context, exactly (EngineCore caps the tokens per request
+    there), rather than answer past it otherwise than transformers."""
+    if params.get("rope_type") != "longrope":
+        return None
+    return int(params["original_max_position_embeddings"])
+
+
+def _longrope(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-*-128k, Phi-3.5, Phi-4-mini) within the original context: each
+    frequency divided by its own short_factor; cos/sin scaled by sqrt(1 + ln(factor) /
+    ln(original)), factor = max_position_embeddings / original unless given. As
+    transformers' _compute_longrope_parameters (longrope_original says why not long_factor)."""
+    original = longrope_original(params)
+    key = "short_factor"
+    ext = torch.tensor(params[key], dtype=torch.float32)
+    if ext.numel() != rot_dim // 2:
+        raise ValueError(
+            f"rope_scaling {key} has {ext.numel()} entries but the rotary dimension "
+            f"{rot_dim} needs rot_dim / 2 = {rot_dim // 2} (one per frequency): the "
+            "checkpoint's config.json is inconsistent")
+    factor = params.get("factor") or float(params["max_position_embeddings"]) / original
+    attn = params.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
+    return 1.0 / (ext * base**shape), float(attn)
 
 
 def _yarn(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]:

@@ -10,7 +10,7 @@ served as text only: their language model, built from the config's text_config
 from __future__ import annotations
 
 from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, layer_windows
-from tpserve.models.loader import load_into
+from tpserve.models.loader import load_into, with_prefix
 
 # A vision-language checkpoint served as text (hf_config.TEXT_ONLY) names its language
 # model's tensors under language_model.model.* (as published; model.language_model.* in
@@ -44,4 +44,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def load_weights(self, tensors) -> None:
         skip = self.skip_tensors + _VISION + (("lm_head.",) if self.tied(self.config) else ())
-        load_into(self, tensors, self.stacked_params, skip, rename=text_name)
+        prefixed = with_prefix("model.")  # names without "model." (with_prefix)
+        load_into(self, tensors, self.stacked_params, skip,
+                  rename=lambda name: prefixed(text_name(name)))

@@ -12,7 +12,7 @@ from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear,
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.quant.methods import Int4Method, UnquantizedMethod
 from tpserve.layers.rotary import RotaryEmbedding, layer_rope_parameters, rope_parameters
-from tpserve.models.loader import load_into
+from tpserve.models.loader import load_into, with_prefix
 
 
 def head_dim_of(config) -> int:
@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors) -> None:
         skip = self.skip_tensors + (("lm_head.",) if self.tied(self.config) else ())
-        load_into(self, tensors, self.stacked_params, skip)
+        load_into(self, tensors, self.stacked_params, skip, rename=with_prefix("model."))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

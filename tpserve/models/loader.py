@@ -14,6 +14,18 @@ from tpserve.weights import TensorSlice
 log = logging.getLogger(__name__)
 
 
+def with_prefix(prefix: str, keep: tuple[str, ...] = ("lm_head.",)):
+    """A rename for load_into that puts `prefix` ("model.") in front of checkpoint names that
+    lack it. A decoder saved from its base model (LlamaModel rather than LlamaForCausalLM, as
+    some conversions write it) names its tensors "embed_tokens.weight", "layers.0...",
+    "norm.weight"; transformers loads such a file into the causal-LM class by adding its
+    base_model_prefix, so tpserve does too instead of refusing it as missing every weight.
+    Names starting with `keep` (the head, outside the base model) are left alone."""
+    def rename(name: str) -> str:
+        return name if name.startswith((prefix, *keep)) else prefix + name
+    return rename
+
+
 def load_into(
     model: nn.Module,
     tensors: Iterable[TensorSlice],

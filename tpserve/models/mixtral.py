@@ -10,9 +10,10 @@ import re
 from tpserve.errors import CheckpointError
 from tpserve.layers.moe import SparseMoE
 from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from tpserve.models.loader import load_into
+from tpserve.models.loader import load_into, with_prefix
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# "model." may be missing (a file saved from the base model; loader.with_prefix).
+_EXPERT = re.compile(r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
 
 def _make_layer(config, i, prefix, max_positions, window):
@@ -53,8 +54,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         for layer in layers:  # loaded above, expert by expert; checked below
             layer.mlp.w13.optional = layer.mlp.w2.optional = True
         skip = self.skip_tensors + (("lm_head.",) if self.tied(self.config) else ())
+        prefixed = with_prefix("model.")
         load_into(self, others(), self.stacked_params, skip,
-                  rename=lambda name: name.replace(".block_sparse_moe.", ".mlp."))
+                  rename=lambda name: prefixed(name).replace(".block_sparse_moe.", ".mlp."))
         missing = [f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
                    for i, layer in enumerate(layers) for e in range(layer.mlp.num_experts)
                    for w in ("w1", "w2", "w3") if (i, e, w) not in seen]

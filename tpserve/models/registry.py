@@ -9,6 +9,8 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "tpserve.models.llama:MistralForCausalLM",
     "MixtralForCausalLM": "tpserve.models.mixtral:MixtralForCausalLM",
     "T5ForConditionalGeneration": "tpserve.models.t5:T5ForConditionalGeneration",
+    "MT5ForConditionalGeneration": "tpserve.models.t5:MT5ForConditionalGeneration",
+    "UMT5ForConditionalGeneration": "tpserve.models.t5:UMT5ForConditionalGeneration",
     "GemmaForCausalLM": "tpserve.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "tpserve.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "tpserve.models.gemma3:Gemma3ForCausalLM",
@@ -27,6 +29,7 @@ _BY_MODEL_TYPE = {
     "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "bloom": "BloomForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
 }
 
 

@@ -110,11 +110,14 @@ class PreNormResidual(nn.Module):
 
 
 class T5Block(nn.Module):
-    def __init__(self, config, prefix: str, index: int, decoder: bool) -> None:
+    def __init__(self, config, prefix: str, index: int, decoder: bool,
+                 own_bias: bool = False) -> None:
+        """own_bias: this layer's self-attention has a position bias of its own (UMT5);
+        in T5 only the first layer of a stack has one, which every layer adds."""
         super().__init__()
         layer = index if decoder else None
         parts = [PreNormResidual(config, "SelfAttention", T5SelfAttention(
-            config, f"{prefix}.layer.0.SelfAttention", layer, has_bias=index == 0))]
+            config, f"{prefix}.layer.0.SelfAttention", layer, has_bias=own_bias or index == 0))]
         if decoder:
             parts.append(PreNormResidual(config, "EncDecAttention", T5CrossAttention(
                 config, f"{prefix}.layer.1.EncDecAttention", index)))
@@ -131,22 +134,28 @@ class T5Block(nn.Module):
 
 
 class T5Stack(nn.Module):
-    def __init__(self, config, prefix: str, decoder: bool) -> None:
+    def __init__(self, config, prefix: str, decoder: bool, bias_per_layer: bool = False) -> None:
+        """bias_per_layer: every layer adds its own relative position bias (UMT5), not the
+        first layer's (T5, mT5)."""
         super().__init__()
         n = config.num_decoder_layers if decoder else config.num_layers
-        self.block = nn.ModuleList(T5Block(config, f"{prefix}.block.{i}", i, decoder)
-                                   for i in range(n))
+        self.block = nn.ModuleList(T5Block(config, f"{prefix}.block.{i}", i, decoder,
+                                           own_bias=bias_per_layer) for i in range(n))
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.bias_per_layer = bias_per_layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rel_bias = self.block[0].layer[0].SelfAttention.relative_attention_bias()
-        for block in self.block:
+        for i, block in enumerate(self.block):
+            if self.bias_per_layer and i:
+                rel_bias = block.layer[0].SelfAttention.relative_attention_bias()
             x = block(x, rel_bias)
         return self.final_layer_norm(x)
 
 
 class T5ForConditionalGeneration(nn.Module):
     is_encoder_decoder = True
+    bias_per_layer = False  # UMT5: each layer's relative position bias (T5Stack)
     # (fused parameter fragment, checkpoint fragment, shard id)
     stacked_params = [
         (".SelfAttention.qkv.", ".SelfAttention.q.", "q"),
@@ -167,10 +176,14 @@ class T5ForConditionalGeneration(nn.Module):
         refuse_checkpoint_quant("T5ForConditionalGeneration")
         self.config = config
         self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model)
-        self.encoder = T5Stack(config, "encoder", decoder=False)
-        self.decoder = T5Stack(config, "decoder", decoder=True)
+        self.encoder = T5Stack(config, "encoder", False, self.bias_per_layer)
+        self.decoder = T5Stack(config, "decoder", True, self.bias_per_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.d_model)
-        self.output_scale = config.d_model**-0.5 if scale_decoder_outputs(config) else None
+        self.output_scale = config.d_model**-0.5 if self.scales_output(config) else None
+
+    @staticmethod
+    def scales_output(config) -> bool:
+        return scale_decoder_outputs(config)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Run the encoder over this step's new prompts (laid out by the context's meta,
@@ -198,3 +211,23 @@ class T5ForConditionalGeneration(nn.Module):
         if not any(t.name == "lm_head.weight" for t in tensors):
             self.lm_head.tie_to(self.shared)
         load_into(self, tensors, self.stacked_params, self.skip_tensors)
+
+
+class MT5ForConditionalGeneration(T5ForConditionalGeneration):
+    """mT5: T5 v1.1's layers (gated-gelu, an lm_head of its own) under a config class of its
+    own. transformers' MT5 never scales the decoder output, and MT5Config reports
+    tie_word_embeddings true whatever the file says (so scale_decoder_outputs, which falls
+    back on it, would scale): the head is tied only where the file has no lm_head."""
+
+    @staticmethod
+    def scales_output(config) -> bool:
+        return False
+
+
+class UMT5ForConditionalGeneration(T5ForConditionalGeneration):
+    """UMT5: T5 v1.1's layers, but every self-attention layer, in the encoder and the decoder,
+    has a relative position bias of its own (encoder.block.{i}.layer.0.SelfAttention.
+    relative_attention_bias.weight for every i) instead of reusing the first layer's.
+    UMT5Config keeps scale_decoder_outputs as T5Config does."""
+
+    bias_per_layer = True

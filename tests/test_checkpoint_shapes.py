@@ -1,0 +1,195 @@
+"""Checkpoints shaped unlike the fixtures of test_tp_families.py, against transformers
+(float32, CPU): tensor names without the "model." prefix (a decoder saved from its base
+model, as some conversions write them) and mT5 (T5 v1.1's layers under mT5's config class).
+Loading checks compare each rank's parameters with the ones the prefixed file gives, which
+needs no Ray; one greedy run per case checks that transformers reads the file the same way."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from engine_utils import assert_close_rel, greedy, load_rank, make_engine, prefill_logits
+from tiny_models import (
+    PROMPTS,
+    family_checkpoint,
+    hf_first_step_logits,
+    hf_greedy,
+    hf_last_logits,
+)
+
+
+def _strip_model_prefix(src, dst):
+    """A copy of checkpoint src whose tensors are named without the leading "model."."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    assert any(n.startswith("model.") for n in tensors)
+    save_file({n.removeprefix("model."): t for n, t in tensors.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mixtral", "phi3"])
+def test_names_without_the_model_prefix_load_the_same_weights(models_dir, tmp_path, name):
+    """"embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "norm.weight" (the head,
+    when untied, stays "lm_head.weight"): each rank gets the same parameters as from the
+    prefixed file, experts (Mixtral) and fused tensors (Phi-3) included."""
+    path = family_checkpoint(models_dir, name)
+    bare = _strip_model_prefix(path, tmp_path / f"{name}-bare")
+    want, _ = load_rank(path, 1, 2)
+    got, _ = load_rank(bare, 1, 2)
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+def test_llama_without_the_model_prefix_matches_transformers(ray_cluster, llama_dir, tmp_path):
+    """transformers loads such a file into LlamaForCausalLM as it loads the prefixed one
+    (the same continuations), and tpserve at tp = 2 continues it as transformers does."""
+    bare = _strip_model_prefix(llama_dir, tmp_path / "llama-bare")
+    ref = hf_greedy(bare, PROMPTS, 16)
+    assert ref == hf_greedy(llama_dir, PROMPTS, 16)
+    engine = make_engine(bare, 2)
+    try:
+        assert greedy(engine, PROMPTS, 16) == ref
+    finally:
+        engine.shutdown()
+
+
+def _t5_variant(kind: str):
+    """t5_config's Flan-style model (gated-gelu, an lm_head of its own) under mT5's or
+    UMT5's config class. mT5 is T5 v1.1 (transformers never scales its decoder output);
+    UMT5 gives every self-attention layer a relative position bias of its own."""
+    from tiny_models import t5_config
+    from transformers import MT5Config, UMT5Config
+
+    args = t5_config(True).to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        args.pop(key, None)
+    cls, arch = {"mt5": (MT5Config, "MT5ForConditionalGeneration"),
+                 "umt5": (UMT5Config, "UMT5ForConditionalGeneration")}[kind]
+    cfg = cls(**args)
+    cfg.architectures = [arch]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def t5_variant(models_dir):
+    from tiny_models import save_t5_model
+
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            path = save_t5_model(_t5_variant(kind), models_dir / kind)
+            cache[kind] = path, hf_greedy(path, PROMPTS, 16), hf_first_step_logits(path, PROMPTS)
+        return cache[kind]
+
+    return get
+
+
+def test_umt5_layers_have_biases_of_their_own(t5_variant):
+    """Guards the oracle: every UMT5 layer's bias is in the file and differs from the first
+    layer's, so a model that shared the first layer's (as T5 does) would diverge."""
+    from safetensors.torch import load_file
+
+    path, _, _ = t5_variant("umt5")
+    w = load_file(str(path / "model.safetensors"))
+    for stack in ("encoder", "decoder"):
+        first, second = (w[f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias"
+                           ".weight"] for i in (0, 1))
+        assert (first - second).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(("kind", "tp"), [("mt5", 1), ("mt5", 2), ("umt5", 1), ("umt5", 2)])
+def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
+    """The first decoder step's logits (which a decoder output scaled by d_model ** -0.5,
+    as T5 but not mT5 scales it, would change without changing greedy tokens) and greedy
+    continuations."""
+    path, ref, ref_logits = t5_variant(kind)
+    # Guards the oracle (UMT5 repeats one token after the one-token prompt "A").
+    assert sum(len(set(t)) > 3 for t in ref) >= 3 and len({tuple(t) for t in ref}) == 4
+    engine = make_engine(path, tp, local=tp == 1, max_model_len=128)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            assert_close_rel(got, want, 1e-4)
+        assert greedy(engine, PROMPTS, 16) == ref
+    finally:
+        engine.shutdown()
+
+
+# Phi-3 long-context scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini): rotary frequencies divided
+# by short_factor within original_max_position_embeddings, cos/sin scaled by
+# sqrt(1 + ln(factor) / ln(original)). Past the original context transformers' generate()
+# recomputes the whole sequence with long_factor, which a paged cache cannot follow, so
+# tpserve serves such a model within it (rotary.longrope_original). The tiny model's
+# original context (96) holds the longest prompt (52 tokens) and 32 new tokens.
+LONGROPE_ORIGINAL = 96
+
+
+def _longrope(short=(1.0, 2.0, 4.0, 8.0)):
+    """head_dim 16 at partial_rotary_factor 0.5: 4 frequencies, one factor each."""
+    from tiny_models import phi3_config
+
+    return phi3_config(
+        rope_scaling={"type": "longrope", "short_factor": list(short),
+                      "long_factor": [3.0, 6.0, 12.0, 24.0]},
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        max_position_embeddings=4 * LONGROPE_ORIGINAL)
+
+
+@pytest.fixture(scope="module")
+def longrope(models_dir):
+    from tiny_models import save_model
+
+    path = save_model(_longrope(), models_dir / "phi3-longrope")
+    return path, hf_greedy(path, PROMPTS, 32), hf_last_logits(path, PROMPTS)
+
+
+def test_longrope_short_factors_change_the_reference(longrope, models_dir):
+    """Guards the oracle: the same weights with short factors of 1 continue otherwise, so
+    matching transformers checks them."""
+    from tiny_models import save_model
+
+    path, ref, _ = longrope
+    assert all(len(set(t)) > 3 for t in ref) and len({tuple(t) for t in ref}) == 4
+    plain = save_model(_longrope(short=(1.0, 1.0, 1.0, 1.0)), models_dir / "phi3-longrope-1")
+    assert hf_greedy(plain, PROMPTS, 32) != ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_phi3_longrope_matches_transformers(ray_cluster, longrope, tp):
+    """Prefill logits (which the attention factor, 1.14 here, scales) and greedy tokens."""
+    path, ref, ref_logits = longrope
+    engine = make_engine(path, tp, local=tp == 1)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            assert_close_rel(got, want, 1e-4)
+        assert greedy(engine, PROMPTS, 32) == ref
+    finally:
+        engine.shutdown()
+
+
+def test_longrope_requests_past_the_original_context_are_refused(longrope):
+    """The engine's limit per request drops to original_max_position_embeddings (256 asked
+    for here), and a request past it is refused with the rule, not answered otherwise than
+    transformers."""
+    from tpserve.engine.request import SamplingParams
+    from tpserve.errors import ValidationError
+
+    path, _, _ = longrope
+    engine = make_engine(path, 1, local=True, max_model_len=256)
+    try:
+        assert engine.max_model_len == LONGROPE_ORIGINAL
+        assert engine.max_input_tokens == LONGROPE_ORIGINAL - 1
+        engine.validate(list(range(3, 53)), SamplingParams(max_new_tokens=46))
+        with pytest.raises(ValidationError) as err:
+            engine.validate(list(range(3, 53)), SamplingParams(max_new_tokens=47))
+    finally:
+        engine.shutdown()
+    msg = str(err.value)
+    for needle in ("longrope", f"must be <= {LONGROPE_ORIGINAL}",
+                   "original_max_position_embeddings", "47 `max_new_tokens`"):
+        assert needle in msg, msg
