@@ -7,7 +7,9 @@ host (it pulls in torchvision and much of torch.distributed), on the shard's cri
 The launcher instead hands the shards what the config object answers: every public attribute
 holding plain data, as the object resolved it (family defaults filled in by the config
 class's __init__, properties evaluated), and the class's attribute aliases (Bloom's
-`num_attention_heads` is `n_head`). Torch-free and transformers-free by design.
+`num_attention_heads` is `n_head`). Torch-free and transformers-free by design, so the
+engine may read the rope settings here too (rope_parameters, longrope_original) without
+importing the layers.
 """
 
 from __future__ import annotations
@@ -120,3 +122,36 @@ class ConfigData:
 
     def __repr__(self) -> str:
         return f"ConfigData({self.__dict__['_values'].get('model_type', '?')})"
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new
+    (rope_parameters) style, as one dict with at least rope_type and rope_theta."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    if params["rope_type"] == "longrope":  # Phi-3 keeps it beside rope_scaling
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None))
+    return params
+
+
+def longrope_original(params: dict) -> int | None:
+    """The original context of a longrope model (original_max_position_embeddings), past
+    which its rotary switches from short_factor to long_factor; None for other rope types.
+
+    transformers' Phi-3 does not switch position by position: once a sequence is longer
+    than this, generate() drops the KV cache and recomputes the whole sequence with the long
+    factors (Phi3ForCausalLM.prepare_inputs_for_generation), and a longer prompt is rotated
+    with them throughout. A paged KV cache keeps the keys it wrote, so tpserve serves such a
+    model within its original context, exactly (EngineCore caps the tokens per request
+    there), rather than answer past it otherwise than transformers."""
+    if params.get("rope_type") != "longrope":
+        return None
+    return int(params["original_max_position_embeddings"])

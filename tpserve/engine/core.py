@@ -61,7 +61,7 @@ def _longrope_original(hf_config) -> int | None:
     """original_max_position_embeddings of a longrope (Phi-3 long-context) model, else None."""
     if getattr(hf_config, "is_encoder_decoder", False):
         return None
-    from tpserve.layers.rotary import longrope_original, rope_parameters
+    from tpserve.hf_config import longrope_original, rope_parameters
 
     return longrope_original(rope_parameters(hf_config))
 
@@ -119,7 +119,7 @@ class EngineCore:
         self.longrope_original = _longrope_original(hf_config)
         if self.longrope_original is not None and self.max_model_len > self.longrope_original:
             # Past it transformers recomputes the sequence with other frequencies
-            # (rotary.longrope_original); served within it, exactly, and said so.
+            # (hf_config.longrope_original); served within it, exactly, and said so.
             log.warning("rope_type longrope: serving at most %d tokens per request (the "
                         "model's original_max_position_embeddings), not %d: past it the "
                         "rotary switches to long_factor for the whole sequence, which a paged "

@@ -8,25 +8,8 @@ import math
 import torch
 from torch import nn
 
+from tpserve.hf_config import longrope_original, rope_parameters  # noqa: F401 - re-exported
 from tpserve.kernels.fused_ops import plan_rotary
-
-
-def rope_parameters(config) -> dict:
-    """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new
-    (rope_parameters) style, as one dict with at least rope_type and rope_theta."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
-    for k, v in scaling.items():
-        params.setdefault(k, v)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
-    if params["rope_type"] == "longrope":  # Phi-3 keeps it beside rope_scaling
-        params.setdefault("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", None))
-    return params
 
 
 def layer_rope_parameters(config) -> dict[str, dict] | None:
@@ -79,21 +62,6 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
         f"rope_type {kind!r} is not supported yet (supported: default, linear, dynamic, llama3, "
         "yarn, longrope); the model's config.json asks for it"
     )
-
-
-def longrope_original(params: dict) -> int | None:
-    """The original context of a longrope model (original_max_position_embeddings), past
-    which its rotary switches from short_factor to long_factor; None for other rope types.
-
-    transformers' Phi-3 does not switch position by position: once a sequence is longer
-    than this, generate() drops the KV cache and recomputes the whole sequence with the long
-    factors (Phi3ForCausalLM.prepare_inputs_for_generation), and a longer prompt is rotated
-    with them throughout. A paged KV cache keeps the keys it wrote, so tpserve serves such a
-    model within its original context, exactly (EngineCore caps the tokens per request
-    there), rather than answer past it otherwise than transformers."""
-    if params.get("rope_type") != "longrope":
-        return None
-    return int(params["original_max_position_embeddings"])
 
 
 def _longrope(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]:
