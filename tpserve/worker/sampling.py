@@ -45,6 +45,9 @@ class PendingTokens:
             s = self.seqs[i]
             top_n = min((s.params.top_n_tokens if s.params else 0) or 0, k)
             top = list(zip(top_ids[i][:top_n], top_lps[i][:top_n])) if top_n else []
+            if top and s.allowed is not None:
+                # Fewer tokens than top_n allowed: the rest are forbidden, not alternatives.
+                top = [(t, lp) for t, lp in top if lp != float("-inf")]
             out.append(SampledToken(s.seq_id, ids[i], lps[i], top))
         return out
 
@@ -56,7 +59,7 @@ def sample_async(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int) -
         params=s.params or SamplingParams(),
         seed=_seed(s, default_seed), step=s.num_generated,
         history=tuple(s.history) if s.history is not None else None,
-        num_generated=s.num_generated) for s in seqs]
+        num_generated=s.num_generated, allowed=s.allowed) for s in seqs]
     res = _sampler.sample(logits, rows)
     # Everything as int64 (log-probabilities as their float32 bits): one exact transfer that
     # needs no float64, which some GPUs lack.
