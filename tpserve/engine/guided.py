@@ -26,11 +26,11 @@ from tpserve.errors import ValidationError
 # JSON text between two tokens of a value: at most this much whitespace. llguidance's
 # default allows any amount, and a model can emit whitespace until max_tokens runs out (a
 # small or random one does): bounded, the grammar still admits pretty-printed JSON nested a
-# few levels deep. A schema's "x-guidance" options override it.
-JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+# few levels deep. A schema with its own "x-guidance" options gets llguidance's defaults
+# under them instead (e.g. {"whitespace_flexible": false}: no whitespace at all).
+JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
 # Compiled grammars kept per process (each holds its lexer and parser tables).
 CACHE_SIZE = 64
-ANY_OBJECT = '{"type": "object"}'
 
 
 def _library():
@@ -48,7 +48,9 @@ def grammar_text(spec: GuidedSpec) -> str:
     ll = _library()
     if spec.kind == "regex":
         return ll.LLMatcher.grammar_from_regex(spec.value)
-    return ll.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_DEFAULTS)
+    schema = json.loads(spec.value)
+    own = isinstance(schema, dict) and "x-guidance" in schema
+    return ll.LLMatcher.grammar_from_json_schema(schema, defaults=None if own else JSON_DEFAULTS)
 
 
 @dataclass
@@ -175,20 +177,6 @@ class Grammars:
 
     def matcher(self, spec: GuidedSpec) -> GuidedMatcher:
         return GuidedMatcher(self._compiled(spec).deep_copy(), self.vocab.words)
-
-
-def json_text(value, where: str) -> str:
-    """A JSON schema given as an object or as JSON text, as compact JSON text (the cache
-    key: the same schema sent either way compiles once). Keys keep their order: a schema's
-    property order is the order the generated object lists them in."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise ValidationError(f"`{where}` is not valid JSON: {exc}") from None
-    if not isinstance(value, dict | bool):
-        raise ValidationError(f"`{where}` must be a JSON schema (an object)")
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class DriverGrammars:
