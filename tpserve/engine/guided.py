@@ -23,12 +23,13 @@ import numpy as np
 from tpserve.engine.request import GuidedSpec
 from tpserve.errors import ValidationError
 
-# JSON text between two tokens of a value: at most this much whitespace. llguidance's
-# default allows any amount, and a model can emit whitespace until max_tokens runs out (a
-# small or random one does): bounded, the grammar still admits pretty-printed JSON nested a
-# few levels deep. A schema with its own "x-guidance" options gets llguidance's defaults
-# under them instead (e.g. {"whitespace_flexible": false}: no whitespace at all).
-JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+# Whitespace between two tokens of JSON: one space, or a line break and up to 32 spaces or
+# tabs of indentation. llguidance's default allows any amount, and a model can emit
+# whitespace until max_tokens runs out (small ones do): this still admits compact JSON,
+# Python's ", " and ": ", and pretty-printed JSON nested a few levels deep. A schema with
+# its own "x-guidance" options gets llguidance's defaults under them instead (e.g.
+# {"whitespace_flexible": false}: no whitespace at all).
+JSON_DEFAULTS = {"whitespace_pattern": r"(?:[ ]|\r?\n[ \t]{0,32})?"}
 # Compiled grammars kept per process (each holds its lexer and parser tables).
 CACHE_SIZE = 64
 
