@@ -147,3 +147,17 @@ def test_bad_grammar_is_a_422_and_the_server_keeps_serving(url, case):
     ok = httpx.post(url + "/generate", json={"inputs": "a", "parameters": {
         "max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_tpserve_client_grammar(url):
+    from tpserve.client import Client
+    from tpserve.errors import ValidationError
+
+    with Client(url, timeout=60) as client:
+        for grammar in ({"type": "regex", "value": REGEX},
+                        Grammar(type=GrammarType.Regex, value=REGEX)):
+            res = client.generate("Any?", max_new_tokens=30, do_sample=True, seed=8,
+                                  grammar=grammar)
+            assert re.fullmatch(REGEX, res.generated_text)
+        with pytest.raises(ValidationError, match="`grammar.value` is not valid JSON"):
+            client.generate("Any?", grammar={"type": "json", "value": "{"})  # checked here
