@@ -188,15 +188,18 @@ def test_stop_strings_length_and_logprobs_of_guided_requests(engine):
     assert reason == "stop_sequence" and text == "abab"
     # Log-probabilities are over the allowed tokens: a token the grammar forces has log p 0,
     # and no forbidden token is listed as an alternative.
-    seq = engine.add_request(engine.tokenize("Hello"), SamplingParams(
-        max_new_tokens=6, top_n_tokens=3, raw_logprobs=True, guided=GuidedSpec("regex", "a")))
-    events = []
-    while engine.has_work():
-        events += [ev for sid, ev in engine.step()[0] if sid == seq.seq_id]
-    assert [ev.token.id for ev in events] == engine.tokenize("a", add_special_tokens=False) + [1]
-    for ev in events:
-        assert ev.token.logprob == pytest.approx(0.0, abs=1e-6)
-        assert [t.id for t in ev.top_tokens] == [ev.token.id]
+    for raw, sample in ((True, False), (True, True), (False, True)):  # OpenAI's, TGI's
+        seq = engine.add_request(engine.tokenize("Hello"), SamplingParams(
+            max_new_tokens=6, top_n_tokens=3, raw_logprobs=raw, do_sample=sample, seed=1,
+            guided=GuidedSpec("regex", "a")))
+        events = []
+        while engine.has_work():
+            events += [ev for sid, ev in engine.step()[0] if sid == seq.seq_id]
+        a = engine.tokenize("a", add_special_tokens=False)
+        assert [ev.token.id for ev in events] == a + [1]
+        for ev in events:
+            assert ev.token.logprob == pytest.approx(0.0, abs=1e-6)
+            assert [t.id for t in ev.top_tokens] == [ev.token.id]
 
 
 def test_preemption_and_prefix_caching_keep_guided_output(llama_dir, engine):

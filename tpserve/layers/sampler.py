@@ -313,11 +313,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         token, chosen = greedy_triton(logits)
         return SampleResult(token, chosen, None, None)
     raw = logits.float()
+    allowed = None
     if guided:
         # First, before biases, penalties, temperature and the top-k/p filters: to every
         # later rule a token the grammar forbids is one the model gave probability 0, so
         # log-probabilities (the model's own too) are over the allowed tokens only.
-        raw = raw.masked_fill(~_allowed(rows, vocab, logits.device), float("-inf"))
+        allowed = _allowed(rows, vocab, logits.device)
+        raw = raw.masked_fill(~allowed, float("-inf"))
     x = raw
     if penalised or any(sampled):  # an all-greedy batch needs no parameters on the device
         buf, packed = _pack(rows)
@@ -348,6 +350,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         if any(r.params.raw_logprobs for r in rows):  # the model's own, not those drawn from
             dist = torch.where(raw_lp.bool()[:, None], safe, dist)
     logp = dist.log_softmax(-1)
+    if allowed is not None:  # the model's own values above stand in -inf by a finite floor
+        logp = logp.masked_fill(~allowed, float("-inf"))
     chosen = logp.gather(1, token[:, None])[:, 0]
     if top_n:
         top_lp, top_ids = logp.topk(min(top_n, vocab), -1)
