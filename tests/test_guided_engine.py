@@ -226,3 +226,20 @@ def test_bad_grammars_are_refused_with_the_reason(engine):
         engine.add_request([5, 6], SamplingParams(guided=GuidedSpec(
             "json_schema", '{"type": "foo"}', "response_format")))
     assert not engine.has_work()  # refused before it was queued
+
+
+def test_only_steps_holding_guided_rows_give_up_the_overlap(engine):
+    plain = engine.add_request(engine.tokenize("Hello world"),
+                               SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None  # overlapped: launched, collected next step
+    guided = engine.add_request(engine.tokenize("A"), SamplingParams(
+        max_new_tokens=8, guided=GuidedSpec("regex", "[a-z]{20}")))
+    engine.step()  # its prefill and first token: collected at once
+    while guided.seq_id in engine.requests:
+        assert engine._inflight is None
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    assert plain.finish_reason == "length" and len(plain.output_ids) == 8
