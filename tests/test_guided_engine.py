@@ -202,19 +202,24 @@ def test_stop_strings_length_and_logprobs_of_guided_requests(engine):
             assert [t.id for t in ev.top_tokens] == [ev.token.id]
 
 
-def test_preemption_and_prefix_caching_keep_guided_output(llama_dir, engine):
+@pytest.fixture(scope="module")
+def small_engine(llama_dir, engine):
+    # Shut down with the module's other engine (after it), not mid-module: an in-process
+    # engine's shutdown clears the process's tensor-parallel state, which both read.
+    e = make_engine(llama_dir, 1, local=True, num_blocks=24, prefix_caching=True)
+    yield e
+    e.shutdown()
+
+
+def test_preemption_and_prefix_caching_keep_guided_output(engine, small_engine):
     params = [SamplingParams(max_new_tokens=40, do_sample=True, seed=s,
                              guided=json_spec(COMPACT)) for s in range(4)]
     prompts = [PROMPTS[2]] * 4  # one long prompt: shared blocks with prefix caching
     roomy = run(engine, prompts, params)
-    small = make_engine(llama_dir, 1, local=True, num_blocks=24, prefix_caching=True)
-    try:
-        seqs = []
-        assert run(small, prompts, params, seqs) == roomy
-        assert any(s.num_preemptions for s in seqs)  # recomputed from its tokens
-        assert small.scheduler.blocks.hits  # and prompt blocks were shared
-    finally:
-        small.shutdown()
+    seqs = []
+    assert run(small_engine, prompts, params, seqs) == roomy
+    assert any(s.num_preemptions for s in seqs)  # recomputed from its tokens
+    assert small_engine.scheduler.blocks.hits  # and prompt blocks were shared
 
 
 def test_bad_grammars_are_refused_with_the_reason(engine):
