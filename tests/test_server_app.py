@@ -204,9 +204,17 @@ INVALID = {
     "best_of_2": ({"inputs": "a", "parameters": {"best_of": 2}}, "`best_of` > 1"),
     "top_n_tokens": ({"inputs": "a", "parameters": {"top_n_tokens": 4}}, "`top_n_tokens`"),
     "truncate_0": ({"inputs": "a", "parameters": {"truncate": 0}}, "`parameters.truncate`"),
-    "grammar": (
-        {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": {}}}},
-        "`grammar`",
+    "grammar_type": (
+        {"inputs": "a", "parameters": {"grammar": {"type": "xml", "value": "<a/>"}}},
+        "`parameters.grammar.type`",
+    ),
+    "grammar_json_text": (
+        {"inputs": "a", "parameters": {"grammar": {"type": "json", "value": "{not json"}}},
+        "`grammar.value` is not valid JSON",
+    ),
+    "grammar_regex_object": (
+        {"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": {"a": 1}}}},
+        "`grammar.value` of a regex grammar must be a string",
     ),
     "prompt_too_long": ({"inputs": "w " * 65}, "at most 64 tokens"),  # from the backend
 }

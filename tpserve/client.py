@@ -248,6 +248,7 @@ class Client(_Base):
         watermark: bool = False,
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
+        grammar: Any = None,
     ) -> wire.Response:
         """Generate a completion of `prompt`; the result always carries `details`.
 
@@ -278,6 +279,7 @@ class Client(_Base):
         typical_p: float | None = None,
         watermark: bool = False,
         top_n_tokens: int | None = None,
+        grammar: Any = None,
     ) -> Iterator[wire.StreamResponse]:
         """Yield one StreamResponse per token; the last has generated_text and details.
 
@@ -341,6 +343,7 @@ class AsyncClient(_Base):
         watermark: bool = False,
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
+        grammar: Any = None,
     ) -> wire.Response:
         """As Client.generate."""
         body = _body(prompt, False, **_params(locals()))
@@ -367,6 +370,7 @@ class AsyncClient(_Base):
         typical_p: float | None = None,
         watermark: bool = False,
         top_n_tokens: int | None = None,
+        grammar: Any = None,
     ) -> AsyncIterator[wire.StreamResponse]:
         """As Client.generate_stream."""
         body = _body(prompt, True, **_params(locals()))
@@ -385,5 +389,11 @@ class AsyncClient(_Base):
 
 
 def _params(arguments: dict[str, Any]) -> dict[str, Any]:
-    """A method's keyword arguments, minus `self` and the prompt."""
-    return {k: v for k, v in arguments.items() if k not in ("self", "prompt")}
+    """A method's keyword arguments, minus `self` and the prompt. `grammar` may be a dict,
+    tpserve.structured.Grammar or text_generation's Grammar (its type and value are read)."""
+    out = {k: v for k, v in arguments.items() if k not in ("self", "prompt")}
+    g = out.get("grammar")
+    if g is not None and not isinstance(g, dict):
+        kind = getattr(g, "type", None)
+        out["grammar"] = {"type": getattr(kind, "value", kind), "value": getattr(g, "value", None)}
+    return out

@@ -31,6 +31,7 @@ from tpserve.fields import (
     TopN,
     unsupported,
 )
+from tpserve.structured import Grammar
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
@@ -50,7 +51,8 @@ class GenerateParameters(BaseModel):
     details: bool = False
     do_sample: bool = False
     frequency_penalty: FrequencyPenalty | None = None
-    grammar: Annotated[Any, unsupported("`grammar` (constrained decoding)")] = None
+    # Structured output: the generated text matches a JSON schema or a regex.
+    grammar: Grammar | None = None
     max_new_tokens: TokenCount | None = DEFAULT_MAX_NEW_TOKENS
     repetition_penalty: RepetitionPenalty | None = None
     return_full_text: bool = False
@@ -135,6 +137,7 @@ def to_sampling_params(params: GenerateParameters) -> SamplingParams:
         stop=tuple(params.stop),
         top_n_tokens=params.top_n_tokens or 0,
         prompt_logprobs=params.decoder_input_details,
+        guided=params.grammar.spec("parameters.grammar") if params.grammar else None,
     )
 
 

@@ -25,8 +25,9 @@ from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
 from tpserve.engine.engine import tokenize
+from tpserve.engine.guided import DriverGrammars
 from tpserve.engine.output_processor import OutputProcessor
-from tpserve.engine.request import SamplingParams
+from tpserve.engine.request import GuidedSpec, SamplingParams
 from tpserve.executor.base import ShardFailedError
 from tpserve.hf_config import ConfigData
 from tpserve.startup import shard_startup
@@ -107,10 +108,14 @@ class CoreClient:
                                          f"{exc}") from exc
         special = frozenset(self.tokenizer.all_special_ids)
         self.output = OutputProcessor(self.tokenizer, special)
+        eos = sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer))
+        # Guided requests: grammars are checked here and matched in the core, which gets
+        # the vocabulary with the first such request (nothing is serialized before).
+        self.grammars = DriverGrammars(self.tokenizer, getattr(self.hf_config, "vocab_size",
+                                                               None), eos)
+        self._vocab_sent = False
         try:
-            info = ray.get(self.core.start.remote(
-                sorted(eos_token_ids(cfg.model.path, self.hf_config, self.tokenizer)),
-                self.followers))
+            info = ray.get(self.core.start.remote(eos, self.followers))
         except ray.exceptions.RayTaskError as exc:
             _settle(prepared)
             self.shutdown()
@@ -172,10 +177,21 @@ class CoreClient:
             raise got
         return got
 
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Compile a guided request's grammar here first (the driver calls this off its
+        event loop), so one that does not compile is refused before it reaches the core."""
+        self.grammars.check(spec)
+
     def add_requests(self, requests: list[tuple[list[int], SamplingParams]]) -> list:
         """Every request in one call, which the core answers at its next step boundary;
         each one's handle (seq_id, params with the seed filled in) or the error refusing it."""
         self._check_followers()
+        if not self._vocab_sent and any(p.guided is not None for _, p in requests):
+            # Once per core; the core builds the library's tokenizer in this call's thread,
+            # not in its step loop.
+            ray.get(self.core.set_guided_vocab.remote(self.grammars.get().vocab),
+                    timeout=self.cfg.parallel.dist_timeout_s)
+            self._vocab_sent = True
         try:
             # The core answers between steps; a step never outlasts the collective timeout.
             answers = ray.get(self.core.submit_many.remote(requests),

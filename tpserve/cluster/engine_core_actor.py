@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore
+from tpserve.engine.guided import GuidedVocab
 from tpserve.engine.heap import IdleCollector, freeze_startup_objects
 from tpserve.engine.outputs import TokenOutput, pack_outputs
 from tpserve.engine.request import SamplingParams
@@ -113,6 +114,14 @@ class EngineCoreActor:
 
     def abort(self, seq_ids: list[int]) -> None:
         self._inbox.put(("abort", seq_ids, None, None))
+
+    def set_guided_vocab(self, vocab: GuidedVocab | None) -> None:
+        """The tokenizer's vocabulary for guided requests (the driver sends it before the
+        first one). The library's tokenizer is built here, in this call's thread: about a
+        second for a large vocabulary, which the step loop does not wait for."""
+        if vocab is not None:
+            vocab.lltokenizer()
+        self.core.set_guided_vocab(vocab)
 
     def poll(self, timeout_s: float) -> tuple[dict, dict, tuple | None]:
         """Every output since the last poll, packed (waits up to timeout_s for one), the

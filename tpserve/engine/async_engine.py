@@ -161,6 +161,13 @@ class EngineStream:
             else:
                 ids = await loop.run_in_executor(
                     None, lambda: engine.engine.tokenize(prompt, truncate, special))
+            guided = self._params.guided
+            check = getattr(engine.engine, "check_grammar", None)
+            if guided is not None and check is not None:
+                # Compiling a schema can take from a millisecond to a second (cached by
+                # kind and value): on a worker thread, so other clients are not kept
+                # waiting; one that does not compile is a ValidationError (422) here.
+                await loop.run_in_executor(None, check, guided)
             sink = EventSink(loop)
             accepted = loop.create_future()
             self._handle = next(engine._handles)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from tpserve.config import EngineConfig
 from tpserve.engine.block_manager import BlockManager
+from tpserve.engine.guided import Grammars, GuidedMatcher, GuidedVocab
 from tpserve.engine.outputs import TokenOutput
 from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import SamplingParams
@@ -45,6 +46,8 @@ class CoreRequest:
     # Tokens at the end of seq.output_ids still on the device (PENDING_TOKEN): sampled by
     # launched steps not yet collected (overlapped steps).
     unresolved: int = 0
+    # Guided requests: where the grammar is, advanced by every collected token.
+    matcher: GuidedMatcher | None = None
 
 
 @dataclass
@@ -107,6 +110,12 @@ class EngineCore:
         # Overlapped steps: step n+1 is scheduled and launched before step n is collected.
         self.overlap = cfg.scheduler.async_scheduling
         self._inflight: _Launched | None = None
+        # Guided decoding: compiled grammars, once the tokenizer's vocabulary is known
+        # (set_guided_vocab: the driver holds the tokenizer).
+        self.grammars = Grammars(None)
+
+    def set_guided_vocab(self, vocab: GuidedVocab | None) -> None:
+        self.grammars = Grammars(vocab)
 
     def _setup(self, cfg: EngineConfig, hf_config, eos_ids: set[int]) -> None:
         self.hf_config = hf_config
@@ -231,6 +240,8 @@ class EngineCore:
         else:
             seq = Sequence(next(self._ids), list(prompt_ids), params)
         state = CoreRequest(seq)
+        if params.guided is not None:  # ValidationError when the grammar does not compile
+            state.matcher = self.grammars.matcher(params.guided)
         if params.prompt_logprobs:
             # Nothing predicts the first token (an encoder-decoder's decoder start token, the
             # whole of its decoder input): it has no log-probability, and a one-token prompt
@@ -300,6 +311,13 @@ class EngineCore:
             blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if p.needs_history else None,
             num_generated=len(seq.output_ids), prompt_logprobs=wants_lp)
+        if state.matcher is not None and step.sample:
+            # The mask needs every earlier token: steps with guided rows are collected
+            # before the next one is scheduled (_launch), so none is pending here.
+            if state.unresolved:
+                raise RuntimeError(f"guided sequence {seq.seq_id} scheduled with a token "
+                                   "still on the device")
+            step.allowed = state.matcher.mask()
         if state.unresolved and PENDING_TOKEN in step.token_ids:
             # Sampled by the step still on the device (at most one token: step n+1 is
             # scheduled after step n-1 was collected).
@@ -322,7 +340,8 @@ class EngineCore:
         a sequence that step n ends (EOS) computed one more token in step n+1, which is
         dropped, and length limits are known in advance (Sequence.hold). So outputs are the
         same as one step at a time. A step whose sampling needs the host-side token history
-        (repetition or frequency penalties), or that returns logits, is collected at once."""
+        (repetition or frequency penalties), or a grammar's mask (guided requests: the next
+        mask depends on this token), or that returns logits, is collected at once."""
         t0 = time.perf_counter()
         outputs: list[TokenOutput] = []
         raw = None
@@ -361,7 +380,7 @@ class EngineCore:
             if not st.sample:
                 continue
             seq, p = s.seq, s.seq.params
-            sync = sync or st.history is not None
+            sync = sync or st.history is not None or st.allowed is not None
             seq.output_ids.append(PENDING_TOKEN)
             seq.output_logprobs.append(0.0)
             self.requests[seq.seq_id].unresolved += 1
@@ -411,7 +430,9 @@ class EngineCore:
             # Every prompt log-probability is known once the first token is sampled.
             out.prefill, state.prefill_sent = state.prefill, True
         reason = None
-        if tok.token_id in self.eos_ids and not p.ignore_eos:
+        if state.matcher is not None and not self._guide(state, tok.token_id):
+            reason = "eos_token"  # the grammar is complete and no EOS can end it
+        elif tok.token_id in self.eos_ids and not p.ignore_eos:
             reason = "eos_token"
         elif count >= p.max_new_tokens or seq.num_input_tokens + count >= self.max_model_len:
             reason = "length"
@@ -419,6 +440,19 @@ class EngineCore:
             self.finish(seq.seq_id, reason)  # a token after this one, in flight, is dropped
             out.finish_reason = reason
         return out
+
+    def _guide(self, state: CoreRequest, token_id: int) -> bool:
+        """Advance a guided request's grammar past its token; False when the request must
+        end here: the grammar is complete and an end-of-sequence token cannot end it (no EOS
+        id, or ignore_eos), or it did not allow the token (only a row whose logits were
+        all NaN samples outside the mask)."""
+        matcher = state.matcher
+        if not matcher.accept(token_id):
+            log.warning("guided sequence %d: the grammar did not allow token %d (%s); "
+                        "ending it", state.seq.seq_id, token_id, matcher.error)
+            return False
+        # Complete: the mask now allows only EOS, which ends it as any request ends.
+        return not (matcher.stopped and (state.seq.params.ignore_eos or not self.eos_ids))
 
     def finish(self, seq_id: int, reason: str) -> None:
         """End a sequence for `reason` (the output processor's stop strings come here too)."""

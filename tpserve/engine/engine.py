@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from tpserve.config import EngineConfig
 from tpserve.engine.core import EngineCore, decoder_start_token_id, eos_token_ids
+from tpserve.engine.guided import DriverGrammars
 from tpserve.engine.output_processor import OutputProcessor
-from tpserve.engine.request import GenerationEvent, SamplingParams
+from tpserve.engine.request import GenerationEvent, GuidedSpec, SamplingParams
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import StepOutput
 from tpserve.errors import CheckpointError, ValidationError
@@ -60,6 +61,20 @@ class Engine(EngineCore):
         super().__init__(cfg, executor, hf_config,
                          eos_token_ids(cfg.model.path, hf_config, self.tokenizer))
         self.output = OutputProcessor(self.tokenizer, self.special_ids)
+        # Core and driver in one process: one set of compiled grammars for both.
+        self.driver_grammars = DriverGrammars(
+            self.tokenizer, getattr(self.hf_config, "vocab_size", None), self.eos_ids)
+
+    def check_grammar(self, spec: GuidedSpec) -> None:
+        """Compile a guided request's grammar (the driver calls this off its event loop);
+        ValidationError when it does not compile."""
+        self._use_driver_grammars()
+        self.grammars.check(spec)
+
+    def _use_driver_grammars(self) -> None:
+        grammars = self.driver_grammars.get()
+        if self.grammars is not grammars:
+            self.grammars = grammars
 
     def tokenize(self, prompt: str | list[int], truncate: int | None = None,
                  add_special_tokens: bool = True) -> list[int]:
@@ -67,6 +82,8 @@ class Engine(EngineCore):
                         getattr(self.hf_config, "vocab_size", None))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if params.guided is not None:
+            self._use_driver_grammars()
         seq = super().add_request(prompt_ids, params)
         self.output.add(seq.seq_id, seq.params)  # with the seed the core filled in
         return seq

@@ -9,6 +9,18 @@ FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
 @dataclass(frozen=True)
+class GuidedSpec:
+    """What a guided (structured-output) request's text must match: a JSON schema (as JSON
+    text; OpenAI's json_object is the schema {"type": "object"}) or a regular expression.
+    Plain data: the engine compiles it (tpserve/engine/guided.py), keyed by this value."""
+
+    kind: Literal["json_schema", "regex"]
+    value: str
+    # Where the request named it, for error messages (`parameters.grammar`, `response_format`).
+    where: str = "grammar"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation parameters (TGI's `parameters`, already validated)."""
 
@@ -39,6 +51,8 @@ class SamplingParams:
     # Whether generated_text (and the stream) keeps a stop string that ended generation:
     # True for TGI's routes, False for OpenAI's (tpserve/engine/output_processor.py).
     include_stop_str_in_output: bool = True
+    # Structured output: every generated token is one the grammar allows (None: free text).
+    guided: GuidedSpec | None = None
 
     @property
     def needs_history(self) -> bool:

@@ -41,6 +41,9 @@ class SeqStep:
     # Overlapped steps: token_ids[prev_at] is PENDING_TOKEN, the token this sequence sampled
     # in the previous step; the workers take it from that step's ids on the device. -1: none.
     prev_at: int = -1
+    # Guided requests: the tokens the grammar allows next, as llguidance's int32 words (bit
+    # i of word w allows token 32 * w + i; numpy). Only rank 0 reads it: it samples.
+    allowed: object | None = None
 
     @property
     def num_blocks(self) -> int:

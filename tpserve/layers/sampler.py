@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpserve.engine.request import SamplingParams
@@ -41,6 +42,8 @@ class SampleRow:
     step: int  # tokens this sequence generated so far (keys per-token randomness)
     history: tuple[int, ...] | None = None  # prompt+generated ids, only when a penalty is set
     num_generated: int = 0  # history[-num_generated:] are the generated ids
+    # Guided requests: int32 words of allowed tokens (bit i of word w: token 32 * w + i).
+    allowed: np.ndarray | None = None
 
 
 @dataclass
@@ -274,6 +277,22 @@ def _filter(x: torch.Tensor, fl: torch.Tensor, top_k: torch.Tensor, any_k: bool,
     return x
 
 
+def _allowed(rows: list[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """[n, vocab] bool: the tokens each row may take (every token for an unguided row), from
+    the rows' bitmasks in one host-to-device copy, unpacked on the device."""
+    words = -(-vocab // 32)
+    host = np.full((len(rows), words), -1, dtype=np.int32)
+    for i, r in enumerate(rows):
+        if r.allowed is not None:
+            k = min(words, r.allowed.shape[0])
+            host[i, :k] = r.allowed[:k]
+            host[i, k:] = 0  # ids past the grammar's vocabulary: never allowed
+    d = _to_device(torch.from_numpy(host), device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (d[:, :, None] >> shifts) & 1  # arithmetic shift: the sign bit reads as set too
+    return bits.view(len(rows), words * 32)[:, :vocab].bool()
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """Next token per row of logits [len(rows), vocab]; no host sync, results on the device."""
     n, vocab = logits.shape
@@ -284,7 +303,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     sampled = [not r.params.greedy for r in rows]
     penalised = any(r.params.logit_bias or r.history and r.params.needs_history
                     for r in rows)
-    if not (penalised or any(sampled) or top_n) and use_triton(logits):
+    guided = any(r.allowed is not None for r in rows)
+    if not (penalised or any(sampled) or top_n or guided) and use_triton(logits):
         # All greedy on raw logits: arg-max and its log-probability in two parallel passes
         # (kernels/triton_sampling.py) instead of torch's two single-block reductions. They
         # read the model's dtype and widen in registers: the float32 copy of a batch of 256
@@ -293,6 +313,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         token, chosen = greedy_triton(logits)
         return SampleResult(token, chosen, None, None)
     raw = logits.float()
+    allowed = None
+    if guided:
+        # First, before biases, penalties, temperature and the top-k/p filters: to every
+        # later rule a token the grammar forbids is one the model gave probability 0, so
+        # log-probabilities (the model's own too) are over the allowed tokens only.
+        allowed = _allowed(rows, vocab, logits.device)
+        raw = raw.masked_fill(~allowed, float("-inf"))
     x = raw
     if penalised or any(sampled):  # an all-greedy batch needs no parameters on the device
         buf, packed = _pack(rows)
@@ -323,6 +350,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         if any(r.params.raw_logprobs for r in rows):  # the model's own, not those drawn from
             dist = torch.where(raw_lp.bool()[:, None], safe, dist)
     logp = dist.log_softmax(-1)
+    if allowed is not None:  # the model's own values above stand in -inf by a finite floor
+        logp = logp.masked_fill(~allowed, float("-inf"))
     chosen = logp.gather(1, token[:, None])[:, 0]
     if top_n:
         top_lp, top_ids = logp.topk(min(top_n, vocab), -1)

@@ -54,6 +54,7 @@ from tpserve.server.streaming import (
     merged,
     sse,
 )
+from tpserve.structured import response_format_spec
 
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -64,6 +65,11 @@ INLINE_RENDER_CHARS = 8192
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def _checked_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    response_format_spec(v)  # a ValueError naming the field is a 422
+    return v
 
 
 class _Sampling(BaseModel):
@@ -88,6 +94,9 @@ class _Sampling(BaseModel):
     # {"token id": bias}; the engine checks the ids against the model's vocabulary.
     logit_bias: LogitBiasMap | None = None
     user: Text | None = None
+    # Structured output: json_object, json_schema (tpserve/structured.py); text or null:
+    # free text.
+    response_format: Annotated[dict[str, Any] | None, AfterValidator(_checked_format)] = None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -119,6 +128,7 @@ class _Sampling(BaseModel):
             # OpenAI's log-probabilities (and vLLM's) are the model's, whatever the
             # temperature, top_p, penalties or biases: the same numbers as at temperature 0.
             "raw_logprobs": True,
+            "guided": response_format_spec(self.response_format),
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         # OpenAI's spellings of greedy decoding: temperature 0, or top_p 0 (only the likeliest
@@ -175,12 +185,6 @@ class ChatMessage(BaseModel):
         return msg
 
 
-def _text_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
-    if v and v.get("type", "text") != "text":
-        raise ValueError("`response_format` other than text is not supported by tpserve")
-    return v
-
-
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: TokenCount | None = None
@@ -188,7 +192,6 @@ class ChatRequest(_Sampling):
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Any] | None, unsupported("`tools` (function calling)")] = None
     tool_choice: Any = None
-    response_format: Annotated[dict[str, Any] | None, AfterValidator(_text_format)] = None
 
 
 def _last_piece(final: GenerationEvent, streamed: str) -> str:

@@ -2,7 +2,8 @@
 device-to-host copy per step that the host waits for only when it needs the tokens.
 
 The sampler contract (tpserve.layers.sampler): sample(logits, [SampleRow]) -> SampleResult
-with token_ids / logprobs / top_ids / top_logprobs on the device and no host sync.
+with token_ids / logprobs / top_ids / top_logprobs on the device and no host sync. A guided
+request's row also carries `allowed`, the grammar's bitmask of the tokens it may take.
 
 With overlapped steps the host launches step n+1 before it reads step n's tokens: the ids
 stay on the device (they feed step n+1's inputs there), and one packed copy into pinned host
@@ -45,6 +46,9 @@ class PendingTokens:
             s = self.seqs[i]
             top_n = min((s.params.top_n_tokens if s.params else 0) or 0, k)
             top = list(zip(top_ids[i][:top_n], top_lps[i][:top_n])) if top_n else []
+            if top and s.allowed is not None:
+                # Fewer tokens than top_n allowed: the rest are forbidden, not alternatives.
+                top = [(t, lp) for t, lp in top if lp != float("-inf")]
             out.append(SampledToken(s.seq_id, ids[i], lps[i], top))
         return out
 
@@ -56,7 +60,9 @@ def sample_async(logits: torch.Tensor, seqs: list[SeqStep], default_seed: int) -
         params=s.params or SamplingParams(),
         seed=_seed(s, default_seed), step=s.num_generated,
         history=tuple(s.history) if s.history is not None else None,
-        num_generated=s.num_generated) for s in seqs]
+        num_generated=s.num_generated,
+        # Only guided rows name it: a sampler without masks still takes every other row.
+        **({"allowed": s.allowed} if s.allowed is not None else {})) for s in seqs]
     res = _sampler.sample(logits, rows)
     # Everything as int64 (log-probabilities as their float32 bits): one exact transfer that
     # needs no float64, which some GPUs lack.

@@ -1,0 +1,163 @@
+"""Structured output through the real clients (text_generation's `grammar`, openai's
+`response_format`), streamed and not, over the app and an in-process engine on the embedded
+default model; a grammar that does not compile is a 422 and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from engine_utils import make_engine
+from fake_backend import serve
+
+from tpserve.engine.async_engine import AsyncEngine
+from tpserve.server.app import build_app
+from tpserve.weights import DEFAULT_MODEL_DIR
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+text_generation = pytest.importorskip("text_generation")
+from text_generation.types import Grammar, GrammarType  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "kind": {"enum": ["module", "class", "function"]},
+    },
+    "required": ["city", "year", "kind"],
+    "additionalProperties": False,
+    # No whitespace between tokens (llguidance's option): short answers.
+    "x-guidance": {"whitespace_flexible": False},
+}
+REGEX = r"(yes|no), [0-9]{1,3} items?"
+
+
+@pytest.fixture(scope="module")
+def url():
+    backend = AsyncEngine(lambda: make_engine(DEFAULT_MODEL_DIR, 1, local=True, block_size=16,
+                                              num_blocks=128, max_model_len=256),
+                          "tpserve/default-model", max_concurrent_requests=16)
+    backend.start()
+    backend.wait_ready(120)
+    try:
+        with serve(build_app(backend)) as base:
+            yield base
+    finally:
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def tgi(url):
+    return text_generation.Client(url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_tgi_client_json_grammar(tgi):
+    for seed, value in ((1, SCHEMA), (2, json.dumps(SCHEMA))):  # an object or JSON text
+        res = tgi.generate("The answer in JSON:", max_new_tokens=60, do_sample=True,
+                           seed=seed, grammar=Grammar(type=GrammarType.Json, value=value))
+        jsonschema.validate(json.loads(res.generated_text), SCHEMA)
+        assert res.details.finish_reason == "eos_token"
+        assert res.details.tokens[-1].special  # the grammar was complete: EOS ended it
+
+
+def test_tgi_client_streamed_regex_grammar(tgi):
+    grammar = Grammar(type=GrammarType.Regex, value=REGEX)
+    events = list(tgi.generate_stream("Are there any?", max_new_tokens=30, do_sample=True,
+                                      seed=3, grammar=grammar))
+    text = "".join(e.token.text for e in events if not e.token.special)
+    assert re.fullmatch(REGEX, text) and events[-1].generated_text == text
+
+
+def test_openai_chat_json_schema_and_json_object(oai):
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Where and when? Answer in JSON."}]
+    res = oai.chat.completions.create(model="m", messages=messages, max_tokens=60, seed=4,
+                                      response_format=fmt, n=2)
+    for choice in res.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.finish_reason == "stop"
+    res = oai.chat.completions.create(model="m", messages=messages, max_tokens=120,
+                                      temperature=0, response_format={"type": "json_object"})
+    choice = res.choices[0]
+    assert choice.finish_reason == "length" or isinstance(
+        json.loads(choice.message.content), dict)
+    assert choice.message.content.startswith("{")
+
+
+def test_openai_streamed_json_schema_with_logprobs(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    stream = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "JSON please"}], max_tokens=60,
+        seed=5, response_format=fmt, stream=True, logprobs=True, top_logprobs=3)
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for lp in (c.logprobs.content if c.logprobs else None) or []:
+                # Over the allowed tokens: a forbidden token (log p -inf, null on the
+                # wire) is never listed as an alternative.
+                assert lp.logprob <= 0 and lp.top_logprobs
+                assert all(t.logprob is not None for t in lp.top_logprobs)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert finish == "stop"
+
+
+def test_openai_completions_take_response_format(oai):
+    res = oai.completions.create(model="m", prompt="Yes or no:", max_tokens=20, seed=6,
+                                 extra_body={"response_format": {"type": "regex",
+                                                                 "value": REGEX}})
+    assert re.fullmatch(REGEX, res.choices[0].text)
+
+
+BAD = {
+    "bad_regex": ("/generate", {"inputs": "a", "parameters": {
+        "grammar": {"type": "regex", "value": "a(b"}}}, "`parameters.grammar`: the regular "
+        "expression does not compile"),
+    "bad_schema": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+        "`response_format.json_schema.schema`: the JSON schema does not compile"),
+    "schema_not_json": ("/generate", {"inputs": "a", "parameters": {
+        "grammar": {"type": "json", "value": "{oops"}}}, "`grammar.value` is not valid JSON"),
+    "unknown_format": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+        "`response_format.type` must be text, json_object or json_schema"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_grammar_is_a_422_and_the_server_keeps_serving(url, case):
+    route, body, fragment = BAD[case]
+    r = httpx.post(url + route, json=body, timeout=60)
+    assert r.status_code == 422, r.text
+    assert set(r.json()) == {"error", "error_type"} and r.json()["error_type"] == "validation"
+    assert fragment in r.json()["error"], r.json()["error"]
+    ok = httpx.post(url + "/generate", json={"inputs": "a", "parameters": {
+        "max_new_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_tpserve_client_grammar(url):
+    from tpserve.client import Client
+    from tpserve.errors import ValidationError
+
+    with Client(url, timeout=60) as client:
+        for grammar in ({"type": "regex", "value": REGEX},
+                        Grammar(type=GrammarType.Regex, value=REGEX)):
+            res = client.generate("Any?", max_new_tokens=30, do_sample=True, seed=8,
+                                  grammar=grammar)
+            assert re.fullmatch(REGEX, res.generated_text)
+        with pytest.raises(ValidationError, match="`grammar.value` is not valid JSON"):
+            client.generate("Any?", grammar={"type": "json", "value": "{"})  # checked here
