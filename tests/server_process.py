@@ -69,3 +69,41 @@ def launched_process(args: list[str], log_path: Path, ready_timeout: float = 240
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         log.close()
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket that one of `pids` holds, read from
+    /proc (Linux): the table of listening sockets, and each process's descriptors to tell
+    whose they are. An IPv4-mapped IPv6 address is given as its IPv4 form."""
+    import ipaddress
+
+    owner: dict[str, int] = {}  # socket inode -> pid
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:  # gone, or not ours to read
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in owner:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = cols[1].split(":")
+            # The kernel prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1] for i in range(0, 2 * width, 8))
+            addr = ipaddress.ip_address(raw)
+            if addr.version == 6 and addr.ipv4_mapped:
+                addr = addr.ipv4_mapped
+            found.append((str(addr), int(hexport, 16), owner[cols[9]]))
+    return found

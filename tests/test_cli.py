@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -278,6 +279,20 @@ def test_launch_starts_its_own_ray_cluster_even_when_others_run(monkeypatch):
     args = build_parser().parse_args(["launch", "--address", "auto"])
     _start_ray(args, cfg)
     assert seen[-1] == {"address": "auto", "namespace": "tpserve"}
+
+
+def test_a_local_cluster_is_told_it_is_one_machine_and_a_joined_one_is_not(monkeypatch):
+    """Without --address, Ray is told before it is imported that the cluster is this machine
+    alone, so it binds its ports to 127.0.0.1 (test_e2e_server measures the sockets); a
+    cluster joined with --address spans machines and is left as it is."""
+    from tpserve.cli import _ray_on_loopback
+
+    name = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    monkeypatch.setenv(name, "unset")  # restored (removed) after the test
+    _ray_on_loopback(build_parser().parse_args(["launch", "--address", "auto"]))
+    assert os.environ[name] == "unset"
+    _ray_on_loopback(build_parser().parse_args(["launch"]))
+    assert os.environ[name] == "0"
 
 
 # --- --kv-cache-dtype ----------------------------------------------------------------------

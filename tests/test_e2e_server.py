@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from server_process import launched
+from server_process import launched_process, listening_sockets
 from tiny_models import hf_greedy
 from transformers import AutoTokenizer
 
@@ -22,11 +24,17 @@ def server_log(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, server_log):
+def launcher(llama_dir, server_log):
+    """(the `tpserve launch` process, its URL)."""
     # Info level: test_ready_line_splits_the_start_up reads the ready lines.
-    with launched(["--model", str(llama_dir), "--tp", "2", "--num-blocks", "512",
-                   "--log-level", "info"], server_log) as url:
-        yield url
+    with launched_process(["--model", str(llama_dir), "--tp", "2", "--num-blocks", "512",
+                           "--log-level", "info"], server_log) as (proc, url):
+        yield proc, url
+
+
+@pytest.fixture(scope="module")
+def server(launcher):
+    return launcher[1]
 
 
 def test_ready_line_splits_the_start_up(server, server_log):
@@ -42,6 +50,30 @@ def test_ready_line_splits_the_start_up(server, server_log):
                   "kernel warmup", "step loop"):
         assert phase in split, (phase, line)
     assert 0.5 * ready <= sum(split.values()) <= ready + 0.5, (ready, line)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_local_cluster_listens_on_loopback_only(launcher):
+    """The cluster `tpserve launch` starts is on this machine alone: none of its processes
+    (GCS, raylet, agents, the driver and the shards, their process group) listens on an
+    address that another machine reaches. Ray bound all but the dashboard to every
+    interface, and so did torch's rendezvous store on rank 0."""
+    from test_rebuild_server import descendants
+
+    proc, url = launcher
+    port = int(url.rsplit(":", 1)[1])
+    pids = [proc.pid, *descendants(proc.pid)]
+    found = listening_sockets(pids)
+    titles = {pid: " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
+              .strip()[:120] for _, _, pid in found}
+    # Not vacuous: the HTTP server, the GCS and both shards were seen listening.
+    assert ("127.0.0.1", port) in {(a, p) for a, p, _ in found}, found
+    assert any(t.split()[0].endswith("gcs_server") for t in titles.values()), titles
+    assert {"ray::EngineCoreActor", "ray::FollowerActor"} <= {
+        t.split(".")[0] for t in titles.values()}, titles
+    exposed = [f"{a} port {p}: {titles[pid]}" for a, p, pid in found
+               if not ipaddress.ip_address(a).is_loopback]
+    assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)
 
 
 @pytest.fixture(scope="module")

@@ -473,7 +473,24 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--min-replicas {lo} is above --max-replicas {hi}")
 
 
+# Ray binds its GCS, raylet, object manager, agents and workers' gRPC servers to loopback
+# only when the node's address is 127.0.0.1, and ray.init turns a 127.0.0.1 it is given back
+# into the machine's outward address. This switch (off by default on macOS and Windows) makes
+# Ray take 127.0.0.1 as this node's address; Ray reads it once, when it is imported, and
+# every process of the cluster inherits it.
+_RAY_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _ray_on_loopback(args: argparse.Namespace) -> None:
+    """A local cluster is this machine alone: keep its ports off the network. Call before
+    Ray is imported. Not for --address, whose cluster spans machines."""
+    if not args.address:
+        os.environ[_RAY_CLUSTER_SWITCH] = "0"
+
+
 def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
+    import ipaddress
+
     import ray
 
     from tpserve.cluster.device import local_cluster_gpus
@@ -502,6 +519,11 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
     if gpus is not None:
         kwargs["num_gpus"] = gpus  # XPU tiles, which Ray counts only through dpctl
     ctx = ray.init(**kwargs)
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:
+        log.warning("ray: the local cluster's ports listen on every interface (node address "
+                    "%s): Ray was imported before tpserve could set %s=0", node,
+                    _RAY_CLUSTER_SWITCH)
     log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
              f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
              if ctx.dashboard_url else "")
@@ -515,6 +537,7 @@ def launch(args: argparse.Namespace) -> int:
 
     _check_replica_flags(args)
     preflight.check_port(args.host, args.port)  # before Ray: its start takes seconds
+    _ray_on_loopback(args)
     import ray
 
     from tpserve.cluster.driver import Driver

@@ -4,6 +4,7 @@ call and every constructor returns."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -49,6 +50,23 @@ class LoadReport:
     passed_over: dict[str, str] = field(default_factory=dict)
     cache_bytes_per_block: int = 0
     cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "bfloat16" or "float8_e4m3fn"
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name
+        return addr == "localhost"
+
+
+def _gloo_on_loopback() -> None:
+    """Every rank is on this machine: gloo's pairs (the process group's on the CPU, the
+    control channel's on every device) listen on loopback. Without it gloo listens on the
+    address the host name resolves to, which may be one other machines reach."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # read by each new gloo group
 
 
 class Worker:
@@ -112,15 +130,33 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    def _store(self, addr: str, port: int, timeout: timedelta) -> dist.TCPStore:
+        """The process group's rendezvous. Rank 0 serves it on `addr` alone: torch's own
+        server listens on every interface, and on a one-machine cluster addr is loopback."""
+        if self.rank != 0:
+            return dist.TCPStore(addr, port, self.tp_size, False, timeout)
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        sock = socket.create_server((addr, port), family=family)
+        try:
+            store = dist.TCPStore(addr, port, self.tp_size, True, timeout,
+                                  master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the socket now, and closes it
+        return store
+
     def init_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the shards' process group; returns the backend name."""
         self.device = local_device(self.cfg.parallel.device)
         backend = dist_backend(self.cfg.parallel.device)
         if self.tp_size > 1:
+            timeout = timedelta(seconds=self.cfg.parallel.dist_timeout_s)
+            if _is_loopback(master_addr):
+                _gloo_on_loopback()
             dist.init_process_group(
-                backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank, world_size=self.tp_size,
-                timeout=timedelta(seconds=self.cfg.parallel.dist_timeout_s))
+                backend=backend, store=self._store(master_addr, master_port, timeout),
+                rank=self.rank, world_size=self.tp_size, timeout=timeout)
             set_tp(TPInfo(self.rank, self.tp_size), dist.group.WORLD)
             self.control = ControlChannel(self.tp_size, self.cfg.parallel.dist_timeout_s)
         else:
