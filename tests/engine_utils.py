@@ -35,14 +35,17 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
 
 @contextmanager
 def served_engine(path: Path, model_id: str, *, max_model_len: int,
-                  max_concurrent_requests: int) -> Iterator[tuple[AsyncEngine, str]]:
+                  max_concurrent_requests: int,
+                  **engine: object) -> Iterator[tuple[AsyncEngine, str]]:
     """The real app over an in-process tp = 1 engine on `path`, served on a free local port;
-    yields (backend, base URL), stops the engine on exit."""
+    yields (backend, base URL), stops the engine on exit. `engine`: more make_engine
+    arguments (block_size, num_blocks, ...)."""
     from fake_backend import serve
 
     from tpserve.server.app import build_app
 
-    backend = AsyncEngine(lambda: make_engine(path, 1, local=True, max_model_len=max_model_len),
+    backend = AsyncEngine(lambda: make_engine(path, 1, local=True, max_model_len=max_model_len,
+                                              **engine),
                           model_id, max_concurrent_requests=max_concurrent_requests)
     backend.start()
     try:

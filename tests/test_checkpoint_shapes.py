@@ -111,13 +111,7 @@ def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
     path, ref, ref_logits = t5_variant(kind)
     # Guards the oracle (UMT5 repeats one token after the one-token prompt "A").
     assert sum(len(set(t)) > 3 for t in ref) >= 3 and len({tuple(t) for t in ref}) == 4
-    engine = make_engine(path, tp, local=tp == 1, max_model_len=128)
-    try:
-        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
-            assert_close_rel(got, want, 1e-4)
-        assert greedy(engine, PROMPTS, 16) == ref
-    finally:
-        engine.shutdown()
+    _matches(path, tp, ref, ref_logits, 16, max_model_len=128)
 
 
 # Phi-3 long-context scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini): rotary frequencies divided
@@ -163,13 +157,7 @@ def test_longrope_short_factors_change_the_reference(longrope, models_dir):
 def test_phi3_longrope_matches_transformers(ray_cluster, longrope, tp):
     """Prefill logits (which the attention factor, 1.14 here, scales) and greedy tokens."""
     path, ref, ref_logits = longrope
-    engine = make_engine(path, tp, local=tp == 1)
-    try:
-        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
-            assert_close_rel(got, want, 1e-4)
-        assert greedy(engine, PROMPTS, 32) == ref
-    finally:
-        engine.shutdown()
+    _matches(path, tp, ref, ref_logits, 32)
 
 
 def test_longrope_requests_past_the_original_context_are_refused(longrope):
@@ -193,3 +181,15 @@ def test_longrope_requests_past_the_original_context_are_refused(longrope):
     for needle in ("longrope", f"must be <= {LONGROPE_ORIGINAL}",
                    "original_max_position_embeddings", "47 `max_new_tokens`"):
         assert needle in msg, msg
+
+
+def _matches(path, tp: int, ref, ref_logits, new_tokens: int, **engine) -> None:
+    """tpserve at tp: prefill logits within 1e-4 relative of transformers' and the same
+    greedy tokens."""
+    engine = make_engine(path, tp, local=tp == 1, **engine)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            assert_close_rel(got, want, 1e-4)
+        assert greedy(engine, PROMPTS, new_tokens) == ref
+    finally:
+        engine.shutdown()

@@ -9,11 +9,8 @@ import re
 
 import httpx
 import pytest
-from engine_utils import make_engine
-from fake_backend import serve
+from engine_utils import served_engine
 
-from tpserve.engine.async_engine import AsyncEngine
-from tpserve.server.app import build_app
 from tpserve.weights import DEFAULT_MODEL_DIR
 
 openai = pytest.importorskip("openai")
@@ -38,16 +35,9 @@ REGEX = r"(yes|no), [0-9]{1,3} items?"
 
 @pytest.fixture(scope="module")
 def url():
-    backend = AsyncEngine(lambda: make_engine(DEFAULT_MODEL_DIR, 1, local=True, block_size=16,
-                                              num_blocks=128, max_model_len=256),
-                          "tpserve/default-model", max_concurrent_requests=16)
-    backend.start()
-    backend.wait_ready(120)
-    try:
-        with serve(build_app(backend)) as base:
-            yield base
-    finally:
-        backend.stop()
+    with served_engine(DEFAULT_MODEL_DIR, "tpserve/default-model", max_model_len=256, max_concurrent_requests=16,
+                       block_size=16, num_blocks=128) as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")

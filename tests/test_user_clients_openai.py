@@ -5,13 +5,10 @@ transformers' tokenizer and greedy output."""
 from __future__ import annotations
 
 import pytest
-from engine_utils import make_engine
-from fake_backend import serve
+from engine_utils import served_engine
 from tiny_models import hf_greedy
 from transformers import AutoTokenizer
 
-from tpserve.engine.async_engine import AsyncEngine
-from tpserve.server.app import build_app
 from tpserve.weights import DEFAULT_MODEL_DIR
 
 openai = pytest.importorskip("openai")
@@ -22,16 +19,9 @@ PROMPT = "The default value of"
 
 @pytest.fixture(scope="module")
 def url():
-    backend = AsyncEngine(lambda: make_engine(DEFAULT_MODEL_DIR, 1, local=True, block_size=16,
-                                              num_blocks=256, max_model_len=256),
-                          MODEL_ID, max_concurrent_requests=16)
-    backend.start()
-    backend.wait_ready(120)
-    try:
-        with serve(build_app(backend)) as base:
-            yield base
-    finally:
-        backend.stop()
+    with served_engine(DEFAULT_MODEL_DIR, MODEL_ID, max_model_len=256, max_concurrent_requests=16,
+                       block_size=16, num_blocks=256) as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")
