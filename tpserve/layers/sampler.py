@@ -287,9 +287,11 @@ def _allowed(rows: list[SampleRow], vocab: int, device: torch.device) -> torch.T
             k = min(words, r.allowed.shape[0])
             host[i, :k] = r.allowed[:k]
             host[i, k:] = 0  # ids past the grammar's vocabulary: never allowed
-    d = _to_device(torch.from_numpy(host), device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    bits = (d[:, :, None] >> shifts) & 1  # arithmetic shift: the sign bit reads as set too
+    # Unpacked a byte at a time (the words' little-endian bytes: token 8 b + j is bit j of
+    # byte b), so the device's temporary is one byte per token, not four.
+    d = _to_device(torch.from_numpy(host.astype("<i4", copy=False).view(np.uint8)), device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = (d[:, :, None] >> shifts) & 1
     return bits.view(len(rows), words * 32)[:, :vocab].bool()
 
 
