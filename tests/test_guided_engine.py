@@ -248,3 +248,19 @@ def test_only_steps_holding_guided_rows_give_up_the_overlap(engine):
     while engine.has_work():
         engine.step()
     assert plain.finish_reason == "length" and len(plain.output_ids) == 8
+
+
+def test_an_eos_id_past_the_tokenizer_does_not_break_every_grammar(llama_dir):
+    """A config may name an end-of-sequence id the tokenizer lacks (a model vocabulary larger
+    than the tokenizer's): llguidance refuses such an id, so it stays out of the grammar's
+    EOS set instead of making every guided request a 422."""
+    from transformers import AutoTokenizer
+
+    from tpserve.engine.guided import Grammars, GuidedVocab
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    past = len(tok) + 5
+    vocab = GuidedVocab.from_tokenizer(tok, past + 10, [tok.eos_token_id, past])
+    assert vocab.eos_ids == [tok.eos_token_id] and vocab.n_vocab == past + 10
+    matcher = Grammars(vocab).matcher(SPECS["regex"])  # compiles: no ValidationError
+    assert matcher is not None

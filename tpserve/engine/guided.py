@@ -76,7 +76,11 @@ class GuidedVocab:
         if backend is None:
             return None
         n = max(model_vocab or 0, len(tokenizer))
-        return cls(backend.to_str(), n, sorted(t for t in eos_ids if 0 <= t < n))
+        # llguidance takes EOS ids only inside the tokenizer's own vocabulary; an id past it
+        # (a config naming a token its tokenizer lacks) would fail every grammar, so such a
+        # token just stays forbidden in guided rows.
+        return cls(backend.to_str(), n,
+                   sorted(t for t in eos_ids if 0 <= t < min(n, len(tokenizer))))
 
     def __getstate__(self) -> dict:  # the library's objects stay in their process
         return {"tokenizer_json": self.tokenizer_json, "n_vocab": self.n_vocab,
