@@ -116,7 +116,8 @@ class FakeBackend:
             return "".join(WORD_TEXTS[i] for i in ids)
         return " ".join(f"t{i}" for i in ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        # Like a template without tool support: `tools` changes nothing.
         if not self.has_chat_template:
             raise ValidationError("this model has no chat template")
         turns = [f"{m['role']}: {m['content']}" for m in messages]

@@ -126,6 +126,13 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="reuse the KV blocks of prompt prefixes shared across requests "
                    "(decoder-only models without a sliding window)")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="how chat answers with tool_choice auto are read for tool calls: "
+                   "hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), llama3_json (a JSON "
+                   "answer {\"name\", \"parameters\"}: Llama 3.1+), mistral "
+                   "([TOOL_CALLS][...]), or auto, any of them; text that is no call stays "
+                   "content (docs/http_api.md#tool-calling)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every step eagerly instead of replaying the graphs captured "
                    "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "
@@ -455,7 +462,8 @@ def server_config(args: argparse.Namespace):
                         max_body_bytes=args.max_body_bytes,
                         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
                         request_timeout_s=args.request_timeout,
-                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+                        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

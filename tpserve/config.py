@@ -105,6 +105,9 @@ class ServerConfig:
     request_timeout_s: float | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # How `tool_choice: "auto"` answers are read for calls: auto (every known format),
+    # hermes, llama3_json or mistral (tpserve/server/tool_parsers.py).
+    tool_call_parser: str = "auto"
 
     @property
     def body_budget_bytes(self) -> int:

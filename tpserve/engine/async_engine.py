@@ -376,7 +376,7 @@ class AsyncEngine:
         self._require_ready()
         return len(self.engine.tokenize(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from tpserve.errors import ValidationError
 
         self._require_ready()
@@ -385,7 +385,8 @@ class AsyncEngine:
             raise ValidationError("this model has no chat template; use /v1/completions or "
                                   "/generate with a plain prompt")
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise ValidationError(f"chat template failed on these messages: {exc}") from exc
 

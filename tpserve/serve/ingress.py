@@ -249,12 +249,12 @@ class ReplicaSetBackend:
                 await asyncio.sleep(RETRY_WAIT_S * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("this model has no chat template; use /v1/completions or "
                                   "/generate with a plain prompt")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise ValidationError(f"chat template failed on these messages: {exc}") from exc

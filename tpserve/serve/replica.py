@@ -146,8 +146,8 @@ class TPReplica:
     def info(self) -> ModelInfo:
         return self.backend.info()
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.backend.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.backend.apply_chat_template(messages, tools=tools)
 
     def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         return self.backend.count_tokens(text, add_special_tokens)

@@ -222,5 +222,5 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
             metrics.set_replica_stats(replica_stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(backend, metrics))
+    app.include_router(openai_router(backend, metrics, config.tool_call_parser))
     return app

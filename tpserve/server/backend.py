@@ -37,8 +37,10 @@ class EngineBackend(Protocol):
         answers use it when it is there.
         """
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render OpenAI-style messages to a prompt; ValidationError when the model has none."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render OpenAI-style messages (and OpenAI tool objects, for templates that describe
+        tools) to a prompt; ValidationError when the model has no template or it fails. The
+        server passes `tools` only when a request has some."""
 
     def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         """Tokens of `text` as a prompt; add_special_tokens=False for a rendered chat prompt,

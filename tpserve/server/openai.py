@@ -5,7 +5,9 @@ requests side by side; `logprobs` come in OpenAI's two formats (server/openai_lo
 Errors keep TGI's body shape
 (`{"error", "error_type"}`, 422 for validation) so one client error path serves both APIs.
 Chunks also carry the keys text_generation's chat types require (system_fingerprint,
-delta.role, delta.tool_calls), so TGI's client can read them.
+delta.role, delta.tool_calls), so TGI's client can read them. Tool calling (`tools`,
+`tool_choice`) is planned in server/tools.py, rendered in server/tool_prompt.py and read
+back out of the text in server/tool_stream.py.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ from tpserve.server.streaming import (
     merged,
     sse,
 )
+from tpserve.server.tool_prompt import render_chat
+from tpserve.server.tool_stream import ChoiceTools, message_of, wire_delta
+from tpserve.server.tools import Tool, ToolCallIn, ToolPlan, plan_tools
 from tpserve.structured import response_format_spec
 
 _FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
@@ -173,16 +178,32 @@ class ChatMessage(BaseModel):
     role: Text
     content: Text | Annotated[list[ContentPart], FailFast] | None = None
     name: Text | None = None
+    # An assistant turn's calls (content may be null) and a `tool` turn's answer to one.
+    tool_calls: Annotated[list[ToolCallIn], FailFast] | None = None
+    tool_call_id: Text | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         if isinstance(self.content, list):
             content = "".join(part.text or "" for part in self.content)
         else:
             content = self.content or ""
-        msg = {"role": self.role, "content": content}
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+# Every field text_generation 0.7.0's ChatRequest writes: its client sends them all, nulls
+# included, and no other client does by default. Its stream parser wants `delta.tool_calls`
+# as one object (TGI 2's format), where OpenAI's clients want a list.
+TGI_CLIENT_FIELDS = frozenset({
+    "model", "messages", "repetition_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "max_tokens", "n", "presence_penalty", "stream", "seed", "temperature",
+    "top_p", "tools", "tool_choice"})
 
 
 class ChatRequest(_Sampling):
@@ -190,8 +211,20 @@ class ChatRequest(_Sampling):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
-    tools: Annotated[list[Any] | None, unsupported("`tools` (function calling)")] = None
+    # Function calling (server/tools.py): OpenAI's tool objects; tool_choice "none", "auto",
+    # "required", {"type": "function", "function": {"name": ...}} or TGI's bare name.
+    tools: Annotated[list[Tool], FailFast] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # TGI's: the text before the tool list where tpserve describes the tools itself.
+    tool_prompt: Text | None = None
+    functions: Annotated[Any, unsupported(
+        "`functions` (OpenAI's deprecated form of `tools`; send `tools`)")] = None
+    function_call: Annotated[Any, unsupported(
+        "`function_call` (OpenAI's deprecated form of `tool_choice`; send `tool_choice`)")] = None
+
+    def from_tgi_client(self) -> bool:
+        return TGI_CLIENT_FIELDS <= self.model_fields_set
 
 
 def _last_piece(final: GenerationEvent, streamed: str) -> str:
@@ -258,14 +291,17 @@ def _data(payload: dict | str) -> str:
     return sse(payload, space=True)  # OpenAI writes `data: `, and ends with [DONE]
 
 
-# (choice index, text, finish reason or None, the events this chunk carries) -> the choice
-ChunkMaker = Callable[[int, str, str | None, list[GenerationEvent]], dict]
+# (choice index, text, finish reason or None, the events this chunk carries) -> the choice,
+# or a list of them (one chunk each; none: no chunk)
+ChunkMaker = Callable[[int, str, str | None, list[GenerationEvent]], dict | list[dict]]
 
 
 class OpenAIRoutes:
-    def __init__(self, backend: EngineBackend, metrics: Metrics) -> None:
+    def __init__(self, backend: EngineBackend, metrics: Metrics,
+                 tool_call_parser: str = "auto") -> None:
         self.backend = backend
         self.metrics = metrics
+        self.tool_call_parser = tool_call_parser  # server/tool_parsers.py: PARSERS
         self.created = int(time.time())
 
     def _info(self) -> ModelInfo:
@@ -393,7 +429,8 @@ class OpenAIRoutes:
         body = {**base, "choices": choices, "usage": _usage([e[-1] for e in results], n)}
         return AnswerResponse(body)
 
-    async def _render_chat(self, req: ChatRequest, info: ModelInfo) -> tuple[str, int]:
+    async def _render_chat(self, req: ChatRequest, info: ModelInfo,
+                           plan: ToolPlan | None) -> tuple[str, int]:
         """The prompt and max new tokens of a chat request. A long conversation is rendered
         and counted on a worker thread: a tokenizer takes seconds over megabytes, and on the
         event loop every other client of the server would wait for it."""
@@ -401,7 +438,8 @@ class OpenAIRoutes:
         max_new = req.max_completion_tokens or req.max_tokens
 
         def render() -> tuple[str, int]:
-            prompt = self.backend.apply_chat_template(messages)
+            prompt = render_chat(self.backend.apply_chat_template, messages, plan,
+                                 req.tool_prompt)
             if max_new is None:  # OpenAI's chat default: whatever the context window leaves
                 # Counted as it is submitted: the template already holds its special tokens
                 # (a BOS counted twice left the answer one token short of the window).
@@ -409,7 +447,9 @@ class OpenAIRoutes:
                 return prompt, max(1, info.max_total_tokens - used)
             return prompt, max_new
 
-        if sum(len(v) for m in messages for v in m.values()) <= INLINE_RENDER_CHARS:
+        size = sum(len(str(v)) for m in messages for v in m.values())
+        size += sum(len(str(t)) for t in plan.template_tools()) if plan else 0
+        if size <= INLINE_RENDER_CHARS:
             return render()
         return await asyncio.to_thread(render)
 
@@ -420,13 +460,22 @@ class OpenAIRoutes:
         if req.top_logprobs and not req.logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs`: true")
         k = _check_top("top_logprobs", req.top_logprobs, info) if req.logprobs else 0
-        prompt, max_new = await self._render_chat(req, info)
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              response_format_spec(req.response_format))
+        except ValueError as exc:  # a response_format error is checked when it is parsed
+            raise ValidationError(str(exc)) from None
+        prompt, max_new = await self._render_chat(req, info, plan)
         params = req.sampling_params(info, max_new, top_n=k)
+        if plan is not None and plan.guided is not None:  # a forced call: its JSON schema
+            params = dataclasses.replace(params, guided=plan.guided)
         # The chat template already contains the BOS/special tokens it wants.
         max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         streams = await self._open_all([prompt], params, n, ("messages", max_field),
                                        add_special_tokens=False)
         want_lp = bool(req.logprobs)
+        if plan is not None and plan.returns_calls:
+            return await self._chat_with_tools(req, request, info, plan, streams, k)
 
         if req.stream:
 
@@ -451,6 +500,47 @@ class OpenAIRoutes:
             "choices": choices,
             "usage": _usage([e[-1] for e in results], n),
         }
+        return AnswerResponse(body)
+
+    async def _chat_with_tools(self, req: ChatRequest, request: Request, info: ModelInfo,
+                               plan: ToolPlan, streams: list[TrackedStream],
+                               k: int) -> Response:
+        """A chat answer whose text is read for tool calls (server/tool_stream.py)."""
+        n, want_lp = req.choices(), bool(req.logprobs)
+        outs = [ChoiceTools(plan, self.tool_call_parser) for _ in range(n)]
+        if req.stream:
+            tgi = req.from_tgi_client()
+
+            def deltas(i: int, text: str, finish: str | None, events: list) -> list[dict]:
+                found, reason = (outs[i].feed(text), None) if finish is None else \
+                    outs[i].finish(text, finish)
+                lp = chat_logprobs(events, k, self._token_text) if want_lp and events else None
+                made = [{"index": i, "delta": wire_delta(d, tgi), "logprobs": None,
+                         "finish_reason": None} for d in found]
+                if not made and (reason is not None or lp is not None):
+                    made = [{"index": i, "delta": wire_delta("", tgi), "logprobs": None,
+                             "finish_reason": None}]
+                if made:
+                    made[0]["logprobs"], made[-1]["finish_reason"] = lp, reason
+                return made
+
+            chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
+            return self._stream(req, streams, chunk, deltas, [""] * n, want_lp)
+        results = await collect_all_or_abort(request, streams)
+        if isinstance(results, Response):
+            return results
+        choices = []
+        for i, events in enumerate(results):
+            found, reason = outs[i].finish(final_text(events), _FINISH[events[-1].finish_reason])
+            content, calls = message_of(found)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": chat_logprobs(events, k, self._token_text)
+                            if want_lp else None})
+        body = {**self._envelope("chatcmpl", "chat.completion", info), "choices": choices,
+                "usage": _usage([e[-1] for e in results], n)}
         return AnswerResponse(body)
 
     def _stream(
@@ -481,13 +571,14 @@ class OpenAIRoutes:
                     if event.finished:
                         finals[i] = event
                         text = _last_piece(event, streamed[i])
-                        finish = _FINISH[event.finish_reason]
-                        yield _data({**chunk, **extra,
-                                     "choices": [choice(i, text, finish, [event])]})
+                        made = choice(i, text, _FINISH[event.finish_reason], [event])
                     elif not event.token.special and (event.token.text or every_token):
                         streamed[i] += event.token.text
-                        yield _data({**chunk, **extra,
-                                     "choices": [choice(i, event.token.text, None, [event])]})
+                        made = choice(i, event.token.text, None, [event])
+                    else:
+                        continue
+                    for c in made if isinstance(made, list) else [made]:
+                        yield _data({**chunk, **extra, "choices": [c]})
                 if include_usage:
                     usage = _usage([f for f in finals if f is not None], n)
                     yield _data({**chunk, "choices": [], "usage": usage})
@@ -503,8 +594,9 @@ class OpenAIRoutes:
         return EventStreamResponse(events(), on_close=close_all)
 
 
-def openai_router(backend: EngineBackend, metrics: Metrics) -> APIRouter:
-    routes = OpenAIRoutes(backend, metrics)
+def openai_router(backend: EngineBackend, metrics: Metrics,
+                  tool_call_parser: str = "auto") -> APIRouter:
+    routes = OpenAIRoutes(backend, metrics, tool_call_parser)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/models", routes.models, methods=["GET"])
     # Hub ids have a slash: `org/name`.

@@ -1,0 +1,172 @@
+"""Tool calls in freely generated text (`tool_choice: "auto"`), in the formats chat templates
+teach their models:
+
+- `hermes` (Hermes, Qwen 2.5/3, and tpserve's own prompt for templates without tools):
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, anywhere;
+- `llama3_json` (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`
+  (after `<|python_tag|>` when that token is decoded as text), several separated by `;`;
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; `[TOOL_CALLS]` is a
+  special token that the text usually lacks, so an answer that is a bare JSON array of
+  calls counts too.
+
+`auto` (the server's default, --tool-call-parser) accepts all three. A call must name one of
+the request's tools and carry an arguments object; text that is not such a call stays
+content, so nothing the model wrote is lost.
+
+ToolTextGate reads the text as it streams: content is released as it comes, except what
+could be the start of a call (a partial `<tool_call>` or a reply opening with `{` or `[`),
+which is held; from the start of a call on, the rest is read at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from dataclasses import dataclass
+
+PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARK = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"
+_decoder = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def _call(obj: object, names: Collection[str]) -> ParsedCall | None:
+    """obj as a call of one of `names`: {"name", "arguments" | "parameters"}, the arguments
+    an object (or JSON text of one, as some models write them)."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str, seps: str) -> list[object] | None:
+    """Every JSON value of `text`, separated by whitespace or `seps`; None unless the
+    whole text is such values."""
+    values, i = [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in seps):
+            i += 1
+        if i == len(text):
+            return values
+        try:
+            value, i = _decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _calls_of(values: list[object], names: Collection[str]) -> list[ParsedCall] | None:
+    """The calls in decoded values (objects, or arrays of them); None unless all are calls."""
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    calls = [_call(v, names) for v in flat]
+    return calls if calls and all(calls) else None  # type: ignore[return-value]
+
+
+def _hermes(text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
+    """Calls in <tool_call> blocks; a block that is not a call stays in the content."""
+    content, calls, i = [], [], 0
+    while (start := text.find(HERMES_OPEN, i)) >= 0:
+        content.append(text[i:start])
+        end = text.find(HERMES_CLOSE, start)
+        stop = len(text) if end < 0 else end + len(HERMES_CLOSE)
+        body = text[start + len(HERMES_OPEN): end if end >= 0 else len(text)]
+        found = _calls_of(_json_values(body, "") or [], names)
+        if found:
+            calls += found
+        else:
+            content.append(text[start:stop])
+        i = stop
+    content.append(text[i:])
+    return "".join(content), calls
+
+
+def parse_calls(text: str, names: Collection[str], parser: str) -> tuple[str, list[ParsedCall]]:
+    """(content left, calls) of `text`, which starts where a call may start: a marker, or
+    the beginning of the answer. No calls: the text comes back whole as content."""
+    if parser in ("auto", "hermes") and HERMES_OPEN in text:
+        return _hermes(text, names)
+    body = text.strip()
+    if parser in ("auto", "mistral") and MISTRAL_MARK in body:
+        before, _, after = body.partition(MISTRAL_MARK)
+        calls = _calls_of(_json_values(after, "") or [], names)
+        return (before, calls) if calls else (text, [])
+    if parser in ("auto", "llama3_json", "mistral"):
+        if parser != "mistral" and body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):]
+        values = _json_values(body, ";" if parser != "mistral" else "")
+        calls = _calls_of(values or [], names)
+        if calls and (parser != "mistral" or isinstance(values[0], list)):
+            return "", calls
+    return text, []
+
+
+class ToolTextGate:
+    """Streams content and holds what may be a tool call; `finish` parses the held text."""
+
+    def __init__(self, names: Collection[str], parser: str = "auto") -> None:
+        self.names, self.parser = names, parser
+        self.markers = [m for p, m in (("hermes", HERMES_OPEN), ("mistral", MISTRAL_MARK))
+                        if parser in (p, "auto")]
+        self.leads = [] if parser == "hermes" else (
+            ["{", "[", PYTHON_TAG] if parser != "mistral" else ["["])
+        self.text = ""
+        self.released = 0  # text[:released] went out as content
+        self.call_at: int | None = None  # where held text that may be a call starts
+
+    def feed(self, piece: str) -> str:
+        """The content that can be released now."""
+        self.text += piece
+        if self.call_at is not None:
+            return ""
+        if self.released == 0 and self.leads:
+            head = self.text.lstrip()
+            if any(head.startswith(lead) for lead in self.leads):
+                self.call_at = 0
+                return ""
+            if not head or any(lead.startswith(head) for lead in self.leads):
+                return ""  # only whitespace, or a partial <|python_tag|> so far
+        rest = self.text[self.released:]
+        found = [i for i in (rest.find(m) for m in self.markers) if i >= 0]
+        if found:
+            self.call_at = self.released + min(found)
+            return self._release(self.call_at)
+        hold = max((k for m in self.markers for k in range(1, len(m))
+                    if rest.endswith(m[:k])), default=0)
+        return self._release(len(self.text) - hold)
+
+    def _release(self, upto: int) -> str:
+        out, self.released = self.text[self.released:upto], max(self.released, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """(content still to send, calls): call-less held text is sent as content."""
+        if self.call_at is None:
+            return self._release(len(self.text)), []
+        content, calls = parse_calls(self.text[self.call_at:], self.names, self.parser)
+        self.released = len(self.text)
+        return content, calls
+
+
+def parse_tool_calls(text: str, names: Collection[str],
+                     parser: str = "auto") -> tuple[str | None, list[ParsedCall]]:
+    """A whole answer's (content, calls), as a stream of it would give them; content is
+    None when it is only whitespace next to calls."""
+    gate = ToolTextGate(names, parser)
+    content = gate.feed(text)
+    tail, calls = gate.finish()
+    content += tail
+    return (None if calls and not content.strip() else content), calls
