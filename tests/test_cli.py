@@ -360,3 +360,19 @@ def test_every_choice_of_a_launch_flag_is_in_its_readme_row():
                for c in a.choices if f"`{c}`" not in rows[a.option_strings[0]]
                and f"| {c} |" not in rows[a.option_strings[0]]]
     assert not missing, f"values missing from the README's flag table: {missing}"
+
+
+# --- --tool-call-parser ----------------------------------------------------------------------
+def test_tool_call_parser_reaches_the_server_config(capsys):
+    from tpserve.cli import server_config
+    from tpserve.server.tool_parsers import PARSERS
+
+    assert server_config(_server_args()).tool_call_parser == "auto"
+    assert server_config(_server_args("--tool-call-parser", "hermes")).tool_call_parser == \
+        "hermes"
+    choices = next(a.choices for a in build_parser()._subparsers._group_actions[0]  # noqa: SLF001
+                   .choices["launch"]._actions if "--tool-call-parser" in a.option_strings)
+    assert tuple(choices) == PARSERS  # the flag offers what the parser module reads
+    with pytest.raises(SystemExit):
+        _server_args("--tool-call-parser", "pythonic")
+    assert "invalid choice: 'pythonic'" in capsys.readouterr().err
