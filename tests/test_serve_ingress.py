@@ -25,8 +25,8 @@ class WordTokenizer:
     def __call__(self, text):
         return type("Enc", (), {"input_ids": text.split()})()
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        return FakeBackend().apply_chat_template(messages)
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+        return FakeBackend().apply_chat_template(messages, tools)
 
 
 def make_backend(n: int = 2) -> tuple[ReplicaSetBackend, FakeHandle]:

@@ -385,8 +385,9 @@ class AsyncEngine:
             raise ValidationError("this model has no chat template; use /v1/completions or "
                                   "/generate with a plain prompt")
         try:
-            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=True)
+            extra = {} if tools is None else {"tools": tools}
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **extra)
         except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
             raise ValidationError(f"chat template failed on these messages: {exc}") from exc
 
