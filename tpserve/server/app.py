@@ -48,7 +48,9 @@ def info_body(info: ModelInfo) -> dict:
         "model_sha": None,
         "model_dtype": info.model_dtype,
         "model_device_type": info.model_device_type,
-        "model_pipeline_tag": "text-generation",
+        # The hub's tag: T5-like models are text2text-generation there.
+        "model_pipeline_tag": ("text2text-generation" if info.encoder_decoder
+                               else "text-generation"),
         "max_concurrent_requests": info.max_concurrent_requests,
         "max_best_of": info.max_best_of,
         "max_stop_sequences": info.max_stop_sequences,
@@ -60,6 +62,7 @@ def info_body(info: ModelInfo) -> dict:
         "tp_size": info.tp_size,
         "attention_backend": info.attention_backend,
         "max_top_n_tokens": info.max_top_n_tokens,
+        "encoder_decoder": info.encoder_decoder,
     }
     body.update(info.extra)
     return body
