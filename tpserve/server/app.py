@@ -31,6 +31,7 @@ from tpserve.server.streaming import (
     final_text,
     sse,
 )
+from tpserve.server.tokenize import tokenize_router
 
 
 def token(info: TokenInfo) -> wire.Token:
@@ -226,4 +227,5 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics))
+    app.include_router(tokenize_router(backend))
     return app
