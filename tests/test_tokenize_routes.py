@@ -123,3 +123,16 @@ def test_the_serve_ingress_tokenizes_as_the_engine(tok):
 
     backend = ReplicaSetBackend(FakeHandle([FakeReplica("r0")]), tok, replicas=1)
     assert backend.token_spans(TEXT) == token_spans(tok, TEXT)
+
+
+def test_tpserve_clients_tokenize(url, tok):
+    import asyncio
+
+    from tpserve.client import AsyncClient, Client
+
+    with Client(url, timeout=60) as client:
+        toks = client.tokenize(TEXT)
+        bare = client.tokenize(TEXT, add_special_tokens=False)
+    assert [t["id"] for t in toks] == tok(TEXT).input_ids
+    assert [t["id"] for t in bare] == tok(TEXT, add_special_tokens=False).input_ids
+    assert asyncio.run(AsyncClient(url, timeout=60).tokenize(TEXT)) == toks
