@@ -109,6 +109,13 @@ class FakeBackend:
     def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         return len(text.split())
 
+    def token_spans(self, text: str, add_special_tokens: bool = True
+                    ) -> list[tuple[int, int, int]]:
+        """Words as tokens (as count_tokens counts them), id = the word's length."""
+        import re
+
+        return [(m.end() - m.start(), m.start(), m.end()) for m in re.finditer(r"\S+", text)]
+
     def decode(self, ids: list[int]) -> str:
         """Word tokens the fake generated as their text (" word"); other ids, a token-id
         prompt's, as words: id 7 is the word "t7"."""

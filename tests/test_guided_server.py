@@ -67,6 +67,22 @@ def test_tgi_client_streamed_regex_grammar(tgi):
     assert re.fullmatch(REGEX, text) and events[-1].generated_text == text
 
 
+def test_tgi3_json_schema_grammar(url):
+    """TGI 3's grammar type {"type": "json_schema", "value": {"name", "schema"}}, on /generate
+    and as the chat route's response_format (TGI 3 takes its grammar types there too)."""
+    value = {"name": "place", "schema": SCHEMA}
+    r = httpx.post(url + "/generate", timeout=60, json={"inputs": "JSON:", "parameters": {
+        "max_new_tokens": 60, "do_sample": True, "seed": 4,
+        "grammar": {"type": "json_schema", "value": value}}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["generated_text"]), SCHEMA)
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "A place?"}], "max_tokens": 60, "seed": 5,
+        "response_format": {"type": "json_schema", "value": json.dumps(value)}})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+
+
 def test_openai_chat_json_schema_and_json_object(oai):
     fmt = {"type": "json_schema",
            "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
@@ -121,6 +137,9 @@ BAD = {
         "`response_format.json_schema.schema`: the JSON schema does not compile"),
     "schema_not_json": ("/generate", {"inputs": "a", "parameters": {
         "grammar": {"type": "json", "value": "{oops"}}}, "`grammar.value` is not valid JSON"),
+    "json_schema_without_schema": ("/generate", {"inputs": "a", "parameters": {
+        "grammar": {"type": "json_schema", "value": {"name": "x", "type": "object"}}}},
+        "`grammar.value` of a json_schema grammar must be an object"),
     "unknown_format": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         "`response_format.type` must be text, json_object or json_schema"),

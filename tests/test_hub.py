@@ -176,3 +176,7 @@ def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
             r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=10)
         assert r.generated_text == text
         assert not hub.downloaded() & set(DECOYS)
+    # One line per downloaded file from the HTTP client at INFO buried the launch's own
+    # lines; they show at --log-level debug.
+    log = (tmp_path / "server.log").read_text()
+    assert "HTTP Request:" not in log, log[:2000]

@@ -4,6 +4,7 @@ to do."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import time
@@ -121,3 +122,31 @@ def test_the_timeout_comes_from_the_flag_else_the_hub_variable_else_60(monkeypat
         assert hub.download_timeout() == 60
     with pytest.raises(ValueError, match="--download-timeout must be > 0"):
         preflight.check_ranges(argparse.Namespace(download_timeout=0.0))
+
+
+def test_hf_xet_gets_the_download_timeout_unless_the_user_set_its_own(tmp_path: Path):
+    """Files served through Xet bypass huggingface_hub's HTTP client: hf_xet reads its
+    timeouts from HF_XET_CLIENT_* when its runtime starts (300 s of silence per read and 6
+    minutes of retries by default). The download sets them, in humantime's syntax, around
+    snapshot_download; a value the user exported wins."""
+    code = ("import os, huggingface_hub\n"
+            "seen = {}\n"
+            "def fake(*a, **k):\n"
+            "    seen.update({n: os.environ.get(n) for n in ('HF_XET_CLIENT_CONNECT_TIMEOUT',"
+            " 'HF_XET_CLIENT_READ_TIMEOUT', 'HF_XET_CLIENT_RETRY_MAX_DURATION')})\n"
+            "    raise OSError('stop here')\n"
+            "huggingface_hub.snapshot_download = fake\n"
+            "from tpserve.hub import ensure_model\n"
+            "try:\n"
+            "    ensure_model('acme/tiny', timeout=2.5)\n"
+            "except Exception:\n"
+            "    pass\n"
+            "print(seen)\n")
+    env = hub_env(tmp_path, None)
+    env["HF_XET_CLIENT_READ_TIMEOUT"] = "10m"
+    out, _ = run_python(code, env)
+    assert out.returncode == 0, out.stderr
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])  # printed by the child
+    assert seen == {"HF_XET_CLIENT_CONNECT_TIMEOUT": "2500ms",
+                    "HF_XET_CLIENT_READ_TIMEOUT": "10m",
+                    "HF_XET_CLIENT_RETRY_MAX_DURATION": "2500ms"}

@@ -213,6 +213,29 @@ def test_openai_logprobs_are_the_models_whatever_the_sampling(served, oai, kw):
     assert len(ids) >= 4
 
 
+def test_echoed_prompt_logprobs(served, oai):
+    """`echo` + `logprobs` lists the prompt's own tokens first. An encoder-decoder model
+    never scores its prompt (the encoder reads it): a 422 that says so, where it listed the
+    decoder's start token as if it were the prompt; `echo` alone still works."""
+    info = httpx.get(served.url + "/info", timeout=30).json()
+    assert info["encoder_decoder"] is served.encoder_decoder
+    if served.encoder_decoder:
+        with pytest.raises(openai.UnprocessableEntityError) as err:
+            oai.completions.create(model="m", prompt=PROMPT, max_tokens=2, logprobs=1,
+                                   echo=True)
+        assert "encoder-decoder model has none" in err.value.body  # our `error` string
+        c = oai.completions.create(model="m", prompt=PROMPT, max_tokens=2, echo=True,
+                                   temperature=0)
+        assert c.choices[0].text.startswith(PROMPT)
+        return
+    c = oai.completions.create(model="m", prompt=PROMPT, max_tokens=2, logprobs=1,
+                               echo=True, temperature=0)
+    lp = c.choices[0].logprobs
+    n = len(served.tok(PROMPT)["input_ids"])
+    assert "".join(lp.tokens[:n]) == PROMPT and lp.token_logprobs[0] is None
+    assert len(lp.tokens) == n + 2
+
+
 def _stop_across_tokens(served, ids: list[int]) -> str:
     """A stop string that begins inside one generated token and ends inside a later one."""
     texts = [served.tok.decode(ids[: i + 1], skip_special_tokens=True) for i in range(len(ids))]

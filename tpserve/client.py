@@ -158,6 +158,10 @@ def _body(prompt: str, stream: bool, **params: Any) -> dict[str, Any]:
     return request.model_dump(mode="json", exclude_none=True)
 
 
+def _tokenize_body(prompt: str, add_special_tokens: bool) -> dict[str, Any]:
+    return {"inputs": prompt, "parameters": {"add_special_tokens": add_special_tokens}}
+
+
 class _Base:
     def __init__(
         self,
@@ -226,6 +230,14 @@ class Client(_Base):
         """GET /info: the model, its limits and the deployment (tp_size, device...)."""
         with _transport_errors(self.base_url, self.timeout):
             resp = self._http.get("/info")
+        _raise_for(resp)
+        return resp.json()
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[dict[str, Any]]:
+        """POST /tokenize: the prompt's tokens as generation counts them, each
+        {"id", "text", "start", "stop"} (character offsets into `prompt`)."""
+        with _transport_errors(self.base_url, self.timeout):
+            resp = self._http.post("/tokenize", json=_tokenize_body(prompt, add_special_tokens))
         _raise_for(resp)
         return resp.json()
 
@@ -321,6 +333,17 @@ class AsyncClient(_Base):
         with _transport_errors(self.base_url, self.timeout):
             async with httpx.AsyncClient(**self._client_kwargs()) as http:
                 resp = await http.get("/info")
+        _raise_for(resp)
+        return resp.json()
+
+    async def tokenize(self, prompt: str, add_special_tokens: bool = True
+                       ) -> list[dict[str, Any]]:
+        """POST /tokenize: the prompt's tokens as generation counts them, each
+        {"id", "text", "start", "stop"} (character offsets into `prompt`)."""
+        with _transport_errors(self.base_url, self.timeout):
+            async with httpx.AsyncClient(**self._client_kwargs()) as http:
+                resp = await http.post("/tokenize",
+                                       json=_tokenize_body(prompt, add_special_tokens))
         _raise_for(resp)
         return resp.json()
 

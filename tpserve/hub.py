@@ -12,8 +12,10 @@ download timeout (--download-timeout, else HF_HUB_DOWNLOAD_TIMEOUT, else 60 s; h
 2.x sends some requests with no timeout at all), and a request left unanswered that long is not
 sent again: the download ends with one message naming the host, the request and the wait
 (huggingface_hub's own retries of timeouts would multiply the wait). The bound is on silence,
-not on the total time: a large file that keeps arriving, however slowly, is never cut. (Files
-the hub serves through Xet are fetched by hf_xet, with its own timeouts and retries.)
+not on the total time: a large file that keeps arriving, however slowly, is never cut. Files the
+hub serves through Xet are fetched by hf_xet's own client: it gets the same timeout for
+connecting and for each read, and as the span it retries in (its HF_XET_CLIENT_* variables,
+unless the user set them).
 
 Every node that holds a shard resolves the model itself: the first process on a node that
 needs it downloads under a file lock, the others wait on the lock and then find it cached.
@@ -29,7 +31,7 @@ import os
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_stall import HubStalledError, StallGuard, guarded
+from tpserve.hub_stall import HubStalledError, StallGuard, bound_xet, guarded
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
              "--download-timeout)", model_id, _at(revision), constants.ENDPOINT, cache_dir(),
              timeout)
     guard = StallGuard(timeout)
+    bound_xet(timeout)
     try:
         with guarded(guard):
             path = Path(snapshot_download(model_id, revision=revision,

@@ -11,11 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
+
+
+# hf_xet (files the hub serves through Xet) has its own HTTP client, read from these variables
+# (humantime durations) when its runtime starts: 60 s to connect, 300 s of silence per read,
+# and retries for up to 6 minutes by default.
+XET_TIMEOUTS = ("HF_XET_CLIENT_CONNECT_TIMEOUT", "HF_XET_CLIENT_READ_TIMEOUT",
+                "HF_XET_CLIENT_RETRY_MAX_DURATION")
+
+
+def bound_xet(seconds: float) -> dict[str, str]:
+    """Give hf_xet the download timeout: for connecting, for each read, and as the span it
+    keeps retrying in (a silence that long is not waited through again, as for the hub's
+    own requests). A variable the user set is left as it is. Returns what was set."""
+    value = f"{max(1, round(seconds * 1000))}ms"
+    set_here = {name: value for name in XET_TIMEOUTS if name not in os.environ}
+    os.environ.update(set_here)
+    return set_here
 
 
 class HubStalledError(Exception):

@@ -31,11 +31,27 @@ def schema_text(value: Any, where: str) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+def _schema_config(value: Any, where: str) -> str:
+    """TGI 3's `json_schema` grammar value, {"name": ..., "schema": <JSON schema>} (object or
+    JSON text; the name is a label only), as compact schema text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"`{where}` is not valid JSON: {exc}") from None
+    if not isinstance(value, dict) or "schema" not in value:
+        raise ValueError(f"`{where}` of a json_schema grammar must be an object "
+                         '{"name": ..., "schema": <JSON schema>}; for a bare schema use '
+                         '{"type": "json", "value": <schema>}')
+    return schema_text(value["schema"], f"{where}.schema")
+
+
 class Grammar(BaseModel):
-    """TGI's `grammar`: {"type": "json", "value": <JSON schema, object or text>} or
+    """TGI's `grammar`: {"type": "json", "value": <JSON schema, object or text>},
+    {"type": "json_schema", "value": {"name": ..., "schema": <JSON schema>}} (TGI 3) or
     {"type": "regex", "value": "<regular expression>"}."""
 
-    type: Literal["json", "regex"]
+    type: Literal["json", "json_schema", "regex"]
     value: str | dict[str, Any]
 
     @model_validator(mode="after")
@@ -44,11 +60,14 @@ class Grammar(BaseModel):
         return self
 
     def spec(self, where: str = "grammar") -> GuidedSpec:
+        field = where if where.endswith(".value") else f"{where}.value"
         if self.type == "regex":
             if not isinstance(self.value, str):
-                raise ValueError("`grammar.value` of a regex grammar must be a string")
+                raise ValueError(f"`{field}` of a regex grammar must be a string")
             return GuidedSpec("regex", self.value, where)
-        return GuidedSpec("json_schema", schema_text(self.value, "grammar.value"), where)
+        if self.type == "json_schema":
+            return GuidedSpec("json_schema", _schema_config(self.value, field), where)
+        return GuidedSpec("json_schema", schema_text(self.value, field), where)
 
 
 def response_format_spec(fmt: dict[str, Any] | None) -> GuidedSpec | None:
@@ -62,6 +81,10 @@ def response_format_spec(fmt: dict[str, Any] | None) -> GuidedSpec | None:
         return None
     if kind == "json_object":
         return GuidedSpec("json_schema", ANY_OBJECT, "response_format")
+    if kind == "json_schema" and "json_schema" not in fmt and "value" in fmt:
+        # TGI 3's chat route takes its grammar type here: {"type": "json_schema", "value": ...}
+        return Grammar.model_construct(type=kind, value=fmt["value"]).spec(
+            "response_format.value")
     if kind == "json_schema":
         inner = fmt.get("json_schema")
         if not isinstance(inner, dict):

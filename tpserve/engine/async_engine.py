@@ -350,11 +350,14 @@ class AsyncEngine:
             max_concurrent_requests=self.max_concurrent,
             max_batch_total_tokens=e.num_blocks * c.cache.block_size,
             attention_backend=e.load_reports[0].backend,
+            encoder_decoder=bool(getattr(e.hf_config, "is_encoder_decoder", False)),
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
                    "placement": c.parallel.placement,  # rayops hook: --placement
                    "replica_state": self.state, "rebuilds": self.rebuild.rebuilds,
                    "rebuilds_left": self.rebuild.left,
-                   "architectures": list(getattr(e.hf_config, "architectures", None) or [])})
+                   "architectures": list(getattr(e.hf_config, "architectures", None) or []),
+                   # Token ids 0..vocab_size-1 are valid in prompts and /detokenize.
+                   "vocab_size": getattr(e.hf_config, "vocab_size", None) or len(e.tokenizer)})
 
     def stats(self) -> dict[str, float]:
         """Engine gauges for /metrics and the Ray dashboard (read without locking: each is
@@ -399,6 +402,13 @@ class AsyncEngine:
         """Token ids as text, special tokens included (an echoed token-id prompt)."""
         self._require_ready()
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_spans(self, text: str, add_special_tokens: bool = True
+                    ) -> list[tuple[int, int, int]]:
+        from tpserve.engine.engine import token_spans
+
+        self._require_ready()
+        return token_spans(self.engine.tokenizer, text, add_special_tokens)
 
     def generate(self, prompt: str | list[int], params: SamplingParams,
                  truncate: int | None = None,

@@ -18,7 +18,7 @@ from tpserve.errors import CheckpointError, ValidationError
 if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
     from tpserve.executor.base import Executor
 
-__all__ = ["Engine", "decoder_start_token_id", "eos_token_ids"]
+__all__ = ["Engine", "decoder_start_token_id", "eos_token_ids", "token_spans"]
 
 
 def tokenize(tokenizer, prompt: str | list[int], truncate: int | None = None,
@@ -39,6 +39,27 @@ def tokenize(tokenizer, prompt: str | list[int], truncate: int | None = None,
     if truncate is not None and len(ids) > truncate:
         ids = ids[-truncate:]
     return ids
+
+
+def token_spans(tokenizer, text: str, add_special_tokens: bool = True
+                ) -> list[tuple[int, int, int]]:
+    """`text` as the prompt's tokens: (id, start, stop), the characters of `text` each one
+    covers (an added special token such as BOS covers none: start == stop). Slow tokenizers
+    have no offsets: their pieces are laid end to end as decoded, which is exact whenever
+    decoding gives the text back."""
+    try:
+        enc = tokenizer(text, add_special_tokens=add_special_tokens,
+                        return_offsets_mapping=True)
+        return [(i, a, b) for i, (a, b) in zip(enc.input_ids, enc.offset_mapping, strict=True)]
+    except NotImplementedError:  # a Python (slow) tokenizer
+        ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        special = set(tokenizer.all_special_ids)
+        out, at = [], 0
+        for i in ids:
+            n = 0 if i in special else len(tokenizer.decode([i]))
+            out.append((i, min(at, len(text)), min(at + n, len(text))))
+            at += n
+        return out
 
 
 class Engine(EngineCore):

@@ -24,5 +24,7 @@ class ModelInfo:
     max_top_n_tokens: int = 5
     max_batch_total_tokens: int | None = None
     attention_backend: str = "torch"
+    # The prompt feeds an encoder (T5): nothing scores its tokens.
+    encoder_decoder: bool = False
     version: str = "0.1.0"
     extra: dict = field(default_factory=dict)

@@ -267,6 +267,12 @@ class ReplicaSetBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_spans(self, text: str, add_special_tokens: bool = True
+                    ) -> list[tuple[int, int, int]]:
+        from tpserve.engine.engine import token_spans
+
+        return token_spans(self.tokenizer, text, add_special_tokens)
+
     # --- optional: several replicas --------------------------------------------------------
     def replicas(self) -> list[dict]:
         """Each replica: id, state, its shard actors and its engine gauges."""

@@ -31,6 +31,7 @@ from tpserve.server.streaming import (
     final_text,
     sse,
 )
+from tpserve.server.tokenize import tokenize_router
 
 
 def token(info: TokenInfo) -> wire.Token:
@@ -48,7 +49,9 @@ def info_body(info: ModelInfo) -> dict:
         "model_sha": None,
         "model_dtype": info.model_dtype,
         "model_device_type": info.model_device_type,
-        "model_pipeline_tag": "text-generation",
+        # The hub's tag: T5-like models are text2text-generation there.
+        "model_pipeline_tag": ("text2text-generation" if info.encoder_decoder
+                               else "text-generation"),
         "max_concurrent_requests": info.max_concurrent_requests,
         "max_best_of": info.max_best_of,
         "max_stop_sequences": info.max_stop_sequences,
@@ -60,6 +63,7 @@ def info_body(info: ModelInfo) -> dict:
         "tp_size": info.tp_size,
         "attention_backend": info.attention_backend,
         "max_top_n_tokens": info.max_top_n_tokens,
+        "encoder_decoder": info.encoder_decoder,
     }
     body.update(info.extra)
     return body
@@ -223,4 +227,5 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics, config.tool_call_parser))
+    app.include_router(tokenize_router(backend))
     return app

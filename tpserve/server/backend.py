@@ -49,6 +49,8 @@ class EngineBackend(Protocol):
 
     # Optional: `decode(ids) -> str`, token ids as text (OpenAI's echo of a token-id
     # prompt; without it such a prompt cannot be echoed).
+    # Optional: `token_spans(text, add_special_tokens=True) -> list[(id, start, stop)]`, the
+    # prompt's tokens and the characters each covers (POST /tokenize; without it, 501).
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
     # Optional, for several replicas behind one address (tpserve/serve/):

@@ -387,6 +387,11 @@ class OpenAIRoutes:
                                   "returns every sequence it generates)")
         k = _check_top("logprobs", req.logprobs, info)
         want_lp = req.logprobs is not None
+        if want_lp and req.echo and info.encoder_decoder:
+            raise ValidationError("`echo` with `logprobs` asks for the prompt's log-"
+                                  "probabilities, and this encoder-decoder model has none (its "
+                                  "encoder reads the prompt; nothing predicts it): drop `echo` "
+                                  "or `logprobs`")
         if want_lp and req.echo and req.stream:
             raise ValidationError("`echo` with `logprobs` is not supported when streaming "
                                   "(the prompt's log-probabilities come with the last token)")
