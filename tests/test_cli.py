@@ -374,5 +374,5 @@ def test_tool_call_parser_reaches_the_server_config(capsys):
                    .choices["launch"]._actions if "--tool-call-parser" in a.option_strings)
     assert tuple(choices) == PARSERS  # the flag offers what the parser module reads
     with pytest.raises(SystemExit):
-        _server_args("--tool-call-parser", "pythonic")
-    assert "invalid choice: 'pythonic'" in capsys.readouterr().err
+        _server_args("--tool-call-parser", "xml")
+    assert "invalid choice: 'xml'" in capsys.readouterr().err

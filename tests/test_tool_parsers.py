@@ -45,6 +45,15 @@ def _tools(*fns: dict) -> list[Tool]:
      None, [PARIS, ParsedCall("get_time", '{"tz": "UTC"}')]),
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, [PARIS]),
     ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, [PARIS]),  # mark dropped
+    # Mistral's newer form (tokenizer v11+): name[ARGS]{...} per call.
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [PARIS]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None,
+     [PARIS, ParsedCall("get_time", "{}")]),
+    # Llama 3.2's pythonic list: keyword arguments, Python literals.
+    ('[get_weather(city="Paris")]', None, [PARIS]),
+    ("[get_weather(city='Paris'), get_time()]", None, [PARIS, ParsedCall("get_time", "{}")]),
+    ('[get_time(tz=None, opts={"a": [1, 2.5, True]})]', None,
+     [ParsedCall("get_time", '{"tz": null, "opts": {"a": [1, 2.5, true]}}')]),
     # Arguments written as JSON text are read as the object they hold.
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}', None, [PARIS]),
 ])
@@ -61,6 +70,12 @@ def test_auto_reads_each_format(text, content, calls):
     'Here is JSON: {"name": "get_weather", "arguments": {}}',  # a call only at the start
     '{"name": "get_weather", "parameters": {"city": "Par',  # cut short
     "<tool_c",  # a held-back partial marker that never completed
+    "[get_weather(city=input())]",  # a value that is not a literal is never run
+    "[get_weather('Paris')]",  # positional arguments: no names to give them
+    "[os.system(cmd='ls')]",  # not a tool's bare name
+    "[get_weather(city={1, 2})]",  # a set: no JSON for it
+    "[delete_everything(now=True)]",  # not one of the request's tools
+    "[TOOL_CALLS]get_weather[ARGS]not json",
     "",
 ])
 def test_text_that_is_no_call_comes_back_whole_as_content(text):
@@ -80,6 +95,10 @@ def test_a_parser_reads_only_its_format():
     assert parse_tool_calls(llama, NAMES, "hermes") == (llama, [])
     assert parse_tool_calls(llama, NAMES, "mistral") == (llama, [])  # mistral: an array
     assert parse_tool_calls(llama, NAMES, "llama3_json") == (None, [PARIS])
+    pythonic = '[get_weather(city="Paris")]'
+    assert parse_tool_calls(pythonic, NAMES, "pythonic") == (None, [PARIS])
+    assert parse_tool_calls(pythonic, NAMES, "mistral") == (pythonic, [])
+    assert parse_tool_calls(llama, NAMES, "pythonic") == (llama, [])
 
 
 AUTO_TEXTS = [
@@ -87,6 +106,7 @@ AUTO_TEXTS = [
     '  {"name": "get_weather", "parameters": {"city": "Paris"}}',
     "Plain words with a < and a [ and <tool in them.",
     "[not a call] but text",
+    '[get_weather(city="Paris")]',
 ]
 
 

@@ -127,12 +127,13 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "(decoder-only models without a sliding window)")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"],
                    help="how chat answers with tool_choice auto are read for tool calls: "
                    "hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), llama3_json (a JSON "
                    "answer {\"name\", \"parameters\"}: Llama 3.1+), mistral "
-                   "([TOOL_CALLS][...]), or auto, any of them; text that is no call stays "
-                   "content (docs/http_api.md#tool-calling)")
+                   "([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}), pythonic "
+                   "([f(a=1), g()]: Llama 3.2+), or auto, any of them; text that is no call "
+                   "stays content (docs/http_api.md#tool-calling)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every step eagerly instead of replaying the graphs captured "
                    "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "

@@ -7,9 +7,12 @@ teach their models:
   (after `<|python_tag|>` when that token is decoded as text), several separated by `;`;
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; `[TOOL_CALLS]` is a
   special token that the text usually lacks, so an answer that is a bare JSON array of
-  calls counts too.
+  calls counts too; newer Mistral templates (tokenizer v11+) write each call as
+  `[TOOL_CALLS]name[ARGS]{...}`;
+- `pythonic` (Llama 3.2 / 4, some others): the whole answer is a Python list of calls with
+  keyword arguments, `[get_weather(city="Paris"), get_time()]`, values Python literals.
 
-`auto` (the server's default, --tool-call-parser) accepts all three. A call must name one of
+`auto` (the server's default, --tool-call-parser) accepts all four. A call must name one of
 the request's tools and carry an arguments object; text that is not such a call stays
 content, so nothing the model wrote is lost.
 
@@ -20,13 +23,14 @@ which is held; from the start of a call on, the rest is read at the end.
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
 
-PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-MISTRAL_MARK = "[TOOL_CALLS]"
+MISTRAL_MARK, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
 _decoder = json.JSONDecoder()
 
@@ -94,6 +98,43 @@ def _hermes(text: str, names: Collection[str]) -> tuple[str, list[ParsedCall]]:
     return "".join(content), calls
 
 
+def _mistral_named(after: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """Mistral's newer form, after the first [TOOL_CALLS]: `name[ARGS]{...}` per call, the
+    calls separated by further [TOOL_CALLS] marks."""
+    calls = []
+    for part in after.split(MISTRAL_MARK):
+        name, sep, args = part.partition(MISTRAL_ARGS)
+        values = _json_values(args, "") if sep else None
+        if not values or len(values) != 1:
+            return None
+        calls.append(_call({"name": name.strip(), "arguments": values[0]}, names))
+    return calls if calls and all(calls) else None  # type: ignore[return-value]
+
+
+def _pythonic(body: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """`[f(a=1, b="x"), g()]`: a list of calls of known tools, keyword arguments only, each
+    value a Python literal (read with ast, never evaluated as code)."""
+    if not (body.startswith("[") and body.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and not node.args and all(k.arg for k in node.keywords)):
+            return None
+        try:  # a set or bytes value is no JSON: TypeError from the arguments' encoding
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(_call({"name": node.func.id, "arguments": args}, names))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+    return calls if all(calls) else None  # type: ignore[return-value]
+
+
 def parse_calls(text: str, names: Collection[str], parser: str) -> tuple[str, list[ParsedCall]]:
     """(content left, calls) of `text`, which starts where a call may start: a marker, or
     the beginning of the answer. No calls: the text comes back whole as content."""
@@ -102,8 +143,13 @@ def parse_calls(text: str, names: Collection[str], parser: str) -> tuple[str, li
     body = text.strip()
     if parser in ("auto", "mistral") and MISTRAL_MARK in body:
         before, _, after = body.partition(MISTRAL_MARK)
-        calls = _calls_of(_json_values(after, "") or [], names)
+        calls = (_calls_of(_json_values(after, "") or [], names)
+                 or _mistral_named(after, names))
         return (before, calls) if calls else (text, [])
+    if parser in ("auto", "pythonic"):
+        calls = _pythonic(body, names)
+        if calls:
+            return "", calls
     if parser in ("auto", "llama3_json", "mistral"):
         if parser != "mistral" and body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):]
@@ -121,8 +167,8 @@ class ToolTextGate:
         self.names, self.parser = names, parser
         self.markers = [m for p, m in (("hermes", HERMES_OPEN), ("mistral", MISTRAL_MARK))
                         if parser in (p, "auto")]
-        self.leads = [] if parser == "hermes" else (
-            ["{", "[", PYTHON_TAG] if parser != "mistral" else ["["])
+        self.leads = {"hermes": [], "mistral": ["["], "pythonic": ["["]}.get(
+            parser, ["{", "[", PYTHON_TAG])
         self.text = ""
         self.released = 0  # text[:released] went out as content
         self.call_at: int | None = None  # where held text that may be a call starts
