@@ -49,6 +49,9 @@ def _tools(*fns: dict) -> list[Tool]:
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [PARIS]),
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None,
      [PARIS, ParsedCall("get_time", "{}")]),
+    # ... and the same with both special tokens left out of the text.
+    ('get_weather{"city": "Paris"}', None, [PARIS]),
+    ('get_weather {"city": "Paris"}get_time{}', None, [PARIS, ParsedCall("get_time", "{}")]),
     # Llama 3.2's pythonic list: keyword arguments, Python literals.
     ('[get_weather(city="Paris")]', None, [PARIS]),
     ("[get_weather(city='Paris'), get_time()]", None, [PARIS, ParsedCall("get_time", "{}")]),
@@ -76,6 +79,8 @@ def test_auto_reads_each_format(text, content, calls):
     "[get_weather(city={1, 2})]",  # a set: no JSON for it
     "[delete_everything(now=True)]",  # not one of the request's tools
     "[TOOL_CALLS]get_weather[ARGS]not json",
+    'get_weather{"city": "Paris"} is what I would call.',  # more than calls
+    "get_weather is a tool I could use.",
     "",
 ])
 def test_text_that_is_no_call_comes_back_whole_as_content(text):
@@ -107,6 +112,8 @@ AUTO_TEXTS = [
     "Plain words with a < and a [ and <tool in them.",
     "[not a call] but text",
     '[get_weather(city="Paris")]',
+    'get_weather{"city": "Paris"}',
+    "get_weather is held until it is known not to be a call.",
 ]
 
 

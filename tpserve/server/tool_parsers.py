@@ -8,7 +8,8 @@ teach their models:
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; `[TOOL_CALLS]` is a
   special token that the text usually lacks, so an answer that is a bare JSON array of
   calls counts too; newer Mistral templates (tokenizer v11+) write each call as
-  `[TOOL_CALLS]name[ARGS]{...}`;
+  `[TOOL_CALLS]name[ARGS]{...}`, which reads `name{...}` once both special tokens are left
+  out of the text (an answer that is nothing but such calls of the request's tools);
 - `pythonic` (Llama 3.2 / 4, some others): the whole answer is a Python list of calls with
   keyword arguments, `[get_weather(city="Paris"), get_time()]`, values Python literals.
 
@@ -111,6 +112,28 @@ def _mistral_named(after: str, names: Collection[str]) -> list[ParsedCall] | Non
     return calls if calls and all(calls) else None  # type: ignore[return-value]
 
 
+def _mistral_bare(body: str, names: Collection[str]) -> list[ParsedCall] | None:
+    """`name{...}name{...}`: Mistral v11's calls with [TOOL_CALLS] and [ARGS] (special
+    tokens) left out of the text. Only an answer made of nothing else counts."""
+    calls, i = [], 0
+    by_length = sorted(names, key=len, reverse=True)  # get_weather_now before get_weather
+    while i < len(body):
+        name = next((n for n in by_length if body.startswith(n, i)), None)
+        if name is None:
+            return None
+        i += len(name)
+        while i < len(body) and body[i].isspace():
+            i += 1
+        try:
+            args, i = _decoder.raw_decode(body, i)
+        except ValueError:
+            return None
+        calls.append(_call({"name": name, "arguments": args}, names))
+        while i < len(body) and body[i].isspace():
+            i += 1
+    return calls if calls and all(calls) else None  # type: ignore[return-value]
+
+
 def _pythonic(body: str, names: Collection[str]) -> list[ParsedCall] | None:
     """`[f(a=1, b="x"), g()]`: a list of calls of known tools, keyword arguments only, each
     value a Python literal (read with ast, never evaluated as code)."""
@@ -150,6 +173,10 @@ def parse_calls(text: str, names: Collection[str], parser: str) -> tuple[str, li
         calls = _pythonic(body, names)
         if calls:
             return "", calls
+    if parser in ("auto", "mistral"):
+        calls = _mistral_bare(body, names)
+        if calls:
+            return "", calls
     if parser in ("auto", "llama3_json", "mistral"):
         if parser != "mistral" and body.startswith(PYTHON_TAG):
             body = body[len(PYTHON_TAG):]
@@ -169,6 +196,8 @@ class ToolTextGate:
                         if parser in (p, "auto")]
         self.leads = {"hermes": [], "mistral": ["["], "pythonic": ["["]}.get(
             parser, ["{", "[", PYTHON_TAG])
+        if parser in ("auto", "mistral"):  # Mistral v11 without its special tokens: name{...}
+            self.leads = [*self.leads, *names]
         self.text = ""
         self.released = 0  # text[:released] went out as content
         self.call_at: int | None = None  # where held text that may be a call starts
