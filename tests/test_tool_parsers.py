@@ -302,3 +302,26 @@ def test_a_template_refusing_system_turns_gets_the_tools_in_the_first_user_turn(
     plan = plan_tools(_tools(WEATHER), "auto", None, None)
     prompt = render_chat(_renderer(tokenizer, NO_SYSTEM), CONVERSATION[:1], plan)
     assert prompt.startswith("user: You can call the functions") and "Weather in Paris?" in prompt
+
+
+# Mistral's templates check call ids: 9 letters and digits, or they raise.
+NINE_IDS = ("{% for m in messages %}"
+            "{% for c in m.tool_calls or [] %}{% if c.id | length != 9 %}"
+            "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+            "{% endif %}[CALL {{ c.id }}]{% endfor %}"
+            "{% if m.tool_call_id %}[RESULT {{ m.tool_call_id }}]{% endif %}"
+            "{{ m.content }}\n{% endfor %}{% if tools %}[TOOLS]{% endif %}")
+
+
+def test_call_ids_are_shortened_for_a_template_that_checks_them(tokenizer):
+    plan = plan_tools(_tools(WEATHER), "auto", None, None)
+    prompt = render_chat(_renderer(tokenizer, NINE_IDS), CONVERSATION, plan)
+    call = prompt.split("[CALL ")[1][:9]
+    assert len(call) == 9 and call.isalnum()
+    assert prompt.count(f"[RESULT {call}]") == 2  # the results still name their call
+    assert prompt.endswith("[TOOLS]")  # the template's own tool rendering, not the stand-in
+    # The same id maps to the same short id every turn (a prefix the cache can reuse).
+    assert render_chat(_renderer(tokenizer, NINE_IDS), CONVERSATION, plan) == prompt
+    # Ids a template accepts are sent as they are.
+    loose = NINE_IDS.replace("c.id | length != 9", "false")
+    assert "[CALL call_1]" in render_chat(_renderer(tokenizer, loose), CONVERSATION, plan)

@@ -17,7 +17,9 @@ assistant's content, and each run of tool results as one user turn of
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +94,49 @@ def _try(render: Render, messages: list[dict], **kw: Any) -> str | ValidationErr
         return exc
 
 
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _nine(call_id: str) -> str:
+    """A call id as 9 letters and digits, the same for the same id (Mistral's templates
+    refuse any other shape; OpenAI's are `call_` and 24 characters)."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(_ALNUM[(n // 62**i) % 62] for i in range(9))
+
+
+def short_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its call ids (assistant `tool_calls`, tool turns'
+    `tool_call_id`) mapped to 9 characters, consistently; None when no id changes."""
+    out, changed = [], False
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_call_id"):
+            m["tool_call_id"] = _nine(str(m["tool_call_id"]))
+            changed |= m["tool_call_id"] != messages[len(out)]["tool_call_id"]
+        if m.get("tool_calls"):
+            calls = [{**c, "id": _nine(str(c["id"]))} if c.get("id") else c
+                     for c in m["tool_calls"]]
+            changed |= calls != m["tool_calls"]
+            m["tool_calls"] = calls
+        out.append(m)
+    return out if changed else None
+
+
+def _try_ids(render: Render, messages: list[dict], **kw: Any) -> str | ValidationError:
+    """Rendered as sent, else, where the template refused and the call ids can change,
+    with 9-character ids."""
+    first = _try(render, messages, **kw)
+    if isinstance(first, str):
+        return first
+    shorter = short_ids(messages)
+    if shorter is None:
+        return first
+    second = _try(render, shorter, **kw)
+    return second if isinstance(second, str) else first
+
+
 def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
@@ -100,11 +145,11 @@ def render_chat(render: Render, messages: list[dict[str, Any]], plan: ToolPlan |
                 preamble: str | None = None) -> str:
     """The prompt of a chat request; ValidationError when no form of it renders."""
     if plan is None:
-        first = _try(render, messages)
+        first = _try_ids(render, messages)
         if isinstance(first, str) or not _has_tool_turns(messages):
             return _raise_or(first)
         return _raise_or(_try(render, as_plain_turns(messages)))
-    native = _try(render, messages, tools=plan.template_tools())
+    native = _try_ids(render, messages, tools=plan.template_tools())
     if isinstance(native, str) and native != _try(render, messages):
         return native  # the template renders the tools itself
     plain = as_plain_turns(messages)
