@@ -97,11 +97,14 @@ class _Envelope:
     def body(self, status: str, output: list[dict] | None = None,
              final: GenerationEvent | None = None, error: dict | None = None) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created_at,
-                "status": status, "error": error, "incomplete_details": incomplete,
+        body = {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "incomplete_details": incomplete,
                 "completed_at": int(time.time()) if status == "completed" else None,
                 "output": output or [], "usage": _usage(final) if final else None,
                 **self.echo}
+        # Only a failed response says `error` (optional in OpenAI's schema): tpserve's error
+        # bodies are the ones with an `error` key, and clients test for it.
+        return {**body, "error": error} if error is not None else body
 
 
 def _event(payload: dict) -> str:
