@@ -41,8 +41,6 @@ from tpserve.server.streaming import (
 from tpserve.server.tool_stream import ChoiceTools, Delta
 from tpserve.server.tools import ToolPlan
 
-_CHAT_FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-
 
 class _Reader:
     """Generated text as deltas: read for tool calls when the request may return some."""
@@ -57,7 +55,9 @@ class _Reader:
     def finish(self, piece: str, final: GenerationEvent) -> list[Delta]:
         if self.tools is None:
             return [piece]
-        return self.tools.finish(piece, _CHAT_FINISH[final.finish_reason])[0]
+        # Chat's finish reason, which only decides chat's "tool_calls" (unused here).
+        reason = "length" if final.finish_reason == "length" else "stop"
+        return self.tools.finish(piece, reason)[0]
 
 
 def _status(final: GenerationEvent) -> ItemStatus:
