@@ -55,18 +55,24 @@ REQUESTS = [
                               "messages": [{"role": "user", "content": "hi there"}]}),
     ("/v1/chat/completions", {"model": "m", "max_tokens": 3, "stream": True,
                               "messages": [{"role": "user", "content": "hi there"}]}),
+    ("/v1/responses", {"model": "m", "max_output_tokens": 3, "input": "hi there"}),
+    ("/v1/responses", {"model": "m", "max_output_tokens": 3, "stream": True,
+                       "input": [{"role": "user", "content": "hi there"}]}),
     ("/generate", {"inputs": "w " * 100, "parameters": {"max_new_tokens": 2}}),  # too long
 ]
 
 
 def comparable(r: httpx.Response):
     if r.headers.get("content-type", "").startswith("text/event-stream"):
-        body = [json.loads(e[5:]) for e in r.text.split("\n\n") if e.startswith("data:")
-                and e[5:].strip() != "[DONE]"]
+        # /v1/responses names each event on an `event:` line before its `data:` line.
+        data = [e.split("\n")[-1] for e in r.text.split("\n\n")]
+        body = [json.loads(d[5:]) for d in data if d.startswith("data:")
+                and d[5:].strip() != "[DONE]"]
     else:
         body = r.json()
     # OpenAI ids and timestamps differ per request.
-    drop = {"id", "created", "system_fingerprint"}
+    drop = {"id", "created", "system_fingerprint", "created_at", "completed_at", "item_id",
+            "call_id"}
     strip = lambda x: ({k: strip(v) for k, v in x.items() if k not in drop}  # noqa: E731
                        if isinstance(x, dict) else [strip(v) for v in x]
                        if isinstance(x, list) else x)

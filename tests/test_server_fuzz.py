@@ -22,7 +22,8 @@ from tpserve.config import ServerConfig
 from tpserve.server.app import build_app
 
 EXAMPLES_PER_ROUTE = 200
-POST_ROUTES = ["/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"]
+POST_ROUTES = ["/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions",
+               "/v1/responses"]
 NORMAL = {"inputs": "one two three", "parameters": {"max_new_tokens": 4, "details": True}}
 
 
@@ -65,7 +66,8 @@ def check_answer(r: httpx.Response) -> None:
         return
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         for event in filter(None, r.text.split("\n\n")):
-            payload = event.removeprefix("data:").strip()
+            # /v1/responses names each event on an `event:` line before its `data:` line.
+            payload = event.split("\n")[-1].removeprefix("data:").strip()
             if payload != "[DONE]":
                 data = json.loads(payload)
                 assert "error" not in data or data["error_type"] != "generation", data

@@ -17,6 +17,7 @@ from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
+from tpserve.server.responses import responses_router
 from tpserve.server.security import (
     ALWAYS_PUBLIC,
     APIKeyMiddleware,
@@ -227,5 +228,6 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics, config.tool_call_parser))
+    app.include_router(responses_router(backend, metrics, config.tool_call_parser))
     app.include_router(tokenize_router(backend))
     return app

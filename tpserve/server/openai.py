@@ -227,7 +227,7 @@ class ChatRequest(_Sampling):
         return TGI_CLIENT_FIELDS <= self.model_fields_set
 
 
-def _last_piece(final: GenerationEvent, streamed: str) -> str:
+def last_piece(final: GenerationEvent, streamed: str) -> str:
     """What the final chunk carries so that the streamed pieces add up to the final text."""
     text = final.generated_text
     if text is not None and text.startswith(streamed):
@@ -362,7 +362,7 @@ class OpenAIRoutes:
             raise _in_openai_terms(failed[0], *terms)
         return opened
 
-    def _token_text(self, tok: TokenInfo) -> str:
+    def token_text(self, tok: TokenInfo) -> str:
         """A generated token's own text, for log-probabilities: decoded from its id as the
         engine names its alternatives (tok.text is the piece of text released with it)."""
         decode = getattr(self.backend, "decode", None)
@@ -403,7 +403,7 @@ class OpenAIRoutes:
         prefixes = [e for e in echoed for _ in range(n)]
 
         if req.stream:
-            logs = ([CompletionLogprobs(k, len(p), self._token_text) for p in prefixes]
+            logs = ([CompletionLogprobs(k, len(p), self.token_text) for p in prefixes]
                     if want_lp else None)
 
             def choice(i: int, text: str, finish: str | None, events: list) -> dict:
@@ -423,7 +423,7 @@ class OpenAIRoutes:
             final, prefix = events[-1], prefixes[i]
             lp = None
             if want_lp:
-                log = CompletionLogprobs(k, len(prefix), self._token_text)
+                log = CompletionLogprobs(k, len(prefix), self.token_text)
                 if req.echo:
                     log.add_prompt(final.prefill, prefix, final.prefill_top)
                 for e in events:
@@ -458,9 +458,12 @@ class OpenAIRoutes:
             return render()
         return await asyncio.to_thread(render)
 
-    async def chat(self, req: ChatRequest, request: Request) -> Response:
-        info = self._info()
-        n = req.choices()
+    async def open_chat(self, req: ChatRequest, info: ModelInfo,
+                        terms: tuple[str, str] | None = None,
+                        ) -> tuple[ToolPlan | None, list[TrackedStream], int]:
+        """A chat request's tool plan, its choices' started engine streams and the number of
+        alternatives per token. /v1/responses (server/responses.py) starts its requests here
+        too, naming its own fields (`terms`: prompt, max tokens) in length errors."""
         _check_choices(req, 1, info)
         if req.top_logprobs and not req.logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs`: true")
@@ -474,10 +477,18 @@ class OpenAIRoutes:
         params = req.sampling_params(info, max_new, top_n=k)
         if plan is not None and plan.guided is not None:  # a forced call: its JSON schema
             params = dataclasses.replace(params, guided=plan.guided)
+        if terms is None:
+            max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            terms = ("messages", max_field)
         # The chat template already contains the BOS/special tokens it wants.
-        max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        streams = await self._open_all([prompt], params, n, ("messages", max_field),
+        streams = await self._open_all([prompt], params, req.choices(), terms,
                                        add_special_tokens=False)
+        return plan, streams, k
+
+    async def chat(self, req: ChatRequest, request: Request) -> Response:
+        info = self._info()
+        n = req.choices()
+        plan, streams, k = await self.open_chat(req, info)
         want_lp = bool(req.logprobs)
         if plan is not None and plan.returns_calls:
             return await self._chat_with_tools(req, request, info, plan, streams, k)
@@ -486,7 +497,7 @@ class OpenAIRoutes:
 
             def delta(i: int, text: str, finish: str | None, events: list) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
-                lp = chat_logprobs(events, k, self._token_text) if want_lp and events else None
+                lp = chat_logprobs(events, k, self.token_text) if want_lp and events else None
                 return {"index": i, "delta": msg, "logprobs": lp, "finish_reason": finish}
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
@@ -497,7 +508,7 @@ class OpenAIRoutes:
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": final_text(events)},
-            "logprobs": chat_logprobs(events, k, self._token_text) if want_lp else None,
+            "logprobs": chat_logprobs(events, k, self.token_text) if want_lp else None,
             "finish_reason": _FINISH[events[-1].finish_reason],
         } for i, events in enumerate(results)]
         body = {
@@ -519,7 +530,7 @@ class OpenAIRoutes:
             def deltas(i: int, text: str, finish: str | None, events: list) -> list[dict]:
                 found, reason = (outs[i].feed(text), None) if finish is None else \
                     outs[i].finish(text, finish)
-                lp = chat_logprobs(events, k, self._token_text) if want_lp and events else None
+                lp = chat_logprobs(events, k, self.token_text) if want_lp and events else None
                 made = [{"index": i, "delta": wire_delta(d, tgi), "logprobs": None,
                          "finish_reason": None} for d in found]
                 if not made and (reason is not None or lp is not None):
@@ -542,7 +553,7 @@ class OpenAIRoutes:
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": i, "message": message, "finish_reason": reason,
-                            "logprobs": chat_logprobs(events, k, self._token_text)
+                            "logprobs": chat_logprobs(events, k, self.token_text)
                             if want_lp else None})
         body = {**self._envelope("chatcmpl", "chat.completion", info), "choices": choices,
                 "usage": _usage([e[-1] for e in results], n)}
@@ -575,7 +586,7 @@ class OpenAIRoutes:
                 async for i, event in merged(streams):
                     if event.finished:
                         finals[i] = event
-                        text = _last_piece(event, streamed[i])
+                        text = last_piece(event, streamed[i])
                         made = choice(i, text, _FINISH[event.finish_reason], [event])
                     elif not event.token.special and (event.token.text or every_token):
                         streamed[i] += event.token.text

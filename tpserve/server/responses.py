@@ -1,0 +1,187 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+
+The request is translated into a chat request (server/responses_request.py) and started by
+the chat route's own code (OpenAIRoutes.open_chat: template, sampling, structured output,
+tool plans, limits); the generated text is read for tool calls as chat reads it
+(server/tool_stream.py) and laid out as Response output items (server/responses_output.py).
+
+Streams follow OpenAI's: `event: <type>` and `data: <event>` per event, numbered by
+`sequence_number`, from `response.created` to `response.completed` (or
+`response.incomplete` when `max_output_tokens` cut the answer), with no `[DONE]`. An error
+after the stream started is an `error` event then `response.failed`. Nothing is stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tpserve.engine.info import ModelInfo
+from tpserve.engine.request import GenerationEvent
+from tpserve.errors import ValidationError
+from tpserve.server.backend import EngineBackend
+from tpserve.server.errors import error_body
+from tpserve.server.metrics import Metrics, TrackedStream
+from tpserve.server.openai import OpenAIRoutes, last_piece
+from tpserve.server.openai_logprobs import chat_logprobs
+from tpserve.server.responses_output import ItemStatus, OutputBuilder, new_id
+from tpserve.server.responses_request import ResponsesRequest, in_responses_terms
+from tpserve.server.streaming import (
+    AnswerResponse,
+    EventStreamResponse,
+    collect_all_or_abort,
+    final_text,
+    sse,
+)
+from tpserve.server.tool_stream import ChoiceTools, Delta
+from tpserve.server.tools import ToolPlan
+
+
+class _Reader:
+    """Generated text as deltas: read for tool calls when the request may return some."""
+
+    def __init__(self, plan: ToolPlan | None, parser: str) -> None:
+        calls = plan is not None and plan.returns_calls
+        self.tools = ChoiceTools(plan, parser) if calls else None
+
+    def feed(self, piece: str) -> list[Delta]:
+        return self.tools.feed(piece) if self.tools else [piece]
+
+    def finish(self, piece: str, final: GenerationEvent) -> list[Delta]:
+        if self.tools is None:
+            return [piece]
+        # Chat's finish reason, which only decides chat's "tool_calls" (unused here).
+        reason = "length" if final.finish_reason == "length" else "stop"
+        return self.tools.finish(piece, reason)[0]
+
+
+def _status(final: GenerationEvent) -> ItemStatus:
+    return "incomplete" if final.finish_reason == "length" else "completed"
+
+
+def _usage(final: GenerationEvent) -> dict[str, Any]:
+    # Prefix-cache hits are not reported per request: 0, as the client's model requires.
+    return {"input_tokens": final.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": final.generated_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": final.prompt_tokens + final.generated_tokens}
+
+
+class _Envelope:
+    """The Response object around an answer's output: its id, and the request echoed."""
+
+    def __init__(self, req: ResponsesRequest, info: ModelInfo) -> None:
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.echo = {
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "model": info.model_id,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "background": False,
+            "service_tier": "default", "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": req.text_format(), "verbosity": "medium"},
+            "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
+            "tools": [t.model_dump() for t in req.tools or []],
+            "top_logprobs": req.top_logprobs or 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled", "user": req.user,
+        }
+
+    def body(self, status: str, output: list[dict] | None = None,
+             final: GenerationEvent | None = None, error: dict | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        body = {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "incomplete_details": incomplete,
+                "completed_at": int(time.time()) if status == "completed" else None,
+                "output": output or [], "usage": _usage(final) if final else None,
+                **self.echo}
+        # Only a failed response says `error` (optional in OpenAI's schema): tpserve's error
+        # bodies are the ones with an `error` key, and clients test for it.
+        return {**body, "error": error} if error is not None else body
+
+
+def _event(payload: dict) -> str:
+    return f"event: {payload['type']}\n" + sse(payload, space=True)
+
+
+class ResponsesRoutes:
+    def __init__(self, chat: OpenAIRoutes) -> None:
+        self.chat = chat
+
+    def _logprobs(self, events: list[GenerationEvent], k: int) -> list[dict] | None:
+        return chat_logprobs(events, k, self.chat.token_text)["content"] if events else None
+
+    async def create(self, req: ResponsesRequest, request: Request) -> Response:
+        info = self.chat._info()
+        try:
+            plan, streams, k = await self.chat.open_chat(
+                req.to_chat(), info, ("input", "max_output_tokens"))
+        except ValidationError as exc:
+            raise ValidationError(in_responses_terms(str(exc))) from None
+        envelope, reader = _Envelope(req, info), _Reader(plan, self.chat.tool_call_parser)
+        want_lp = req.wants_logprobs()
+        if req.stream:
+            return self._stream(streams[0], envelope, reader, k if want_lp else None)
+        results = await collect_all_or_abort(request, streams)
+        if isinstance(results, Response):
+            return results
+        events, final = results[0], results[0][-1]
+        out = OutputBuilder()
+        out.feed(reader.finish(final_text(events), final),
+                 self._logprobs(events, k) if want_lp else None)
+        out.finish(_status(final))
+        return AnswerResponse(envelope.body(_status(final), out.output(), final))
+
+    def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: _Reader,
+                k: int | None) -> EventStreamResponse:
+        """k: alternatives per token when log-probabilities are asked for, else None."""
+        seq = itertools.count()
+
+        def send(payload: dict) -> str:
+            return _event({**payload, "sequence_number": next(seq)})
+
+        async def events() -> AsyncIterator[str]:
+            yield send({"type": "response.created", "response": envelope.body("in_progress")})
+            yield send({"type": "response.in_progress",
+                        "response": envelope.body("in_progress")})
+            out, streamed = OutputBuilder(), ""
+            try:
+                async for event in tracked:
+                    lp = self._logprobs([event], k) if k is not None else None
+                    if event.finished:
+                        deltas = reader.finish(last_piece(event, streamed), event)
+                        made = out.feed(deltas, lp) + out.finish(_status(event))
+                        status = _status(event)
+                        made.append({"type": f"response.{status}",
+                                     "response": envelope.body(status, out.output(), event)})
+                    elif not event.token.special and (event.token.text or lp):
+                        streamed += event.token.text
+                        made = out.feed(reader.feed(event.token.text), lp)
+                    else:
+                        continue
+                    for payload in made:
+                        yield send(payload)
+            except Exception as exc:  # headers are sent: report in-band, then stop
+                err = error_body(exc)
+                yield send({"type": "error", "code": err["error_type"],
+                            "message": err["error"], "param": None})
+                failed = {"code": "server_error", "message": err["error"]}
+                yield send({"type": "response.failed", "response": envelope.body(
+                    "failed", out.output(), error=failed)})
+
+        return EventStreamResponse(events(), on_close=tracked.aclose)
+
+
+def responses_router(backend: EngineBackend, metrics: Metrics,
+                     tool_call_parser: str = "auto") -> APIRouter:
+    routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser))
+    router = APIRouter(prefix="/v1", tags=["openai"])
+    router.add_api_route("/responses", routes.create, methods=["POST"])
+    return router
