@@ -66,6 +66,26 @@ def test_vllm_form_counts_and_lists(url, tok):
     assert bare["tokens"] == tok(TEXT, add_special_tokens=False).input_ids
 
 
+def test_vllm_chat_form_counts_what_chat_completions_charges(url):
+    """`messages` (and `tools`) rendered as /v1/chat/completions renders them: the count is
+    the prompt_tokens a chat request reports for the same conversation."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": TEXT}]
+    for tools in (None, [weather]):
+        extra = {"tools": tools} if tools else {}
+        r = post(url, "/tokenize", {"model": "m", "messages": messages, **extra})
+        assert r.status_code == 200, r.text
+        chat = post(url, "/v1/chat/completions", {"model": "m", "messages": messages,
+                                                  "max_tokens": 1, **extra})
+        assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"], tools
+    with_tools = post(url, "/tokenize", {"messages": messages, "tools": [weather]}).json()
+    plain = post(url, "/tokenize", {"messages": messages}).json()
+    assert with_tools["count"] > plain["count"]  # the tools' description is in the prompt
+
+
 def test_detokenize_round_trips(url, tok):
     ids = tok(TEXT, add_special_tokens=False).input_ids
     r = post(url, "/detokenize", {"tokens": ids})
@@ -74,8 +94,14 @@ def test_detokenize_round_trips(url, tok):
 
 
 BAD = [
-    ("/tokenize", {"inputs": "a", "prompt": "b"}, "one of the two"),
-    ("/tokenize", {"model": "m"}, "one of the two"),
+    ("/tokenize", {"inputs": "a", "prompt": "b"}, "one of the three"),
+    ("/tokenize", {"model": "m"}, "one of the three"),
+    ("/tokenize", {"prompt": "a", "tools": []}, "`tools` go with `messages`"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
+                   "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
+                   "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"inputs": 3}, "inputs"),
     ("/tokenize", {"inputs": "a", "parameters": {"truncate": 0}}, "truncate"),
     ("/detokenize", {"tokens": [1, 2**20]}, "not in the model's vocabulary"),

@@ -1,7 +1,8 @@
 """POST /tokenize and POST /detokenize: what a prompt costs before it is sent.
 
 /tokenize answers in the shape the request is asked in: TGI's (`{"inputs": ...}`, a list of
-{id, text, start, stop}, character offsets into the input) or vLLM's (`{"prompt": ...}`,
+{id, text, start, stop}, character offsets into the input) or vLLM's (`{"prompt": ...}` or
+a chat's `{"messages": ..., "tools": ...}` rendered as /v1/chat/completions renders it,
 {count, max_model_len, tokens}). /detokenize is vLLM's ({"tokens": [ids]} -> {"prompt"}).
 Both count exactly as generation does: the same tokenizer, the same special tokens."""
 
@@ -14,8 +15,11 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field, model_validator
 
 from tpserve.errors import NotReadyError, ValidationError
-from tpserve.fields import I32_MAX, Int, Text, TokenCount
+from tpserve.fields import I32_MAX, FailFast, Int, Text, TokenCount, unsupported
 from tpserve.server.backend import EngineBackend, not_ready_message
+from tpserve.server.openai import ChatMessage
+from tpserve.server.tool_prompt import render_chat
+from tpserve.server.tools import Tool, plan_tools
 
 # Texts longer than this are tokenized on a worker thread, not on the event loop that every
 # other client of the server waits on.
@@ -28,19 +32,32 @@ class TGITokenizeParameters(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    """TGI's body (`inputs`, `parameters`) or vLLM's (`prompt`, `add_special_tokens`)."""
+    """TGI's body (`inputs`, `parameters`) or vLLM's (`prompt` or `messages`, with
+    `add_special_tokens`: by default true for a prompt, false for a chat, whose template
+    writes its own)."""
 
     inputs: Text | None = None
     parameters: TGITokenizeParameters | None = None
     prompt: Text | None = None
-    add_special_tokens: bool = True
+    messages: Annotated[list[ChatMessage], Field(min_length=1), FailFast] | None = None
+    tools: Annotated[list[Tool], FailFast] | None = None
+    add_generation_prompt: bool = True
+    chat_template: Annotated[Text | None, unsupported(
+        "`chat_template` (the model's own template is used)")] = None
+    add_special_tokens: bool | None = None
     model: Text | None = None  # vLLM's clients send it; one model is served
 
     @model_validator(mode="after")
     def _one_text(self) -> TokenizeRequest:
-        if (self.inputs is None) == (self.prompt is None):
-            raise ValueError("send the text to tokenize as `inputs` (TGI's form) or as "
-                             "`prompt` (vLLM's), one of the two")
+        if sum(x is not None for x in (self.inputs, self.prompt, self.messages)) != 1:
+            raise ValueError("send the text to tokenize as `inputs` (TGI's form), `prompt` "
+                             "or `messages` (vLLM's), one of the three")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("`tools` go with `messages`")
+        if not self.add_generation_prompt:
+            raise ValueError("`add_generation_prompt: false` is not supported by tpserve: a "
+                             "chat is counted as /v1/chat/completions renders it, with the "
+                             "generation prompt")
         return self
 
 
@@ -72,10 +89,22 @@ class TokenizeRoutes:
             if p.truncate is not None:
                 spans = spans[-p.truncate:]
             return [{"id": i, "text": text[a:b], "start": a, "stop": b} for i, a, b in spans]
-        text = req.prompt
-        spans = await self._off_loop(len(text), spans_of, text, req.add_special_tokens)
+        if req.messages is not None:
+            text = await self._off_loop(
+                sum(len(m.model_dump_json()) for m in req.messages), self._render, req)
+            special = bool(req.add_special_tokens)
+        else:
+            text = req.prompt
+            special = req.add_special_tokens is not False
+        spans = await self._off_loop(len(text), spans_of, text, special)
         return {"count": len(spans), "max_model_len": self.backend.info().max_total_tokens,
                 "tokens": [i for i, _, _ in spans]}
+
+    def _render(self, req: TokenizeRequest) -> str:
+        """The chat's prompt as /v1/chat/completions renders it (tools, history and all)."""
+        plan = plan_tools(req.tools, "auto" if req.tools else None, None, None)
+        return render_chat(self.backend.apply_chat_template,
+                           [m.as_template_input() for m in req.messages], plan)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self._ready()
