@@ -96,3 +96,25 @@ def test_captured_graphs_match_transformers_on_cuda(llama_dir, overlap):
     engine = cuda_engine(llama_dir, overlap)
     assert engine.executor.health()[0]["decode_graphs"]
     assert greedy(engine, PROMPTS, 32) == hf_greedy(llama_dir, PROMPTS, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-at-a-time"])
+def test_captured_graphs_serve_longrope_past_the_original_context_on_cuda(models_dir,
+                                                                          overlap):
+    """Captured decode graphs and the compiled Triton kernels on a longrope model: a prompt
+    past the original context (32) and one that crosses it while decoding."""
+    import random
+
+    from engine_utils import greedy_ids
+    from tiny_models import hf_greedy_ids, phi3_longrope_config, save_model
+
+    path = save_model(phi3_longrope_config(32), models_dir / "phi3-longrope-cuda")
+    prompts = [random.Random(f"graphs-{n}").choices(range(3, 301), k=n) for n in (10, 45)]
+    engine = cuda_engine(path, overlap)
+    try:
+        assert engine.executor.health()[0]["decode_graphs"]
+        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30])
+    finally:
+        engine.shutdown()
