@@ -68,8 +68,16 @@ def cuda_engine(path: Path, overlap: bool, **scheduler) -> Engine:
 
 
 def greedy(engine: Engine, prompts: list[str], n: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    seqs = [engine.add_request(engine.tokenize(p), params) for p in prompts]
+    return greedy_ids(engine, [engine.tokenize(p) for p in prompts], n)
+
+
+def greedy_ids(engine: Engine, prompts: list[list[int]], n: int | list[int]
+               ) -> list[list[int]]:
+    """Greedy continuations of token-id prompts run as one batch; n new tokens each (or
+    n[i] for prompt i)."""
+    news = n if isinstance(n, list) else [n] * len(prompts)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=k, ignore_eos=True))
+            for p, k in zip(prompts, news, strict=True)]
     done: dict[int, list[int]] = {}
     while len(done) < len(seqs):
         events, _ = engine.step()

@@ -23,7 +23,7 @@ def test_step_round_trips_through_the_message():
     batch = StepBatch(7, [
         SeqStep(11, [5, 6, 7], 0, [3, -1, 4], True, p, history=[1, 2], num_generated=1,
                 prompt_logprobs=True),
-        SeqStep(12, [9], 40, [8], False, p, blocks_from=10),
+        SeqStep(12, [9], 40, [8], False, p, blocks_from=10, long_rope=True),
         SeqStep(13, [0], 0, [2], True, p, encoder_ids=[4, 4, 5], encoder_len=3,
                 cross_block_table=[6, 7]),
     ], released=[3, 5])
@@ -34,7 +34,8 @@ def test_step_round_trips_through_the_message():
     for a, b in zip(got.seqs, batch.seqs, strict=True):
         assert (a.seq_id, a.token_ids, a.start_pos, a.block_table, a.blocks_from) == \
             (b.seq_id, b.token_ids, b.start_pos, b.block_table, b.blocks_from)
-        assert (a.sample, a.prompt_logprobs) == (b.sample, b.prompt_logprobs)
+        assert (a.sample, a.prompt_logprobs, a.long_rope) == \
+            (b.sample, b.prompt_logprobs, b.long_rope)
         assert (a.encoder_ids, a.encoder_len, a.cross_block_table) == \
             (b.encoder_ids, b.encoder_len, b.cross_block_table)
         assert a.params is None and a.history is None  # only rank 0 samples

@@ -41,6 +41,34 @@ def test_static_buffer_decode_path_matches_transformers(llama_dir):
     assert graphs.graphs[8][0].replays > 0 and graphs.graphs[1][0].replays > 0
 
 
+def test_static_buffer_decode_path_serves_longrope_past_the_original_context(models_dir):
+    """A longrope model's decode rows of long sequences read the rotary table's long half
+    through the positions buffer, which every replay refills (a graph input, not a value
+    captured once): a prompt past the original context (32) and one that crosses it while
+    decoding (recomputed eagerly, then decoded long) continue as transformers does."""
+    import random
+
+    from engine_utils import greedy_ids
+    from tiny_models import hf_greedy_ids, phi3_longrope_config, save_model
+
+    path = save_model(phi3_longrope_config(32), models_dir / "phi3-longrope-graphs")
+    prompts = [random.Random(f"graphs-{n}").choices(range(3, 301), k=n) for n in (10, 45)]
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    worker = engine.executor.worker
+    graphs = DecodeGraphs(worker.model, worker.kv_caches, worker.backend, worker.device,
+                          (1, 2), max_blocks=64, block_size=4, scratch_block=worker.num_blocks)
+    assert graphs.long_rope_offset == 32
+    for b in graphs.buckets:
+        out = graphs._forward(b)
+        graphs.graphs[b] = (EagerReplay(graphs, b, out), out)
+    worker.graphs = worker.runner.graphs = graphs
+    try:
+        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30])
+    finally:
+        engine.shutdown()
+    assert graphs.graphs[2][0].replays > 0
+
+
 def test_graph_buckets_are_finer_than_powers_of_two():
     from tpserve.worker.graphs import graph_buckets
 
@@ -68,3 +96,25 @@ def test_captured_graphs_match_transformers_on_cuda(llama_dir, overlap):
     engine = cuda_engine(llama_dir, overlap)
     assert engine.executor.health()[0]["decode_graphs"]
     assert greedy(engine, PROMPTS, 32) == hf_greedy(llama_dir, PROMPTS, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-at-a-time"])
+def test_captured_graphs_serve_longrope_past_the_original_context_on_cuda(models_dir,
+                                                                          overlap):
+    """Captured decode graphs and the compiled Triton kernels on a longrope model: a prompt
+    past the original context (32) and one that crosses it while decoding."""
+    import random
+
+    from engine_utils import greedy_ids
+    from tiny_models import hf_greedy_ids, phi3_longrope_config, save_model
+
+    path = save_model(phi3_longrope_config(32), models_dir / "phi3-longrope-cuda")
+    prompts = [random.Random(f"graphs-{n}").choices(range(3, 301), k=n) for n in (10, 45)]
+    engine = cuda_engine(path, overlap)
+    try:
+        assert engine.executor.health()[0]["decode_graphs"]
+        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30])
+    finally:
+        engine.shutdown()

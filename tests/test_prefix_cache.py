@@ -26,6 +26,25 @@ def _run(s: Scheduler) -> None:
             x.seq.output_ids.append(9)
 
 
+def test_longrope_factor_sets_name_blocks_apart():
+    """longrope (original 12): a short and a long sequence with the same first 8 tokens
+    share no block (their keys were rotated with different factors); two long ones do."""
+    bm = PrefixCachingBlockManager(32, 4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, longrope_original=12)
+    short = _seq(0, list(range(100, 110)))
+    s.add(short)
+    _run(s)
+    long = _seq(1, list(range(100, 108)) + [7] * 8)  # 16 tokens: long
+    s.add(long)
+    _run(s)
+    assert long.long_rope and bm.hits == 0
+    assert not set(long.block_table) & set(short.block_table)
+    again = _seq(2, list(range(100, 108)) + [8] * 6)
+    s.add(again)
+    _run(s)
+    assert again.long_rope and again.block_table[:2] == long.block_table[:2] and bm.hits == 2
+
+
 def test_shared_prefix_blocks_are_reused_and_refcounted():
     bm = PrefixCachingBlockManager(16, 4)
     s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)

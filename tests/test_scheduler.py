@@ -109,6 +109,39 @@ def test_sliding_window_releases_blocks():
     assert (first_live + 1) * 4 - 1 > a.num_computed - 8
 
 
+def test_longrope_sequence_growing_past_the_original_context_is_recomputed_long():
+    """longrope (original 8): a 6-token prompt decodes with the short factors until it holds
+    9 tokens; that step recomputes all 9 with the long factors (fresh blocks, the old ones
+    freed) instead of decoding one. A 10-token prompt is long from its first chunk."""
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                  longrope_original=8)
+    a, b = seq(0, 6), seq(1, 10)
+    s.add(a)
+    s.add(b)
+    first = run_step(s)
+    assert [(x.seq.seq_id, x.num_new) for x in first] == [(0, 6), (1, 10)]
+    assert not a.long_rope and b.long_rope
+    run_step(s)
+    run_step(s)  # decodes a's 8th token (8 tokens: still short), samples a 9th
+    assert a.num_tokens == 9 and a.num_computed == 8 and not a.long_rope
+    short_table = list(a.block_table)
+    fourth = run_step(s)  # a holds 9 tokens: recomputed whole
+    assert [(x.seq.seq_id, x.num_new) for x in fourth] == [(1, 1), (0, 9)]
+    assert a.long_rope and a.num_computed == 9 and a.status is SeqStatus.RUNNING
+    assert a.block_table != short_table and s.blocks.num_free == 16 - 3 - 4
+    fifth = run_step(s)
+    assert [(x.seq.seq_id, x.num_new) for x in fifth] == [(1, 1), (0, 1)]
+
+
+def test_models_without_longrope_never_recompute():
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a = seq(0, 6)
+    s.add(a)
+    for _ in range(6):
+        assert [x.num_new for x in run_step(s)] in ([6], [1])
+    assert not a.long_rope and a.num_preemptions == 0
+
+
 class _ByteTok:
     """decode() as a byte-level tokenizer would: ids are bytes, joined then UTF-8 decoded."""
 

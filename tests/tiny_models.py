@@ -213,6 +213,16 @@ def phi3_config(**kw):
     return cfg
 
 
+def phi3_longrope_config(original: int = 32, max_positions: int = 256,
+                         short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
+    """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
+    original context: head_dim 16 at partial_rotary_factor 0.5, 4 frequencies, one factor
+    each; the attention factor sqrt(1 + ln(max / original) / ln(original)) scales both sets."""
+    return phi3_config(
+        rope_scaling={"type": "longrope", "short_factor": list(short), "long_factor": list(long)},
+        original_max_position_embeddings=original, max_position_embeddings=max_positions)
+
+
 def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
                vector_std: float = 0.0, std: float = 0.08) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
@@ -290,6 +300,21 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[
                                  min_new_tokens=max_new_tokens)
         outs.append(gen[0, ids.shape[1]:].tolist() if not cfg.get("is_encoder_decoder")
                     else gen[0, 1:].tolist())
+    return outs
+
+
+def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int]) -> list[list[int]]:
+    """hf_greedy of token-id prompts (a decoder-only model), news[i] new tokens for prompt i:
+    each run alone, as generate() runs one prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for ids, n in zip(prompts, news, strict=True):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=2)
+        outs.append(gen[0, len(ids):].tolist())
     return outs
 
 

@@ -146,12 +146,12 @@ def longrope_original(params: dict) -> int | None:
     """The original context of a longrope model (original_max_position_embeddings), past
     which its rotary switches from short_factor to long_factor; None for other rope types.
 
-    transformers' Phi-3 does not switch position by position: once a sequence is longer
-    than this, generate() drops the KV cache and recomputes the whole sequence with the long
-    factors (Phi3ForCausalLM.prepare_inputs_for_generation), and a longer prompt is rotated
-    with them throughout. A paged KV cache keeps the keys it wrote, so tpserve serves such a
-    model within its original context, exactly (EngineCore caps the tokens per request
-    there), rather than answer past it otherwise than transformers."""
+    transformers' Phi-3 does not switch position by position: a sequence of at most this
+    many tokens is rotated with the short factors throughout, a longer one with the long
+    factors throughout (a longer prompt from its first token; a sequence that grows past it
+    has its KV cache dropped and recomputed, Phi3ForCausalLM.prepare_inputs_for_generation).
+    tpserve does the same: the scheduler recomputes a sequence that crosses it (Scheduler,
+    Sequence.long_rope) and the worker reads the long half of the rotary table for it."""
     if params.get("rope_type") != "longrope":
         return None
     return int(params["original_max_position_embeddings"])

@@ -224,6 +224,35 @@ def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpre
     assert "tokens match" in proc.stdout
 
 
+@pytest.mark.slow  # Triton's interpreter
+def test_a_longrope_engine_on_the_triton_kernels_matches_transformers_under_the_interpreter():
+    """Phi-3 longrope (original context 32) on the Triton backend: a prompt past the original
+    context and one that crosses it while decoding. The fused kernels take cos/sin rows
+    gathered from the rotary table's long half (the positions offset per sequence), so
+    decode_new rotates and stores long-factor keys; the greedy tokens equal transformers'."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import random, sys, tempfile
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from engine_utils import greedy_ids, make_engine
+        from tiny_models import hf_greedy_ids, phi3_longrope_config, save_model
+        d = save_model(phi3_longrope_config(32), Path(tempfile.mkdtemp()) / "phi3")
+        prompts = [random.Random(f"triton-{{n}}").choices(range(3, 301), k=n) for n in (24, 40)]
+        engine = make_engine(d, 1, kernel="triton", local=True)
+        got = greedy_ids(engine, prompts, 14)
+        backend = engine.executor.worker.backend
+        fused = [k for k in backend.launched if "new_kv" in k]
+        engine.shutdown()
+        assert backend.name == "triton" and fused, (backend.name, backend.launched)
+        want = hf_greedy_ids(d, prompts, [14, 14])
+        assert got == want, (got, want)
+        print("tokens match", fused)
+    """)
+    proc = _interpret(script)
+    assert "tokens match" in proc.stdout
+
+
 @pytest.mark.slow  # Triton's interpreter: about half a minute on two cores
 def test_a_partial_rotary_model_compiles_nothing_after_warmup_under_the_interpreter():
     """The rotary width comes from the model (RotaryEmbedding plans it): warmup launches

@@ -127,20 +127,18 @@ class EngineCore:
                               if self.encoder_decoder else None)
         self.longrope_original = _longrope_original(hf_config)
         if self.longrope_original is not None and self.max_model_len > self.longrope_original:
-            # Past it transformers recomputes the sequence with other frequencies
-            # (hf_config.longrope_original); served within it, exactly, and said so.
-            log.warning("rope_type longrope: serving at most %d tokens per request (the "
-                        "model's original_max_position_embeddings), not %d: past it the "
-                        "rotary switches to long_factor for the whole sequence, which a paged "
-                        "KV cache cannot follow", self.longrope_original, self.max_model_len)
-            self.max_model_len = self.longrope_original
+            log.info("rope_type longrope: a sequence longer than %d tokens (the model's "
+                     "original_max_position_embeddings) is rotated with long_factor "
+                     "throughout; one that grows past it is recomputed once, as transformers "
+                     "does", self.longrope_original)
         self.max_input_tokens = min(cfg.scheduler.max_input_tokens or self.max_model_len - 1,
                                     self.max_model_len - 1)
         self._start_executor(cfg)
         window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
         self.scheduler = Scheduler(self._block_manager(window),
                                    cfg.scheduler.max_num_seqs,
-                                   cfg.scheduler.max_num_batched_tokens, window)
+                                   cfg.scheduler.max_num_batched_tokens, window,
+                                   self.longrope_original)
 
     def _start_executor(self, cfg: EngineConfig) -> None:
         executor = self.executor
@@ -201,11 +199,8 @@ class EngineCore:
             raise ValidationError(f"`inputs` must have at most {self.max_input_tokens} tokens. "
                                   f"Given: {n}. Shorten the prompt or set `truncate`.")
         if n + params.max_new_tokens > self.max_model_len:
-            why = (f" (rope_type longrope: served within original_max_position_embeddings = "
-                   f"{self.longrope_original}, past which the rotary changes for the whole "
-                   f"sequence)" if self.longrope_original is not None else "")
             raise ValidationError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}{why}. "
+                f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. "
                 f"Given: {n} `inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
         vocab = getattr(self.hf_config, "vocab_size", None)
         # Ids past the embedding would fail the whole step at tp 1 (an index error for every
@@ -310,7 +305,8 @@ class EngineCore:
             start_pos=start - back, block_table=seq.block_table[blocks_from:],
             blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if p.needs_history else None,
-            num_generated=len(seq.output_ids), prompt_logprobs=wants_lp)
+            num_generated=len(seq.output_ids), prompt_logprobs=wants_lp,
+            long_rope=seq.long_rope)
         if state.matcher is not None and step.sample:
             # The mask needs every earlier token: steps with guided rows are collected
             # before the next one is scheduled (_launch), so none is pending here.

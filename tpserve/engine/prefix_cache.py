@@ -12,7 +12,11 @@ its prompt and output (never the whole token list), and only blocks filled since
 step are named. A block whose hash another block already holds is left unnamed; it is
 looked at again only after such a hash was evicted (the one event that can change the
 answer), which a counter records. A block holding a placeholder token (-1: a token still on
-the device with overlapped steps) is never hashed; a later call hashes it once resolved."""
+the device with overlapped steps) is never hashed; a later call hashes it once resolved.
+
+A longrope model's keys depend on the factor set the sequence was rotated with
+(Sequence.long_rope), not on the tokens alone: the chain of a long sequence starts from
+another seed, so short and long sequences never share a block."""
 
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from collections import OrderedDict
 
 from tpserve.engine.block_manager import BlockManager
 from tpserve.engine.sequence import Sequence
+
+# The chain's seed per factor set: short (and every model without longrope), long.
+_SEED = {False: 0, True: 1}
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -67,6 +74,7 @@ class PrefixCachingBlockManager(BlockManager):
         hashes, bs = seq.block_hashes, self.block_size
         prompt, out = seq.prompt_ids, seq.output_ids
         p = len(prompt)
+        seed = _SEED[seq.long_rope]
         while len(hashes) < upto_block:
             i = len(hashes)
             lo, hi = i * bs, (i + 1) * bs
@@ -78,7 +86,7 @@ class PrefixCachingBlockManager(BlockManager):
                 block = tuple(prompt[lo:] + out[: hi - p])
             if len(block) < bs or -1 in block:
                 break
-            hashes.append(hash((hashes[-1] if hashes else 0, block)))
+            hashes.append(hash((hashes[-1] if hashes else seed, block)))
         return hashes
 
     def reuse_prefix(self, seq: Sequence) -> None:

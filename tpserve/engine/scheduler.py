@@ -1,6 +1,12 @@
 """Continuous batching: every step decodes the running sequences and admits waiting ones
 (prompts, chunked to the token budget) in arrival order. When the KV cache runs out, the
-youngest running sequence is preempted and later recomputed from its tokens."""
+youngest running sequence is preempted and later recomputed from its tokens.
+
+longrope models (Phi-3-*-128k, Phi-3.5, Phi-4-mini) rotate a sequence of at most
+original_max_position_embeddings tokens with the short factors and a longer one with the
+long factors, every token of it: transformers' generate drops its KV cache when a sequence
+grows past that length and recomputes it. A running sequence that grows past it is
+preempted the same way, so its recompute starts over with the long factors."""
 
 from __future__ import annotations
 
@@ -24,11 +30,14 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, sliding_window: int | None = None) -> None:
+                 max_num_batched_tokens: int, sliding_window: int | None = None,
+                 longrope_original: int | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_window = sliding_window
+        # longrope models: the longest sequence the short factors rotate (else None).
+        self.longrope_original = longrope_original
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -56,6 +65,19 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
+    def _grew_past_short_rope(self, seq: Sequence) -> bool:
+        """A longrope sequence computed with the short factors that is now longer than they
+        serve: its cached keys are rotated otherwise than its next token must see them."""
+        return (self.longrope_original is not None and not seq.long_rope
+                and seq.num_tokens > self.longrope_original)
+
+    def _start_rope(self, seq: Sequence) -> None:
+        """Fix the factor set a sequence is (re)computed with, before its first block."""
+        long = self.longrope_original is not None and seq.num_tokens > self.longrope_original
+        if long != seq.long_rope:
+            seq.long_rope = long
+            seq.block_hashes = []  # they name blocks of the other factor set (prefix_cache)
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
@@ -67,6 +89,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its last token is in flight
             if budget <= 0:
                 break
+            if self._grew_past_short_rope(seq):
+                self._preempt(seq)  # recomputed with the long factors (admitted below)
+                continue
             n = seq.num_pending
             if n > budget:
                 n = budget
@@ -88,6 +113,7 @@ class Scheduler:
                 break
             fresh = seq.num_computed == 0
             if fresh:
+                self._start_rope(seq)
                 self.blocks.reuse_prefix(seq)  # cached blocks count as computed
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq, seq.num_computed + n):

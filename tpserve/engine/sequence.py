@@ -41,6 +41,10 @@ class Sequence:
     # Overlapped steps: the token sampled by the step in flight ends this sequence (its
     # length limit), so it must not be scheduled again; the engine finishes it on collect.
     hold: bool = False
+    # longrope models: longer than original_max_position_embeddings when its computation
+    # (re)started, so every token of it is rotated with the long factors; set by the
+    # scheduler, which recomputes a sequence that grows past that length (scheduler.py).
+    long_rope: bool = False
 
     @property
     def num_input_tokens(self) -> int:

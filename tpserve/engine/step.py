@@ -44,6 +44,10 @@ class SeqStep:
     # Guided requests: the tokens the grammar allows next, as llguidance's int32 words (bit
     # i of word w allows token 32 * w + i; numpy). Only rank 0 reads it: it samples.
     allowed: object | None = None
+    # longrope models: the sequence is longer than original_max_position_embeddings, so
+    # every token of it is rotated with the long factors (the workers read the rotary
+    # table's long half for it); its cached keys were computed so too (Sequence.long_rope).
+    long_rope: bool = False
 
     @property
     def num_blocks(self) -> int:

@@ -64,13 +64,14 @@ def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
     )
 
 
-def _longrope(rot_dim: int, base: float, params: dict) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3-*-128k, Phi-3.5, Phi-4-mini) within the original context: each
-    frequency divided by its own short_factor; cos/sin scaled by sqrt(1 + ln(factor) /
-    ln(original)), factor = max_position_embeddings / original unless given. As
-    transformers' _compute_longrope_parameters (longrope_original says why not long_factor)."""
+def _longrope(rot_dim: int, base: float, params: dict, key: str = "short_factor"
+              ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-*-128k, Phi-3.5, Phi-4-mini): each frequency divided by its own
+    factor (key: short_factor within the original context, long_factor past it); cos/sin
+    scaled by sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings /
+    original unless given, the same for both sets. As transformers'
+    _compute_longrope_parameters."""
     original = longrope_original(params)
-    key = "short_factor"
     ext = torch.tensor(params[key], dtype=torch.float32)
     if ext.numel() != rot_dim // 2:
         raise ValueError(
@@ -129,23 +130,44 @@ def _check_dynamic_length(params: dict, max_positions: int) -> None:
             f"(asked for {max_positions})")
 
 
+def _table(rot_dim: int, positions: int, inv: torch.Tensor, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [positions, rot_dim] of inverse frequencies inv, times scale."""
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables gathered by position. A longrope model's table holds two factor sets:
+    rows [0, original) are the short factors' positions 0..original-1, the rows after them
+    the long factors' positions 0..max_positions-1. A sequence longer than original is
+    rotated entirely with the long ones (as transformers does), so its positions arrive
+    offset by long_offset (the worker adds it); cos_sin never needs to know which set."""
+
     def __init__(self, head_dim: int, max_positions: int, params: dict,
                  partial_rotary_factor: float = 1.0) -> None:
         super().__init__()
         self.rot_dim = int(head_dim * partial_rotary_factor)
         _check_dynamic_length(params, max_positions)
         plan_rotary(self.rot_dim)  # the attention backend's warmup compiles this width
-        inv, scale = inv_frequencies(self.rot_dim, params)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        # Where the long factors' rows start (longrope only), else None.
+        self.long_offset = longrope_original(params)
+        if self.long_offset is None:
+            cos, sin = _table(self.rot_dim, max_positions, *inv_frequencies(self.rot_dim, params))
+        else:
+            base = float(params["rope_theta"])
+            short = _table(self.rot_dim, self.long_offset, *_longrope(self.rot_dim, base, params))
+            long = _table(self.rot_dim, max_positions,
+                          *_longrope(self.rot_dim, base, params, "long_factor"))
+            cos, sin = torch.cat((short[0], long[0])), torch.cat((short[1], long[1]))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,15 @@ class LlamaModel(nn.Module):
         self.embed_scale: float | None = None
         self.norms_folded = False  # fold_norms
 
+    @property
+    def long_rope_offset(self) -> int | None:
+        """longrope: the rotary row of the long factors' position 0 (the worker shifts a
+        long sequence's positions by it); None for other rope types."""
+        offsets = {r.long_offset for r in self.rotaries.values()}
+        if len(offsets) > 1:
+            raise ValueError(f"rotary tables of different longrope offsets {offsets}")
+        return offsets.pop()
+
     def fold_norms(self, need_gemv: bool = True) -> str | None:
         """Fold every decoder layer's input norm into its QKV projection, so that one-row
         steps (a single stream's decode) skip half the norm launches
@@ -250,6 +259,10 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def tied(config) -> bool:
         return bool(getattr(config, "tie_word_embeddings", False))
+
+    @property
+    def long_rope_offset(self) -> int | None:
+        return self.model.long_rope_offset
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions)

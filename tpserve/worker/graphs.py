@@ -21,7 +21,7 @@ from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.kernels.gemm_tuning import GemmTuning
 from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.worker.metadata import HostStaging, make_metadata
+from tpserve.worker.metadata import HostStaging, make_metadata, rope_offsets
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,10 @@ class DecodeGraphs:
         self.max_blocks, self.block_size, self.scratch = max_blocks, block_size, scratch_block
         n = self.buckets[-1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        # The rotary's positions (a graph input, refilled every step): the true positions
+        # plus each sequence's rope offset (longrope's long-factor rows).
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.long_rope_offset: int | None = getattr(model, "long_rope_offset", None)
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
@@ -129,9 +132,14 @@ class DecodeGraphs:
         tables = np.full((bucket, self.max_blocks), self.scratch, dtype=np.int64)
         tables[:b] = seq_tables
         slots = tables[np.arange(bucket), pos // bs] * bs + pos % bs
+        rope = pos
+        offsets = rope_offsets(seqs, self.long_rope_offset)
+        if offsets is not None:
+            rope = pos.copy()
+            rope[:b] += offsets
         dst, src, prev_ids = prev if prev is not None else (np.zeros(0, np.int64),) * 2 + (None,)
         ids_d, pos_d, slots_d, lens_d, tab_d, dst_d, src_d = self.staging.to_device(
-            [ids, pos, slots, pos + 1, tables, dst, src])
+            [ids, rope, slots, pos + 1, tables, dst, src])
         self.ids[:bucket].copy_(ids_d)
         if len(dst):
             self.ids.index_copy_(0, dst_d, prev_ids.index_select(0, src_d))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 
 
@@ -32,7 +33,9 @@ def make_metadata(starts: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Te
 @dataclass
 class PagedInputs:
     ids: torch.Tensor  # int64 [T] on the device
-    positions: torch.Tensor  # int64 [T]
+    # int64 [T]: the rows of the rotary table, the only use of positions on the device:
+    # each token's position, plus the sequence's rope offset (longrope's long half).
+    rope_positions: torch.Tensor
     meta: AttentionMetadata
     extra: list[torch.Tensor]  # the caller's extra int64 arrays, on the device
 
@@ -47,12 +50,24 @@ def padded_tables(tables: list[list[int]], fill: int = 0) -> np.ndarray:
     return out
 
 
+def rope_offsets(seqs: list[SeqStep], long_offset: int | None) -> np.ndarray | None:
+    """Each sequence's shift into the rotary table (int64 [B]): long_offset for a sequence
+    rotated with longrope's long factors (SeqStep.long_rope), else 0; None when no sequence
+    of the step is shifted."""
+    if not long_offset or not any(s.long_rope for s in seqs):
+        return None
+    return np.fromiter((long_offset if s.long_rope else 0 for s in seqs), dtype=np.int64,
+                       count=len(seqs))
+
+
 def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
                        tab: np.ndarray, block_size: int, staging: HostStaging,
-                       extra: list[np.ndarray] = ()) -> PagedInputs:
+                       extra: list[np.ndarray] = (),
+                       rope_offsets: np.ndarray | None = None) -> PagedInputs:
     """Sequence i brings token_ids[i] at positions starts_pos[i].. and owns the blocks of
     tab[i] (int64 [B, width], every entry a valid block id). `extra` int64 arrays travel in
-    the same copy."""
+    the same copy. rope_offsets (int64 [B]) shift each sequence's rotary rows only: slots,
+    lengths and masks keep the true positions."""
     q_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
     start = np.asarray(starts_pos, dtype=np.int64)
     seq_lens = start + q_lens
@@ -62,8 +77,9 @@ def build_paged_inputs(token_ids: list[list[int]], starts_pos: list[int],
     positions = np.arange(cu[-1], dtype=np.int64) - cu[:-1][seq_of_token] + start[seq_of_token]
     slots = tab[seq_of_token, positions // block_size] * block_size + positions % block_size
     ids = np.fromiter((t for seq in token_ids for t in seq), dtype=np.int64, count=int(cu[-1]))
+    rope = positions if rope_offsets is None else positions + rope_offsets[seq_of_token]
     ids_d, pos_d, slots_d, cu_d, lens_d, tab_d, *extra_d = staging.to_device(
-        [ids, positions, slots, cu, seq_lens, tab.reshape(-1), *extra])
+        [ids, rope, slots, cu, seq_lens, tab.reshape(-1), *extra])
     meta = make_metadata(cu_d.int(), lens_d.int(), tab_d.view(tab.shape).int(), slots_d,
                          tuple(q_lens.tolist()), tuple(seq_lens.tolist()))
     return PagedInputs(ids_d, pos_d, meta, extra_d)

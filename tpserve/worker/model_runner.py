@@ -18,7 +18,13 @@ from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
 from tpserve.worker.block_tables import BlockTables
-from tpserve.worker.metadata import HostStaging, build_paged_inputs, make_metadata, padded_tables
+from tpserve.worker.metadata import (
+    HostStaging,
+    build_paged_inputs,
+    make_metadata,
+    padded_tables,
+    rope_offsets,
+)
 from tpserve.worker.sampling import PendingTokens, sample_async
 
 
@@ -42,6 +48,8 @@ class ModelRunner:
         self.graphs = graphs  # DecodeGraphs (CUDA, a graph-safe backend) or None
         self.pieces = None  # PiecewiseGraphs for the other steps (CUDA) or None
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        # longrope models: where the rotary table's long-factor rows start (else None).
+        self.long_rope_offset: int | None = getattr(model, "long_rope_offset", None)
         self.staging = HostStaging(device)
         self.block_tables = BlockTables()
         # Overlapped steps at tp > 1: rank 0 sends every step's sampled ids to the other
@@ -81,17 +89,18 @@ class ModelRunner:
             picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
                                  tables, self.block_size, self.staging,
-                                 extra=[dst, src, np.asarray(picks, dtype=np.int64)])
+                                 extra=[dst, src, np.asarray(picks, dtype=np.int64)],
+                                 rope_offsets=rope_offsets(seqs, self.long_rope_offset))
         d_dst, d_src, d_picks = inp.extra
         if len(dst):
             inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
         if cross is None and self.pieces is not None and self.pieces.fits(inp.ids.shape[0]):
-            hidden = self.pieces.run(inp.ids, inp.positions, inp.meta)
+            hidden = self.pieces.run(inp.ids, inp.rope_positions, inp.meta)
         else:
             with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend,
                                                 cross)):
-                hidden = self.model(inp.ids, inp.positions)
+                hidden = self.model(inp.ids, inp.rope_positions)
         if not picks:
             self._prev_ids, self._prev_row = None, {}
             return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None
@@ -163,7 +172,7 @@ class ModelRunner:
                                      padded_tables([seqs[i].cross_block_table for i in new]),
                                      self.block_size, self.staging)
             with forward_context(ForwardContext(enc.meta, self.kv_caches, self.backend)):
-                self.model.encode(enc.ids, enc.positions)
+                self.model.encode(enc.ids, enc.rope_positions)
         enc_lens = [s.encoder_len for s in seqs]
         tables = padded_tables([s.cross_block_table for s in seqs])
         lens_d, tab_d = self.staging.to_device([np.asarray(enc_lens, dtype=np.int64), tables])
