@@ -238,6 +238,16 @@ class NullMetrics:
     def rebuilt(self) -> None: ...
 
 
+def _vocab_size(engine) -> int | None:
+    """The model's vocabulary (a multimodal config keeps it in text_config), else the
+    tokenizer's; None when neither is known."""
+    cfg = engine.hf_config
+    size = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None),
+                                                       "vocab_size", None)
+    tok = getattr(engine, "tokenizer", None)
+    return size or (len(tok) if tok is not None else None)
+
+
 class AsyncEngine:
     """Implements tpserve.server.backend.EngineBackend over an Engine built in a thread."""
 
@@ -357,7 +367,7 @@ class AsyncEngine:
                    "rebuilds_left": self.rebuild.left,
                    "architectures": list(getattr(e.hf_config, "architectures", None) or []),
                    # Token ids 0..vocab_size-1 are valid in prompts and /detokenize.
-                   "vocab_size": getattr(e.hf_config, "vocab_size", None) or len(e.tokenizer)})
+                   "vocab_size": _vocab_size(e)})
 
     def stats(self) -> dict[str, float]:
         """Engine gauges for /metrics and the Ray dashboard (read without locking: each is
