@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from tpserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tpserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.engine import Engine
 from tpserve.engine.request import SamplingParams
@@ -35,11 +42,11 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
 
 @contextmanager
 def served_engine(path: Path, model_id: str, *, max_model_len: int,
-                  max_concurrent_requests: int,
+                  max_concurrent_requests: int, server: ServerConfig | None = None,
                   **engine: object) -> Iterator[tuple[AsyncEngine, str]]:
     """The real app over an in-process tp = 1 engine on `path`, served on a free local port;
-    yields (backend, base URL), stops the engine on exit. `engine`: more make_engine
-    arguments (block_size, num_blocks, ...)."""
+    yields (backend, base URL), stops the engine on exit. `server`: the app's settings
+    (default: ServerConfig()); `engine`: more make_engine arguments (block_size, ...)."""
     from fake_backend import serve
 
     from tpserve.server.app import build_app
@@ -50,7 +57,7 @@ def served_engine(path: Path, model_id: str, *, max_model_len: int,
     backend.start()
     try:
         backend.wait_ready(180)
-        with serve(build_app(backend)) as url:
+        with serve(build_app(backend, server)) as url:
             yield backend, url
     finally:
         backend.stop()

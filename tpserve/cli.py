@@ -134,6 +134,14 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}), pythonic "
                    "([f(a=1), g()]: Llama 3.2+), or auto, any of them; text that is no call "
                    "stays content (docs/http_api.md#tool-calling)")
+    p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
+                   help="thinking models: think moves the <think>...</think> block of chat "
+                   "and Responses answers into message.reasoning_content / reasoning (delta "
+                   "pieces when streaming; a reasoning item in the Responses API) and reads "
+                   "tool calls after it; a prompt that ends with <think> (DeepSeek-R1, "
+                   "Qwen3-Thinking templates) means the answer starts inside it. none leaves "
+                   "the text as it is; /generate and /v1/completions are never split "
+                   "(docs/http_api.md#reasoning-models)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every step eagerly instead of replaying the graphs captured "
                    "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "
@@ -464,7 +472,8 @@ def server_config(args: argparse.Namespace):
                         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
                         request_timeout_s=args.request_timeout,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

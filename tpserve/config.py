@@ -108,6 +108,9 @@ class ServerConfig:
     # How `tool_choice: "auto"` answers are read for calls: auto (every known format),
     # hermes, llama3_json or mistral (tpserve/server/tool_parsers.py).
     tool_call_parser: str = "auto"
+    # How chat and Responses answers are split into reasoning and content: none (not split)
+    # or think (<think>...</think>; tpserve/server/reasoning.py).
+    reasoning_parser: str = "none"
 
     @property
     def body_budget_bytes(self) -> int:

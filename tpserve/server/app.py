@@ -227,7 +227,9 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
             metrics.set_replica_stats(replica_stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(backend, metrics, config.tool_call_parser))
-    app.include_router(responses_router(backend, metrics, config.tool_call_parser))
+    app.include_router(openai_router(backend, metrics, config.tool_call_parser,
+                                     config.reasoning_parser))
+    app.include_router(responses_router(backend, metrics, config.tool_call_parser,
+                                        config.reasoning_parser))
     app.include_router(tokenize_router(backend))
     return app

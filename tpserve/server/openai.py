@@ -7,7 +7,8 @@ Errors keep TGI's body shape
 Chunks also carry the keys text_generation's chat types require (system_fingerprint,
 delta.role, delta.tool_calls), so TGI's client can read them. Tool calling (`tools`,
 `tool_choice`) is planned in server/tools.py, rendered in server/tool_prompt.py and read
-back out of the text in server/tool_stream.py.
+back out of the text in server/tool_stream.py; with --reasoning-parser, a thinking model's
+reasoning is split from the answer first (server/reasoning.py, server/choice_reader.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
@@ -45,9 +46,11 @@ from tpserve.fields import (
     unsupported,
 )
 from tpserve.server.backend import EngineBackend, not_ready_message
+from tpserve.server.choice_reader import ChoiceReader, reasoning_of
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
+from tpserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
@@ -57,7 +60,7 @@ from tpserve.server.streaming import (
     sse,
 )
 from tpserve.server.tool_prompt import render_chat
-from tpserve.server.tool_stream import ChoiceTools, message_of, wire_delta
+from tpserve.server.tool_stream import message_of, wire_delta
 from tpserve.server.tools import Tool, ToolCallIn, ToolPlan, plan_tools
 from tpserve.structured import response_format_spec
 
@@ -296,13 +299,31 @@ def _data(payload: dict | str) -> str:
 ChunkMaker = Callable[[int, str, str | None, list[GenerationEvent]], dict | list[dict]]
 
 
+class OpenedChat(NamedTuple):
+    """A chat request's started choices, with what reading their text needs."""
+
+    plan: ToolPlan | None
+    streams: list[TrackedStream]
+    k: int  # alternatives per token
+    # None: the text is not split into reasoning and answer (--reasoning-parser none, or an
+    # answer constrained to JSON, whose grammar leaves no room for reasoning); else whether
+    # the prompt opened the reasoning (server/reasoning.py).
+    inside: bool | None
+
+
 class OpenAIRoutes:
     def __init__(self, backend: EngineBackend, metrics: Metrics,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str = "none") -> None:
         self.backend = backend
         self.metrics = metrics
         self.tool_call_parser = tool_call_parser  # server/tool_parsers.py: PARSERS
+        self.reasoning_parser = reasoning_parser  # server/reasoning.py: PARSERS
         self.created = int(time.time())
+
+    def reader(self, opened: OpenedChat) -> ChoiceReader:
+        """A choice's reader: reasoning, then content and tool calls."""
+        splitter = None if opened.inside is None else ReasoningSplitter(opened.inside)
+        return ChoiceReader(opened.plan, self.tool_call_parser, splitter)
 
     def _info(self) -> ModelInfo:
         if not self.backend.ready():
@@ -459,11 +480,11 @@ class OpenAIRoutes:
         return await asyncio.to_thread(render)
 
     async def open_chat(self, req: ChatRequest, info: ModelInfo,
-                        terms: tuple[str, str] | None = None,
-                        ) -> tuple[ToolPlan | None, list[TrackedStream], int]:
-        """A chat request's tool plan, its choices' started engine streams and the number of
-        alternatives per token. /v1/responses (server/responses.py) starts its requests here
-        too, naming its own fields (`terms`: prompt, max tokens) in length errors."""
+                        terms: tuple[str, str] | None = None) -> OpenedChat:
+        """A chat request's tool plan, its choices' started engine streams, the number of
+        alternatives per token and how its reasoning is read. /v1/responses
+        (server/responses.py) starts its requests here too, naming its own fields (`terms`:
+        prompt, max tokens) in length errors."""
         _check_choices(req, 1, info)
         if req.top_logprobs and not req.logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs`: true")
@@ -483,15 +504,19 @@ class OpenAIRoutes:
         # The chat template already contains the BOS/special tokens it wants.
         streams = await self._open_all([prompt], params, req.choices(), terms,
                                        add_special_tokens=False)
-        return plan, streams, k
+        json_only = params.guided is not None and params.guided.kind == "json_schema"
+        inside = None if self.reasoning_parser == "none" or json_only else \
+            prompt_opens_reasoning(prompt)
+        return OpenedChat(plan, streams, k, inside)
 
     async def chat(self, req: ChatRequest, request: Request) -> Response:
         info = self._info()
         n = req.choices()
-        plan, streams, k = await self.open_chat(req, info)
+        opened = await self.open_chat(req, info)
+        plan, streams, k = opened.plan, opened.streams, opened.k
         want_lp = bool(req.logprobs)
-        if plan is not None and plan.returns_calls:
-            return await self._chat_with_tools(req, request, info, plan, streams, k)
+        if (plan is not None and plan.returns_calls) or opened.inside is not None:
+            return await self._chat_read(req, request, info, opened)
 
         if req.stream:
 
@@ -518,12 +543,12 @@ class OpenAIRoutes:
         }
         return AnswerResponse(body)
 
-    async def _chat_with_tools(self, req: ChatRequest, request: Request, info: ModelInfo,
-                               plan: ToolPlan, streams: list[TrackedStream],
-                               k: int) -> Response:
-        """A chat answer whose text is read for tool calls (server/tool_stream.py)."""
-        n, want_lp = req.choices(), bool(req.logprobs)
-        outs = [ChoiceTools(plan, self.tool_call_parser) for _ in range(n)]
+    async def _chat_read(self, req: ChatRequest, request: Request, info: ModelInfo,
+                         opened: OpenedChat) -> Response:
+        """A chat answer whose text is read for tool calls (server/tool_stream.py) and/or a
+        reasoning (server/reasoning.py)."""
+        n, want_lp, streams, k = req.choices(), bool(req.logprobs), opened.streams, opened.k
+        outs = [self.reader(opened) for _ in range(n)]
         if req.stream:
             tgi = req.from_tgi_client()
 
@@ -550,6 +575,14 @@ class OpenAIRoutes:
             found, reason = outs[i].finish(final_text(events), _FINISH[events[-1].finish_reason])
             content, calls = message_of(found)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if opened.inside is not None:
+                reasoning = reasoning_of(found)
+                # An answer cut short inside its reasoning has no content: null, as vLLM's.
+                if reasoning is not None and not content:
+                    message["content"] = None
+                # Both spellings: vLLM's and DeepSeek's reasoning_content, and reasoning,
+                # which newer vLLM and huggingface_hub's ChatCompletionOutputMessage read.
+                message.update(reasoning_content=reasoning, reasoning=reasoning)
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": i, "message": message, "finish_reason": reason,
@@ -610,9 +643,9 @@ class OpenAIRoutes:
         return EventStreamResponse(events(), on_close=close_all)
 
 
-def openai_router(backend: EngineBackend, metrics: Metrics,
-                  tool_call_parser: str = "auto") -> APIRouter:
-    routes = OpenAIRoutes(backend, metrics, tool_call_parser)
+def openai_router(backend: EngineBackend, metrics: Metrics, tool_call_parser: str = "auto",
+                  reasoning_parser: str = "none") -> APIRouter:
+    routes = OpenAIRoutes(backend, metrics, tool_call_parser, reasoning_parser)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/models", routes.models, methods=["GET"])
     # Hub ids have a slash: `org/name`.

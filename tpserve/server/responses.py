@@ -3,7 +3,9 @@
 The request is translated into a chat request (server/responses_request.py) and started by
 the chat route's own code (OpenAIRoutes.open_chat: template, sampling, structured output,
 tool plans, limits); the generated text is read for tool calls as chat reads it
-(server/tool_stream.py) and laid out as Response output items (server/responses_output.py).
+(server/tool_stream.py), its reasoning split off first with --reasoning-parser (a `reasoning`
+item before the answer's), and laid out as Response output items
+(server/responses_output.py).
 
 Streams follow OpenAI's: `event: <type>` and `data: <event>` per event, numbered by
 `sequence_number`, from `response.created` to `response.completed` (or
@@ -25,6 +27,7 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent
 from tpserve.errors import ValidationError
 from tpserve.server.backend import EngineBackend
+from tpserve.server.choice_reader import ChoiceReader
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai import OpenAIRoutes, last_piece
@@ -38,38 +41,25 @@ from tpserve.server.streaming import (
     final_text,
     sse,
 )
-from tpserve.server.tool_stream import ChoiceTools, Delta
-from tpserve.server.tools import ToolPlan
+from tpserve.server.tool_stream import Delta
 
 
-class _Reader:
-    """Generated text as deltas: read for tool calls when the request may return some."""
-
-    def __init__(self, plan: ToolPlan | None, parser: str) -> None:
-        calls = plan is not None and plan.returns_calls
-        self.tools = ChoiceTools(plan, parser) if calls else None
-
-    def feed(self, piece: str) -> list[Delta]:
-        return self.tools.feed(piece) if self.tools else [piece]
-
-    def finish(self, piece: str, final: GenerationEvent) -> list[Delta]:
-        if self.tools is None:
-            return [piece]
-        # Chat's finish reason, which only decides chat's "tool_calls" (unused here).
-        reason = "length" if final.finish_reason == "length" else "stop"
-        return self.tools.finish(piece, reason)[0]
+def _finish(reader: ChoiceReader, piece: str, final: GenerationEvent) -> list[Delta]:
+    # Chat's finish reason, which only decides chat's "tool_calls" (unused here).
+    reason = "length" if final.finish_reason == "length" else "stop"
+    return reader.finish(piece, reason)[0]
 
 
 def _status(final: GenerationEvent) -> ItemStatus:
     return "incomplete" if final.finish_reason == "length" else "completed"
 
 
-def _usage(final: GenerationEvent) -> dict[str, Any]:
+def _usage(final: GenerationEvent, reasoning_tokens: int) -> dict[str, Any]:
     # Prefix-cache hits are not reported per request: 0, as the client's model requires.
     return {"input_tokens": final.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": final.generated_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": final.prompt_tokens + final.generated_tokens}
 
 
@@ -95,12 +85,14 @@ class _Envelope:
         }
 
     def body(self, status: str, output: list[dict] | None = None,
-             final: GenerationEvent | None = None, error: dict | None = None) -> dict:
+             final: GenerationEvent | None = None, error: dict | None = None,
+             reasoning_tokens: int = 0) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         body = {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": status, "incomplete_details": incomplete,
                 "completed_at": int(time.time()) if status == "completed" else None,
-                "output": output or [], "usage": _usage(final) if final else None,
+                "output": output or [],
+                "usage": _usage(final, reasoning_tokens) if final else None,
                 **self.echo}
         # Only a failed response says `error` (optional in OpenAI's schema): tpserve's error
         # bodies are the ones with an `error` key, and clients test for it.
@@ -121,25 +113,35 @@ class ResponsesRoutes:
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
         try:
-            plan, streams, k = await self.chat.open_chat(
-                req.to_chat(), info, ("input", "max_output_tokens"))
+            # Earlier answers' reasoning items are taken (and left out of the prompt, as
+            # thinking models' templates leave it) when this server makes them.
+            reasoning = self.chat.reasoning_parser != "none"
+            opened = await self.chat.open_chat(req.to_chat(reasoning_items=reasoning), info,
+                                               ("input", "max_output_tokens"))
         except ValidationError as exc:
             raise ValidationError(in_responses_terms(str(exc))) from None
-        envelope, reader = _Envelope(req, info), _Reader(plan, self.chat.tool_call_parser)
-        want_lp = req.wants_logprobs()
+        envelope, reader = _Envelope(req, info), self.chat.reader(opened)
+        k = opened.k if req.wants_logprobs() else None
         if req.stream:
-            return self._stream(streams[0], envelope, reader, k if want_lp else None)
-        results = await collect_all_or_abort(request, streams)
+            return self._stream(opened.streams[0], envelope, reader, k)
+        results = await collect_all_or_abort(request, opened.streams)
         if isinstance(results, Response):
             return results
         events, final = results[0], results[0][-1]
         out = OutputBuilder()
-        out.feed(reader.finish(final_text(events), final),
-                 self._logprobs(events, k) if want_lp else None)
+        if opened.inside is None:
+            deltas = _finish(reader, final_text(events), final)
+        else:  # token by token, as a stream reads it, to count the reasoning's tokens
+            deltas = [d for e in events[:-1] if not e.token.special
+                      for d in reader.feed(e.token.text)]
+            streamed = "".join(e.token.text for e in events[:-1] if not e.token.special)
+            deltas += _finish(reader, last_piece(final, streamed), final)
+        out.feed(deltas, self._logprobs(events, k) if k is not None else None)
         out.finish(_status(final))
-        return AnswerResponse(envelope.body(_status(final), out.output(), final))
+        return AnswerResponse(envelope.body(_status(final), out.output(), final,
+                                            reader.reasoning_tokens))
 
-    def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: _Reader,
+    def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: ChoiceReader,
                 k: int | None) -> EventStreamResponse:
         """k: alternatives per token when log-probabilities are asked for, else None."""
         seq = itertools.count()
@@ -156,11 +158,11 @@ class ResponsesRoutes:
                 async for event in tracked:
                     lp = self._logprobs([event], k) if k is not None else None
                     if event.finished:
-                        deltas = reader.finish(last_piece(event, streamed), event)
+                        deltas = _finish(reader, last_piece(event, streamed), event)
                         made = out.feed(deltas, lp) + out.finish(_status(event))
                         status = _status(event)
-                        made.append({"type": f"response.{status}",
-                                     "response": envelope.body(status, out.output(), event)})
+                        made.append({"type": f"response.{status}", "response": envelope.body(
+                            status, out.output(), event, reader.reasoning_tokens)})
                     elif not event.token.special and (event.token.text or lp):
                         streamed += event.token.text
                         made = out.feed(reader.feed(event.token.text), lp)
@@ -179,9 +181,10 @@ class ResponsesRoutes:
         return EventStreamResponse(events(), on_close=tracked.aclose)
 
 
-def responses_router(backend: EngineBackend, metrics: Metrics,
-                     tool_call_parser: str = "auto") -> APIRouter:
-    routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser))
+def responses_router(backend: EngineBackend, metrics: Metrics, tool_call_parser: str = "auto",
+                     reasoning_parser: str = "none") -> APIRouter:
+    routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser,
+                                          reasoning_parser))
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/responses", routes.create, methods=["POST"])
     return router

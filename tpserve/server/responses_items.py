@@ -4,7 +4,10 @@
 templates know), `function_call` items become the `tool_calls` of an assistant turn (joined
 to the assistant message right before them: one turn that wrote text, then called),
 `function_call_output` items `tool` turns, and flat function tools chat's nested ones.
-Anything else (images, files, reasoning items, built-in tools) is a 422 naming it."""
+`reasoning` items (an earlier answer's, sent back as OpenAI asks) are taken and dropped
+when --reasoning-parser makes them: thinking models' templates leave earlier turns'
+reasoning out of the prompt. Anything else (images, files, built-in tools) is a 422
+naming it."""
 
 from __future__ import annotations
 
@@ -75,7 +78,10 @@ def _text(content: Content | None, where: str) -> str:
     return "".join(texts)
 
 
-def add_item(messages: list[ChatMessage], item: InputItem, where: str) -> None:
+def add_item(messages: list[ChatMessage], item: InputItem, where: str,
+             reasoning_items: bool = False) -> None:
+    if item.type == "reasoning" and reasoning_items:
+        return
     if item.type == "message":
         role = _ROLES.get(item.role or "")
         if role is None:

@@ -168,15 +168,16 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None else None
         return fmt or {"type": "text"}
 
-    def to_chat(self) -> ChatRequest:
+    def to_chat(self, reasoning_items: bool = False) -> ChatRequest:
         """The chat request that serves this one; ValidationError (422) for input it
-        cannot carry (images, files, built-in tools, reasoning items)."""
+        cannot carry (images, files, built-in tools, and reasoning items unless
+        `reasoning_items`: this server makes them, and they are dropped)."""
         messages = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
         items = ([InputItem(role="user", content=self.input)] if isinstance(self.input, str)
                  else self.input)
         for i, item in enumerate(items):
-            add_item(messages, item, f"input[{i}]")
+            add_item(messages, item, f"input[{i}]", reasoning_items)
         return ChatRequest(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=self.stop,

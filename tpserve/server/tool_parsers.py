@@ -187,6 +187,13 @@ def parse_calls(text: str, names: Collection[str], parser: str) -> tuple[str, li
     return text, []
 
 
+def partial_marker(text: str, markers: Collection[str]) -> int:
+    """How many characters at the end of `text` could be the start of one of `markers`: a
+    stream holds them back until the next piece says whether the marker is there."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])),
+               default=0)
+
+
 class ToolTextGate:
     """Streams content and holds what may be a tool call; `finish` parses the held text."""
 
@@ -219,9 +226,7 @@ class ToolTextGate:
         if found:
             self.call_at = self.released + min(found)
             return self._release(self.call_at)
-        hold = max((k for m in self.markers for k in range(1, len(m))
-                    if rest.endswith(m[:k])), default=0)
-        return self._release(len(self.text) - hold)
+        return self._release(len(self.text) - partial_marker(rest, self.markers))
 
     def _release(self, upto: int) -> str:
         out, self.released = self.text[self.released:upto], max(self.released, upto)

@@ -15,6 +15,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from tpserve.server.reasoning import Reasoning
 from tpserve.server.tool_parsers import ToolTextGate
 from tpserve.server.tools import ToolPlan
 
@@ -33,7 +34,7 @@ class CallDelta:
     id: str | None = None
 
 
-Delta = str | CallDelta  # a str is content
+Delta = str | CallDelta | Reasoning  # a str is content (Reasoning: server/choice_reader.py)
 
 
 @dataclass
@@ -199,7 +200,11 @@ def message_of(deltas: list[Delta]) -> tuple[str | None, list[dict]]:
 
 def wire_delta(d: Delta, tgi: bool) -> dict:
     """A delta as the chunk's `delta`. OpenAI's tool_calls is a list of pieces; the
-    text_generation client (0.7.0) reads it as one object with every key present."""
+    text_generation client (0.7.0) reads it as one object with every key present. Reasoning
+    goes in both spellings clients read (server/openai.py's message says which)."""
+    if isinstance(d, Reasoning):
+        return {"role": "assistant", "content": None, "reasoning_content": d.text,
+                "reasoning": d.text, "tool_calls": None}
     if isinstance(d, str):
         return {"role": "assistant", "content": d, "tool_calls": None}
     fn: dict = {"arguments": d.arguments}

@@ -1,0 +1,229 @@
+"""--reasoning-parser: the splitter on texts of each form (streamed in pieces of 1, 2 and 5
+characters, which must add up to the whole), and the served routes through the real `openai`
+client (strict mode for the Responses API) over an in-process engine on the embedded default
+model. A random model writes no `<think>` of its own: its answers are steered with a regex
+`response_format` into `<think>...</think>answer` (and tool calls after it), as
+tests/test_tool_calls.py steers its calls."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from engine_utils import served_engine
+
+from tpserve.config import ServerConfig
+from tpserve.server.choice_reader import ChoiceReader
+from tpserve.server.reasoning import (
+    Reasoning,
+    ReasoningSplitter,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
+from tpserve.server.tool_stream import CallDelta
+from tpserve.server.tools import Tool, plan_tools
+from tpserve.weights import DEFAULT_MODEL_DIR
+
+openai = pytest.importorskip("openai")
+
+# (answer, whether the prompt opened the reasoning, reasoning, content)
+CASES = [
+    ("<think>\nLet me see: 2 + 2.\n</think>\n\nIt is 4.", False, "Let me see: 2 + 2.", "It is 4."),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("\nLet me see.\n</think>\n\nIt is 4.", True, "Let me see.", "It is 4."),
+    ("Let me see. </think>", True, "Let me see.", ""),
+    ("<think>cut short by the length lim", False, "cut short by the length lim", ""),
+    ("<think>almost done </thi", False, "almost done </thi", ""),
+    ("<think>\n\n</think>\n\nNo thinking.", False, "", "No thinking."),
+    ("It is 4.", False, None, "It is 4."),
+    ("  It is 4. </think> x", False, None, "  It is 4. </think> x"),
+    ("<thin", False, None, "<thin"),
+    ("  ", False, None, "  "),
+    ("<think>a <b> </thinker> c</think>d </think> e", False, "a <b> </thinker> c",
+     "d </think> e"),
+    ("", True, "", ""),
+]
+
+
+def _streamed(text: str, inside: bool, size: int) -> tuple[str | None, str]:
+    splitter = ReasoningSplitter(inside)
+    pieces = []
+    for i in range(0, len(text), size):
+        pieces += splitter.feed(text[i:i + size])
+    pieces += splitter.finish()
+    assert all(p for p in pieces), pieces  # no empty pieces go out
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    return (reasoning if splitter.opened else None), "".join(
+        p for p in pieces if isinstance(p, str))
+
+
+@pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
+def test_splitter_streamed_in_pieces_equals_whole(text, inside, reasoning, content):
+    assert split_reasoning(text, inside) == (reasoning, content)
+    for size in (1, 2, 5):
+        assert _streamed(text, inside, size) == (reasoning, content), size
+
+
+def test_splitter_holds_only_what_may_be_a_tag():
+    s = ReasoningSplitter(inside=False)
+    assert s.feed("<th") == [] and s.feed("ink>\nab") == [Reasoning("ab")]
+    assert s.feed("c \n</th") == [Reasoning("c")]  # the space may end the reasoning
+    assert s.feed("ink>\n\n") == [] and s.feed("Hi") == ["Hi"]
+    plain = ReasoningSplitter(inside=False)
+    assert plain.feed("Hi <") == ["Hi <"]  # a plain answer streams at once
+
+
+def test_prompt_that_ends_inside_the_reasoning():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("assistant:")
+
+
+def test_calls_are_read_after_the_reasoning_only():
+    plan = plan_tools([Tool.model_validate({"type": "function", "function": {"name": "f"}})],
+                      "auto", None, None)
+    text = ('<think>maybe <tool_call>{"name": "f", "arguments": {}}</tool_call></think>\n'
+            'Calling. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    for size in (1, 2, 5, len(text)):
+        reader = ChoiceReader(plan, "auto", ReasoningSplitter(inside=False))
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        out = [d for piece in pieces[:-1] for d in reader.feed(piece)]
+        found, reason = reader.finish(pieces[-1], "stop")
+        out += found
+        assert "".join(d.text for d in out if isinstance(d, Reasoning)) == \
+            'maybe <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+        assert "".join(d for d in out if isinstance(d, str)) == "Calling. "
+        calls = [d for d in out if isinstance(d, CallDelta)]
+        assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+        assert reason == "tool_calls"
+
+
+# --- served -----------------------------------------------------------------------------------
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+# Steers the random model into a reasoning block, then an answer.
+THINKING = {"type": "regex", "value": "<think>\\nI add (two|2) and (two|2)\\.\\n</think>\\n\\n"
+            "It is (4|four)\\."}
+STEERED_CALL = {"type": "regex", "value": '<think>I should check\\.</think>\\nLet me check\\. '
+                '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "(Paris|Oslo)"'
+                '\\}\\}\\n</tool_call>'}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def served():
+    with served_engine(DEFAULT_MODEL_DIR, "tpserve/default-model", max_model_len=512,
+                       max_concurrent_requests=8, block_size=16, num_blocks=128,
+                       server=ServerConfig(reasoning_parser="think")) as (backend, base):
+        yield backend, base
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0,
+                         timeout=60, _strict_response_validation=True)
+
+
+def _check_thinking(reasoning: str | None, content: str | None) -> None:
+    assert reasoning is not None and reasoning.startswith("I add ") and reasoning.endswith(".")
+    assert content in ("It is 4.", "It is four.")
+
+
+def test_chat_returns_reasoning_apart_from_content(oai):
+    res = oai.chat.completions.create(model="m", messages=ASK, max_tokens=60, seed=1, n=2,
+                                      response_format=THINKING, logprobs=True)
+    for choice in res.choices:
+        msg = choice.message
+        _check_thinking(msg.reasoning_content, msg.content)
+        assert msg.reasoning == msg.reasoning_content  # both spellings clients read
+        assert choice.finish_reason == "stop"
+        # log-probabilities cover every generated token, the reasoning's too
+        tokens = "".join(t.token for t in choice.logprobs.content)
+        assert tokens.startswith("<think>") and tokens.endswith(msg.content)
+
+
+def test_chat_stream_sends_reasoning_deltas_then_content(oai):
+    kw = {"model": "m", "messages": ASK, "max_tokens": 60, "seed": 1,
+          "response_format": THINKING, "stream_options": {"include_usage": True}}
+    whole = oai.chat.completions.create(**kw).choices[0].message
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    kinds = ["r" if d.reasoning_content else "c" for d in deltas
+             if d.reasoning_content or d.content]
+    assert kinds == sorted(kinds, reverse=True) and "r" in kinds and "c" in kinds
+    assert all(d.reasoning == d.reasoning_content for d in deltas)
+    assert "".join(d.reasoning_content or "" for d in deltas) == whole.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage is not None
+
+
+def test_answer_without_reasoning_is_content_and_stop_strings_still_cut(oai):
+    plain = {"type": "regex", "value": "It is (4|four)\\. Done\\."}
+    res = oai.chat.completions.create(model="m", messages=ASK, max_tokens=30, seed=2,
+                                      response_format=plain, stop=[" Done"])
+    msg = res.choices[0].message
+    assert msg.content in ("It is 4.", "It is four.") and msg.reasoning_content is None
+    res = oai.chat.completions.create(model="m", messages=ASK, max_tokens=60, seed=2,
+                                      response_format=THINKING, stop=["\n</think>"])
+    msg = res.choices[0].message  # the stop string cut the answer inside the reasoning
+    assert msg.reasoning_content.startswith("I add ") and msg.content is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_after_reasoning(oai, stream):
+    kw = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 80, "seed": 3,
+          "response_format": STEERED_CALL}
+    if stream:
+        with oai.chat.completions.stream(**kw) as s:
+            for _ in s:
+                pass
+            choice = s.get_final_completion().choices[0]
+    else:
+        choice = oai.chat.completions.create(**kw).choices[0]
+    assert choice.message.content == "Let me check. " and choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "I should check."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_template_that_opens_the_reasoning(served, oai, monkeypatch):
+    """A prompt ending with `<think>` (DeepSeek-R1's and Qwen3-Thinking's templates): the
+    answer starts inside the reasoning and only `</think>` comes."""
+    backend, _ = served
+    render = backend.apply_chat_template
+    monkeypatch.setattr(backend, "apply_chat_template",
+                        lambda *a, **kw: render(*a, **kw) + "<think>\n")
+    inside = {"type": "regex", "value": "I add (two|2) and (two|2)\\.\\n</think>\\n\\n"
+              "It is (4|four)\\."}
+    msg = oai.chat.completions.create(model="m", messages=ASK, max_tokens=60, seed=4,
+                                      response_format=inside).choices[0].message
+    _check_thinking(msg.reasoning_content, msg.content)
+    # A JSON-constrained answer has no room for reasoning: it is content.
+    msg = oai.chat.completions.create(model="m", messages=ASK, max_tokens=60, seed=4,
+                                      response_format={"type": "json_object"}
+                                      ).choices[0].message
+    assert msg.reasoning_content is None and msg.content.lstrip().startswith("{")
+
+
+def test_completions_and_tgi_routes_keep_the_raw_text(served):
+    _, url = served
+    params = {"grammar": THINKING, "max_new_tokens": 60, "seed": 5, "do_sample": True}
+    text = httpx.post(url + "/generate", json={"inputs": "2 + 2?", "parameters": params},
+                      timeout=60).json()["generated_text"]
+    assert text.startswith("<think>\nI add ") and "</think>" in text
+
+
+def test_responses_api_returns_a_reasoning_item(oai):
+    kw = {"model": "m", "input": "What is 2 + 2?", "max_output_tokens": 60,
+          "text": {"format": {"type": "text"}}}
+    # The steering grammar goes through chat's response_format, which /v1/responses takes
+    # from text.format; a regex is a tpserve extension there, so it is sent as chat does.
+    r = oai.responses.create(**kw, extra_body={"seed": 1}) if False else None
+    del r
+    kw.pop("text")
+    r = oai.responses.create(**kw, temperature=0)
+    assert [i.type for i in r.output][-1] == "message"
