@@ -7,6 +7,7 @@ tests/test_tool_calls.py steers its calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from engine_utils import served_engine
 
 from tpserve.config import ServerConfig
+from tpserve.engine.request import GuidedSpec
 from tpserve.server.choice_reader import ChoiceReader
 from tpserve.server.reasoning import (
     Reasoning,
@@ -151,11 +153,12 @@ def test_chat_stream_sends_reasoning_deltas_then_content(oai):
     whole = oai.chat.completions.create(**kw).choices[0].message
     chunks = list(oai.chat.completions.create(stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    kinds = ["r" if d.reasoning_content else "c" for d in deltas
-             if d.reasoning_content or d.content]
+    # Reasoning pieces carry both spellings; content pieces are as without the parser.
+    thoughts = [getattr(d, "reasoning_content", None) for d in deltas]
+    assert thoughts == [getattr(d, "reasoning", None) for d in deltas]
+    kinds = ["r" if t else "c" for t, d in zip(thoughts, deltas, strict=True) if t or d.content]
     assert kinds == sorted(kinds, reverse=True) and "r" in kinds and "c" in kinds
-    assert all(d.reasoning == d.reasoning_content for d in deltas)
-    assert "".join(d.reasoning_content or "" for d in deltas) == whole.reasoning_content
+    assert "".join(t or "" for t in thoughts) == whole.reasoning_content
     assert "".join(d.content or "" for d in deltas) == whole.content
     assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage is not None
 
@@ -217,13 +220,65 @@ def test_completions_and_tgi_routes_keep_the_raw_text(served):
     assert text.startswith("<think>\nI add ") and "</think>" in text
 
 
-def test_responses_api_returns_a_reasoning_item(oai):
-    kw = {"model": "m", "input": "What is 2 + 2?", "max_output_tokens": 60,
-          "text": {"format": {"type": "text"}}}
-    # The steering grammar goes through chat's response_format, which /v1/responses takes
-    # from text.format; a regex is a tpserve extension there, so it is sent as chat does.
-    r = oai.responses.create(**kw, extra_body={"seed": 1}) if False else None
-    del r
-    kw.pop("text")
-    r = oai.responses.create(**kw, temperature=0)
-    assert [i.type for i in r.output][-1] == "message"
+@pytest.fixture
+def steered(served, monkeypatch):
+    """The Responses API takes no regex format: its requests are steered into THINKING here,
+    as a regex response_format steers chat's."""
+    backend, _ = served
+    generate = backend.generate
+
+    def steer(prompt, params, **kw):
+        regex = GuidedSpec("regex", THINKING["value"], "response_format")
+        return generate(prompt, dataclasses.replace(params, guided=regex), **kw)
+
+    monkeypatch.setattr(backend, "generate", steer)
+
+
+RESPONSE = {"model": "m", "input": "What is 2 + 2?", "max_output_tokens": 60,
+            "extra_body": {"seed": 6}}
+
+
+def test_responses_api_returns_a_reasoning_item(oai, steered):
+    r = oai.responses.create(**RESPONSE, include=["message.output_text.logprobs"])
+    assert r.status == "completed" and [i.type for i in r.output] == ["reasoning", "message"]
+    thought, message = r.output
+    assert thought.id.startswith("rs_") and thought.summary == [] and len(thought.content) == 1
+    assert thought.content[0].type == "reasoning_text"
+    _check_thinking(thought.content[0].text, r.output_text)
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    # The answer's log-probabilities are its own tokens' (the closing tag's may lead them).
+    assert "".join(lp.token for lp in message.content[0].logprobs).endswith(r.output_text)
+    # The output goes back as the next turn's input, reasoning item included.
+    history = [{"role": "user", "content": "What is 2 + 2?"},
+               *[item.model_dump(exclude_none=True) for item in r.output],
+               {"role": "user", "content": "And 3 + 3?"}]
+    again = oai.responses.create(model="m", input=history, max_output_tokens=60)
+    assert again.status == "completed"
+
+
+def test_responses_stream_events_build_the_same_answer(oai, steered):
+    whole = oai.responses.create(**RESPONSE)
+    events = list(oai.responses.create(**RESPONSE, stream=True))
+    runs = [t for i, t in enumerate(e.type for e in events)
+            if i == 0 or events[i - 1].type != t]  # each run of deltas once
+    assert runs == ["response.created", "response.in_progress",
+                    "response.output_item.added", "response.content_part.added",
+                    "response.reasoning_text.delta", "response.reasoning_text.done",
+                    "response.content_part.done", "response.output_item.done",
+                    "response.output_item.added", "response.content_part.added",
+                    "response.output_text.delta", "response.output_text.done",
+                    "response.content_part.done", "response.output_item.done",
+                    "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == whole.output[0].content[0].text
+    assert next(e for e in events if e.type == "response.reasoning_text.done").text == thought
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output_text == whole.output_text
+    assert final.usage == whole.usage
+    with oai.responses.stream(**RESPONSE) as stream:  # the client's own accumulation
+        for _ in stream:
+            pass
+        helped = stream.get_final_response()
+    assert [i.type for i in helped.output] == ["reasoning", "message"]
+    assert helped.output_text == whole.output_text

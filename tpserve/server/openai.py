@@ -515,7 +515,7 @@ class OpenAIRoutes:
         opened = await self.open_chat(req, info)
         plan, streams, k = opened.plan, opened.streams, opened.k
         want_lp = bool(req.logprobs)
-        if (plan is not None and plan.returns_calls) or opened.inside is not None:
+        if (plan is not None and plan.returns_calls) or self.reasoning_parser != "none":
             return await self._chat_read(req, request, info, opened)
 
         if req.stream:
@@ -575,7 +575,7 @@ class OpenAIRoutes:
             found, reason = outs[i].finish(final_text(events), _FINISH[events[-1].finish_reason])
             content, calls = message_of(found)
             message: dict[str, Any] = {"role": "assistant", "content": content}
-            if opened.inside is not None:
+            if self.reasoning_parser != "none":
                 reasoning = reasoning_of(found)
                 # An answer cut short inside its reasoning has no content: null, as vLLM's.
                 if reasoning is not None and not content:

@@ -130,16 +130,21 @@ class ResponsesRoutes:
         events, final = results[0], results[0][-1]
         out = OutputBuilder()
         if opened.inside is None:
-            deltas = _finish(reader, final_text(events), final)
-        else:  # token by token, as a stream reads it, to count the reasoning's tokens
-            deltas = [d for e in events[:-1] if not e.token.special
-                      for d in reader.feed(e.token.text)]
-            streamed = "".join(e.token.text for e in events[:-1] if not e.token.special)
-            deltas += _finish(reader, last_piece(final, streamed), final)
-        out.feed(deltas, self._logprobs(events, k) if k is not None else None)
+            out.feed(_finish(reader, final_text(events), final),
+                     self._logprobs(events, k) if k is not None else None)
+        else:  # token by token, as a stream reads it: the reasoning's tokens are counted,
+            # and their log-probabilities kept apart from the answer's
+            streamed = ""
+            for e in events[:-1]:
+                if not e.token.special:
+                    streamed += e.token.text
+                    lp = self._logprobs([e], k) if k is not None else None
+                    out.feed(reader.feed(e.token.text), lp)
+            out.feed(_finish(reader, last_piece(final, streamed), final),
+                     self._logprobs([final], k) if k is not None else None)
         out.finish(_status(final))
         return AnswerResponse(envelope.body(_status(final), out.output(), final,
-                                            reader.reasoning_tokens))
+                                            reasoning_tokens=reader.reasoning_tokens))
 
     def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: ChoiceReader,
                 k: int | None) -> EventStreamResponse:
@@ -162,7 +167,8 @@ class ResponsesRoutes:
                         made = out.feed(deltas, lp) + out.finish(_status(event))
                         status = _status(event)
                         made.append({"type": f"response.{status}", "response": envelope.body(
-                            status, out.output(), event, reader.reasoning_tokens)})
+                            status, out.output(), event,
+                            reasoning_tokens=reader.reasoning_tokens)})
                     elif not event.token.special and (event.token.text or lp):
                         streamed += event.token.text
                         made = out.feed(reader.feed(event.token.text), lp)
