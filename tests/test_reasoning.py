@@ -101,6 +101,20 @@ def test_calls_are_read_after_the_reasoning_only():
         assert reason == "tool_calls"
 
 
+def test_flag_reaches_the_server_config():
+    from tpserve.cli import apply_preset, build_parser, server_config
+    from tpserve.server.reasoning import PARSERS
+
+    def config(*argv: str) -> ServerConfig:
+        return server_config(apply_preset(build_parser(), ["launch", *argv]))
+
+    assert config().reasoning_parser == "none" == ServerConfig().reasoning_parser
+    assert config("--reasoning-parser", "think").reasoning_parser == "think"
+    launch = build_parser()._subparsers._group_actions[0].choices["launch"]  # noqa: SLF001
+    (flag,) = [a for a in launch._actions if "--reasoning-parser" in a.option_strings]  # noqa: SLF001
+    assert tuple(flag.choices) == PARSERS  # the flag offers what the module reads
+
+
 # --- served -----------------------------------------------------------------------------------
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 # Steers the random model into a reasoning block, then an answer.
