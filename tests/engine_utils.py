@@ -63,6 +63,18 @@ def served_engine(path: Path, model_id: str, *, max_model_len: int,
         backend.stop()
 
 
+
+def chat_choice(client, stream: bool, **kw: object):
+    """The first choice of a chat completion through the `openai` client: whole, or
+    streamed and put together by the client's own stream helper."""
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as s:
+        for _ in s:
+            pass
+        return s.get_final_completion().choices[0]
+
+
 def cuda_engine(path: Path, overlap: bool, **scheduler) -> Engine:
     """A tiny model's in-process engine on CUDA with the Triton kernels (captured graphs)."""
     from tpserve.executor.inprocess import InProcessExecutor

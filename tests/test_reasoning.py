@@ -12,7 +12,7 @@ import json
 
 import httpx
 import pytest
-from engine_utils import served_engine
+from engine_utils import chat_choice, served_engine
 
 from tpserve.config import ServerConfig
 from tpserve.engine.request import GuidedSpec
@@ -191,15 +191,8 @@ def test_answer_without_reasoning_is_content_and_stop_strings_still_cut(oai):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_call_after_reasoning(oai, stream):
-    kw = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 80, "seed": 3,
-          "response_format": STEERED_CALL}
-    if stream:
-        with oai.chat.completions.stream(**kw) as s:
-            for _ in s:
-                pass
-            choice = s.get_final_completion().choices[0]
-    else:
-        choice = oai.chat.completions.create(**kw).choices[0]
+    choice = chat_choice(oai, stream, model="m", messages=ASK, tools=[WEATHER], max_tokens=80,
+                         seed=3, response_format=STEERED_CALL)
     assert choice.message.content == "Let me check. " and choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content == "I should check."
     (call,) = choice.message.tool_calls

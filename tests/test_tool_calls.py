@@ -13,7 +13,7 @@ import json
 
 import httpx
 import pytest
-from engine_utils import served_engine
+from engine_utils import chat_choice, served_engine
 
 from tpserve.weights import DEFAULT_MODEL_DIR
 
@@ -123,15 +123,8 @@ def test_text_generation_client_reads_calls_streamed_and_not(url):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_reads_a_call_out_of_the_text_and_keeps_the_rest_as_content(oai, stream):
-    kw = {"model": "m", "messages": ASK, "tools": TOOLS, "max_tokens": 80, "seed": 4,
-          "response_format": STEERED}
-    if stream:
-        with oai.chat.completions.stream(**kw) as s:
-            for _ in s:
-                pass
-            choice = s.get_final_completion().choices[0]
-    else:
-        choice = oai.chat.completions.create(**kw).choices[0]
+    choice = chat_choice(oai, stream, model="m", messages=ASK, tools=TOOLS, max_tokens=80,
+                         seed=4, response_format=STEERED)
     assert choice.message.content == "Let me check. " and choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls, names=("get_weather",))
 
