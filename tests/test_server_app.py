@@ -326,7 +326,7 @@ def test_info(http):
     assert info["model_id"] == "fake/echo"
     assert info["tp_size"] == 2 and info["attention_backend"] == "torch"
     assert (info["max_input_tokens"], info["max_total_tokens"]) == (64, 128)
-    assert info["max_stop_sequences"] == 3 and info["max_best_of"] == 1
+    assert info["max_stop_sequences"] == 3 and info["max_best_of"] == 2  # --max-best-of
     for key in (
         "model_dtype",
         "model_device_type",

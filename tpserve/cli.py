@@ -107,6 +107,10 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="longest prompt accepted (default: max-total-tokens - 1)")
     p.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="requests in flight before answering 429")
+    p.add_argument("--max-best-of", type=int, default=2,
+                   help="most candidates of one /generate request (TGI's `best_of`: the "
+                   "likeliest per token is answered, the others listed in its details); 1 "
+                   "refuses best_of > 1")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="tokens per step (long prompts are prefilled in chunks of this)")
@@ -459,6 +463,9 @@ def server_config(args: argparse.Namespace):
                          f"{args.max_rebuilds} and {args.rebuild_backoff})")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both or neither")
+    if args.max_best_of < 1:
+        raise ValueError(f"--max-best-of must be >= 1 (got {args.max_best_of}); 1 turns "
+                         "best_of off")
     preflight.check_tls_files(args.ssl_certfile, args.ssl_keyfile)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -473,7 +480,8 @@ def server_config(args: argparse.Namespace):
                         request_timeout_s=args.request_timeout,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser,
+                        max_best_of=args.max_best_of)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

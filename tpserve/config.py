@@ -111,6 +111,9 @@ class ServerConfig:
     # How chat and Responses answers are split into reasoning and content: none (not split)
     # or think (<think>...</think>; tpserve/server/reasoning.py).
     reasoning_parser: str = "none"
+    # TGI's `best_of`: most candidates generated for one /generate answer (1: refused).
+    # Validation of the HTTP front end, as in TGI's router, so it lives here, not in the engine.
+    max_best_of: int = 2
 
     @property
     def body_budget_bytes(self) -> int:

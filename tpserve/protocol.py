@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import SamplingParams
@@ -43,10 +50,9 @@ class GenerateParameters(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False)
 
-    best_of: Annotated[
-        Annotated[Int, Field(ge=1)] | None,
-        unsupported("`best_of` > 1 (tpserve generates exactly one sequence per request)", 1),
-    ] = None
+    # Candidates generated for the one answer (the likeliest per token wins): a
+    # --max-best-of limit on the server, `_best_of_rules` below.
+    best_of: Annotated[Int, Field(ge=1)] | None = None
     decoder_input_details: bool = False
     details: bool = False
     do_sample: bool = False
@@ -74,6 +80,22 @@ class GenerateParameters(BaseModel):
         knobs = (self.top_k, self.top_p, self.typical_p)
         return (self.do_sample or self.temperature not in (None, 1.0)
                 or any(k is not None for k in knobs))
+
+    @model_validator(mode="after")
+    def _best_of_rules(self) -> GenerateParameters:
+        # TGI's rules (router/src/validation.rs): unsampled candidates would all be the same
+        # sequence, and so would candidates sharing one seed. Its sampling test is wider than
+        # `sampling` above: any knob given counts, temperature 1.0 included.
+        if (self.best_of or 1) <= 1:
+            return self
+        knobs = (self.temperature, self.top_k, self.top_p, self.typical_p)
+        if not self.do_sample and all(k is None for k in knobs):
+            raise ValueError("`best_of` > 1 needs sampling: set `do_sample` to true (or one "
+                             "of `temperature`, `top_k`, `top_p`, `typical_p`)")
+        if self.seed is not None:
+            raise ValueError("`seed` must not be set when `best_of` > 1: each candidate gets "
+                             "a seed of its own, reported in its details")
+        return self
 
 
 class GenerateRequest(BaseModel):
@@ -114,8 +136,20 @@ def check_limits(params: GenerateParameters, info: ModelInfo) -> None:
         )
 
 
+def check_best_of(params: GenerateParameters, max_best_of: int) -> int:
+    """The request's number of candidates, at most the server's --max-best-of."""
+    n = params.best_of or 1
+    if n > max_best_of:
+        raise ValidationError(f"`best_of` must be <= {max_best_of} (got {n}): the most "
+                              "candidates this server generates per request (--max-best-of)")
+    return n
+
+
 def check_streamable(params: GenerateParameters) -> None:
-    """Extra rule for the streaming routes (TGI has the same restriction)."""
+    """Extra rules for the streaming routes (TGI has the same restrictions)."""
+    if (params.best_of or 1) > 1:
+        # A stream shows one sequence as it is made; the best is known only at the end.
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
     if params.decoder_input_details:
         raise ValidationError(
             "`decoder_input_details` == true is not supported when streaming tokens"
@@ -210,8 +244,22 @@ class InputToken(_WireModel):
     logprob: float | None = None
 
 
-class Details(_OmitEmpty):
+class BestOfSequence(_OmitEmpty):
+    """A `best_of` candidate that lost: its text and the details of its generation."""
+
     _omit_when_empty = ("top_tokens",)
+
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[InputToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = None
+
+
+class Details(_OmitEmpty):
+    _omit_when_empty = ("top_tokens", "best_of_sequences")
 
     finish_reason: FinishReason
     generated_tokens: int
@@ -219,6 +267,8 @@ class Details(_OmitEmpty):
     prefill: list[InputToken] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] | None = None
+    # The other candidates of a `best_of` > 1 request, in the order they were started.
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class Response(_OmitEmpty):

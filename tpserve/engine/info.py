@@ -20,7 +20,6 @@ class ModelInfo:
     max_total_tokens: int
     max_concurrent_requests: int
     max_stop_sequences: int = 8
-    max_best_of: int = 1
     max_top_n_tokens: int = 5
     max_batch_total_tokens: int | None = None
     attention_backend: str = "torch"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,7 +14,9 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, TokenInfo
 from tpserve.errors import NotReadyError
 from tpserve.server.backend import EngineBackend, not_ready_message
+from tpserve.server.best_of import best_index, candidate_jobs
 from tpserve.server.errors import error_body, install_error_handlers
+from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
 from tpserve.server.responses import responses_router
@@ -28,7 +30,7 @@ from tpserve.server.security import (
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
-    collect_or_abort,
+    collect_all_or_abort,
     final_text,
     sse,
 )
@@ -44,7 +46,7 @@ def token_body(info: TokenInfo) -> dict:
     return {"id": info.id, "text": info.text, "logprob": info.logprob, "special": info.special}
 
 
-def info_body(info: ModelInfo) -> dict:
+def info_body(info: ModelInfo, max_best_of: int) -> dict:
     body = {
         "model_id": info.model_id,
         "model_sha": None,
@@ -54,7 +56,7 @@ def info_body(info: ModelInfo) -> dict:
         "model_pipeline_tag": ("text2text-generation" if info.encoder_decoder
                                else "text-generation"),
         "max_concurrent_requests": info.max_concurrent_requests,
-        "max_best_of": info.max_best_of,
+        "max_best_of": max_best_of,  # the HTTP front end's --max-best-of
         "max_stop_sequences": info.max_stop_sequences,
         "max_input_tokens": info.max_input_tokens,
         "max_total_tokens": info.max_total_tokens,
@@ -73,41 +75,55 @@ def info_body(info: ModelInfo) -> dict:
 class TGIRoutes:
     """Handlers for TGI's routes; one instance per app."""
 
-    def __init__(self, backend: EngineBackend, metrics: Metrics) -> None:
+    def __init__(self, backend: EngineBackend, metrics: Metrics, max_best_of: int) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.max_best_of = max_best_of
 
-    async def start(self, req: wire.GenerateRequest, stream: bool) -> TrackedStream:
+    async def start(self, req: wire.GenerateRequest, stream: bool) -> list[TrackedStream]:
+        """The request's started engine streams: one, or `best_of` candidates."""
         if not self.backend.ready():
             raise NotReadyError(not_ready_message(self.backend))
-        wire.check_limits(req.parameters, self.backend.info())
+        p = req.parameters
+        info = self.backend.info()
+        wire.check_limits(p, info)
         if stream:
-            wire.check_streamable(req.parameters)
-        return await self.metrics.open_stream(
-            self.backend,
-            req.inputs,
-            wire.to_sampling_params(req.parameters),
-            truncate=req.parameters.truncate,
-        )
+            wire.check_streamable(p)
+        n = wire.check_best_of(p, self.max_best_of)
+        params = wire.to_sampling_params(p)
+        if n == 1:  # the common case: no task per stream
+            return [await self.metrics.open_stream(self.backend, req.inputs, params,
+                                                   truncate=p.truncate)]
+        check_fanout(n, f"`best_of` = {n}", "candidates", info)
+        return await open_all(self.metrics, self.backend,
+                              candidate_jobs(req.inputs, params, n), truncate=p.truncate)
 
     async def generate(self, req: wire.GenerateRequest, request: Request) -> Response:
-        events = await collect_or_abort(request, await self.start(req, stream=False))
-        if isinstance(events, Response):
-            return events
-        return AnswerResponse(self.response(req, events))
+        answer = await self._answer(req, request)
+        return answer if isinstance(answer, Response) else AnswerResponse(answer)
 
     async def generate_stream(self, req: wire.GenerateRequest) -> EventStreamResponse:
-        tracked = await self.start(req, stream=True)
+        [tracked] = await self.start(req, stream=True)
         return EventStreamResponse(self._events(req, tracked), on_close=tracked.aclose)
 
     async def compat(self, req: wire.GenerateRequest, request: Request) -> Response:
         if req.stream:
             return await self.generate_stream(req)
-        events = await collect_or_abort(request, await self.start(req, stream=False))
-        if isinstance(events, Response):
-            return events
+        answer = await self._answer(req, request)
         # TGI's compat route answers a list, which text_generation.Client expects.
-        return AnswerResponse([self.response(req, events)])
+        return answer if isinstance(answer, Response) else AnswerResponse([answer])
+
+    async def _answer(self, req: wire.GenerateRequest, request: Request) -> dict | Response:
+        """The whole answer's body, or a 499 response if the client left first (every
+        candidate is aborted then)."""
+        candidates = await collect_all_or_abort(request, await self.start(req, stream=False))
+        if isinstance(candidates, Response):
+            return candidates
+        if len(candidates) == 1:
+            return self.response(req, candidates[0])
+        best = best_index(candidates)
+        others = [c for i, c in enumerate(candidates) if i != best]
+        return self.response(req, candidates[best], others)
 
     async def _events(
         self, req: wire.GenerateRequest, tracked: TrackedStream
@@ -119,18 +135,33 @@ class TGIRoutes:
             yield sse(wire.ErrorResponse(**error_body(exc)).model_dump_json())
 
     @staticmethod
-    def response(req: wire.GenerateRequest, events: list[GenerationEvent]) -> dict:
+    def response(req: wire.GenerateRequest, events: list[GenerationEvent],
+                 others: Sequence[list[GenerationEvent]] = ()) -> dict:
         """The body of a /generate answer for AnswerResponse: wire.Response's JSON form,
         built as plain data and TokenInfo dataclasses (pydantic models cost four times as
         much with one Token per generated token, and every request of a burst finishes at
-        about the same time; tests hold the encoded body to the wire model's shape)."""
+        about the same time; tests hold the encoded body to the wire model's shape).
+        `others`: the `best_of` candidates not answered, listed in the details."""
+        text = TGIRoutes._text(req, events)
+        if not req.parameters.details:
+            return {"generated_text": text}
+        details = TGIRoutes._details(req, events)
+        if others:
+            details["best_of_sequences"] = [
+                {"generated_text": TGIRoutes._text(req, c), **TGIRoutes._details(req, c)}
+                for c in others]
+        return {"generated_text": text, "details": details}
+
+    @staticmethod
+    def _text(req: wire.GenerateRequest, events: list[GenerationEvent]) -> str:
+        text = final_text(events)
+        return req.inputs + text if req.parameters.return_full_text else text
+
+    @staticmethod
+    def _details(req: wire.GenerateRequest, events: list[GenerationEvent]) -> dict:
+        """One sequence's details (wire.Details' fields but best_of_sequences)."""
         p = req.parameters
         final = events[-1]
-        text = final_text(events)
-        if p.return_full_text:
-            text = req.inputs + text
-        if not p.details:
-            return {"generated_text": text}
         details = {
             "finish_reason": final.finish_reason,
             "generated_tokens": final.generated_tokens,
@@ -144,7 +175,7 @@ class TGIRoutes:
         }
         if p.top_n_tokens:
             details["top_tokens"] = [e.top_tokens or [] for e in events]
-        return {"generated_text": text, "details": details}
+        return details
 
     @staticmethod
     def stream_event(req: wire.GenerateRequest, event: GenerationEvent) -> wire.StreamResponse:
@@ -167,7 +198,7 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     """The ASGI app serving TGI's and OpenAI's HTTP APIs over `backend`."""
     config = config or ServerConfig()
     metrics = Metrics(request_timeout_s=config.request_timeout_s)
-    tgi = TGIRoutes(backend, metrics)
+    tgi = TGIRoutes(backend, metrics, config.max_best_of)
     app = FastAPI(title="tpserve", summary="TGI- and OpenAI-compatible text generation")
     app.state.backend = backend
     app.state.metrics = metrics
@@ -211,7 +242,7 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
 
     @app.get("/info")
     async def info() -> dict:
-        body = info_body(backend.info())
+        body = info_body(backend.info(), config.max_best_of)
         replicas = getattr(backend, "replicas", None)
         if replicas is not None:  # several replicas behind this address (tpserve/serve/)
             body["replicas"] = replicas()

@@ -48,6 +48,7 @@ from tpserve.fields import (
 from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.choice_reader import ChoiceReader, reasoning_of
 from tpserve.server.errors import error_body
+from tpserve.server.fanout import check_fanout, open_all, seeded
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
 from tpserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -255,12 +256,8 @@ def _check_top(what: str, k: int | None, info: ModelInfo) -> int:
 
 
 def _check_choices(req: _Sampling, prompts: int, info: ModelInfo) -> None:
-    total = prompts * req.choices()
-    if total > info.max_concurrent_requests:
-        raise ValidationError(
-            f"{prompts} prompt(s) x `n` = {req.choices()} asks for {total} choices, more than "
-            f"this server runs at once ({info.max_concurrent_requests}, "
-            "--max-concurrent-requests): send fewer per request")
+    check_fanout(prompts * req.choices(), f"{prompts} prompt(s) x `n` = {req.choices()}",
+                 "choices", info)
 
 
 def _check_token_prompts(prompts: Sequence[str | list[int]], info: ModelInfo) -> None:
@@ -281,13 +278,6 @@ def _in_openai_terms(exc: BaseException, prompt: str, max_tokens: str) -> BaseEx
     new = (msg.replace(" or set `truncate`", "").replace("`inputs`", f"`{prompt}`")
            .replace("`max_new_tokens`", f"`{max_tokens}`"))
     return exc if new == msg else ValidationError(new)
-
-
-def _seeded(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of a seeded request: its own seed, so the choices differ and each repeats."""
-    if params.seed is None or i == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % (U64_MAX + 1))
 
 
 def _data(payload: dict | str) -> str:
@@ -359,29 +349,17 @@ class OpenAIRoutes:
     async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                         n: int, terms: tuple[str, str],
                         add_special_tokens: bool = True) -> list[TrackedStream]:
-        """n engine requests per prompt, started side by side (so they share prefill
-        steps); if one is refused, the others are closed and its error is raised, in the
+        """n engine requests per prompt, started side by side; a refusal is raised in the
         request's `terms` (its prompt and max-tokens field names)."""
-        jobs = [(p, _seeded(params, i)) for p in prompts for i in range(n)]
-        tasks = [asyncio.ensure_future(self.metrics.open_stream(
-            self.backend, p, sp, add_special_tokens=add_special_tokens)) for p, sp in jobs]
+        jobs = [(p, seeded(params, i)) for p in prompts for i in range(n)]
         try:
-            await asyncio.wait(tasks)
-        except BaseException:  # cancelled (the client left) while they were starting
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for task in tasks:
-                if not task.cancelled() and task.exception() is None:
-                    await task.result().aclose()
-            raise
-        failed = [t.exception() for t in tasks if t.exception() is not None]
-        opened = [t.result() for t in tasks if t.exception() is None]
-        if failed:
-            for tracked in opened:
-                await tracked.aclose()
-            raise _in_openai_terms(failed[0], *terms)
-        return opened
+            return await open_all(self.metrics, self.backend, jobs,
+                                  add_special_tokens=add_special_tokens)
+        except Exception as exc:
+            renamed = _in_openai_terms(exc, *terms)
+            if renamed is exc:
+                raise
+            raise renamed from None
 
     def token_text(self, tok: TokenInfo) -> str:
         """A generated token's own text, for log-probabilities: decoded from its id as the

@@ -112,27 +112,19 @@ class EventStreamResponse(StreamingResponse):
                 await self._on_close()
 
 
-async def collect_or_abort(
-    request: Request, tracked: TrackedStream
-) -> list[GenerationEvent] | Response:
-    """The whole generation's events, or a 499 response (request aborted) if the client
-    leaves first."""
-    got = await collect_all_or_abort(request, [tracked])
-    return got if isinstance(got, Response) else got[0]
-
-
 async def collect_all_or_abort(
     request: Request, streams: Sequence[TrackedStream]
 ) -> list[list[GenerationEvent]] | Response:
-    """Every stream's events, collected side by side (the choices of one OpenAI request),
-    or a 499 response if the client leaves first. A failing stream fails the request and
-    aborts the others; every stream is closed on the way out."""
+    """Every stream's events, collected side by side (the choices of one OpenAI request, the
+    `best_of` candidates of a TGI one), or a 499 response if the client leaves first. A
+    failing stream fails the request and aborts the others; every stream is closed on the
+    way out."""
 
     async def collect(tracked: TrackedStream) -> list[GenerationEvent]:
         return await tracked.collect()
 
     async def collect_all() -> list[list[GenerationEvent]]:
-        if len(streams) == 1:  # the TGI routes' case: no task per stream, as before
+        if len(streams) == 1:  # the common case: no task per stream
             return [await collect(streams[0])]
         tasks = [asyncio.ensure_future(collect(t)) for t in streams]
         try:
