@@ -210,6 +210,8 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
     cfg = server_config(_server_args("--max-body-bytes", "1000",
                                      "--max-body-bytes-in-flight", "1500"))
     assert cfg.body_budget_bytes == 1500
+    assert cfg.max_best_of == 2  # TGI's --max-best-of default
+    assert server_config(_server_args("--max-best-of", "4")).max_best_of == 4
     assert "without an API key" not in caplog.text
 
 
@@ -233,6 +235,7 @@ def test_open_address_without_key_warns(monkeypatch, caplog):
     (["--max-rebuilds", "-1"], "--max-rebuilds"),
     (["--rebuild-backoff", "-0.5"], "--rebuild-backoff"),
     (["--collective-timeout", "0"], "--collective-timeout"),
+    (["--max-best-of", "0"], "--max-best-of"),
 ])
 def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     from tpserve.cli import server_config

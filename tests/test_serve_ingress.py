@@ -48,6 +48,10 @@ REQUESTS = [
     ("/generate", {"inputs": "a b c", "parameters": {"max_new_tokens": 5, "details": True}}),
     ("/generate", {"inputs": "x y </s>", "parameters": {"max_new_tokens": 9}}),
     ("/", {"inputs": "a b", "parameters": {"max_new_tokens": 3}}),
+    ("/generate", {"inputs": "a b c", "parameters": {"max_new_tokens": 3, "best_of": 2,
+                                                     "do_sample": True, "details": True}}),
+    ("/", {"inputs": "a b", "parameters": {"max_new_tokens": 3, "best_of": 2,
+                                           "temperature": 0.7}}),
     ("/generate_stream", {"inputs": "a b c", "parameters": {"max_new_tokens": 4,
                                                             "details": True}}),
     ("/v1/completions", {"model": "m", "prompt": "p q r", "max_tokens": 4}),
@@ -70,9 +74,9 @@ def comparable(r: httpx.Response):
                 and d[5:].strip() != "[DONE]"]
     else:
         body = r.json()
-    # OpenAI ids and timestamps differ per request.
+    # OpenAI ids and timestamps differ per request, and so do best_of's drawn seeds.
     drop = {"id", "created", "system_fingerprint", "created_at", "completed_at", "item_id",
-            "call_id"}
+            "call_id", "seed"}
     strip = lambda x: ({k: strip(v) for k, v in x.items() if k not in drop}  # noqa: E731
                        if isinstance(x, dict) else [strip(v) for v in x]
                        if isinstance(x, list) else x)
@@ -85,6 +89,19 @@ def test_every_route_answers_as_the_direct_server(urls, route, body):
     a = httpx.post(ingress + route, json=body, timeout=10)
     b = httpx.post(direct + route, json=body, timeout=10)
     assert comparable(a) == comparable(b)
+
+
+def test_best_of_candidates_are_replica_requests_of_their_own(urls):
+    ingress, _, _, handle = urls
+    opened = len(handle.streams)
+    r = httpx.post(ingress + "/generate", timeout=10, json={"inputs": "a b", "parameters": {
+        "best_of": 2, "do_sample": True, "max_new_tokens": 2, "details": True}})
+    assert r.status_code == 200
+    details = r.json()["details"]
+    [other] = details["best_of_sequences"]
+    assert other["seed"] != details["seed"]  # each candidate sampled with its own seed
+    assert len(handle.streams) - opened == 2
+    assert httpx.get(ingress + "/info").json()["max_best_of"] == 2
 
 
 def test_requests_spread_over_replicas_and_info_lists_them(urls):
