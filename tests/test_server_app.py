@@ -126,6 +126,15 @@ def test_truncate_top_n_tokens_and_prefill(http, backend):
     assert [len(alts) for alts in details["top_tokens"]] == [2, 2]
 
 
+def test_decoder_input_details_alone_answers_the_details(http):
+    """TGI returns `details` (the prefill lives there) when only decoder_input_details is
+    set; the prefill was asked for and silently dropped."""
+    r = gen(http, inputs="drop keep", parameters={"decoder_input_details": True,
+                                                   "max_new_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [t["text"] for t in r.json()["details"]["prefill"]] == ["drop", "keep"]
+
+
 # --- /generate_stream and / ------------------------------------------------------------
 
 

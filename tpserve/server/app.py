@@ -143,7 +143,8 @@ class TGIRoutes:
         about the same time; tests hold the encoded body to the wire model's shape).
         `others`: the `best_of` candidates not answered, listed in the details."""
         text = TGIRoutes._text(req, events)
-        if not req.parameters.details:
+        # As TGI: decoder_input_details alone asks for the details too (it lives in them).
+        if not (req.parameters.details or req.parameters.decoder_input_details):
             return {"generated_text": text}
         details = TGIRoutes._details(req, events)
         if others:
