@@ -111,6 +111,13 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="most candidates of one /generate request (TGI's `best_of`: the "
                    "likeliest per token is answered, the others listed in its details); 1 "
                    "refuses best_of > 1")
+    p.add_argument("--responses-store-size", type=int, default=1000,
+                   help="most Responses API responses kept in this process's memory for "
+                   "previous_response_id and GET /v1/responses/{id} (least recently used "
+                   "dropped; lost on restart); 0 turns the store off")
+    p.add_argument("--responses-store-mb", type=int, default=256,
+                   help="most MiB the stored responses may hold (an estimate: their JSON "
+                   "size); least recently used dropped past it")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="tokens per step (long prompts are prefilled in chunks of this)")
@@ -466,6 +473,9 @@ def server_config(args: argparse.Namespace):
     if args.max_best_of < 1:
         raise ValueError(f"--max-best-of must be >= 1 (got {args.max_best_of}); 1 turns "
                          "best_of off")
+    if args.responses_store_size < 0 or args.responses_store_mb < 1:
+        raise ValueError("--responses-store-size must be >= 0 (0 turns the store off) and "
+                         "--responses-store-mb >= 1")
     preflight.check_tls_files(args.ssl_certfile, args.ssl_keyfile)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -481,7 +491,9 @@ def server_config(args: argparse.Namespace):
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        max_best_of=args.max_best_of)
+                        max_best_of=args.max_best_of,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_mb=args.responses_store_mb)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

@@ -114,6 +114,11 @@ class ServerConfig:
     # TGI's `best_of`: most candidates generated for one /generate answer (1: refused).
     # Validation of the HTTP front end, as in TGI's router, so it lives here, not in the engine.
     max_best_of: int = 2
+    # The Responses API's store (server/responses_store.py), in this process's memory: most
+    # responses kept for previous_response_id and GET /v1/responses/{id} (0: off), and the
+    # most MiB they may hold; past either, the least recently used go.
+    responses_store_size: int = 1000
+    responses_store_mb: int = 256
 
     @property
     def body_budget_bytes(self) -> int:

@@ -63,6 +63,14 @@ class UnauthorizedError(TPServeError):
     status_code = 401
 
 
+class NotFoundError(TPServeError):
+    """A stored object (a Responses API response) that does not exist, or no longer (HTTP
+    404)."""
+
+    error_type = "not_found"
+    status_code = 404
+
+
 class ShardingError(ValueError):
     """A checkpoint tensor cannot be split across the requested tensor-parallel size."""
 

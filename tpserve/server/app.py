@@ -20,6 +20,7 @@ from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
 from tpserve.server.responses import responses_router
+from tpserve.server.responses_store import ResponseStore
 from tpserve.server.security import (
     ALWAYS_PUBLIC,
     APIKeyMiddleware,
@@ -261,7 +262,10 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
 
     app.include_router(openai_router(backend, metrics, config.tool_call_parser,
                                      config.reasoning_parser))
-    app.include_router(responses_router(backend, metrics, config.tool_call_parser,
+    # One store per app: with replicas on Ray Serve, the one ingress process holds it.
+    store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20)
+    app.state.responses_store = store
+    app.include_router(responses_router(backend, metrics, store, config.tool_call_parser,
                                         config.reasoning_parser))
     app.include_router(tokenize_router(backend))
     return app

@@ -10,7 +10,12 @@ item before the answer's), and laid out as Response output items
 Streams follow OpenAI's: `event: <type>` and `data: <event>` per event, numbered by
 `sequence_number`, from `response.created` to `response.completed` (or
 `response.incomplete` when `max_output_tokens` cut the answer), with no `[DONE]`. An error
-after the stream started is an `error` event then `response.failed`. Nothing is stored.
+after the stream started is an `error` event then `response.failed`.
+
+Finished responses (completed, or incomplete: cut by `max_output_tokens`) are kept in the
+app's ResponseStore unless `store` is false, with the input items that made them, for
+`previous_response_id` and GET / DELETE /v1/responses/{id} (and its input_items). Failed
+and aborted ones are not: there is nothing to continue.
 """
 
 from __future__ import annotations
@@ -25,15 +30,24 @@ from fastapi.responses import Response
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent
-from tpserve.errors import ValidationError
+from tpserve.errors import NotFoundError, ValidationError
 from tpserve.server.backend import EngineBackend
 from tpserve.server.choice_reader import ChoiceReader
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai import OpenAIRoutes, last_piece
 from tpserve.server.openai_logprobs import chat_logprobs
+from tpserve.server.responses_history import (
+    InputItemsQuery,
+    RetrieveQuery,
+    as_input,
+    input_items_page,
+    parse_query,
+    stored_item,
+)
 from tpserve.server.responses_output import ItemStatus, OutputBuilder, new_id
 from tpserve.server.responses_request import ResponsesRequest, in_responses_terms
+from tpserve.server.responses_store import Item, ResponseStore, StoredResponse, json_size
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
@@ -66,15 +80,15 @@ def _usage(final: GenerationEvent, reasoning_tokens: int) -> dict[str, Any]:
 class _Envelope:
     """The Response object around an answer's output: its id, and the request echoed."""
 
-    def __init__(self, req: ResponsesRequest, info: ModelInfo) -> None:
-        self.id = new_id("resp")
+    def __init__(self, req: ResponsesRequest, info: ModelInfo, stored: bool) -> None:
+        self.id = new_id("resp")  # uuid4: unguessable, as it is the key to a stored one
         self.created_at = int(time.time())
         self.echo = {
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "model": info.model_id,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "background": False,
-            "service_tier": "default", "store": False,
+            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "background": False, "service_tier": "default", "store": stored,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": req.text_format(), "verbosity": "medium"},
             "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
@@ -103,27 +117,87 @@ def _event(payload: dict) -> str:
     return f"event: {payload['type']}\n" + sse(payload, space=True)
 
 
+class _Keeper:
+    """Puts one finished response in the store, with the conversation that made it."""
+
+    def __init__(self, store: ResponseStore, earlier: StoredResponse | None,
+                 given: list[Item]) -> None:
+        self.store = store
+        self.items = (earlier.conversation if earlier else ()) + tuple(given)
+        self.nbytes = (earlier.conversation_bytes if earlier else 0) + json_size(given)
+
+    def keep(self, body: dict) -> dict:
+        # `store` was echoed true; false when this one alone is over the byte bound.
+        body["store"] = self.store.put(body, self.items, self.nbytes)
+        return body
+
+
 class ResponsesRoutes:
-    def __init__(self, chat: OpenAIRoutes) -> None:
+    def __init__(self, chat: OpenAIRoutes, store: ResponseStore) -> None:
         self.chat = chat
+        self.store = store
+
+    def _stored(self, response_id: str) -> StoredResponse:
+        entry = self.store.get(response_id)
+        if entry is None:
+            off = "" if self.store.enabled else " (the response store is off: " \
+                "--responses-store-size 0)"
+            raise NotFoundError(f"no stored response has id {response_id[:80]!r}{off}")
+        return entry
+
+    def _earlier(self, req: ResponsesRequest) -> StoredResponse | None:
+        """The stored response `previous_response_id` continues (a 422 when there is none,
+        as OpenAI answers 400)."""
+        if req.previous_response_id is None:
+            return None
+        if not self.store.enabled:
+            raise ValidationError("`previous_response_id` needs the response store, which "
+                                  "is off on this server (--responses-store-size 0): send "
+                                  "the whole conversation in `input`")
+        entry = self.store.get(req.previous_response_id)
+        if entry is None:
+            raise ValidationError(
+                f"`previous_response_id`: no stored response has id "
+                f"{req.previous_response_id[:80]!r} (never stored, deleted, dropped by the "
+                "store's bounds, or made before the server restarted): send the whole "
+                "conversation in `input`")
+        return entry
+
+    async def retrieve(self, response_id: str, request: Request) -> Response:
+        parse_query(RetrieveQuery, request.query_params)
+        return AnswerResponse(self._stored(response_id).body)
+
+    async def delete(self, response_id: str) -> dict:
+        self._stored(response_id)
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, response_id: str, request: Request) -> Response:
+        query = parse_query(InputItemsQuery, request.query_params)
+        return AnswerResponse(input_items_page(self._stored(response_id).input_items, query))
 
     def _logprobs(self, events: list[GenerationEvent], k: int) -> list[dict] | None:
         return chat_logprobs(events, k, self.chat.token_text)["content"] if events else None
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
+        earlier = self._earlier(req)
         try:
             # Earlier answers' reasoning items are taken (and left out of the prompt, as
             # thinking models' templates leave it) when this server makes them.
             reasoning = self.chat.reasoning_parser != "none"
-            opened = await self.chat.open_chat(req.to_chat(reasoning_items=reasoning), info,
-                                               ("input", "max_output_tokens"))
+            chat = req.to_chat(reasoning_items=reasoning,
+                               earlier=as_input(earlier.conversation) if earlier else ())
+            opened = await self.chat.open_chat(chat, info, ("input", "max_output_tokens"))
         except ValidationError as exc:
             raise ValidationError(in_responses_terms(str(exc))) from None
-        envelope, reader = _Envelope(req, info), self.chat.reader(opened)
+        stored = self.store.enabled and req.store is not False
+        keeper = _Keeper(self.store, earlier, [stored_item(i) for i in req.input_items()]) \
+            if stored else None
+        envelope, reader = _Envelope(req, info, stored), self.chat.reader(opened)
         k = opened.k if req.wants_logprobs() else None
         if req.stream:
-            return self._stream(opened.streams[0], envelope, reader, k)
+            return self._stream(opened.streams[0], envelope, reader, k, keeper)
         results = await collect_all_or_abort(request, opened.streams)
         if isinstance(results, Response):
             return results
@@ -143,12 +217,15 @@ class ResponsesRoutes:
             out.feed(_finish(reader, last_piece(final, streamed), final),
                      self._logprobs([final], k) if k is not None else None)
         out.finish(_status(final))
-        return AnswerResponse(envelope.body(_status(final), out.output(), final,
-                                            reasoning_tokens=reader.reasoning_tokens))
+        body = envelope.body(_status(final), out.output(), final,
+                             reasoning_tokens=reader.reasoning_tokens)
+        return AnswerResponse(keeper.keep(body) if keeper else body)
 
     def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: ChoiceReader,
-                k: int | None) -> EventStreamResponse:
-        """k: alternatives per token when log-probabilities are asked for, else None."""
+                k: int | None, keeper: _Keeper | None) -> EventStreamResponse:
+        """k: alternatives per token when log-probabilities are asked for, else None.
+        keeper: stores the response when it finishes (before its last event is sent, so
+        a client that read it can find it)."""
         seq = itertools.count()
 
         def send(payload: dict) -> str:
@@ -166,9 +243,10 @@ class ResponsesRoutes:
                         deltas = _finish(reader, last_piece(event, streamed), event)
                         made = out.feed(deltas, lp) + out.finish(_status(event))
                         status = _status(event)
-                        made.append({"type": f"response.{status}", "response": envelope.body(
-                            status, out.output(), event,
-                            reasoning_tokens=reader.reasoning_tokens)})
+                        body = envelope.body(status, out.output(), event,
+                                             reasoning_tokens=reader.reasoning_tokens)
+                        made.append({"type": f"response.{status}",
+                                     "response": keeper.keep(body) if keeper else body})
                     elif not event.token.special and (event.token.text or lp):
                         streamed += event.token.text
                         made = out.feed(reader.feed(event.token.text), lp)
@@ -187,10 +265,15 @@ class ResponsesRoutes:
         return EventStreamResponse(events(), on_close=tracked.aclose)
 
 
-def responses_router(backend: EngineBackend, metrics: Metrics, tool_call_parser: str = "auto",
-                     reasoning_parser: str = "none") -> APIRouter:
+def responses_router(backend: EngineBackend, metrics: Metrics, store: ResponseStore,
+                     tool_call_parser: str = "auto", reasoning_parser: str = "none"
+                     ) -> APIRouter:
     routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser,
-                                          reasoning_parser))
+                                          reasoning_parser), store)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/responses", routes.create, methods=["POST"])
+    router.add_api_route("/responses/{response_id}", routes.retrieve, methods=["GET"])
+    router.add_api_route("/responses/{response_id}", routes.delete, methods=["DELETE"])
+    router.add_api_route("/responses/{response_id}/input_items", routes.input_items,
+                         methods=["GET"])
     return router

@@ -38,11 +38,12 @@ Content = Text | Annotated[list[ContentPart], FailFast]
 
 class InputItem(BaseModel):
     """One item of `input`: a message (the default type), a `function_call` the model made
-    earlier, or a `function_call_output` answering it. Ids and statuses of earlier output
-    items are accepted and not needed."""
+    earlier, or a `function_call_output` answering it. Statuses of earlier output items are
+    accepted and not needed."""
 
     model_config = ConfigDict(extra="ignore")
     type: Text = "message"
+    id: Text | None = None  # kept when the response is stored (a new one when absent)
     role: Text | None = None
     content: Content | None = None
     call_id: Text | None = None

@@ -8,13 +8,15 @@ turns (server/responses_items.py), flat function tools chat's nested ones, and
 
 A field whose meaning tpserve cannot honour is refused with a 422 that names it; unknown
 fields too (the openai client sends only what it is given, so an unknown field is one a
-user asked for). Fields that change nothing about the answer (`metadata`, `user`, `store`,
-`service_tier`, ...) are accepted.
+user asked for). Fields that change nothing about the answer (`metadata`, `user`,
+`service_tier`, ...) are accepted. `store` and `previous_response_id` are served by the
+response store (server/responses_store.py), in server/responses.py.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -101,11 +103,6 @@ def _no_reasoning(v: Any) -> Any:
                      "models answer without a reasoning budget; drop `reasoning`")
 
 
-def _unstored(field: str) -> Any:
-    return unsupported(f"`{field}` (tpserve stores no responses or conversations: send the "
-                       "whole conversation in `input`)")
-
-
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
@@ -127,15 +124,18 @@ class ResponsesRequest(BaseModel):
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None  # tpserve's prefix cache needs no key
-    store: bool | None = None  # nothing is stored either way
+    # None: stored, OpenAI's default (server/responses_store.py keeps it in memory).
+    store: bool | None = None
     service_tier: Text | None = None
     max_tool_calls: Annotated[Int, Field(ge=1)] | None = None  # counts built-in tools only
     truncation: Annotated[Literal["auto", "disabled"] | None, unsupported(
         "`truncation: auto` (dropping the start of the conversation to fit the context)",
         allowed="disabled")] = None
     reasoning: Annotated[dict[str, Any] | None, AfterValidator(_no_reasoning)] = None
-    previous_response_id: Annotated[Text | None, _unstored("previous_response_id")] = None
-    conversation: Annotated[Any, _unstored("conversation")] = None
+    previous_response_id: Text | None = None  # looked up in the store (server/responses.py)
+    conversation: Annotated[Any, unsupported(
+        "`conversation` (OpenAI's Conversations API; continue a stored response with "
+        "`previous_response_id`, or send the whole conversation in `input`)")] = None
     background: Annotated[bool | None, unsupported(
         "`background` (run the request in the background and poll; stream instead)")] = None
     prompt: Annotated[Any, unsupported(
@@ -168,15 +168,24 @@ class ResponsesRequest(BaseModel):
         fmt = self.text.format if self.text is not None else None
         return fmt or {"type": "text"}
 
-    def to_chat(self, reasoning_items: bool = False) -> ChatRequest:
-        """The chat request that serves this one; ValidationError (422) for input it
-        cannot carry (images, files, built-in tools, and reasoning items unless
-        `reasoning_items`: this server makes them, and they are dropped)."""
+    def input_items(self) -> list[InputItem]:
+        """`input` as items: a string is one user message."""
+        if isinstance(self.input, str):
+            return [InputItem(role="user", content=self.input)]
+        return self.input
+
+    def to_chat(self, reasoning_items: bool = False,
+                earlier: Sequence[InputItem] = ()) -> ChatRequest:
+        """The chat request that serves this one, after the `earlier` items of a stored
+        conversation (`previous_response_id`; its instructions are not carried over, as in
+        OpenAI's API). ValidationError (422) for input it cannot carry (images, files,
+        built-in tools, and reasoning items unless `reasoning_items`: this server makes
+        them, and they are dropped)."""
         messages = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        items = ([InputItem(role="user", content=self.input)] if isinstance(self.input, str)
-                 else self.input)
-        for i, item in enumerate(items):
+        for i, item in enumerate(earlier):
+            add_item(messages, item, f"previous_response_id's input[{i}]", reasoning_items)
+        for i, item in enumerate(self.input_items()):
             add_item(messages, item, f"input[{i}]", reasoning_items)
         return ChatRequest(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,

@@ -1,0 +1,94 @@
+"""Stored Responses API responses, for `previous_response_id`, GET and DELETE
+/v1/responses/{id} and its input_items: a bounded map in the HTTP process's memory.
+
+Each entry keeps the whole conversation it ended (the input items it was given, those of the
+turns it continued first) and its output items, so continuing one is a lookup, not a walk
+up a chain whose middle may have been dropped. Consecutive turns share their item dicts
+(a list of references is copied, not the items), and items are never changed once stored.
+
+Bounds: a count and a byte estimate (the JSON size of the response and of its input items,
+earlier turns included, so the shared items are counted once per entry that holds them: an
+upper bound on what the store holds). Past either, the least recently used entries go;
+reading one (GET, input_items, previous_response_id) makes it recent. One store per app,
+used from its event loop only, so no lock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+Item = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    body: dict[str, Any]  # the Response object, as answered
+    input_items: tuple[Item, ...]  # oldest first, earlier turns' inputs and outputs included
+    input_bytes: int  # json_size of input_items
+    output_bytes: int  # json_size of the output items
+    nbytes: int  # what the store counts for it: the body and the input items
+
+    @property
+    def conversation(self) -> tuple[Item, ...]:
+        """The items a response continuing this one starts from."""
+        return self.input_items + tuple(self.body["output"])
+
+    @property
+    def conversation_bytes(self) -> int:
+        return self.input_bytes + self.output_bytes
+
+
+def json_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str))
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int, max_bytes: int) -> None:
+        """max_responses 0 turns the store off: nothing is kept."""
+        if max_responses < 0 or max_bytes < 0:
+            raise ValueError("the response store's bounds must be >= 0")
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0 and self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, body: dict[str, Any], input_items: tuple[Item, ...],
+            input_bytes: int) -> bool:
+        """Keep a finished response (input_bytes: json_size of input_items, which the caller
+        adds up turn by turn). False when it was not kept: the store is off, or this one
+        alone is over the byte bound."""
+        body_bytes = json_size(body)
+        entry = StoredResponse(body, input_items, input_bytes, json_size(body["output"]),
+                               body_bytes + input_bytes)
+        if not self.enabled or entry.nbytes > self.max_bytes:
+            return False
+        self.delete(body["id"])
+        self._entries[body["id"]] = entry
+        self.nbytes += entry.nbytes
+        while len(self._entries) > self.max_responses or self.nbytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.nbytes -= entry.nbytes
+        return True
