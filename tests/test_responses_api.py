@@ -192,7 +192,8 @@ def test_auto_tool_choice_text_comes_back_as_a_message_as_in_chat(oai):
 
 
 BAD = [
-    ({"previous_response_id": "resp_1"}, "`previous_response_id`"),
+    ({"previous_response_id": "resp_1"}, "`previous_response_id`"),  # not stored
+    ({"conversation": "conv_1"}, "`conversation`"),
     ({"background": True}, "`background`"),
     ({"reasoning": {"effort": "high"}}, "`reasoning`"),
     ({"truncation": "auto"}, "`truncation: auto`"),
