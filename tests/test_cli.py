@@ -212,6 +212,9 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
     assert cfg.body_budget_bytes == 1500
     assert cfg.max_best_of == 2  # TGI's --max-best-of default
     assert server_config(_server_args("--max-best-of", "4")).max_best_of == 4
+    assert (cfg.responses_store_size, cfg.responses_store_mb) == (1000, 256)
+    off = server_config(_server_args("--responses-store-size", "0", "--responses-store-mb", "8"))
+    assert (off.responses_store_size, off.responses_store_mb) == (0, 8)
     assert "without an API key" not in caplog.text
 
 
@@ -236,6 +239,8 @@ def test_open_address_without_key_warns(monkeypatch, caplog):
     (["--rebuild-backoff", "-0.5"], "--rebuild-backoff"),
     (["--collective-timeout", "0"], "--collective-timeout"),
     (["--max-best-of", "0"], "--max-best-of"),
+    (["--responses-store-size", "-1"], "--responses-store-size"),
+    (["--responses-store-mb", "0"], "--responses-store-mb"),
 ])
 def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     from tpserve.cli import server_config

@@ -20,6 +20,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+try:
+    import orjson
+except ImportError:  # pragma: no cover - a dependency, guarded as server/streaming.py does
+    orjson = None
+
 Item = dict[str, Any]
 
 
@@ -42,7 +47,12 @@ class StoredResponse:
 
 
 def json_size(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str))
+    """Bytes of `value` as compact UTF-8 JSON. orjson when installed: every stored response
+    is measured as it is answered, and it is ~10x faster (server/streaming.py)."""
+    if orjson is not None:
+        return len(orjson.dumps(value, default=str))
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"),
+                          default=str).encode())
 
 
 class ResponseStore:
