@@ -30,24 +30,18 @@ from fastapi.responses import Response
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent
-from tpserve.errors import NotFoundError, ValidationError
+from tpserve.errors import ValidationError
 from tpserve.server.backend import EngineBackend
 from tpserve.server.choice_reader import ChoiceReader
 from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai import OpenAIRoutes, last_piece
 from tpserve.server.openai_logprobs import chat_logprobs
-from tpserve.server.responses_history import (
-    InputItemsQuery,
-    RetrieveQuery,
-    as_input,
-    input_items_page,
-    parse_query,
-    stored_item,
-)
+from tpserve.server.responses_history import as_input
 from tpserve.server.responses_output import ItemStatus, OutputBuilder, new_id
 from tpserve.server.responses_request import ResponsesRequest, in_responses_terms
-from tpserve.server.responses_store import Item, ResponseStore, StoredResponse, json_size
+from tpserve.server.responses_store import ResponseStore
+from tpserve.server.responses_stored import Keeper, StoredResponses
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
@@ -117,71 +111,17 @@ def _event(payload: dict) -> str:
     return f"event: {payload['type']}\n" + sse(payload, space=True)
 
 
-class _Keeper:
-    """Puts one finished response in the store, with the conversation that made it."""
-
-    def __init__(self, store: ResponseStore, earlier: StoredResponse | None,
-                 given: list[Item]) -> None:
-        self.store = store
-        self.items = (earlier.conversation if earlier else ()) + tuple(given)
-        self.nbytes = (earlier.conversation_bytes if earlier else 0) + json_size(given)
-
-    def keep(self, body: dict) -> dict:
-        # `store` was echoed true; false when this one alone is over the byte bound.
-        body["store"] = self.store.put(body, self.items, self.nbytes)
-        return body
-
-
 class ResponsesRoutes:
-    def __init__(self, chat: OpenAIRoutes, store: ResponseStore) -> None:
+    def __init__(self, chat: OpenAIRoutes, stored: StoredResponses) -> None:
         self.chat = chat
-        self.store = store
-
-    def _stored(self, response_id: str) -> StoredResponse:
-        entry = self.store.get(response_id)
-        if entry is None:
-            off = "" if self.store.enabled else " (the response store is off: " \
-                "--responses-store-size 0)"
-            raise NotFoundError(f"no stored response has id {response_id[:80]!r}{off}")
-        return entry
-
-    def _earlier(self, req: ResponsesRequest) -> StoredResponse | None:
-        """The stored response `previous_response_id` continues (a 422 when there is none,
-        as OpenAI answers 400)."""
-        if req.previous_response_id is None:
-            return None
-        if not self.store.enabled:
-            raise ValidationError("`previous_response_id` needs the response store, which "
-                                  "is off on this server (--responses-store-size 0): send "
-                                  "the whole conversation in `input`")
-        entry = self.store.get(req.previous_response_id)
-        if entry is None:
-            raise ValidationError(
-                f"`previous_response_id`: no stored response has id "
-                f"{req.previous_response_id[:80]!r} (never stored, deleted, dropped by the "
-                "store's bounds, or made before the server restarted): send the whole "
-                "conversation in `input`")
-        return entry
-
-    async def retrieve(self, response_id: str, request: Request) -> Response:
-        parse_query(RetrieveQuery, request.query_params)
-        return AnswerResponse(self._stored(response_id).body)
-
-    async def delete(self, response_id: str) -> dict:
-        self._stored(response_id)
-        self.store.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    async def input_items(self, response_id: str, request: Request) -> Response:
-        query = parse_query(InputItemsQuery, request.query_params)
-        return AnswerResponse(input_items_page(self._stored(response_id).input_items, query))
+        self.stored = stored
 
     def _logprobs(self, events: list[GenerationEvent], k: int) -> list[dict] | None:
         return chat_logprobs(events, k, self.chat.token_text)["content"] if events else None
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
-        earlier = self._earlier(req)
+        earlier = self.stored.earlier(req)
         try:
             # Earlier answers' reasoning items are taken (and left out of the prompt, as
             # thinking models' templates leave it) when this server makes them.
@@ -191,10 +131,8 @@ class ResponsesRoutes:
             opened = await self.chat.open_chat(chat, info, ("input", "max_output_tokens"))
         except ValidationError as exc:
             raise ValidationError(in_responses_terms(str(exc))) from None
-        stored = self.store.enabled and req.store is not False
-        keeper = _Keeper(self.store, earlier, [stored_item(i) for i in req.input_items()]) \
-            if stored else None
-        envelope, reader = _Envelope(req, info, stored), self.chat.reader(opened)
+        keeper = self.stored.keeper(req, earlier)
+        envelope, reader = _Envelope(req, info, keeper is not None), self.chat.reader(opened)
         k = opened.k if req.wants_logprobs() else None
         if req.stream:
             return self._stream(opened.streams[0], envelope, reader, k, keeper)
@@ -222,7 +160,7 @@ class ResponsesRoutes:
         return AnswerResponse(keeper.keep(body) if keeper else body)
 
     def _stream(self, tracked: TrackedStream, envelope: _Envelope, reader: ChoiceReader,
-                k: int | None, keeper: _Keeper | None) -> EventStreamResponse:
+                k: int | None, keeper: Keeper | None) -> EventStreamResponse:
         """k: alternatives per token when log-probabilities are asked for, else None.
         keeper: stores the response when it finishes (before its last event is sent, so
         a client that read it can find it)."""
@@ -268,12 +206,13 @@ class ResponsesRoutes:
 def responses_router(backend: EngineBackend, metrics: Metrics, store: ResponseStore,
                      tool_call_parser: str = "auto", reasoning_parser: str = "none"
                      ) -> APIRouter:
+    stored = StoredResponses(store)
     routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser,
-                                          reasoning_parser), store)
+                                          reasoning_parser), stored)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/responses", routes.create, methods=["POST"])
-    router.add_api_route("/responses/{response_id}", routes.retrieve, methods=["GET"])
-    router.add_api_route("/responses/{response_id}", routes.delete, methods=["DELETE"])
-    router.add_api_route("/responses/{response_id}/input_items", routes.input_items,
+    router.add_api_route("/responses/{response_id}", stored.retrieve, methods=["GET"])
+    router.add_api_route("/responses/{response_id}", stored.delete, methods=["DELETE"])
+    router.add_api_route("/responses/{response_id}/input_items", stored.input_items,
                          methods=["GET"])
     return router
