@@ -244,12 +244,11 @@ class InputToken(_WireModel):
     logprob: float | None = None
 
 
-class BestOfSequence(_OmitEmpty):
-    """A `best_of` candidate that lost: its text and the details of its generation."""
+class _Generation(_OmitEmpty):
+    """How one sequence was generated: what Details and each best_of candidate report."""
 
     _omit_when_empty = ("top_tokens",)
 
-    generated_text: str
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
@@ -258,15 +257,15 @@ class BestOfSequence(_OmitEmpty):
     top_tokens: list[list[Token]] | None = None
 
 
-class Details(_OmitEmpty):
+class BestOfSequence(_Generation):
+    """A `best_of` candidate that lost: its text and the details of its generation."""
+
+    generated_text: str
+
+
+class Details(_Generation):
     _omit_when_empty = ("top_tokens", "best_of_sequences")
 
-    finish_reason: FinishReason
-    generated_tokens: int
-    seed: int | None = None
-    prefill: list[InputToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] | None = None
     # The other candidates of a `best_of` > 1 request, in the order they were started.
     best_of_sequences: list[BestOfSequence] | None = None
 
