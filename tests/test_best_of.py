@@ -191,6 +191,17 @@ def test_the_rule_mean_logprob_first_of_equals_and_no_number_never_wins():
     assert best_index([_candidate([None], 1), _candidate([-9.0], 2)]) == 1
 
 
+def test_openai_n_best_are_ranked_by_the_same_rule_best_first():
+    from tpserve.server.best_of import best_indices
+
+    # Means -0.5, -0.4, -1.0, NaN, -0.4: best first, the first of equals before the other,
+    # no number last.
+    cands = [_candidate(lps, i) for i, lps in enumerate(
+        [[-0.5], [-0.4, -0.4], [-1.0], [None], [-0.2, -0.6]])]
+    assert best_indices(cands, 5) == [1, 4, 0, 2, 3]
+    assert best_indices(cands, 2) == [1, 4]
+
+
 @pytest.mark.parametrize("params", [
     {"details": True},
     {"details": True, "decoder_input_details": True, "top_n_tokens": 1,

@@ -108,9 +108,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="requests in flight before answering 429")
     p.add_argument("--max-best-of", type=int, default=2,
-                   help="most candidates of one /generate request (TGI's `best_of`: the "
-                   "likeliest per token is answered, the others listed in its details); 1 "
-                   "refuses best_of > 1")
+                   help="most candidates of one /generate request or /v1/completions "
+                   "prompt (`best_of`: the likeliest per token are answered); 1 refuses "
+                   "best_of > 1 (best_of > n on /v1/completions)")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="most Responses API responses kept in this process's memory for "
                    "previous_response_id and GET /v1/responses/{id} (least recently used "

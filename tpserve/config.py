@@ -111,7 +111,8 @@ class ServerConfig:
     # How chat and Responses answers are split into reasoning and content: none (not split)
     # or think (<think>...</think>; tpserve/server/reasoning.py).
     reasoning_parser: str = "none"
-    # TGI's `best_of`: most candidates generated for one /generate answer (1: refused).
+    # `best_of`: most candidates generated for one /generate answer or /v1/completions
+    # prompt (1: refused, unless equal to `n` there).
     # Validation of the HTTP front end, as in TGI's router, so it lives here, not in the engine.
     max_best_of: int = 2
     # The Responses API's store (server/responses_store.py), in this process's memory: most

@@ -138,10 +138,15 @@ def check_limits(params: GenerateParameters, info: ModelInfo) -> None:
 
 def check_best_of(params: GenerateParameters, max_best_of: int) -> int:
     """The request's number of candidates, at most the server's --max-best-of."""
-    n = params.best_of or 1
+    return check_max_best_of(params.best_of or 1, max_best_of)
+
+
+def check_max_best_of(n: int, max_best_of: int) -> int:
+    """`best_of` = n candidates of one prompt (TGI's /generate, OpenAI's /v1/completions), at
+    most the server's --max-best-of."""
     if n > max_best_of:
         raise ValidationError(f"`best_of` must be <= {max_best_of} (got {n}): the most "
-                              "candidates this server generates per request (--max-best-of)")
+                              "candidates this server generates per prompt (--max-best-of)")
     return n
 
 

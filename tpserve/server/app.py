@@ -261,7 +261,7 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(backend, metrics, config.tool_call_parser,
-                                     config.reasoning_parser))
+                                     config.reasoning_parser, config.max_best_of))
     # One store per app: with replicas on Ray Serve, the one ingress process holds it.
     store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20)
     app.state.responses_store = store

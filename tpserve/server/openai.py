@@ -1,7 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
 `n` choices per prompt (and a list of prompts for completions) run as that many engine
-requests side by side; `logprobs` come in OpenAI's two formats (server/openai_logprobs.py).
+requests side by side; completions' `best_of` runs that many candidates per prompt and
+answers the n best (server/best_of.py); `logprobs` come in OpenAI's two formats
+(server/openai_logprobs.py).
 Errors keep TGI's body shape
 (`{"error", "error_type"}`, 422 for validation) so one client error path serves both APIs.
 Chunks also carry the keys text_generation's chat types require (system_fingerprint,
@@ -46,9 +48,10 @@ from tpserve.fields import (
     unsupported,
 )
 from tpserve.server.backend import EngineBackend, not_ready_message
+from tpserve.server.best_of import best_of_each, candidate_jobs, completion_candidates
 from tpserve.server.choice_reader import ChoiceReader, reasoning_of
 from tpserve.server.errors import error_body
-from tpserve.server.fanout import check_fanout, open_all, seeded
+from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
 from tpserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
@@ -162,6 +165,7 @@ class CompletionRequest(_Sampling):
     echo: NullableFlag = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
     logprobs: Annotated[Int, Field(ge=0)] | None = None
+    # Candidates per prompt, of which the `n` best are answered (server/best_of.py).
     best_of: Annotated[Int, Field(ge=1)] | None = None
     suffix: Annotated[Text | None, unsupported("`suffix` (insertion)")] = None
 
@@ -240,8 +244,8 @@ def last_piece(final: GenerationEvent, streamed: str) -> str:
 
 
 def _usage(finals: Sequence[GenerationEvent], n: int) -> dict[str, int]:
-    """Usage of a request's choices (n per prompt, prompts in order): each prompt counted
-    once, every choice's tokens."""
+    """Usage of a request's sequences (n per prompt, prompts in order): each prompt counted
+    once, every sequence's tokens (every `best_of` candidate's, as OpenAI bills them)."""
     prompt = sum(f.prompt_tokens for f in finals[::n])
     completion = sum(f.generated_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -255,9 +259,9 @@ def _check_top(what: str, k: int | None, info: ModelInfo) -> int:
     return k or 0
 
 
-def _check_choices(req: _Sampling, prompts: int, info: ModelInfo) -> None:
-    check_fanout(prompts * req.choices(), f"{prompts} prompt(s) x `n` = {req.choices()}",
-                 "choices", info)
+def _check_choices(prompts: int, per_prompt: int, field: str, info: ModelInfo) -> None:
+    check_fanout(prompts * per_prompt, f"{prompts} prompt(s) x `{field}` = {per_prompt}",
+                 "sequences", info)
 
 
 def _check_token_prompts(prompts: Sequence[str | list[int]], info: ModelInfo) -> None:
@@ -303,9 +307,11 @@ class OpenedChat(NamedTuple):
 
 class OpenAIRoutes:
     def __init__(self, backend: EngineBackend, metrics: Metrics,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "none") -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str = "none",
+                 max_best_of: int = 1) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.max_best_of = max_best_of  # --max-best-of (1: completions' best_of > n refused)
         self.tool_call_parser = tool_call_parser  # server/tool_parsers.py: PARSERS
         self.reasoning_parser = reasoning_parser  # server/reasoning.py: PARSERS
         self.created = int(time.time())
@@ -349,9 +355,10 @@ class OpenAIRoutes:
     async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                         n: int, terms: tuple[str, str],
                         add_special_tokens: bool = True) -> list[TrackedStream]:
-        """n engine requests per prompt, started side by side; a refusal is raised in the
-        request's `terms` (its prompt and max-tokens field names)."""
-        jobs = [(p, seeded(params, i)) for p in prompts for i in range(n)]
+        """n engine requests per prompt (choices or best_of candidates, each with its own
+        seed), started side by side; a refusal is raised in the request's `terms` (its
+        prompt and max-tokens field names)."""
+        jobs = [job for p in prompts for job in candidate_jobs(p, params, n)]
         try:
             return await open_all(self.metrics, self.backend, jobs,
                                   add_special_tokens=add_special_tokens)
@@ -379,11 +386,7 @@ class OpenAIRoutes:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         info = self._info()
         prompts, n = req.prompts, req.choices()
-        _check_choices(req, len(prompts), info)
         _check_token_prompts(prompts, info)
-        if req.best_of is not None and req.best_of != n:
-            raise ValidationError("`best_of` other than `n` is not supported by tpserve (it "
-                                  "returns every sequence it generates)")
         k = _check_top("logprobs", req.logprobs, info)
         want_lp = req.logprobs is not None
         if want_lp and req.echo and info.encoder_decoder:
@@ -396,8 +399,11 @@ class OpenAIRoutes:
                                   "(the prompt's log-probabilities come with the last token)")
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      top_n=k, prompt_logprobs=want_lp and req.echo)
+        per_prompt = completion_candidates(req.best_of, n, req.stream, params.greedy,
+                                           self.max_best_of)
+        _check_choices(len(prompts), per_prompt, "best_of" if per_prompt > n else "n", info)
         echoed = [self._echo(p) if req.echo else "" for p in prompts]
-        streams = await self._open_all(prompts, params, n, ("prompt", "max_tokens"))
+        streams = await self._open_all(prompts, params, per_prompt, ("prompt", "max_tokens"))
         base = self._envelope("cmpl", "text_completion", info)
         prefixes = [e for e in echoed for _ in range(n)]
 
@@ -418,7 +424,7 @@ class OpenAIRoutes:
         if isinstance(results, Response):
             return results
         choices = []
-        for i, events in enumerate(results):
+        for i, events in enumerate(best_of_each(results, per_prompt, n)):
             final, prefix = events[-1], prefixes[i]
             lp = None
             if want_lp:
@@ -430,8 +436,8 @@ class OpenAIRoutes:
                 lp = log.body()
             choices.append({"index": i, "text": prefix + final_text(events), "logprobs": lp,
                             "finish_reason": _FINISH[final.finish_reason]})
-        body = {**base, "choices": choices, "usage": _usage([e[-1] for e in results], n)}
-        return AnswerResponse(body)
+        usage = _usage([e[-1] for e in results], per_prompt)
+        return AnswerResponse({**base, "choices": choices, "usage": usage})
 
     async def _render_chat(self, req: ChatRequest, info: ModelInfo,
                            plan: ToolPlan | None) -> tuple[str, int]:
@@ -463,7 +469,7 @@ class OpenAIRoutes:
         alternatives per token and how its reasoning is read. /v1/responses
         (server/responses.py) starts its requests here too, naming its own fields (`terms`:
         prompt, max tokens) in length errors."""
-        _check_choices(req, 1, info)
+        _check_choices(1, req.choices(), "n", info)
         if req.top_logprobs and not req.logprobs:
             raise ValidationError("`top_logprobs` needs `logprobs`: true")
         k = _check_top("top_logprobs", req.top_logprobs, info) if req.logprobs else 0
@@ -622,8 +628,8 @@ class OpenAIRoutes:
 
 
 def openai_router(backend: EngineBackend, metrics: Metrics, tool_call_parser: str = "auto",
-                  reasoning_parser: str = "none") -> APIRouter:
-    routes = OpenAIRoutes(backend, metrics, tool_call_parser, reasoning_parser)
+                  reasoning_parser: str = "none", max_best_of: int = 1) -> APIRouter:
+    routes = OpenAIRoutes(backend, metrics, tool_call_parser, reasoning_parser, max_best_of)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/models", routes.models, methods=["GET"])
     # Hub ids have a slash: `org/name`.
