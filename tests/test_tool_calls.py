@@ -10,6 +10,7 @@ plain text that must come back as content."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -200,3 +201,100 @@ def test_bad_tool_requests_get_422_naming_the_field(url, body, message):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=60)
     assert r.status_code == 422, r.text
     assert r.json()["error_type"] == "validation" and message in r.json()["error"], r.text
+
+
+# A forced call cut by max_tokens: finish_reason "length" and the arguments as far as they
+# were generated (OpenAI's answer), the same whole and streamed, on every API that returns
+# calls. The oracle is the generated text itself, read from the chosen tokens' own texts
+# (logprobs), not through the tool-call reader.
+FORCED = {"named": ({"type": "function", "function": {"name": "get_weather"}},
+                    {"type": "function", "name": "get_weather"}, "get_weather"),
+          "required": ("required", "required", "required")}
+# `required`'s text: [{"name": ..., "arguments": <the arguments' text> ...
+REQUIRED_TEXT = re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*"([\w.\-]+)"\s*,\s*"arguments"\s*:\s*(.*)',
+                           re.S)
+
+
+def _generated(choice) -> str:
+    return "".join(e.token for e in choice.logprobs.content)
+
+
+def _arguments_in(text: str, forced: str) -> tuple[str, str] | None:
+    """(name, arguments text) of a forced answer's text, None before its arguments start."""
+    if forced == "named":
+        return ("get_weather", text.lstrip()) if text.strip() else None
+    m = REQUIRED_TEXT.fullmatch(text)
+    return (m[1], m[2]) if m and m[2] else None
+
+
+def _cut_inside_arguments(oai, forced: str) -> tuple[dict, str, str]:
+    """Request keywords whose greedy answer ends (length) a few tokens into the call's
+    arguments, with the function's name and those arguments as the text has them."""
+    kw = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": FORCED[forced][0],
+          "parallel_tool_calls": False, "temperature": 0}
+    whole = oai.chat.completions.create(max_tokens=250, logprobs=True, **kw).choices[0]
+    tokens = [e.token for e in whole.logprobs.content]
+    start = next(i for i in range(len(tokens) + 1)
+                 if _arguments_in("".join(tokens[:i]), forced))
+    kw["max_tokens"] = start + 2
+    assert kw["max_tokens"] < len(tokens) - 1, "the arguments must be cut"
+    name, args = _arguments_in("".join(tokens[:start + 2]), forced)
+    return kw, name, args
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+def test_forced_call_cut_by_max_tokens_keeps_its_partial_arguments(oai, forced):
+    kw, name, args = _cut_inside_arguments(oai, forced)
+    choice = oai.chat.completions.create(logprobs=True, **kw).choices[0]
+    assert _arguments_in(_generated(choice), forced) == (name, args)  # same greedy tokens
+    with pytest.raises(ValueError):
+        json.loads(args)  # cut short
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments) == (name, args)
+
+    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert pieces[0].function.name == name
+    assert "".join(p.function.arguments or "" for p in pieces) == args
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+def test_forced_call_cut_by_max_output_tokens_on_the_responses_api(oai, forced):
+    kw, name, args = _cut_inside_arguments(oai, forced)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    rkw = {"model": "m", "input": ASK, "tools": tools, "tool_choice": FORCED[forced][1],
+           "parallel_tool_calls": False, "temperature": 0, "max_output_tokens": kw["max_tokens"]}
+    res = oai.responses.create(**rkw)
+    assert res.status == "incomplete"
+    assert res.incomplete_details.reason == "max_output_tokens"
+    assert [(o.name, o.arguments) for o in res.output if o.type == "function_call"] == \
+        [(name, args)]
+    events = list(oai.responses.create(stream=True, **rkw))
+    deltas = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert deltas == args and done == [args]
+    assert events[-1].type == "response.incomplete"
+
+
+@pytest.mark.parametrize("forced", sorted(FORCED))
+def test_forced_call_cut_short_through_the_text_generation_client(oai, url, forced):
+    kw, name, args = _cut_inside_arguments(oai, forced)
+    client = text_generation.Client(url, timeout=60)
+    tgi = {"tools": [Tool(**t) for t in TOOLS], "tool_choice": FORCED[forced][2],
+           "max_tokens": kw["max_tokens"], "temperature": 0}
+    messages = [Message(**m) for m in ASK]
+    res = client.chat(messages, **tgi).choices[0]
+    assert res.finish_reason == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in res.message.tool_calls] == [(name, args)]
+    chunks = []
+    with pytest.raises(json.JSONDecodeError):  # 0.7.0 parses the final [DONE] as JSON
+        for chunk in client.chat(messages, stream=True, **tgi):
+            chunks.append(chunk)
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+    assert calls[0].function.name == name
+    assert "".join(c.function.arguments for c in calls) == args
+    assert chunks[-1].choices[0].finish_reason == "length"
