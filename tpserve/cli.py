@@ -118,6 +118,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--responses-store-mb", type=int, default=256,
                    help="most MiB the stored responses may hold (an estimate: their JSON "
                    "size); least recently used dropped past it")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="most seconds a stored response is kept, read or not (then it answers "
+                   "as an unknown id); 0: no age limit. The default, an hour, outlasts the "
+                   "turns of a conversation and an agent's tool loop, while a conversation "
+                   "does not stay in memory for days on a quiet server that the count and "
+                   "size bounds would never make drop it")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="tokens per step (long prompts are prefilled in chunks of this)")
@@ -476,6 +482,9 @@ def server_config(args: argparse.Namespace):
     if args.responses_store_size < 0 or args.responses_store_mb < 1:
         raise ValueError("--responses-store-size must be >= 0 (0 turns the store off) and "
                          "--responses-store-mb >= 1")
+    if not args.responses_store_ttl >= 0:
+        raise ValueError(f"--responses-store-ttl must be >= 0 seconds (0: no age limit; got "
+                         f"{args.responses_store_ttl})")
     preflight.check_tls_files(args.ssl_certfile, args.ssl_keyfile)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -493,7 +502,8 @@ def server_config(args: argparse.Namespace):
                         reasoning_parser=args.reasoning_parser,
                         max_best_of=args.max_best_of,
                         responses_store_size=args.responses_store_size,
-                        responses_store_mb=args.responses_store_mb)
+                        responses_store_mb=args.responses_store_mb,
+                        responses_store_ttl_s=args.responses_store_ttl)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

@@ -116,9 +116,12 @@ class ServerConfig:
     max_best_of: int = 2
     # The Responses API's store (server/responses_store.py), in this process's memory: most
     # responses kept for previous_response_id and GET /v1/responses/{id} (0: off), and the
-    # most MiB they may hold; past either, the least recently used go.
+    # most MiB they may hold; past either, the least recently used go. Each is kept at most
+    # responses_store_ttl_s seconds (0: no age limit; cli.py's --responses-store-ttl says
+    # why an hour).
     responses_store_size: int = 1000
     responses_store_mb: int = 256
+    responses_store_ttl_s: float = 3600.0
 
     @property
     def body_budget_bytes(self) -> int:

@@ -263,7 +263,8 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.include_router(openai_router(backend, metrics, config.tool_call_parser,
                                      config.reasoning_parser))
     # One store per app: with replicas on Ray Serve, the one ingress process holds it.
-    store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20)
+    store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20,
+                          config.responses_store_ttl_s)
     app.state.responses_store = store
     app.include_router(responses_router(backend, metrics, store, config.tool_call_parser,
                                         config.reasoning_parser))

@@ -121,7 +121,7 @@ class ResponsesRoutes:
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
-        earlier = self.stored.earlier(req)
+        earlier = self.stored.earlier(req, request)
         try:
             # Earlier answers' reasoning items are taken (and left out of the prompt, as
             # thinking models' templates leave it) when this server makes them.
@@ -131,7 +131,7 @@ class ResponsesRoutes:
             opened = await self.chat.open_chat(chat, info, ("input", "max_output_tokens"))
         except ValidationError as exc:
             raise ValidationError(in_responses_terms(str(exc))) from None
-        keeper = self.stored.keeper(req, earlier)
+        keeper = self.stored.keeper(req, earlier, request)
         envelope, reader = _Envelope(req, info, keeper is not None), self.chat.reader(opened)
         k = opened.k if req.wants_logprobs() else None
         if req.stream:
