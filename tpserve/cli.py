@@ -151,14 +151,18 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}), pythonic "
                    "([f(a=1), g()]: Llama 3.2+), or auto, any of them; text that is no call "
                    "stays content (docs/http_api.md#tool-calling)")
-    p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
-                   help="thinking models: think moves the <think>...</think> block of chat "
-                   "and Responses answers into message.reasoning_content / reasoning (delta "
-                   "pieces when streaming; a reasoning item in the Responses API) and reads "
-                   "tool calls after it; a prompt that ends with <think> (DeepSeek-R1, "
-                   "Qwen3-Thinking templates) means the answer starts inside it. none leaves "
-                   "the text as it is; /generate and /v1/completions are never split "
-                   "(docs/http_api.md#reasoning-models)")
+    p.add_argument("--reasoning-parser", default="none",
+                   choices=["none", "think", "mistral", "auto"],
+                   help="thinking models: move the reasoning block of chat and Responses "
+                   "answers into message.reasoning_content / reasoning (delta pieces when "
+                   "streaming; a reasoning item in the Responses API) and read tool calls "
+                   "after it. think reads <think>...</think> (Qwen3, QwQ, DeepSeek-R1), "
+                   "mistral [THINK]...[/THINK] (Magistral; special tokens, kept in the text "
+                   "for this), auto the format whose two tags are tokens of the model's "
+                   "vocabulary, else none (an info line says which). A prompt that ends with "
+                   "the opening tag (DeepSeek-R1, Qwen3-Thinking templates) means the answer "
+                   "starts inside it. none leaves the text as it is; /generate and "
+                   "/v1/completions are never split (docs/http_api.md#reasoning-models)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every step eagerly instead of replaying the graphs captured "
                    "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "

@@ -108,8 +108,9 @@ class ServerConfig:
     # How `tool_choice: "auto"` answers are read for calls: auto (every known format),
     # hermes, llama3_json or mistral (tpserve/server/tool_parsers.py).
     tool_call_parser: str = "auto"
-    # How chat and Responses answers are split into reasoning and content: none (not split)
-    # or think (<think>...</think>; tpserve/server/reasoning.py).
+    # How chat and Responses answers are split into reasoning and content: none (not split),
+    # think (<think>...</think>), mistral ([THINK]...[/THINK]) or auto (the format whose
+    # tags are tokens of the vocabulary; tpserve/server/reasoning.py, reasoning_format.py).
     reasoning_parser: str = "none"
     # TGI's `best_of`: most candidates generated for one /generate answer (1: refused).
     # Validation of the HTTP front end, as in TGI's router, so it lives here, not in the engine.
