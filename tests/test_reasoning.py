@@ -13,6 +13,7 @@ import json
 import httpx
 import pytest
 from engine_utils import chat_choice, served_engine
+from reasoning_split import split_streamed
 
 from tpserve.config import ServerConfig
 from tpserve.engine.request import GuidedSpec
@@ -52,23 +53,11 @@ CASES = [
 THINK = FORMATS["think"]
 
 
-def _streamed(text: str, inside: bool, size: int, tags=THINK) -> tuple[str | None, str]:
-    splitter = ReasoningSplitter(tags, inside)
-    pieces = []
-    for i in range(0, len(text), size):
-        pieces += splitter.feed(text[i:i + size])
-    pieces += splitter.finish()
-    assert all(p for p in pieces), pieces  # no empty pieces go out
-    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    return (reasoning if splitter.opened else None), "".join(
-        p for p in pieces if isinstance(p, str))
-
-
 @pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
 def test_splitter_streamed_in_pieces_equals_whole(text, inside, reasoning, content):
     assert split_reasoning(text, THINK, inside) == (reasoning, content)
     for size in (1, 2, 5):
-        assert _streamed(text, inside, size) == (reasoning, content), size
+        assert split_streamed(text, THINK, inside, size) == (reasoning, content), size
 
 
 def test_splitter_holds_only_what_may_be_a_tag():

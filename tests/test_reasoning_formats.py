@@ -18,6 +18,7 @@ import shutil
 
 import pytest
 from engine_utils import served_engine
+from reasoning_split import split_streamed
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
@@ -26,7 +27,7 @@ from tpserve.engine.engine import vocab_id
 from tpserve.engine.output_processor import OutputProcessor
 from tpserve.engine.outputs import TokenOutput
 from tpserve.engine.request import GuidedSpec, SamplingParams
-from tpserve.server.reasoning import FORMATS, Reasoning, ReasoningSplitter, split_reasoning
+from tpserve.server.reasoning import FORMATS, split_reasoning
 from tpserve.server.reasoning_format import ReasoningFormat, ReasoningParser
 from tpserve.weights import DEFAULT_MODEL_DIR
 
@@ -49,22 +50,11 @@ CASES = [
 ]
 
 
-def _streamed(text: str, inside: bool, size: int) -> tuple[str | None, str]:
-    splitter = ReasoningSplitter(MISTRAL, inside)
-    pieces = []
-    for i in range(0, len(text), size):
-        pieces += splitter.feed(text[i:i + size])
-    pieces += splitter.finish()
-    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    return (reasoning if splitter.opened else None), "".join(
-        p for p in pieces if isinstance(p, str))
-
-
 @pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
 def test_mistral_splitter_streamed_in_pieces_equals_whole(text, inside, reasoning, content):
     assert split_reasoning(text, MISTRAL, inside) == (reasoning, content)
     for size in (1, 2, 5):
-        assert _streamed(text, inside, size) == (reasoning, content), size
+        assert split_streamed(text, MISTRAL, inside, size) == (reasoning, content), size
 
 
 # --- the engine keeps special-token tags ------------------------------------------------------
