@@ -215,6 +215,10 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
     assert (cfg.responses_store_size, cfg.responses_store_mb) == (1000, 256)
     off = server_config(_server_args("--responses-store-size", "0", "--responses-store-mb", "8"))
     assert (off.responses_store_size, off.responses_store_mb) == (0, 8)
+    assert cfg.responses_store_ttl_s == 3600.0
+    assert server_config(_server_args("--responses-store-ttl", "0")).responses_store_ttl_s == 0
+    assert server_config(_server_args("--responses-store-ttl", "90.5")
+                         ).responses_store_ttl_s == 90.5
     assert "without an API key" not in caplog.text
 
 
@@ -241,6 +245,8 @@ def test_open_address_without_key_warns(monkeypatch, caplog):
     (["--max-best-of", "0"], "--max-best-of"),
     (["--responses-store-size", "-1"], "--responses-store-size"),
     (["--responses-store-mb", "0"], "--responses-store-mb"),
+    (["--responses-store-ttl", "-1"], "--responses-store-ttl"),
+    (["--responses-store-ttl", "nan"], "--responses-store-ttl"),
 ])
 def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     from tpserve.cli import server_config

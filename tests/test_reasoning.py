@@ -13,11 +13,13 @@ import json
 import httpx
 import pytest
 from engine_utils import chat_choice, served_engine
+from reasoning_split import split_streamed
 
 from tpserve.config import ServerConfig
 from tpserve.engine.request import GuidedSpec
 from tpserve.server.choice_reader import ChoiceReader
 from tpserve.server.reasoning import (
+    FORMATS,
     Reasoning,
     ReasoningSplitter,
     prompt_opens_reasoning,
@@ -48,38 +50,29 @@ CASES = [
 ]
 
 
-def _streamed(text: str, inside: bool, size: int) -> tuple[str | None, str]:
-    splitter = ReasoningSplitter(inside)
-    pieces = []
-    for i in range(0, len(text), size):
-        pieces += splitter.feed(text[i:i + size])
-    pieces += splitter.finish()
-    assert all(p for p in pieces), pieces  # no empty pieces go out
-    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    return (reasoning if splitter.opened else None), "".join(
-        p for p in pieces if isinstance(p, str))
+THINK = FORMATS["think"]
 
 
 @pytest.mark.parametrize(("text", "inside", "reasoning", "content"), CASES)
 def test_splitter_streamed_in_pieces_equals_whole(text, inside, reasoning, content):
-    assert split_reasoning(text, inside) == (reasoning, content)
+    assert split_reasoning(text, THINK, inside) == (reasoning, content)
     for size in (1, 2, 5):
-        assert _streamed(text, inside, size) == (reasoning, content), size
+        assert split_streamed(text, THINK, inside, size) == (reasoning, content), size
 
 
 def test_splitter_holds_only_what_may_be_a_tag():
-    s = ReasoningSplitter(inside=False)
+    s = ReasoningSplitter(THINK, inside=False)
     assert s.feed("<th") == [] and s.feed("ink>\nab") == [Reasoning("ab")]
     assert s.feed("c \n</th") == [Reasoning("c")]  # the space may end the reasoning
     assert s.feed("ink>\n\n") == [] and s.feed("Hi") == ["Hi"]
-    plain = ReasoningSplitter(inside=False)
+    plain = ReasoningSplitter(THINK, inside=False)
     assert plain.feed("Hi <") == ["Hi <"]  # a plain answer streams at once
 
 
 def test_prompt_that_ends_inside_the_reasoning():
-    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_reasoning("assistant:")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", THINK)
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
+    assert not prompt_opens_reasoning("assistant:", THINK)
 
 
 def test_calls_are_read_after_the_reasoning_only():
@@ -88,7 +81,7 @@ def test_calls_are_read_after_the_reasoning_only():
     text = ('<think>maybe <tool_call>{"name": "f", "arguments": {}}</tool_call></think>\n'
             'Calling. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
     for size in (1, 2, 5, len(text)):
-        reader = ChoiceReader(plan, "auto", ReasoningSplitter(inside=False))
+        reader = ChoiceReader(plan, "auto", ReasoningSplitter(THINK, inside=False))
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         out = [d for piece in pieces[:-1] for d in reader.feed(piece)]
         found, reason = reader.finish(pieces[-1], "stop")

@@ -4,10 +4,13 @@ against the client's types).
 
 Oracles: a conversation continued from the store is the conversation sent whole, by the
 prompt the fake engine is given (it records each prompt) and, on the embedded tiny model, by
-the greedy answer and its prompt token count. Bounds and switches are checked on the fake
-engine, and the store itself on its own."""
+the greedy answer and its prompt token count. Another API key's response answers as the same
+id does once it is deleted (an unknown id). Bounds, the age limit (on an injected clock) and
+switches are checked on the fake engine, and the store itself on its own."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ from tpserve.weights import DEFAULT_MODEL_DIR
 openai = pytest.importorskip("openai")
 
 N = 6
+KEY_A, KEY_B = "key-a", "key-b"
 
 
 def _client(url: str, key: str = "unused"):
@@ -32,7 +36,8 @@ def _client(url: str, key: str = "unused"):
 @pytest.fixture(scope="module")
 def engine_url():
     with served_engine(DEFAULT_MODEL_DIR, "tpserve/default-model", max_model_len=512,
-                       max_concurrent_requests=4, block_size=16, num_blocks=128) as (_, url):
+                       max_concurrent_requests=4, block_size=16, num_blocks=128,
+                       server=ServerConfig(api_keys=(KEY_A, KEY_B))) as (_, url):
         yield url
 
 
@@ -50,7 +55,7 @@ def _prompt(backend: FakeBackend) -> str:
 # --- on the embedded model: greedy equality --------------------------------------------------
 
 def test_two_turns_through_the_store_answer_as_the_whole_conversation(engine_url):
-    oai = _client(engine_url)
+    oai = _client(engine_url, KEY_A)
     greedy = {"max_output_tokens": N, "temperature": 0, "model": "m"}
     r1 = oai.responses.create(input="What is Ray?", instructions="Answer briefly.", **greedy)
     assert r1.store is True and r1.previous_response_id is None
@@ -70,7 +75,7 @@ def test_two_turns_through_the_store_answer_as_the_whole_conversation(engine_url
 
 
 def test_three_turns_chained_and_streamed_turns_are_stored(engine_url):
-    oai = _client(engine_url)
+    oai = _client(engine_url, KEY_A)
     greedy = {"max_output_tokens": N, "temperature": 0, "model": "m"}
     questions = ["Name a city.", "Why that one?", "Thanks!"]
     prev, history = None, []
@@ -91,6 +96,46 @@ def test_three_turns_chained_and_streamed_turns_are_stored(engine_url):
     items = oai.responses.input_items.list(r.id, order="asc", limit=100).data
     texts = [item.content[0].text for item in items]
     assert texts == [turn["content"] for turn in history[:-1]]
+
+
+def _as_key(url: str, key: str, response_id: str) -> list[tuple[int, dict]]:
+    """Status and body of every use of a stored id with `key`: GET, input_items, DELETE and
+    continuing it."""
+    auth = {"Authorization": f"Bearer {key}"}
+    got = [httpx.get(f"{url}/v1/responses/{response_id}", headers=auth),
+           httpx.get(f"{url}/v1/responses/{response_id}/input_items", headers=auth),
+           httpx.delete(f"{url}/v1/responses/{response_id}", headers=auth),
+           httpx.post(f"{url}/v1/responses", headers=auth, timeout=60, json={
+               "model": "m", "input": "x", "max_output_tokens": 1,
+               "previous_response_id": response_id})]
+    return [(r.status_code, r.json()) for r in got]
+
+
+def test_another_keys_response_answers_as_an_unknown_id(engine_url):
+    a, b = _client(engine_url, KEY_A), _client(engine_url, KEY_B)
+    greedy = {"max_output_tokens": N, "temperature": 0, "model": "m"}
+    r = a.responses.create(input="What is Ray?", **greedy)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.input_items.list(r.id)
+    # An unknown previous_response_id is a 422 (OpenAI: 400), and so is another key's.
+    with pytest.raises(openai.UnprocessableEntityError):
+        b.responses.create(input="And then?", previous_response_id=r.id, **greedy)
+    as_b = _as_key(engine_url, KEY_B, r.id)
+    # Key A still has it whole: B's delete removed nothing, and A continues it.
+    assert a.responses.retrieve(r.id) == r
+    assert [i.content[0].text for i in a.responses.input_items.list(r.id).data] == \
+        ["What is Ray?"]
+    r2 = a.responses.create(input="And then?", previous_response_id=r.id, **greedy)
+    assert r2.previous_response_id == r.id
+    # Once A deletes it the id is unknown to everyone: B's answers are what they were.
+    a.responses.delete(r.id)
+    assert [status for status, _ in as_b] == [404, 404, 404, 422]
+    assert _as_key(engine_url, KEY_B, r.id) == as_b
+    assert _as_key(engine_url, KEY_A, r.id) == as_b
 
 
 # --- on the fake engine: what is stored, and the rendered prompt -----------------------------
@@ -231,6 +276,30 @@ def test_store_routes_need_the_api_key():
         assert _client(url, "k1").responses.retrieve(r.id) == r
 
 
+def test_without_keys_every_client_shares_one_scope():
+    with serve(build_app(FakeBackend())) as url:
+        r = _client(url, "one").responses.create(model="m", input="x y", max_output_tokens=1)
+        assert _client(url, "another").responses.retrieve(r.id) == r
+
+
+def test_an_expired_response_answers_as_an_unknown_id():
+    now = [100.0]
+    app = build_app(FakeBackend(), ServerConfig(responses_store_ttl_s=60))
+    app.state.responses_store.clock = lambda: now[0]
+    with serve(app) as url:
+        oai = _client(url)
+        r = oai.responses.create(model="m", input="x y", max_output_tokens=1)
+        now[0] += 59.9
+        assert oai.responses.retrieve(r.id) == r
+        assert len(oai.responses.input_items.list(r.id).data) == 1
+        now[0] += 0.1
+        gone = _as_key(url, "unused", r.id)
+        assert [status for status, _ in gone] == [404, 404, 404, 422]
+        unknown = _as_key(url, "unused", "resp_never")
+        assert json.dumps(gone).replace(r.id, "resp_never") == json.dumps(unknown)
+        assert len(app.state.responses_store) == 0
+
+
 # --- the store alone -------------------------------------------------------------------------
 
 def _body(i: int, size: int = 0) -> dict:
@@ -253,3 +322,39 @@ def test_store_bounds_by_count_and_bytes():
     assert store.nbytes == store.get("resp_6").nbytes > 4_000
     with pytest.raises(ValueError):
         ResponseStore(-1, 10)
+
+
+def test_store_scopes_entries_by_owner():
+    store = ResponseStore(max_responses=2, max_bytes=10_000)
+    assert store.put(_body(0), (), 0, owner=b"a") and store.put(_body(1), (), 0, owner=b"a")
+    assert store.get("resp_0", b"b") is None and store.get("resp_0") is None
+    assert not store.delete("resp_0", b"b") and len(store) == 2
+    # Another owner's lookup does not make it recent: resp_0 is still the first to go.
+    assert store.put(_body(2), (), 0, owner=b"b")
+    assert store.get("resp_0", b"a") is None
+    assert store.get("resp_1", b"a").owner == b"a" and store.get("resp_2", b"b").owner == b"b"
+    assert store.delete("resp_2", b"b") and store.get("resp_2", b"b") is None
+
+
+def test_store_age_limit_on_its_clock():
+    now = [0.0]
+    store = ResponseStore(max_responses=10, max_bytes=100_000, ttl_s=10, clock=lambda: now[0])
+    assert store.put(_body(0, size=1_000), (), 0)
+    now[0] = 5
+    assert store.put(_body(1, size=2_000), (), 0)
+    one = store.get("resp_1").nbytes
+    now[0] = 9.999
+    assert store.get("resp_0") is not None  # read: recent, but no younger
+    now[0] = 10
+    assert store.get("resp_0") is None and store.get("resp_1") is not None
+    # resp_1 expires at 15; its memory goes with the next put, no lookup of it needed.
+    now[0] = 15
+    assert store.put(_body(2), (), 0)
+    assert len(store) == 1 and store.nbytes == store.get("resp_2").nbytes < one
+    assert not store.delete("resp_1")
+    forever = ResponseStore(max_responses=10, max_bytes=100_000, ttl_s=0, clock=lambda: now[0])
+    assert forever.put(_body(0), (), 0)
+    now[0] = 1e12
+    assert forever.get("resp_0") is not None
+    with pytest.raises(ValueError):
+        ResponseStore(1, 10, ttl_s=-1)

@@ -118,6 +118,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--responses-store-mb", type=int, default=256,
                    help="most MiB the stored responses may hold (an estimate: their JSON "
                    "size); least recently used dropped past it")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="most seconds a stored response is kept, read or not (then it answers "
+                   "as an unknown id); 0: no age limit. The default, an hour, outlasts the "
+                   "turns of a conversation and an agent's tool loop, while a conversation "
+                   "does not stay in memory for days on a quiet server that the count and "
+                   "size bounds would never make drop it")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="tokens per step (long prompts are prefilled in chunks of this)")
@@ -145,14 +151,18 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}), pythonic "
                    "([f(a=1), g()]: Llama 3.2+), or auto, any of them; text that is no call "
                    "stays content (docs/http_api.md#tool-calling)")
-    p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
-                   help="thinking models: think moves the <think>...</think> block of chat "
-                   "and Responses answers into message.reasoning_content / reasoning (delta "
-                   "pieces when streaming; a reasoning item in the Responses API) and reads "
-                   "tool calls after it; a prompt that ends with <think> (DeepSeek-R1, "
-                   "Qwen3-Thinking templates) means the answer starts inside it. none leaves "
-                   "the text as it is; /generate and /v1/completions are never split "
-                   "(docs/http_api.md#reasoning-models)")
+    p.add_argument("--reasoning-parser", default="none",
+                   choices=["none", "think", "mistral", "auto"],
+                   help="thinking models: move the reasoning block of chat and Responses "
+                   "answers into message.reasoning_content / reasoning (delta pieces when "
+                   "streaming; a reasoning item in the Responses API) and read tool calls "
+                   "after it. think reads <think>...</think> (Qwen3, QwQ, DeepSeek-R1), "
+                   "mistral [THINK]...[/THINK] (Magistral; special tokens, kept in the text "
+                   "for this), auto the format whose two tags are tokens of the model's "
+                   "vocabulary, else none (an info line says which). A prompt that ends with "
+                   "the opening tag (DeepSeek-R1, Qwen3-Thinking templates) means the answer "
+                   "starts inside it. none leaves the text as it is; /generate and "
+                   "/v1/completions are never split (docs/http_api.md#reasoning-models)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every step eagerly instead of replaying the graphs captured "
                    "in warmup (decode steps whole, other steps of up to 512 tokens in pieces "
@@ -476,6 +486,9 @@ def server_config(args: argparse.Namespace):
     if args.responses_store_size < 0 or args.responses_store_mb < 1:
         raise ValueError("--responses-store-size must be >= 0 (0 turns the store off) and "
                          "--responses-store-mb >= 1")
+    if not args.responses_store_ttl >= 0:
+        raise ValueError(f"--responses-store-ttl must be >= 0 seconds (0: no age limit; got "
+                         f"{args.responses_store_ttl})")
     preflight.check_tls_files(args.ssl_certfile, args.ssl_keyfile)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -493,7 +506,8 @@ def server_config(args: argparse.Namespace):
                         reasoning_parser=args.reasoning_parser,
                         max_best_of=args.max_best_of,
                         responses_store_size=args.responses_store_size,
-                        responses_store_mb=args.responses_store_mb)
+                        responses_store_mb=args.responses_store_mb,
+                        responses_store_ttl_s=args.responses_store_ttl)
 
 
 def uses_serve(args: argparse.Namespace) -> bool:

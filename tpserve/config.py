@@ -108,8 +108,9 @@ class ServerConfig:
     # How `tool_choice: "auto"` answers are read for calls: auto (every known format),
     # hermes, llama3_json or mistral (tpserve/server/tool_parsers.py).
     tool_call_parser: str = "auto"
-    # How chat and Responses answers are split into reasoning and content: none (not split)
-    # or think (<think>...</think>; tpserve/server/reasoning.py).
+    # How chat and Responses answers are split into reasoning and content: none (not split),
+    # think (<think>...</think>), mistral ([THINK]...[/THINK]) or auto (the format whose
+    # tags are tokens of the vocabulary; tpserve/server/reasoning.py, reasoning_format.py).
     reasoning_parser: str = "none"
     # `best_of`: most candidates generated for one /generate answer or /v1/completions
     # prompt (1: refused, unless equal to `n` there).
@@ -117,9 +118,12 @@ class ServerConfig:
     max_best_of: int = 2
     # The Responses API's store (server/responses_store.py), in this process's memory: most
     # responses kept for previous_response_id and GET /v1/responses/{id} (0: off), and the
-    # most MiB they may hold; past either, the least recently used go.
+    # most MiB they may hold; past either, the least recently used go. Each is kept at most
+    # responses_store_ttl_s seconds (0: no age limit; cli.py's --responses-store-ttl says
+    # why an hour).
     responses_store_size: int = 1000
     responses_store_mb: int = 256
+    responses_store_ttl_s: float = 3600.0
 
     @property
     def body_budget_bytes(self) -> int:

@@ -420,6 +420,13 @@ class AsyncEngine:
         self._require_ready()
         return token_spans(self.engine.tokenizer, text, add_special_tokens)
 
+    def token_id(self, piece: str) -> int | None:
+        """The id of `piece` when it is one token of the vocabulary, else None."""
+        from tpserve.engine.engine import vocab_id
+
+        self._require_ready()
+        return vocab_id(self.engine.tokenizer, piece)
+
     def generate(self, prompt: str | list[int], params: SamplingParams,
                  truncate: int | None = None,
                  add_special_tokens: bool = True) -> EngineStream:

@@ -62,6 +62,16 @@ def token_spans(tokenizer, text: str, add_special_tokens: bool = True
         return out
 
 
+def vocab_id(tokenizer, piece: str) -> int | None:
+    """The id of `piece` when it is one token of the vocabulary (added and special tokens
+    included), else None. Looked up by name, not by encoding the text: some tokenizers never
+    encode control tokens from text."""
+    tid = tokenizer.convert_tokens_to_ids(piece)
+    if tid is None or (tid == tokenizer.unk_token_id and piece != tokenizer.unk_token):
+        return None
+    return tid
+
+
 class Engine(EngineCore):
     def __init__(self, cfg: EngineConfig, executor: Executor, hf_config=None) -> None:
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from tpserve.engine.detokenizer import IncrementalDetokenizer
+from tpserve.engine.detokenizer import IncrementalDetokenizer, decode_keeping
 from tpserve.engine.outputs import TokenOutput, packed_rows
 from tpserve.engine.request import FinishReason, GenerationEvent, SamplingParams, TokenInfo
 
@@ -31,6 +31,8 @@ class _Request:
     emitted: int = 0  # characters of detok.text streamed so far (include_stop=False)
     longest: int = 0  # the longest stop string's length (0: no stop strings)
     tails: _StopTails | None = None  # include_stop=False: what may begin a stop string
+    # Special tokens whose text stays (params.keep_special_ids that decoding would drop).
+    kept: frozenset[int] = frozenset()
 
 
 class OutputProcessor:
@@ -38,12 +40,21 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.special_ids = special_ids
         self.requests: dict[int, _Request] = {}
+        self._dropped: dict[int, bool] = {}  # token id: whether decoding leaves it out
+
+    def _drops(self, tid: int) -> bool:
+        if tid not in self._dropped:
+            self._dropped[tid] = tid in self.special_ids or (
+                self.tokenizer.decode([tid], skip_special_tokens=True) == ""
+                and self.tokenizer.decode([tid], skip_special_tokens=False) != "")
+        return self._dropped[tid]
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.requests[seq_id] = _Request(
             params, IncrementalDetokenizer(self.tokenizer, self.special_ids),
             longest=max(map(len, params.stop), default=0),
-            tails=None if params.include_stop_str_in_output else _StopTails(params.stop))
+            tails=None if params.include_stop_str_in_output else _StopTails(params.stop),
+            kept=frozenset(t for t in params.keep_special_ids if self._drops(t)))
 
     def remove(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
@@ -91,8 +102,9 @@ class OutputProcessor:
             if p.top_n_tokens:
                 req.prefill_top = [[self.token_info(a, b) for a, b in top]
                                    for _, _, top in prefill]
-        special = tid in self.special_ids
-        text = new = req.detok.add(tid)
+        kept = tid in req.kept
+        special = tid in self.special_ids and not kept
+        text = new = req.detok.add_kept(tid) if kept else req.detok.add(tid)
         if special:
             text = self.tokenizer.decode([tid], skip_special_tokens=False)
         reason = core_reason
@@ -111,7 +123,7 @@ class OutputProcessor:
                                 prompt_tokens=prompt_tokens)
         if reason is None:
             return event
-        final_text = self.tokenizer.decode(req.ids, skip_special_tokens=True)
+        final_text = decode_keeping(self.tokenizer, req.ids, req.kept)
         if not include:
             cut = _find_stop(final_text, p.stop, len(final_text), req.longest) if p.stop else -1
             if cut >= 0:

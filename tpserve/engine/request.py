@@ -53,6 +53,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = True
     # Structured output: every generated token is one the grammar allows (None: free text).
     guided: GuidedSpec | None = None
+    # Special tokens whose text stays in the output (generated_text and the stream), where
+    # decoding leaves special tokens out: a reasoning format's tags when they are special
+    # tokens, as Mistral's [THINK] and [/THINK] (server/reasoning_format.py). Ids that
+    # decoding keeps anyway change nothing.
+    keep_special_ids: tuple[int, ...] = ()
 
     @property
     def needs_history(self) -> bool:

@@ -273,6 +273,11 @@ class ReplicaSetBackend:
 
         return token_spans(self.tokenizer, text, add_special_tokens)
 
+    def token_id(self, piece: str) -> int | None:
+        from tpserve.engine.engine import vocab_id
+
+        return vocab_id(self.tokenizer, piece)
+
     # --- optional: several replicas --------------------------------------------------------
     def replicas(self) -> list[dict]:
         """Each replica: id, state, its shard actors and its engine gauges."""

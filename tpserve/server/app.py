@@ -19,6 +19,7 @@ from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
+from tpserve.server.reasoning_format import ReasoningParser
 from tpserve.server.responses import responses_router
 from tpserve.server.responses_store import ResponseStore
 from tpserve.server.security import (
@@ -260,12 +261,16 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
             metrics.set_replica_stats(replica_stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(backend, metrics, config.tool_call_parser,
-                                     config.reasoning_parser, config.max_best_of))
+    # One per app: `auto` reads the vocabulary once for chat and the Responses API.
+    reasoning = None if config.reasoning_parser == "none" else \
+        ReasoningParser(config.reasoning_parser, backend)
+    app.include_router(openai_router(backend, metrics, config.tool_call_parser, reasoning,
+                                     config.max_best_of))
     # One store per app: with replicas on Ray Serve, the one ingress process holds it.
-    store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20)
+    store = ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20,
+                          config.responses_store_ttl_s)
     app.state.responses_store = store
     app.include_router(responses_router(backend, metrics, store, config.tool_call_parser,
-                                        config.reasoning_parser))
+                                        reasoning))
     app.include_router(tokenize_router(backend))
     return app

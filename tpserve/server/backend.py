@@ -51,6 +51,9 @@ class EngineBackend(Protocol):
     # prompt; without it such a prompt cannot be echoed).
     # Optional: `token_spans(text, add_special_tokens=True) -> list[(id, start, stop)]`, the
     # prompt's tokens and the characters each covers (POST /tokenize; without it, 501).
+    # Optional: `token_id(piece) -> int | None`, the id of a string that is one token of the
+    # vocabulary (--reasoning-parser: auto, and tags that are special tokens; without it,
+    # auto reads none and special tags are left out of the text).
     # Optional: `stats() -> dict[str, float]`, engine gauges exported by GET /metrics
     # (running_sequences, waiting_sequences, kv_blocks_free, ...).
     # Optional, for several replicas behind one address (tpserve/serve/):

@@ -55,6 +55,7 @@ from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
 from tpserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from tpserve.server.reasoning_format import ReasoningFormat, ReasoningParser
 from tpserve.server.streaming import (
     AnswerResponse,
     EventStreamResponse,
@@ -303,23 +304,29 @@ class OpenedChat(NamedTuple):
     # answer constrained to JSON, whose grammar leaves no room for reasoning); else whether
     # the prompt opened the reasoning (server/reasoning.py).
     inside: bool | None
+    reasoning: ReasoningFormat | None  # --reasoning-parser's format; None: never split
 
 
 class OpenAIRoutes:
     def __init__(self, backend: EngineBackend, metrics: Metrics,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "none",
-                 max_best_of: int = 1) -> None:
+                 tool_call_parser: str = "auto",
+                 reasoning: ReasoningParser | None = None, max_best_of: int = 1) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_best_of = max_best_of  # --max-best-of (1: completions' best_of > n refused)
         self.tool_call_parser = tool_call_parser  # server/tool_parsers.py: PARSERS
-        self.reasoning_parser = reasoning_parser  # server/reasoning.py: PARSERS
+        self.reasoning = reasoning  # None: --reasoning-parser none
         self.created = int(time.time())
 
     def reader(self, opened: OpenedChat) -> ChoiceReader:
         """A choice's reader: reasoning, then content and tool calls."""
-        splitter = None if opened.inside is None else ReasoningSplitter(opened.inside)
+        splitter = None if opened.inside is None else \
+            ReasoningSplitter(opened.reasoning.tags, opened.inside)
         return ChoiceReader(opened.plan, self.tool_call_parser, splitter)
+
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How answers are split (None: not at all); once the backend is ready."""
+        return self.reasoning.format() if self.reasoning is not None else None
 
     def _info(self) -> ModelInfo:
         if not self.backend.ready():
@@ -482,6 +489,9 @@ class OpenAIRoutes:
         params = req.sampling_params(info, max_new, top_n=k)
         if plan is not None and plan.guided is not None:  # a forced call: its JSON schema
             params = dataclasses.replace(params, guided=plan.guided)
+        fmt = self.reasoning_format()
+        if fmt is not None and fmt.keep_ids:  # special-token tags stay in the text
+            params = dataclasses.replace(params, keep_special_ids=fmt.keep_ids)
         if terms is None:
             max_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
             terms = ("messages", max_field)
@@ -489,9 +499,8 @@ class OpenAIRoutes:
         streams = await self._open_all([prompt], params, req.choices(), terms,
                                        add_special_tokens=False)
         json_only = params.guided is not None and params.guided.kind == "json_schema"
-        inside = None if self.reasoning_parser == "none" or json_only else \
-            prompt_opens_reasoning(prompt)
-        return OpenedChat(plan, streams, k, inside)
+        inside = None if fmt is None or json_only else prompt_opens_reasoning(prompt, fmt.tags)
+        return OpenedChat(plan, streams, k, inside, fmt)
 
     async def chat(self, req: ChatRequest, request: Request) -> Response:
         info = self._info()
@@ -499,7 +508,7 @@ class OpenAIRoutes:
         opened = await self.open_chat(req, info)
         plan, streams, k = opened.plan, opened.streams, opened.k
         want_lp = bool(req.logprobs)
-        if (plan is not None and plan.returns_calls) or self.reasoning_parser != "none":
+        if (plan is not None and plan.returns_calls) or opened.reasoning is not None:
             return await self._chat_read(req, request, info, opened)
 
         if req.stream:
@@ -559,7 +568,7 @@ class OpenAIRoutes:
             found, reason = outs[i].finish(final_text(events), _FINISH[events[-1].finish_reason])
             content, calls = message_of(found)
             message: dict[str, Any] = {"role": "assistant", "content": content}
-            if self.reasoning_parser != "none":
+            if opened.reasoning is not None:
                 reasoning = reasoning_of(found)
                 # An answer cut short inside its reasoning has no content: null, as vLLM's.
                 if reasoning is not None and not content:
@@ -628,8 +637,8 @@ class OpenAIRoutes:
 
 
 def openai_router(backend: EngineBackend, metrics: Metrics, tool_call_parser: str = "auto",
-                  reasoning_parser: str = "none", max_best_of: int = 1) -> APIRouter:
-    routes = OpenAIRoutes(backend, metrics, tool_call_parser, reasoning_parser, max_best_of)
+                  reasoning: ReasoningParser | None = None, max_best_of: int = 1) -> APIRouter:
+    routes = OpenAIRoutes(backend, metrics, tool_call_parser, reasoning, max_best_of)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/models", routes.models, methods=["GET"])
     # Hub ids have a slash: `org/name`.

@@ -1,17 +1,21 @@
 """A thinking model's reasoning split from its answer (`--reasoning-parser`).
 
-`think`: the `<think> ... </think>` family (Qwen3, QwQ, DeepSeek-R1 and its distills).
-The reasoning is open from the first character when the rendered prompt ends with
-`<think>` (and whitespace): templates such as DeepSeek-R1's and Qwen3-Thinking's write the
-opening tag themselves, so the answer starts inside it. Otherwise it opens only when the
-answer itself starts with `<think>` (after whitespace). Reading the prompt, rather than
-taking any text before a first `</think>` as reasoning, lets a plain answer stream as
-content at once; a `</think>` that nothing opened is left in the content.
+A format is a pair of tags (FORMATS): `think`, `<think> ... </think>` (Qwen3, QwQ,
+DeepSeek-R1 and its distills), and `mistral`, `[THINK] ... [/THINK]` (Magistral, whose tags
+are special tokens: server/reasoning_format.py has the engine keep their text). Below,
+"open" and "close" are the format's tags.
+
+The reasoning is open from the first character when the rendered prompt ends with the open
+tag (and whitespace): templates such as DeepSeek-R1's and Qwen3-Thinking's write it
+themselves, so the answer starts inside it. Otherwise it opens only when the answer itself
+starts with the open tag (after whitespace). Reading the prompt, rather than taking any
+text before a first close tag as reasoning, lets a plain answer stream as content at once;
+a close tag that nothing opened is left in the content.
 
 The whitespace around the tags is dropped (the reasoning is stripped, the content loses
 its leading whitespace); an answer with no reasoning block comes back as it was written.
 ReasoningSplitter reads the text as it streams and holds back only what could still be a
-tag (a partial `<think>` at the start, a partial `</think>` and the whitespace before it),
+tag (a partial open tag at the start, a partial close tag and the whitespace before it),
 so the pieces of a stream add up to the split of the whole text.
 """
 
@@ -22,13 +26,23 @@ from typing import Literal
 
 from tpserve.server.tool_parsers import partial_marker
 
-PARSERS = ("none", "think")
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+@dataclass(frozen=True)
+class Tags:
+    """The tags around a reasoning block."""
+
+    open: str
+    close: str
 
 
-def prompt_opens_reasoning(prompt: str) -> bool:
+FORMATS = {"think": Tags("<think>", "</think>"), "mistral": Tags("[THINK]", "[/THINK]")}
+# none: not split; auto: the format whose tags are tokens of the model's vocabulary.
+PARSERS = ("none", *FORMATS, "auto")
+
+
+def prompt_opens_reasoning(prompt: str, tags: Tags) -> bool:
     """Whether the template left the reasoning open for the model to write."""
-    return prompt.rstrip().endswith(THINK_OPEN)
+    return prompt.rstrip().endswith(tags.open)
 
 
 @dataclass(frozen=True)
@@ -39,15 +53,16 @@ class Reasoning:
 
 
 Piece = Reasoning | str
-# start: not yet known whether the answer opens with <think>; reasoning: inside it;
-# gap: after </think>, before the content's first non-space character; content: the rest.
+# start: not yet known whether the answer opens with the open tag; reasoning: inside it;
+# gap: after the close tag, before the content's first non-space character; content: the rest.
 State = Literal["start", "reasoning", "gap", "content"]
 
 
 class ReasoningSplitter:
     """One choice's text as reasoning and content pieces, in that order."""
 
-    def __init__(self, inside: bool) -> None:
+    def __init__(self, tags: Tags, inside: bool) -> None:
+        self.tags = tags
         self.text = ""
         self.released = 0  # text[:released] is sent (or dropped: tags and their spaces)
         self.state: State = "reasoning" if inside else "start"
@@ -61,12 +76,13 @@ class ReasoningSplitter:
         if self.state == "start" and not self._start():
             return out
         if self.state == "reasoning":
-            end = self.text.find(THINK_CLOSE, self.released)
+            close = self.tags.close
+            end = self.text.find(close, self.released)
             if end < 0:
-                hold = partial_marker(self.text[self.released:], (THINK_CLOSE,))
+                hold = partial_marker(self.text[self.released:], (close,))
                 return self._reasoning(len(self.text) - hold)
             out = self._reasoning(end)
-            self.state, self.released = "gap", end + len(THINK_CLOSE)
+            self.state, self.released = "gap", end + len(close)
         if self.state == "gap":
             rest = self.text[self.released:]
             if not rest.strip():
@@ -79,7 +95,7 @@ class ReasoningSplitter:
 
     def finish(self) -> list[Piece]:
         """What is still held: a reasoning cut short ends as it is, without its trailing
-        space; text that only began like `<think>` is content."""
+        space; text that only began like the open tag is content."""
         rest = self.text[self.released:]
         self.released = len(self.text)
         if self.state == "reasoning":
@@ -92,12 +108,12 @@ class ReasoningSplitter:
 
     def _start(self) -> bool:
         """Decides whether the answer opens a reasoning block; False while it cannot tell."""
-        head = self.text.lstrip()
-        if head.startswith(THINK_OPEN):
+        head, tag = self.text.lstrip(), self.tags.open
+        if head.startswith(tag):
             self.state, self.opened = "reasoning", True
-            self.released = len(self.text) - len(head) + len(THINK_OPEN)
+            self.released = len(self.text) - len(head) + len(tag)
             return True
-        if not head or THINK_OPEN.startswith(head):
+        if not head or tag.startswith(head):
             return False
         self.state = "content"  # a plain answer: all of it, as written
         return True
@@ -118,10 +134,10 @@ class ReasoningSplitter:
         return [Reasoning(self.text[start:upto])]
 
 
-def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:
+def split_reasoning(text: str, tags: Tags, inside: bool) -> tuple[str | None, str]:
     """A whole answer's (reasoning, content), as a stream of it would give them; reasoning
     is None when no block was opened."""
-    splitter = ReasoningSplitter(inside)
+    splitter = ReasoningSplitter(tags, inside)
     pieces = splitter.feed(text) + splitter.finish()
     reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
     content = "".join(p for p in pieces if isinstance(p, str))

@@ -37,6 +37,7 @@ from tpserve.server.errors import error_body
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai import OpenAIRoutes, last_piece
 from tpserve.server.openai_logprobs import chat_logprobs
+from tpserve.server.reasoning_format import ReasoningParser
 from tpserve.server.responses_history import as_input
 from tpserve.server.responses_output import ItemStatus, OutputBuilder, new_id
 from tpserve.server.responses_request import ResponsesRequest, in_responses_terms
@@ -121,17 +122,17 @@ class ResponsesRoutes:
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
-        earlier = self.stored.earlier(req)
+        earlier = self.stored.earlier(req, request)
         try:
             # Earlier answers' reasoning items are taken (and left out of the prompt, as
             # thinking models' templates leave it) when this server makes them.
-            reasoning = self.chat.reasoning_parser != "none"
+            reasoning = self.chat.reasoning_format() is not None
             chat = req.to_chat(reasoning_items=reasoning,
                                earlier=as_input(earlier.conversation) if earlier else ())
             opened = await self.chat.open_chat(chat, info, ("input", "max_output_tokens"))
         except ValidationError as exc:
             raise ValidationError(in_responses_terms(str(exc))) from None
-        keeper = self.stored.keeper(req, earlier)
+        keeper = self.stored.keeper(req, earlier, request)
         envelope, reader = _Envelope(req, info, keeper is not None), self.chat.reader(opened)
         k = opened.k if req.wants_logprobs() else None
         if req.stream:
@@ -204,11 +205,11 @@ class ResponsesRoutes:
 
 
 def responses_router(backend: EngineBackend, metrics: Metrics, store: ResponseStore,
-                     tool_call_parser: str = "auto", reasoning_parser: str = "none"
+                     tool_call_parser: str = "auto", reasoning: ReasoningParser | None = None
                      ) -> APIRouter:
     stored = StoredResponses(store)
-    routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser,
-                                          reasoning_parser), stored)
+    routes = ResponsesRoutes(OpenAIRoutes(backend, metrics, tool_call_parser, reasoning),
+                             stored)
     router = APIRouter(prefix="/v1", tags=["openai"])
     router.add_api_route("/responses", routes.create, methods=["POST"])
     router.add_api_route("/responses/{response_id}", stored.retrieve, methods=["GET"])

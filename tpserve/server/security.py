@@ -18,6 +18,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 ALWAYS_PUBLIC = frozenset({"/health"})
 # Host names an open loopback server also answers (comma-separated; `*`: any).
 ALLOWED_HOSTS_ENV = "TPSERVE_ALLOWED_HOSTS"
+# Where APIKeyMiddleware leaves the accepted key's tag: scope["state"], which handlers read
+# as request.state.
+KEY_TAG = "api_key_tag"
 
 
 async def send_error(send: Send, status: int, message: str, error_type: str,
@@ -37,23 +40,32 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
-def key_matches(given: str, digests: tuple[bytes, ...]) -> bool:
+def digest_matches(candidate: bytes, digests: tuple[bytes, ...]) -> bool:
     """Constant time against every key: digests have one length whatever the keys' lengths,
     and no early exit reveals which key, or how much of one, matched."""
-    candidate = key_digest(given)
     found = False
     for digest in digests:
         found |= hmac.compare_digest(candidate, digest)
     return found
 
 
+def key_tag(state: object) -> bytes:
+    """The tag of the API key a request was let in with (`request.state`), which owns what
+    the request stores; b"" on a server without keys (one scope for all)."""
+    return getattr(state, KEY_TAG, b"")
+
+
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route except the public ones."""
+    """Requires `Authorization: Bearer <key>` on every route except the public ones, and
+    leaves the accepted key's tag in the request's state (key_tag)."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...], public: frozenset[str]) -> None:
         self.app = app
         self.keys = tuple(key_digest(k) for k in keys)
         self.public = public
+        # Tags are HMACs under a secret of this process: what the response store holds names
+        # a key without being a digest a guessed key could be checked against elsewhere.
+        self._tag_secret = os.urandom(32)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or scope["path"] in self.public:
@@ -61,7 +73,10 @@ class APIKeyMiddleware:
             return
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+        candidate = key_digest(token.strip())
+        if scheme.lower() == "bearer" and digest_matches(candidate, self.keys):
+            tag = hmac.new(self._tag_secret, candidate, hashlib.sha256).digest()
+            scope.setdefault("state", {})[KEY_TAG] = tag
             await self.app(scope, receive, send)
             return
         why = "missing" if not auth else "invalid"
