@@ -63,14 +63,15 @@ def test_ipv6_loopback_node_gets_brackets(ray_bind, monkeypatch):
     assert ray_bind.addresses == ["[::1]:0"]
 
 
-def test_node_reached_from_other_machines_keeps_rays_bind(ray_bind, monkeypatch, caplog):
+@pytest.mark.parametrize("node", ["10.1.2.3", "node-1.example"])
+def test_node_reached_from_other_machines_keeps_rays_bind(ray_bind, monkeypatch, caplog, node):
     """Handles connect to the node's address: binding loopback there would cut them off."""
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: node)
     with caplog.at_level(logging.WARNING, logger=loopback.__name__):
         assert not loopback.keep_replica_grpc_on_loopback()
     assert serve_replica.add_port_to_grpc_server is ray_bind
     assert [r.getMessage() for r in caplog.records] == [
-        "this node's address 10.1.2.3 is not loopback: Serve's inter-deployment gRPC server "
+        f"this node's address {node} is not loopback: Serve's inter-deployment gRPC server "
         "keeps Ray's address (every interface)"]
 
 

@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 RAY_BIND = "[::]:0"  # the address Ray 2.60's replica asks for; any other passes through
 
 
+def _is_loopback(node: str) -> bool:
+    try:
+        return ipaddress.ip_address(node).is_loopback
+    except ValueError:  # a host name: not one this was written for
+        return False
+
+
 def keep_replica_grpc_on_loopback() -> bool:
     """Call from a Serve deployment's constructor on tpserve's own local cluster only; whether
     the server will bind to this node's loopback address."""
@@ -39,7 +46,7 @@ def keep_replica_grpc_on_loopback() -> bool:
         return False
     if getattr(original, "tpserve_loopback", False):  # already done in this process
         return True
-    if not ipaddress.ip_address(node).is_loopback:
+    if not _is_loopback(node):
         # Handles connect to the node's address: loopback would cut them off.
         log.warning("this node's address %s is not loopback: Serve's inter-deployment gRPC "
                     "server keeps Ray's address (every interface)", node)
