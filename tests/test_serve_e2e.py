@@ -5,8 +5,10 @@ shard is killed is replaced while the other keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -194,3 +196,41 @@ def test_cli_launch_with_replicas_serves_clients_unchanged(llama_dir, tmp_path):
         listed = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(replicas(url)), 30,
                           "two replicas listed")
         assert all(r["state"] == "ready" for r in listed)
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("grpc_handles", ["0", "1"], ids=["actor-call-handles", "grpc-handles"])
+def test_replicas_listen_on_loopback_only(llama_dir, tmp_path, grpc_handles):
+    """`tpserve launch --replicas 2` on its own cluster: no process of it listens beyond
+    loopback. Each Serve replica (the ingress and both replicas) holds an inter-deployment
+    gRPC server that Ray binds to every interface; tpserve binds it to loopback there
+    (serve/loopback.py). With RAY_SERVE_USE_GRPC_BY_DEFAULT=1 the proxy's and the ingress's
+    handles reach the replicas through that server, so the answers show it still works."""
+    from server_process import launched_process, listening_sockets
+    from test_rebuild_server import descendants
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    want = tok.decode(hf_greedy(llama_dir, PROMPTS[:1], NEW)[0], skip_special_tokens=True)
+    env = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": grpc_handles}
+    with launched_process(["--model", str(llama_dir), "--replicas", "2", "--num-blocks", "256"],
+                          tmp_path / "server.log", env=env) as (proc, url):
+        for _ in range(4):  # both replicas answer (the router spreads them)
+            r = httpx.post(url + "/generate", timeout=60, json={
+                "inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW}})
+            assert r.status_code == 200 and r.json()["generated_text"] == want, r.text
+        found = listening_sockets([proc.pid, *descendants(proc.pid)])
+        titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+                  .replace("\0", " ").strip()[:120] for _, _, pid in found}
+    port = int(url.rsplit(":", 1)[1])
+    assert ("127.0.0.1", port) in {(a, p) for a, p, _ in found}, found
+    # Not vacuous: every Serve replica was seen with its two servers (its core worker's and
+    # the inter-deployment one).
+    serve_pids = [pid for pid, t in titles.items() if t.startswith("ray::ServeReplica:")]
+    kinds = sorted(titles[pid].split()[0] for pid in serve_pids)
+    assert kinds == ["ray::ServeReplica:tpserve:tpserve-ingress"] + [
+        "ray::ServeReplica:tpserve:tpserve-replica"] * 2, titles
+    held = [sum(1 for _, _, pid in found if pid == s) for s in serve_pids]
+    assert held == [2, 2, 2], (held, found)
+    exposed = [f"{a} port {p}: {titles[pid]}" for a, p, pid in found
+               if not ipaddress.ip_address(a).is_loopback]
+    assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)

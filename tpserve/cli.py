@@ -724,7 +724,8 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
 
     spec = serve_app.ReplicaSpec(num_replicas=count, min_replicas=args.min_replicas,
                                  max_replicas=args.max_replicas,
-                                 placement_strategy=ray_strategy(cfg.parallel.placement))
+                                 placement_strategy=ray_strategy(cfg.parallel.placement),
+                                 grpc_on_loopback=not args.address)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(_signum, _frame) -> None:

@@ -34,6 +34,9 @@ class ReplicaSpec:
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
     router_kwargs: dict | None = None  # PolicyConfig fields
+    # tpserve's own local cluster (no --address): Serve's inter-deployment gRPC servers go
+    # on loopback too, as Ray's other ports (serve/loopback.py).
+    grpc_on_loopback: bool = False
 
     @property
     def autoscaling(self) -> bool:
@@ -104,8 +107,9 @@ def build_application(cfg: EngineConfig, spec: ReplicaSpec, server=None):
     ingress = serve.deployment(serve.ingress()(TPServeIngress)).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(cfg, bundles), cfg.model.path, server,
-                        spec.replicas_wanted)
+    loopback = spec.grpc_on_loopback
+    return ingress.bind(replica.bind(cfg, bundles, grpc_on_loopback=loopback), cfg.model.path,
+                        server, spec.replicas_wanted, grpc_on_loopback=loopback)
 
 
 def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,

@@ -26,6 +26,7 @@ from tpserve.errors import (
     TPServeError,
     ValidationError,
 )
+from tpserve.serve.loopback import keep_replica_grpc_on_loopback
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +324,11 @@ class TPServeIngress:
     """The ingress deployment class (wrapped by serve.ingress in app.py)."""
 
     async def __init__(self, replica_handle: Any, model_path: str, server: Any = None,
-                       replicas: int = 1) -> None:
+                       replicas: int = 1, grpc_on_loopback: bool = False) -> None:
         from transformers import AutoTokenizer
 
+        if grpc_on_loopback:
+            keep_replica_grpc_on_loopback()
         self.server = server  # ServerConfig: API keys, body limit, deadlines, as the direct server
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.backend = ReplicaSetBackend(replica_handle, tokenizer, replicas)

@@ -26,6 +26,7 @@ from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams
 from tpserve.errors import NotReadyError
+from tpserve.serve.loopback import keep_replica_grpc_on_loopback
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,12 @@ class ReplicaCoreClient(CoreClient):
 class TPReplica:
     """The Serve deployment class of one replica (wrapped by serve.deployment in app.py)."""
 
-    async def __init__(self, cfg: EngineConfig, bundles: list[dict]) -> None:
+    async def __init__(self, cfg: EngineConfig, bundles: list[dict],
+                       grpc_on_loopback: bool = False) -> None:
         from ray import serve
 
+        if grpc_on_loopback:
+            keep_replica_grpc_on_loopback()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         pg = get_current_placement_group()
