@@ -22,7 +22,7 @@ from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
-                          "mixtral")
+                          "mixtral", "qwen3-moe", "qwen2-moe")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2)]
 

@@ -198,6 +198,43 @@ def qwen3_config(**kw):
     return cfg
 
 
+def qwen3_moe_config(**kw):
+    """Qwen3-MoE: 8 experts of 32 (8 a rank at tp = 4), 3 per token, renormalised
+    (norm_topk_prob, as released); layer 1 dense (mlp_only_layers, intermediate 96) between
+    two sparse ones; GQA, head_dim 32 != 64 / 4, per-head q/k norms; a window of 8 on every
+    layer (use_sliding_window: transformers windows all of this family's layers)."""
+    from transformers import Qwen3MoeConfig
+
+    args = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, mlp_only_layers=[1], num_experts=8, num_experts_per_tok=3,
+                norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                use_sliding_window=True, sliding_window=8, max_position_embeddings=512,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Qwen3MoeConfig(**args)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+def qwen2_moe_config(**kw):
+    """Qwen2-MoE: 6 experts of 32, 2 per token, not renormalised (norm_topk_prob off, as
+    released), a shared expert of 64 behind its sigmoid gate; sparse on every second layer
+    (decoder_sparse_step 2: layers 1 and 3; 0 and 2 dense of 96); q/k/v biases; GQA and
+    head_dim 32 != 64 / 4."""
+    from transformers import Qwen2MoeConfig
+
+    args = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64, num_hidden_layers=4, decoder_sparse_step=2,
+                num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=512, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Qwen2MoeConfig(**args)
+    cfg.architectures = ["Qwen2MoeForCausalLM"]
+    return cfg
+
+
 def phi3_config(**kw):
     """Fused qkv_proj / gate_up_proj on disk; GQA (4 heads, 2 KV heads); half-rotary heads
     (partial_rotary_factor 0.5, as Phi-4-mini uses 0.75)."""
@@ -270,6 +307,8 @@ FAMILY_CHECKPOINTS = {
     "phi3": (phi3_config, {}),
     "mixtral": (mixtral_config, {"std": 0.2, "vector_std": 0.1}),
     "qwen3": (qwen3_config, {"std": 0.3, "vector_std": 0.1}),
+    "qwen3-moe": (qwen3_moe_config, {"std": 0.3, "vector_std": 0.1}),
+    "qwen2-moe": (qwen2_moe_config, {"std": 0.3, "vector_std": 0.1}),
 }
 
 

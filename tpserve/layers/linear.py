@@ -221,3 +221,8 @@ class RowParallelLinear(nn.Module):
         y = all_reduce(self.method.apply(self, x))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, neither reduced nor biased: for a block that adds it to
+        other partial sums and all-reduces them once (Qwen2-MoE's shared expert)."""
+        return self.method.apply(self, x)

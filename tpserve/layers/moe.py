@@ -1,11 +1,12 @@
-"""A mixture-of-experts MLP (Mixtral's sparse block), tensor-parallel: every rank holds every
-expert's slice, its gate and up projections by output rows and its down projection by input
-columns (as GatedMLP), so one all-reduce after the experts finishes the block, whatever the
-routing. The router is replicated.
+"""A mixture-of-experts MLP (Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse block),
+tensor-parallel: every rank holds every expert's slice, its gate and up projections by output
+rows and its down projection by input columns (as GatedMLP), so one all-reduce after the
+experts finishes the block, whatever the routing. The router is replicated.
 
-Routing follows transformers' MixtralSparseMoeBlock: softmax over the router's logits in
-float32, the top num_experts_per_tok, those weights renormalised to sum to one; each chosen
-expert's output, scaled by its weight, is added in expert order.
+Routing follows transformers' sparse blocks: softmax over the router's logits in float32, the
+top num_experts_per_tok, those weights renormalised to sum to one where the family does
+(Mixtral always, Qwen's by `norm_topk_prob`); each chosen expert's output, scaled by its
+weight, is added in expert order.
 
 Two ways to run the experts, same sums: eagerly (prefill, or devices without graphs) each
 expert runs on the tokens routed to it; inside a CUDA graph capture, where shapes must not
@@ -28,10 +29,17 @@ from tpserve.weights import TensorSlice
 _ACTS = {"silu": F.silu, "gelu": F.gelu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
+PARTS = ("gate", "up", "down")
+
 
 class SparseMoE(nn.Module):
+    """names: the checkpoint's names of each expert's gate, up and down projections
+    (experts.{e}.{name}.weight under prefix), for loading and for the errors that name them.
+    renormalize: the top-k weights rescaled to sum to one (Qwen's norm_topk_prob)."""
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 act: str, prefix: str) -> None:
+                 act: str, prefix: str, renormalize: bool = True,
+                 names: tuple[str, str, str] = ("w1", "w3", "w2")) -> None:
         super().__init__()
         tp = get_tp()
         if act not in _ACTS:
@@ -39,44 +47,66 @@ class SparseMoE(nn.Module):
                              f"{', '.join(_ACTS)})")
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.top_k, self.act = num_experts, top_k, _ACTS[act]
-        self.part = shard_size(intermediate, tp.size, tensor=f"{prefix}.experts.0.w1.weight",
-                               what="intermediate size", shape=(intermediate, hidden))
+        self.renormalize, self.prefix = renormalize, prefix
+        self.names = dict(zip(PARTS, names, strict=True))
+        self.part = shard_size(intermediate, tp.size, tensor=self.tensor_name(0, "gate"),
+                               what="expert intermediate size", shape=(intermediate, hidden))
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.gate.weight.weight_loader = copy_full
-        # [expert, (w1 rows; w3 rows) of this rank, hidden] and [expert, hidden, w2 columns].
+        # [expert, (gate rows; up rows) of this rank, hidden] and [expert, hidden, down columns].
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.part, hidden),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.part), requires_grad=False)
+        # Loaded through load_expert / load_fused, not load_into (models/experts.py checks).
+        self.w13.optional = self.w2.optional = True
 
-    def load_expert(self, expert: int, which: str, w: TensorSlice) -> None:
-        """Checkpoint tensor experts.{expert}.{w1|w2|w3}.weight: this rank's rows (w1, w3)
-        or columns (w2)."""
+    def tensor_name(self, expert: int, part: str) -> str:
+        return f"{self.prefix}.experts.{expert}.{self.names[part]}.weight"
+
+    def load_expert(self, expert: int, part: str, w: TensorSlice) -> None:
+        """One expert's gate, up or down projection as stored per expert: this rank's rows
+        (gate, up) or columns (down)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {w.name!r} names expert {expert}, but the "
-                             f"config has {self.num_experts} (num_local_experts)")
+                             f"config has {self.num_experts}")
         start = get_tp().rank * self.part
-        if which == "w2":
+        if part == "down":
             expect_shape(w, (self.hidden, self.intermediate))
             copy_narrow(self.w2[expert], w, 1, start, self.part)
             return
         expect_shape(w, (self.intermediate, self.hidden))
         copy_narrow(self.w13[expert], w, 0, start, self.part,
-                    out_offset=0 if which == "w1" else self.part)
+                    out_offset=0 if part == "gate" else self.part)
+
+    def load_fused(self, which: str, w: TensorSlice) -> None:
+        """Every expert at once, as transformers 5 holds them (and saves them with
+        save_original_format=False): gate_up_proj [expert, (gate; up), hidden] and
+        down_proj [expert, hidden, intermediate]."""
+        start = get_tp().rank * self.part
+        if which == "down_proj":
+            expect_shape(w, (self.num_experts, self.hidden, self.intermediate))
+            copy_narrow(self.w2, w, 2, start, self.part)
+            return
+        expect_shape(w, (self.num_experts, 2 * self.intermediate, self.hidden))
+        copy_narrow(self.w13, w, 1, start, self.part)
+        copy_narrow(self.w13, w, 1, self.intermediate + start, self.part, out_offset=self.part)
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, experts] weights: the renormalised top-k of the router's softmax, zero
-        for the experts a token is not routed to."""
+        """[tokens, experts] weights: the top-k of the router's softmax (renormalised where
+        the family does), zero for the experts a token is not routed to."""
         probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True)
+        if self.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
         return torch.zeros_like(probs).scatter(1, idx, top)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.w13[e])
         return F.linear(self.act(h[:, : self.part]) * h[:, self.part:], self.w2[e])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output, before the all-reduce."""
         weights = self.route(x)
         out = torch.zeros_like(x)
         if stream_capturing(x.device):
@@ -91,4 +121,7 @@ class SparseMoE(nn.Module):
                 if rows.numel():
                     y = self.expert(e, x[rows]) * weights[rows, e:e + 1]
                     out.index_add_(0, rows, y.to(x.dtype))
-        return all_reduce(out)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.partial(x))

@@ -17,6 +17,8 @@ _MODELS: dict[str, str] = {
     "BloomForCausalLM": "tpserve.models.bloom:BloomForCausalLM",
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "tpserve.models.qwen3:Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "tpserve.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "tpserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
 }
 
@@ -30,6 +32,7 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM", "bloom": "BloomForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
     "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
