@@ -32,11 +32,12 @@ def _strip_model_prefix(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mixtral", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mixtral", "phi3", "qwen2-moe"])
 def test_names_without_the_model_prefix_load_the_same_weights(models_dir, tmp_path, name):
     """"embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "norm.weight" (the head,
     when untied, stays "lm_head.weight"): each rank gets the same parameters as from the
-    prefixed file, experts (Mixtral) and fused tensors (Phi-3) included."""
+    prefixed file, experts (Mixtral; Qwen2-MoE's with its shared expert) and fused tensors
+    (Phi-3) included."""
     path = family_checkpoint(models_dir, name)
     bare = _strip_model_prefix(path, tmp_path / f"{name}-bare")
     want, _ = load_rank(path, 1, 2)

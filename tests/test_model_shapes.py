@@ -20,7 +20,8 @@ from tpserve.worker.build import build_model, check_shardable
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 DECODERS = ["gemma-7b", "gemma-2b", "gemma-2-9b", "OpenHermes-2.5-Mistral-7B", "bloom-560m",
-            "Meta-Llama-3-8B", "Llama-3.1-8B", "Qwen3-8B", "Mixtral-8x7B-v0.1"]
+            "Meta-Llama-3-8B", "Llama-3.1-8B", "Qwen3-8B", "Mixtral-8x7B-v0.1",
+            "Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B-Chat"]
 
 
 def hf_config(name: str, **overrides):
@@ -43,7 +44,8 @@ def numel(model: torch.nn.Module) -> int:
 # Parameters every rank holds whole: norms and the biases of row-parallel layers (added
 # once, after the all-reduce).
 REPLICATED = ("norm", "ln_f", "o_proj.bias", "down_proj.bias", "dense.bias",
-              "dense_4h_to_h.bias", "mlp.gate.weight")  # the last: Mixtral's router
+              "dense_4h_to_h.bias", "mlp.gate.weight",  # the experts' router
+              "shared_expert_gate.weight")  # Qwen2-MoE's gate of its shared expert
 
 
 @functools.cache
@@ -123,6 +125,20 @@ REFUSED = [
     ("Qwen3-8B", {}, 3,
      ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 4096]", "tp=3",
       "attention heads = 32 is not divisible by 3"]),
+    ("Qwen3-30B-A3B", {}, 3,
+     ["'model.layers.0.self_attn.q_proj.weight'", "[4096, 2048]", "tp=3",
+      "attention heads = 32 is not divisible by 3"]),
+    # Synthetic widths for the mixture-of-experts rules: the experts', the shared expert's
+    # and, among sparse layers, a dense layer's (mlp_only_layers).
+    ("Qwen3-30B-A3B", {"moe_intermediate_size": 100}, 8,
+     ["'model.layers.0.mlp.experts.0.gate_proj.weight'", "[100, 2048]", "tp=8",
+      "expert intermediate size = 100 is not divisible by 8"]),
+    ("Qwen3-30B-A3B", {"mlp_only_layers": [5], "intermediate_size": 6150}, 4,
+     ["'model.layers.5.mlp.gate_proj.weight'", "[6150, 2048]", "tp=4",
+      "output features = 6150 is not divisible by 4"]),
+    ("Qwen1.5-MoE-A2.7B-Chat", {"shared_expert_intermediate_size": 5636}, 8,
+     ["'model.layers.0.mlp.shared_expert.gate_proj.weight'", "[5636, 2048]", "tp=8",
+      "output features = 5636 is not divisible by 8"]),
     # Synthetic head counts (24 heads, 6 KV heads) for the two KV-head rules.
     ("gemma-7b", {"num_attention_heads": 24, "num_key_value_heads": 6}, 4,
      ["'model.layers.0.self_attn.k_proj.weight'", "[1536, 3072]", "tp=4",

@@ -1,4 +1,5 @@
-"""Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3 and Mixtral served by tp = 1, 2, 4 Ray shard actors
+"""Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE and Qwen2-MoE served by tp = 1, 2, 4
+Ray shard actors
 match transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
 continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
@@ -7,7 +8,10 @@ a window on every other layer, Gemma 3's norms on queries and keys and a rotary 
 layer type (also as the language model of a vision-language checkpoint, served as text), Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Mixtral's experts
-(4, two per token, each split across the ranks), Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads."""
+(4, two per token, each split across the ranks), Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads,
+Qwen3-MoE's experts renormalised (norm_topk_prob) on two layers around a dense one
+(mlp_only_layers) with a window on every layer, and Qwen2-MoE's experts not renormalised,
+with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases."""
 
 from __future__ import annotations
 
@@ -74,15 +78,18 @@ FEATURES = [
     ("gemma3", {"rope_parameters": {"sliding_attention": _ONE_ROPE,
                                     "full_attention": _ONE_ROPE}}),
     ("gemma3", {"query_pre_attn_scalar": 32}), ("gemma3", {"sliding_window": 4096}),
+    ("qwen3-moe", {"norm_topk_prob": False}), ("qwen3-moe", {"sliding_window": None}),
+    ("qwen2-moe", {"norm_topk_prob": True}),
 ]
 
 
 @pytest.mark.parametrize(("name", "override"), FEATURES,
                          ids=[f"{n}-{next(iter(o))}" for n, o in FEATURES])
-def test_each_gemma_feature_changes_the_reference(family, name, override):
+def test_each_feature_changes_the_reference(family, name, override):
     """Guards the oracle: without Gemma 2's score cap, logit cap, query_pre_attn_scalar or
-    window, or Gemma 3's rotary base of its own for the windowed layers, transformers' own
-    logits for the prompts change, so matching them checks each."""
+    window, Gemma 3's rotary base of its own for the windowed layers, Qwen3-MoE's window,
+    or with the other norm_topk_prob of either Qwen MoE, transformers' own logits for the
+    prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
