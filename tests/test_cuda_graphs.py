@@ -118,3 +118,20 @@ def test_captured_graphs_serve_longrope_past_the_original_context_on_cuda(models
         assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30])
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "qwen2-moe"])
+def test_captured_graphs_serve_the_experts_on_cuda(models_dir, name):
+    """Inside captured decode graphs every expert runs on every token with zero weights
+    (layers/moe.py), Qwen2-MoE's shared expert among them; prefill runs them routed."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, name)
+    engine = cuda_engine(path, True)
+    try:
+        assert engine.executor.health()[0]["decode_graphs"]
+        assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
+    finally:
+        engine.shutdown()
