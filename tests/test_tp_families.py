@@ -21,8 +21,10 @@ import torch
 from engine_utils import assert_matches_reference, load_rank, make_engine
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
 
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
+from tpserve.worker.build import check_shardable
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2")
@@ -251,11 +253,6 @@ REFUSED = [
                          ids=[f"{r[0]}-tp{r[2]}" for r in REFUSED])
 def test_impossible_tp_is_refused_at_start(name, overrides, tp, needles):
     """Before any shard starts (check_shardable builds every rank on the meta device)."""
-    from tiny_models import FAMILY_CHECKPOINTS
-
-    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
-    from tpserve.worker.build import check_shardable
-
     cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
                        parallel=ParallelConfig(tp_size=tp))
     with pytest.raises(ShardingError) as err:

@@ -305,6 +305,10 @@ FAMILY_CHECKPOINTS = {
     "mixtral": (mixtral_config, {"std": 0.2, "vector_std": 0.1}),
     "qwen3": (qwen3_config, {"std": 0.3, "vector_std": 0.1}),
     "granite": (granite_config, {"std": 0.5, "vector_std": 0.1}),
+    # Granite whose norms fold (tests/test_norm_fold.py): no residual multiplier and no MLP
+    # bias (either refuses the fold); the other three multipliers still bite.
+    "granite-fold": (lambda: granite_config(residual_multiplier=1.0, mlp_bias=False),
+                     {"std": 0.5, "vector_std": 0.1}),
     "starcoder2": (starcoder2_config, {"std": 0.3, "vector_std": 0.1}),
     "starcoder2-tied": (lambda: starcoder2_config(tie_word_embeddings=True),
                         {"std": 0.3, "vector_std": 0.1}),
