@@ -94,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
         attention_multiplier); None: 1 / sqrt(head_dim). residual_scale: each branch's
         output is multiplied by it before it joins the residual stream (Granite's
         residual_multiplier). make_norm: builds the two norms (StarCoder2's LayerNorm); the
-        default is rms_norm_maker's, which takes any RMSNorm folding (fold_norms)."""
+        default is the family's RMSNorm (rms_norm_maker), the only norm fold_norms folds."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
                                         sliding_window, bias=qkv_bias, o_bias=o_bias,
