@@ -1,5 +1,5 @@
 """`tpserve launch --tp 2` per added family (Gemma 1-3, a vision-language Gemma 3 served as
-text, Bloom, Qwen2, Qwen3, Phi-3, Mixtral) in a subprocess, asked over HTTP through
+text, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Granite, StarCoder2) in a subprocess, asked over HTTP through
 tpserve.Client: the served text is transformers' greedy text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
@@ -45,7 +45,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
 
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
-            "mixtral"]
+            "mixtral", "granite", "starcoder2"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -18,6 +18,8 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "tpserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "tpserve.models.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "tpserve.models.granite:GraniteForCausalLM",
+    "Starcoder2ForCausalLM": "tpserve.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 
@@ -30,6 +32,7 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM", "bloom": "BloomForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
     "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
+    "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
 }
 
 
