@@ -1,6 +1,7 @@
 """`tpserve launch --tp 2` per added family (Gemma 1-3, a vision-language Gemma 3 served as
-text, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE, Qwen2-MoE) in a subprocess, asked over
-HTTP through tpserve.Client: the served text is transformers' greedy text.
+text, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE) in a
+subprocess, asked over HTTP through tpserve.Client: the served text is transformers' greedy
+text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
 Slow job (bash .ci/run slow): 11-13 s per family on 2 quiet cores, up to ~38 s when shared."""
@@ -45,7 +46,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
 
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3-moe", "qwen2-moe"]
+            "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

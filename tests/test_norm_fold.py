@@ -4,7 +4,8 @@ inside down_proj, with one norm launch a layer instead of two; steps of several 
 the input norm with a unit weight. Checked on the CPU against transformers (float32): prefill logits of several
 prompts, and greedy continuations of one prompt at a time, whose decode steps are one row
 and take the folded path (counted). Gemma brings the (1 + w) norm and the tanh GELU, Qwen2
-a QKV bias; their tiny checkpoints have perturbed norm weights, so a fold that lost or
+a QKV bias, Granite (residual_multiplier 1, which the fold needs) its embedding, attention
+and logits multipliers; their tiny checkpoints have perturbed norm weights, so a fold that lost or
 doubled a weight changes the tokens (the guard below shows it does)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tiny_models import PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
 
 from tpserve.models.llama import LlamaDecoderLayer
 
-FAMILIES = ("qwen2", "gemma")
+FAMILIES = ("qwen2", "gemma", "granite-fold")
 
 
 @pytest.fixture(scope="module")

@@ -488,8 +488,11 @@ def test_openai_chat_stream(http):
 OPENAI_INVALID = {
     "n_0": ("/v1/completions", {"prompt": "a", "n": 0}, "`n`"),
     # The fake runs 4 requests at once: 2 prompts x 3 choices is more.
-    "too_many_choices": ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "6 choices"),
-    "best_of_not_n": ("/v1/completions", {"prompt": "a", "best_of": 2}, "`best_of`"),
+    "too_many_choices": ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, "6 sequences"),
+    "best_of_over_limit": ("/v1/completions", {"prompt": "a", "best_of": 3},
+                           "`best_of` must be <= 2"),
+    "best_of_below_n": ("/v1/completions", {"prompt": "a", "best_of": 1, "n": 2},
+                        "`best_of` must be >= `n`"),
     "logprobs_over_limit": ("/v1/completions", {"prompt": "a", "logprobs": 4},
                             "`logprobs` must be <= 3"),
     "echo_logprobs_stream": (

@@ -1,5 +1,5 @@
-"""Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE and Qwen2-MoE served by tp = 1, 2, 4
-Ray shard actors
+"""Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Granite, StarCoder2, Qwen3-MoE and Qwen2-MoE
+served by tp = 1, 2, 4 Ray shard actors
 match transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
 continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
@@ -9,6 +9,9 @@ layer type (also as the language model of a vision-language checkpoint, served a
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Mixtral's experts
 (4, two per token, each split across the ranks), Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads,
+Granite's four multipliers (embeddings, residual branches, attention scale, logits) with
+attention and MLP biases, StarCoder2's LayerNorm with biases, plain (non-gated) MLP with
+biases, biased q/k/v/o, GQA and a window of 8 on every layer, tied and untied,
 Qwen3-MoE's experts renormalised (norm_topk_prob) on two layers around a dense one
 (mlp_only_layers) with a window on every layer, and Qwen2-MoE's experts not renormalised,
 with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases."""
@@ -22,13 +25,15 @@ import torch
 from engine_utils import assert_matches_reference, load_rank, make_engine
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
 
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.distributed import tp_context
 from tpserve.errors import ShardingError
+from tpserve.worker.build import check_shardable
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
-                          "mixtral", "qwen3-moe", "qwen2-moe")
+                          "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe")
          for tp in (1, 2, 4)]
-CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2)]
+CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2)]
 
 _refs: dict[str, tuple] = {}
 
@@ -78,6 +83,9 @@ FEATURES = [
     ("gemma3", {"rope_parameters": {"sliding_attention": _ONE_ROPE,
                                     "full_attention": _ONE_ROPE}}),
     ("gemma3", {"query_pre_attn_scalar": 32}), ("gemma3", {"sliding_window": 4096}),
+    ("granite", {"embedding_multiplier": 1.0}), ("granite", {"residual_multiplier": 1.0}),
+    ("granite", {"attention_multiplier": 0.25}), ("granite", {"logits_scaling": 1.0}),
+    ("starcoder2", {"sliding_window": None}),
     ("qwen3-moe", {"norm_topk_prob": False}), ("qwen3-moe", {"sliding_window": None}),
     ("qwen2-moe", {"norm_topk_prob": True}),
 ]
@@ -87,9 +95,10 @@ FEATURES = [
                          ids=[f"{n}-{next(iter(o))}" for n, o in FEATURES])
 def test_each_feature_changes_the_reference(family, name, override):
     """Guards the oracle: without Gemma 2's score cap, logit cap, query_pre_attn_scalar or
-    window, Gemma 3's rotary base of its own for the windowed layers, Qwen3-MoE's window,
-    or with the other norm_topk_prob of either Qwen MoE, transformers' own logits for the
-    prompts change, so matching them checks each."""
+    window, Gemma 3's rotary base of its own for the windowed layers, any of Granite's four
+    multipliers (attention_multiplier 0.25 is 1 / sqrt(head_dim), Llama's scale),
+    StarCoder2's window or Qwen3-MoE's, or with the other norm_topk_prob of either Qwen
+    MoE, transformers' own logits for the prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
@@ -197,3 +206,62 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
         layer.load_rows(layer.weight, bad)
     msg = str(err.value)
     assert "query_key_value.weight" in msg and "[288, 64]" in msg and "[192, 64]" in msg
+
+
+@pytest.mark.parametrize(("name", "why"), [("granite", "scaled by 0.22 before the residual add"),
+                                           ("starcoder2", "LayerNorms: only an RMSNorm folds")])
+def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
+    """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
+    by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
+    LayerNorm's mean and bias do not fold): both families refuse it, changing nothing,
+    even where the GEMVs need not be checked (need_gemv=False folds a Llama here)."""
+    model, _ = load_rank(checkpoint(name), 0, 1)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    assert why in model.fold_norms(need_gemv=False)
+    assert not model.model.norms_folded
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, before[n], rtol=0, atol=0, msg=n)
+
+
+def test_starcoder2_rank_reads_its_slice_of_the_plain_mlp(checkpoint):
+    """c_fc by rows (weight and bias), c_proj by columns with its bias whole (added once,
+    after the all-reduce); each rank reads 1/tp of the split tensors."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("starcoder2")
+    full = load_file(str(path / "model.safetensors"))
+    pre = "model.layers.1.mlp"
+    for rank in range(2):
+        model, stats = load_rank(path, rank, 2)
+        mlp = model.model.layers[1].mlp
+        rows = slice(rank * 64, (rank + 1) * 64)
+        for got, name in ((mlp.c_fc.weight, "c_fc.weight"), (mlp.c_fc.bias, "c_fc.bias")):
+            torch.testing.assert_close(got, full[f"{pre}.{name}"][rows], rtol=0, atol=0)
+        torch.testing.assert_close(mlp.c_proj.weight, full[f"{pre}.c_proj.weight"][:, rows],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(mlp.c_proj.bias, full[f"{pre}.c_proj.bias"], rtol=0, atol=0)
+        for name in ("c_fc.weight", "c_proj.weight"):
+            assert stats.fraction(f"{pre}.{name}") == pytest.approx(1 / 2), name
+
+
+REFUSED = [
+    ("granite", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=3",
+                        "attention heads = 4 is not divisible by 3"]),
+    ("starcoder2", {}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=8",
+                           "attention heads = 4 is not divisible by 8"]),
+    ("starcoder2", {"intermediate_size": 130}, 4,
+     ["'model.layers.0.mlp.c_fc.weight'", "[130, 64]", "tp=4",
+      "output features = 130 is not divisible by 4"]),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "tp", "needles"), REFUSED,
+                         ids=[f"{r[0]}-tp{r[2]}" for r in REFUSED])
+def test_impossible_tp_is_refused_at_start(name, overrides, tp, needles):
+    """Before any shard starts (check_shardable builds every rank on the meta device)."""
+    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    with pytest.raises(ShardingError) as err:
+        check_shardable(cfg, FAMILY_CHECKPOINTS[name][0](**overrides))
+    for needle in needles:
+        assert needle in str(err.value)

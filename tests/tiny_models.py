@@ -250,6 +250,40 @@ def phi3_config(**kw):
     return cfg
 
 
+def granite_config(**kw):
+    """Granite's four multipliers away from one (embeddings x12, each branch x0.22 before
+    the residual add, scores x0.015625 in place of 1 / sqrt(16) = 0.25, logits / 8), biases
+    on attention and the MLP (attention_bias, mlp_bias; off in the released models), GQA."""
+    from transformers import GraniteConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                embedding_multiplier=12.0, residual_multiplier=0.22,
+                attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True,
+                mlp_bias=True, tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GraniteConfig(**args)
+    cfg.architectures = ["GraniteForCausalLM"]
+    return cfg
+
+
+def starcoder2_config(**kw):
+    """LayerNorm with a bias, biases on q/k/v/o and the plain c_fc -> tanh GELU -> c_proj
+    MLP (use_bias), GQA (4 heads, 2 KV heads), a window of 8 on every layer (shorter than
+    the long prompt and every prompt + 32 new tokens), untied (tied_starcoder2: tied)."""
+    from transformers import Starcoder2Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                sliding_window=8, use_bias=True, norm_epsilon=1e-5,
+                hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Starcoder2Config(**args)
+    cfg.architectures = ["Starcoder2ForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -307,6 +341,14 @@ FAMILY_CHECKPOINTS = {
     "phi3": (phi3_config, {}),
     "mixtral": (mixtral_config, {"std": 0.2, "vector_std": 0.1}),
     "qwen3": (qwen3_config, {"std": 0.3, "vector_std": 0.1}),
+    "granite": (granite_config, {"std": 0.5, "vector_std": 0.1}),
+    # Granite whose norms fold (tests/test_norm_fold.py): no residual multiplier and no MLP
+    # bias (either refuses the fold); the other three multipliers still bite.
+    "granite-fold": (lambda: granite_config(residual_multiplier=1.0, mlp_bias=False),
+                     {"std": 0.5, "vector_std": 0.1}),
+    "starcoder2": (starcoder2_config, {"std": 0.3, "vector_std": 0.1}),
+    "starcoder2-tied": (lambda: starcoder2_config(tie_word_embeddings=True),
+                        {"std": 0.3, "vector_std": 0.1}),
     "qwen3-moe": (qwen3_moe_config, {"std": 0.3, "vector_std": 0.1}),
     "qwen2-moe": (qwen2_moe_config, {"std": 0.3, "vector_std": 0.1}),
 }

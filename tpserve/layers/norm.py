@@ -58,3 +58,11 @@ class LayerNorm(nn.LayerNorm):
         if self.bias is not None:
             self.bias.requires_grad_(False)
             self.bias.weight_loader = copy_full
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """layernorm(x); with a residual, (layernorm(x + residual), x + residual), as
+        RMSNorm.forward, so the Llama blocks take either norm (StarCoder2)."""
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x

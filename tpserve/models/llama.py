@@ -75,35 +75,56 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act.project(self.gate_up_proj, x), residual)
 
 
+def rms_norm_maker(config, norm_offset: float = 0.0):
+    """The RMSNorm of a Llama-shaped family: Llama casts before the weight, Gemma's (1 + w)
+    multiplies in float32."""
+    eps = getattr(config, "rms_norm_eps", 1e-6)
+    return lambda: RMSNorm(config.hidden_size, eps, norm_offset, norm_offset == 0.0)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: float | None = None, mlp: nn.Module | None = None) -> None:
-        """mlp: the feed-forward block (Mixtral's experts); the default is a GatedMLP."""
+                 qk_norm: float | None = None, mlp: nn.Module | None = None,
+                 attn_scale: float | None = None, residual_scale: float = 1.0,
+                 make_norm=None) -> None:
+        """mlp: the feed-forward block (Mixtral's experts, StarCoder2's plain MLP); the
+        default is a GatedMLP. attn_scale: the attention scores' scale (Granite's
+        attention_multiplier); None: 1 / sqrt(head_dim). residual_scale: each branch's
+        output is multiplied by it before it joins the residual stream (Granite's
+        residual_multiplier). make_norm: builds the two norms (StarCoder2's LayerNorm); the
+        default is the family's RMSNorm (rms_norm_maker), the only norm fold_norms folds."""
         super().__init__()
-        eps = getattr(config, "rms_norm_eps", 1e-6)
-        cast_first = norm_offset == 0.0
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
                                         sliding_window, bias=qkv_bias, o_bias=o_bias,
-                                        qk_norm=qk_norm)
+                                        scale=attn_scale, qk_norm=qk_norm)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
             bias=getattr(config, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, norm_offset, cast_first)
+        make_norm = make_norm or rms_norm_maker(config, norm_offset)
+        self.input_layernorm = make_norm()
+        self.post_attention_layernorm = make_norm()
+        self.residual_scale = float(residual_scale)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is
-        fused into the norm). Returns (this layer's MLP output, residual stream)."""
+        fused into the norm). Returns (this layer's MLP output, residual stream). Both
+        branches are scaled here, before the norm that adds them, so the fused add never
+        sees an unscaled branch."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(rope, h), residual)
-        return self.mlp(h), residual
+        attn = self._scaled(self.self_attn(rope, h))
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        # A Python float, as transformers multiplies (Granite: residual + h * multiplier).
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
     def forward_folded(self, rope: tuple[torch.Tensor, torch.Tensor],
                        h: torch.Tensor) -> torch.Tensor:
@@ -122,6 +143,12 @@ class LlamaDecoderLayer(nn.Module):
         float weights the GEMV warmup chose, for int4 the kernel's; fp8 has none); through
         F.linear the fold would trade each norm launch for another."""
         mlp = self.mlp
+        if type(self.input_layernorm) is not RMSNorm:
+            return f"its norms are {type(self.input_layernorm).__name__}s: only an RMSNorm folds"
+        if self.residual_scale != 1.0:
+            # forward_folded adds the MLP's output to the stream inside down_proj's launch,
+            # which cannot scale it first (Granite's residual_multiplier).
+            return f"its branches are scaled by {self.residual_scale} before the residual add"
         if type(mlp) is not GatedMLP:
             return f"its feed-forward block is a {type(mlp).__name__}, not a gated MLP"
         projs = {"qkv_proj": self.self_attn.qkv_proj, "down_proj": mlp.down_proj}
@@ -147,17 +174,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """sliding_window: one window for every layer, or a list with one entry per layer.
     make_layer(config, index, prefix, max_positions, window) builds a decoder layer of
-    another shape (Gemma 2's four norms); the default is LlamaDecoderLayer."""
+    another shape (Gemma 2's four norms); the default is LlamaDecoderLayer, given
+    attn_scale and residual_scale. make_norm builds the final norm (and the default layer's)."""
 
     def __init__(self, config, max_positions: int,
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: float | None = None, make_layer=None) -> None:
+                 qk_norm: float | None = None, make_layer=None, attn_scale: float | None = None,
+                 residual_scale: float = 1.0, make_norm=None) -> None:
         super().__init__()
+        make_norm = make_norm or rms_norm_maker(config, norm_offset)
         if make_layer is None:
             def make_layer(config, i, prefix, max_positions, window):
                 return LlamaDecoderLayer(config, i, prefix, max_positions, window, norm_offset,
-                                         qkv_bias, o_bias, act, qk_norm)
+                                         qkv_bias, o_bias, act, qk_norm, attn_scale=attn_scale,
+                                         residual_scale=residual_scale, make_norm=make_norm)
         n = config.num_hidden_layers
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -178,9 +209,11 @@ class LlamaModel(nn.Module):
             make_layer(config, i, f"model.layers.{i}", max_positions, windows[i])
             for i in range(n)
         )
-        self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6),
-                            norm_offset, norm_offset == 0.0)
+        self.norm = make_norm()
+        # Set by the family: Gemma's sqrt(hidden) rounded to the model dtype first
+        # (round_embed_scale), Granite's embedding_multiplier as a Python float.
         self.embed_scale: float | None = None
+        self.round_embed_scale = True
         self.norms_folded = False  # fold_norms
 
     @property
@@ -213,9 +246,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
-        if self.embed_scale is not None:
+        if self.embed_scale is not None and self.round_embed_scale:
             # Gemma rounds the float32 scale to the model dtype before multiplying.
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        elif self.embed_scale is not None:
+            x = x * self.embed_scale
         ropes = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotaries.items()}
         if self.norms_folded and ids.numel() == 1:
             for layer, rope in zip(self.layers, self.rope_of_layer, strict=True):

@@ -20,6 +20,8 @@ _MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "tpserve.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "tpserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "tpserve.models.granite:GraniteForCausalLM",
+    "Starcoder2ForCausalLM": "tpserve.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 
@@ -32,6 +34,7 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM", "bloom": "BloomForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
     "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
+    "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
