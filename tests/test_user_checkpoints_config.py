@@ -1,6 +1,7 @@
 """config.json files shaped unlike the fixtures': one that names no `architectures` (a
 config written by hand or by a config class's own save_pretrained) is built from its
-model_type, as transformers' Auto classes do."""
+model_type, as transformers' Auto classes do, and so is one whose `architectures` names
+another served family than its model_type."""
 
 from __future__ import annotations
 
@@ -67,3 +68,46 @@ def test_kv_heads_that_cannot_shard_name_the_tps_that_work(heads, kv, tp, rule, 
     for needle in ("'model.layers.0.self_attn.k_proj.weight'", shape, f"tp={tp}", rule,
                    f"tp = {tps}."):
         assert needle in msg, msg
+
+
+def _relabelled(src, dst, arch: str):
+    """A copy of checkpoint src whose config.json names `arch` in `architectures`."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = [arch]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+# (family fixture, the architecture its config.json names instead): Qwen2's q/k/v biases
+# were dropped as unexpected tensors under Llama (wrong text, one warning); Qwen3 under
+# Qwen2 was refused at load for want of those biases.
+RELABELLED = [("qwen2", "LlamaForCausalLM"), ("qwen3", "Qwen2ForCausalLM")]
+
+
+@pytest.mark.parametrize(("family", "arch"), RELABELLED, ids=[f"{f}-as-{a}" for f, a in RELABELLED])
+def test_the_model_type_decides_the_family_as_in_transformers(models_dir, tmp_path, family,
+                                                             arch):
+    from tiny_models import family_checkpoint
+
+    src = family_checkpoint(models_dir, family)
+    path = _relabelled(src, tmp_path / f"{family}-as-{arch}", arch)
+    ref = hf_greedy(path, PROMPTS, 8)
+    assert ref == hf_greedy(src, PROMPTS, 8)  # transformers ignores the label
+    engine = make_engine(path, 1, local=True)
+    try:
+        assert greedy(engine, PROMPTS, 8) == ref
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(("model_type", "arch", "want"), [
+    ("umt5", "T5ForConditionalGeneration", "UMT5ForConditionalGeneration"),
+    ("mt5", "T5ForConditionalGeneration", "MT5ForConditionalGeneration"),
+    ("llama", "MistralForCausalLM", "LlamaForCausalLM")])
+def test_a_family_label_gives_way_to_the_model_type(model_type, arch, want):
+    """UMT5's per-layer relative biases and mT5's unscaled decoder output follow the
+    model_type, not a T5 label; so does Llama's lack of a window under a Mistral label."""
+    from transformers import CONFIG_MAPPING
+
+    assert model_class(CONFIG_MAPPING[model_type](architectures=[arch])).__name__ == want
