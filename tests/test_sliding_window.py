@@ -66,6 +66,41 @@ def test_mistral_window_matches_transformers(ray_cluster, mistral_dir, reference
         engine.shutdown()
 
 
+def test_blocks_stay_while_a_layer_reads_them(models_dir, tmp_path):
+    """A Gemma config.json carrying a `sliding_window` key: Gemma's layers (transformers' and
+    tpserve's) attend to every key, but the scheduler went by the key and freed the blocks
+    outside that window, which the layers then read. It now frees by the windows the model
+    built (each rank's load report). The reference decodes without transformers' cache, which
+    keeps only `sliding_window` keys whenever the key is set (DynamicCache), unlike the
+    model's own forward."""
+    import json
+    import shutil
+
+    import torch
+    from tiny_models import family_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path / "gemma-window-key"
+    shutil.copytree(family_checkpoint(models_dir, "gemma"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": BLOCK}))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                 eos_token_id=None, pad_token_id=2, use_cache=False)
+        ref.append(out[0, ids.shape[1]:].tolist())
+    engine = make_engine(path, 1, block_size=BLOCK, local=True)
+    try:
+        assert engine.scheduler.sliding_window is None
+        assert greedy(engine, PROMPTS, 16) == ref
+    finally:
+        engine.shutdown()
+
+
 def _live(seq: Sequence) -> int:
     return sum(b >= 0 for b in seq.block_table)
 
