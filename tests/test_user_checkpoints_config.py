@@ -111,3 +111,37 @@ def test_a_family_label_gives_way_to_the_model_type(model_type, arch, want):
     from transformers import CONFIG_MAPPING
 
     assert model_class(CONFIG_MAPPING[model_type](architectures=[arch])).__name__ == want
+
+
+# (config builder kwargs, tp, what the refusal must say). Phi-3 stores q/k/v and gate/up
+# fused, so a refusal names qkv_proj / gate_up_proj (its whole shape), not the q_proj or
+# gate_proj its file does not have; a head count that tp does not divide lists the tps
+# that work for the KV heads too (3 divides 6 heads, but 2 KV heads do not shard over 3).
+PHI3_REFUSALS = [
+    (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2), 4,
+     ["'model.layers.0.self_attn.qkv_proj.weight'", "[160, 96]", "tp=4",
+      "attention heads = 6 is not divisible by 4", "tp = 1, 2 or 6."]),
+    (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2,
+     ["'model.layers.0.self_attn.qkv_proj.weight'", "[192, 96]", "tp=2",
+      "key/value heads = 3 is not divisible by 2", "tp = 1, 3 or 6."]),
+    (dict(intermediate_size=202), 4,
+     ["'model.layers.0.mlp.gate_up_proj.weight'", "[404, 64]", "tp=4",
+      "intermediate size = 202 is not divisible by 4"]),
+]
+
+
+@pytest.mark.parametrize(("kw", "tp", "needles"), PHI3_REFUSALS,
+                         ids=["heads", "kv-heads", "intermediate"])
+def test_phi3_refusals_name_its_fused_tensors(kw, tp, needles):
+    from tiny_models import phi3_config
+
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.errors import ShardingError
+    from tpserve.worker.build import check_shardable
+
+    cfg = EngineConfig(model=ModelConfig(path="u", model_id="u", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    with pytest.raises(ShardingError) as err:
+        check_shardable(cfg, phi3_config(**kw))
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
