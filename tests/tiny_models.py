@@ -258,10 +258,13 @@ def phi3_longrope_config(original: int = 32, max_positions: int = 256,
 
 
 def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
-               vector_std: float = 0.0, std: float = 0.08) -> Path:
+               vector_std: float = 0.0, std: float = 0.08, save_dtype: torch.dtype | None = None,
+               max_shard_size: str | None = None) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
     tokenizer; returns the directory. vector_std > 0 also perturbs 1-D parameters (biases,
-    norm weights), which transformers initialises to constants that would hide bugs."""
+    norm weights), which transformers initialises to constants that would hide bugs.
+    save_dtype: the weights (and config.json's dtype) in that dtype; max_shard_size: split
+    into several files with a model.safetensors.index.json, as large checkpoints are."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
@@ -276,7 +279,10 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
                 p.normal_(0.0, std)
             elif vector_std:
                 p.add_(torch.randn_like(p) * vector_std)
-    model.save_pretrained(out, safe_serialization=True)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **shards)
     text = config.get_text_config()  # the language model's (a vision-language config nests it)
     tok = build_tokenizer(min(vocab_for_tokenizer or text.vocab_size, text.vocab_size))
     tok.save_pretrained(out)
