@@ -76,23 +76,13 @@ def test_blocks_stay_while_a_layer_reads_them(models_dir, tmp_path):
     import json
     import shutil
 
-    import torch
     from tiny_models import family_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tmp_path / "gemma-window-key"
     shutil.copytree(family_checkpoint(models_dir, "gemma"), path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "sliding_window": BLOCK}))
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                 eos_token_id=None, pad_token_id=2, use_cache=False)
-        ref.append(out[0, ids.shape[1]:].tolist())
+    ref = hf_greedy(path, PROMPTS, 16, use_cache=False)
     engine = make_engine(path, 1, block_size=BLOCK, local=True)
     try:
         assert engine.scheduler.sliding_window is None

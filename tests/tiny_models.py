@@ -331,8 +331,10 @@ def family_checkpoint(models_dir: Path, name: str) -> Path:
     return out
 
 
-def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy continuation, float32 on the CPU: the oracle."""
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
+              use_cache: bool = True) -> list[list[int]]:
+    """transformers' own greedy continuation, float32 on the CPU: the oracle. use_cache=False:
+    every step recomputes the whole sequence (the model alone, without generate's cache)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -345,7 +347,7 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=tok.pad_token_id,
-                                 min_new_tokens=max_new_tokens)
+                                 min_new_tokens=max_new_tokens, use_cache=use_cache)
         outs.append(gen[0, ids.shape[1]:].tolist() if not cfg.get("is_encoder_decoder")
                     else gen[0, 1:].tolist())
     return outs
