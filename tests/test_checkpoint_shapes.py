@@ -1,6 +1,8 @@
 """Checkpoints shaped unlike the fixtures of test_tp_families.py, against transformers
 (float32, CPU): tensor names without the "model." prefix (a decoder saved from its base
-model, as some conversions write them) and mT5 (T5 v1.1's layers under mT5's config class).
+model, as some conversions write them), mT5 (T5 v1.1's layers under mT5's config class) and
+a Gemma 3 config with an attention score cap (which transformers leaves unused), and a
+Llama of odd shapes saved in bfloat16 across several files.
 Loading checks compare each rank's parameters with the ones the prefixed file gives, which
 needs no Ray; one greedy run per case checks that transformers reads the file the same way."""
 
@@ -113,6 +115,71 @@ def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
     # Guards the oracle (UMT5 repeats one token after the one-token prompt "A").
     assert sum(len(set(t)) > 3 for t in ref) >= 3 and len({tuple(t) for t in ref}) == 4
     _matches(path, tp, ref, ref_logits, 16, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def gemma3_capped(models_dir):
+    """gemma3_config with both caps set low enough to bite where applied: transformers'
+    Gemma 3 caps the final logits but never the attention scores."""
+    from tiny_models import gemma3_config, save_model
+
+    cfg = gemma3_config(attn_logit_softcapping=4.0, final_logit_softcapping=15.0)
+    path = save_model(cfg, models_dir / "gemma3-capped", std=0.3, vector_std=0.1)
+    return path, hf_greedy(path, PROMPTS, 16), hf_last_logits(path, PROMPTS)
+
+
+def test_gemma3_oracle_ignores_the_score_cap_and_applies_the_logit_cap(gemma3_capped):
+    """Guards the oracle: dropping attn_logit_softcapping leaves transformers' logits as they
+    are, dropping final_logit_softcapping changes them (so both are checked below)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, ref, ref_logits = gemma3_capped
+    assert sum(len(set(t)) > 3 for t in ref) >= 3
+    tok = AutoTokenizer.from_pretrained(path)
+    for override, changes in (({"attn_logit_softcapping": None}, False),
+                              ({"final_logit_softcapping": None}, True)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     **override).eval()
+        with torch.no_grad():
+            got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+        diff = max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True))
+        assert (diff > 0.05) is changes, (override, diff)
+
+
+def test_gemma3_with_an_attention_cap_in_its_config_matches_transformers(gemma3_capped):
+    """tpserve capped Gemma 3's attention scores as Gemma 2's (prefill logits 5e-2 off)."""
+    path, ref, ref_logits = gemma3_capped
+    _matches(path, 1, ref, ref_logits, 16)
+
+
+@pytest.fixture(scope="module")
+def odd_llama(models_dir):
+    """One Llama with what the fixtures lack, together: hidden 96 with head_dim 32 (4 x 32 =
+    128 != 96), one KV head (replicated at tp = 2 and 4), biases on attention and MLP,
+    intermediate 200, a tied vocabulary of 1001 (padded at tp = 2 and 4), saved in bfloat16
+    (config.json says so) across several files with a model.safetensors.index.json."""
+    from tiny_models import llama_config, save_model
+
+    cfg = llama_config(hidden_size=96, intermediate_size=200, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=32, attention_bias=True, mlp_bias=True,
+                       vocab_size=1001, tie_word_embeddings=True)
+    path = save_model(cfg, models_dir / "llama-odd", std=0.3, vector_std=0.1,
+                      save_dtype=torch.bfloat16, max_shard_size="100KB")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path, hf_greedy(path, PROMPTS, 16), hf_last_logits(path, PROMPTS)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_of_odd_shapes_in_bfloat16_shards_matches_transformers(ray_cluster, odd_llama,
+                                                                      tp):
+    """Served in float32, as `--dtype auto` serves it on the CPU, against transformers'
+    float32 model of the same bfloat16 weights."""
+    from tpserve.cluster.device import resolve_dtype
+
+    path, ref, ref_logits = odd_llama
+    assert sum(len(set(t)) > 3 for t in ref) >= 3
+    assert resolve_dtype("auto", "cpu", "bfloat16")[0] == "float32"
+    _matches(path, tp, ref, ref_logits, 16)
 
 
 # Phi-3 long-context scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini): rotary frequencies divided

@@ -66,6 +66,31 @@ def test_mistral_window_matches_transformers(ray_cluster, mistral_dir, reference
         engine.shutdown()
 
 
+def test_blocks_stay_while_a_layer_reads_them(models_dir, tmp_path):
+    """A Gemma config.json carrying a `sliding_window` key: Gemma's layers (transformers' and
+    tpserve's) attend to every key, but the scheduler went by the key and freed the blocks
+    outside that window, which the layers then read. It now frees by the windows the model
+    built (each rank's load report). The reference decodes without transformers' cache, which
+    keeps only `sliding_window` keys whenever the key is set (DynamicCache), unlike the
+    model's own forward."""
+    import json
+    import shutil
+
+    from tiny_models import family_checkpoint
+
+    path = tmp_path / "gemma-window-key"
+    shutil.copytree(family_checkpoint(models_dir, "gemma"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": BLOCK}))
+    ref = hf_greedy(path, PROMPTS, 16, use_cache=False)
+    engine = make_engine(path, 1, block_size=BLOCK, local=True)
+    try:
+        assert engine.scheduler.sliding_window is None
+        assert greedy(engine, PROMPTS, 16) == ref
+    finally:
+        engine.shutdown()
+
+
 def _live(seq: Sequence) -> int:
     return sum(b >= 0 for b in seq.block_table)
 

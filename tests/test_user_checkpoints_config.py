@@ -1,6 +1,7 @@
 """config.json files shaped unlike the fixtures': one that names no `architectures` (a
 config written by hand or by a config class's own save_pretrained) is built from its
-model_type, as transformers' Auto classes do."""
+model_type, as transformers' Auto classes do, and so is one whose `architectures` names
+another served family than its model_type."""
 
 from __future__ import annotations
 
@@ -67,3 +68,80 @@ def test_kv_heads_that_cannot_shard_name_the_tps_that_work(heads, kv, tp, rule, 
     for needle in ("'model.layers.0.self_attn.k_proj.weight'", shape, f"tp={tp}", rule,
                    f"tp = {tps}."):
         assert needle in msg, msg
+
+
+def _relabelled(src, dst, arch: str):
+    """A copy of checkpoint src whose config.json names `arch` in `architectures`."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = [arch]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+# (family fixture, the architecture its config.json names instead): Qwen2's q/k/v biases
+# were dropped as unexpected tensors under Llama (wrong text, one warning); Qwen3 under
+# Qwen2 was refused at load for want of those biases.
+RELABELLED = [("qwen2", "LlamaForCausalLM"), ("qwen3", "Qwen2ForCausalLM")]
+
+
+@pytest.mark.parametrize(("family", "arch"), RELABELLED, ids=[f"{f}-as-{a}" for f, a in RELABELLED])
+def test_the_model_type_decides_the_family_as_in_transformers(models_dir, tmp_path, family,
+                                                             arch):
+    from tiny_models import family_checkpoint
+
+    src = family_checkpoint(models_dir, family)
+    path = _relabelled(src, tmp_path / f"{family}-as-{arch}", arch)
+    ref = hf_greedy(path, PROMPTS, 8)
+    assert ref == hf_greedy(src, PROMPTS, 8)  # transformers ignores the label
+    engine = make_engine(path, 1, local=True)
+    try:
+        assert greedy(engine, PROMPTS, 8) == ref
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(("model_type", "arch", "want"), [
+    ("umt5", "T5ForConditionalGeneration", "UMT5ForConditionalGeneration"),
+    ("mt5", "T5ForConditionalGeneration", "MT5ForConditionalGeneration"),
+    ("llama", "MistralForCausalLM", "LlamaForCausalLM")])
+def test_a_family_label_gives_way_to_the_model_type(model_type, arch, want):
+    """UMT5's per-layer relative biases and mT5's unscaled decoder output follow the
+    model_type, not a T5 label; so does Llama's lack of a window under a Mistral label."""
+    from transformers import CONFIG_MAPPING
+
+    assert model_class(CONFIG_MAPPING[model_type](architectures=[arch])).__name__ == want
+
+
+# (config builder kwargs, tp, what the refusal must say). Phi-3 stores q/k/v and gate/up
+# fused, so a refusal names qkv_proj / gate_up_proj (its whole shape), not the q_proj or
+# gate_proj its file does not have; a head count that tp does not divide lists the tps
+# that work for the KV heads too (3 divides 6 heads, but 2 KV heads do not shard over 3).
+PHI3_REFUSALS = [
+    (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2), 4,
+     ["'model.layers.0.self_attn.qkv_proj.weight'", "[160, 96]", "tp=4",
+      "attention heads = 6 is not divisible by 4", "tp = 1, 2 or 6."]),
+    (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2,
+     ["'model.layers.0.self_attn.qkv_proj.weight'", "[192, 96]", "tp=2",
+      "key/value heads = 3 is not divisible by 2", "tp = 1, 3 or 6."]),
+    (dict(intermediate_size=202), 4,
+     ["'model.layers.0.mlp.gate_up_proj.weight'", "[404, 64]", "tp=4",
+      "intermediate size = 202 is not divisible by 4"]),
+]
+
+
+@pytest.mark.parametrize(("kw", "tp", "needles"), PHI3_REFUSALS,
+                         ids=["heads", "kv-heads", "intermediate"])
+def test_phi3_refusals_name_its_fused_tensors(kw, tp, needles):
+    from tiny_models import phi3_config
+
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.errors import ShardingError
+    from tpserve.worker.build import check_shardable
+
+    cfg = EngineConfig(model=ModelConfig(path="u", model_id="u", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    with pytest.raises(ShardingError) as err:
+        check_shardable(cfg, phi3_config(**kw))
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)

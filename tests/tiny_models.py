@@ -295,10 +295,13 @@ def phi3_longrope_config(original: int = 32, max_positions: int = 256,
 
 
 def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
-               vector_std: float = 0.0, std: float = 0.08) -> Path:
+               vector_std: float = 0.0, std: float = 0.08, save_dtype: torch.dtype | None = None,
+               max_shard_size: str | None = None) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
     tokenizer; returns the directory. vector_std > 0 also perturbs 1-D parameters (biases,
-    norm weights), which transformers initialises to constants that would hide bugs."""
+    norm weights), which transformers initialises to constants that would hide bugs.
+    save_dtype: the weights (and config.json's dtype) in that dtype; max_shard_size: split
+    into several files with a model.safetensors.index.json, as large checkpoints are."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
@@ -313,7 +316,10 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
                 p.normal_(0.0, std)
             elif vector_std:
                 p.add_(torch.randn_like(p) * vector_std)
-    model.save_pretrained(out, safe_serialization=True)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **shards)
     text = config.get_text_config()  # the language model's (a vision-language config nests it)
     tok = build_tokenizer(min(vocab_for_tokenizer or text.vocab_size, text.vocab_size))
     tok.save_pretrained(out)
@@ -364,8 +370,10 @@ def family_checkpoint(models_dir: Path, name: str) -> Path:
     return out
 
 
-def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy continuation, float32 on the CPU: the oracle."""
+def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
+              use_cache: bool = True) -> list[list[int]]:
+    """transformers' own greedy continuation, float32 on the CPU: the oracle. use_cache=False:
+    every step recomputes the whole sequence (the model alone, without generate's cache)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -378,7 +386,7 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int) -> list[list[
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=tok.pad_token_id,
-                                 min_new_tokens=max_new_tokens)
+                                 min_new_tokens=max_new_tokens, use_cache=use_cache)
         outs.append(gen[0, ids.shape[1]:].tolist() if not cfg.get("is_encoder_decoder")
                     else gen[0, 1:].tolist())
     return outs

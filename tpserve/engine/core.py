@@ -134,7 +134,7 @@ class EngineCore:
         self.max_input_tokens = min(cfg.scheduler.max_input_tokens or self.max_model_len - 1,
                                     self.max_model_len - 1)
         self._start_executor(cfg)
-        window = getattr(self.hf_config, "sliding_window", None) if self._windowed() else None
+        window = self._common_window()
         self.scheduler = Scheduler(self._block_manager(window),
                                    cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens, window,
@@ -175,20 +175,19 @@ class EngineCore:
     def _block_manager(self, window: int | None) -> BlockManager:
         if not self.cfg.cache.prefix_caching:
             return BlockManager(self.num_blocks, self.cfg.cache.block_size)
-        if self.encoder_decoder or window or getattr(self.hf_config, "sliding_window", None):
+        if self.encoder_decoder or any(self.load_reports[0].windows):
             log.warning("--prefix-caching is off for this model: it covers decoder-only "
                         "models without a sliding window")
             return BlockManager(self.num_blocks, self.cfg.cache.block_size)
         log.info("prefix caching on: full KV blocks are shared across requests")
         return PrefixCachingBlockManager(self.num_blocks, self.cfg.cache.block_size)
 
-    def _windowed(self) -> bool:
-        """Blocks can leave the cache only when every layer uses the same window."""
-        w = getattr(self.hf_config, "sliding_window", None)
-        layer_types = getattr(self.hf_config, "layer_types", None)
-        if layer_types and any(t != "sliding_attention" for t in layer_types):
-            return False
-        return bool(w) and getattr(self.hf_config, "use_sliding_window", True) is not False
+    def _common_window(self) -> int | None:
+        """The window blocks may leave the cache by: the one every layer attends within, as
+        the model was built (rank 0's load report), not as config.json reads (transformers'
+        Llama ignores a sliding_window key there); None when any layer sees everything."""
+        windows = set(self.load_reports[0].windows)
+        return windows.pop() if len(windows) == 1 else None
 
     # --- requests -----------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -89,12 +89,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     shard_id i is the i-th projection as it is stored on disk."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
-                 prefix: str = "", part_names: list[str] | None = None) -> None:
+                 prefix: str = "", part_names: list[str] | None = None,
+                 what: str = "output features", disk_name: str | None = None) -> None:
+        """what: the size a refusal names; disk_name: the tensor holding every part where
+        the checkpoint stores them fused (Phi-3's gate_up_proj), which a refusal names."""
         tp = get_tp().size
         names = part_names or [str(i) for i in range(len(out_sizes))]
         for size, name in zip(out_sizes, names):
-            shard_size(size, tp, tensor=f"{prefix}.{name}.weight", what="output features",
-                       shape=(size, in_features))
+            tensor, shape = (f"{prefix}.{name}.weight", (size, in_features)) if disk_name is None \
+                else (f"{prefix}.{disk_name}.weight", (sum(out_sizes), in_features))
+            shard_size(size, tp, tensor=tensor, what=what, shape=shape)
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, prefix)
 
@@ -130,30 +134,36 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, prefix: str = "",
-                 part_names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")) -> None:
+                 part_names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj"),
+                 disk_name: str | None = None) -> None:
+        """disk_name: the one [q; k; v] tensor where the checkpoint stores them fused (Phi-3's
+        qkv_proj), which a refusal names instead of the parts."""
         tp = get_tp()
         self.head_dim = head_dim
         qn, kn, _ = part_names
-        self.num_heads = shard_size(num_heads, tp.size, tensor=f"{prefix}.{qn}.weight",
-                                    what="attention heads", shape=(num_heads * head_dim, hidden))
-        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
-            raise ShardingError(
-                f"cannot shard {f'{prefix}.{kn}.weight'!r} (shape "
-                f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: key/value heads = "
-                f"{num_kv_heads} is not divisible by {tp.size}. "
-                f"{_tps_that_work(num_heads, num_kv_heads)}")
+        q_tensor = (f"{prefix}.{qn}.weight", [num_heads * head_dim, hidden])
+        kv_tensor = (f"{prefix}.{kn}.weight", [num_kv_heads * head_dim, hidden])
+        if disk_name is not None:
+            q_tensor = kv_tensor = (f"{prefix}.{disk_name}.weight",
+                                    [(num_heads + 2 * num_kv_heads) * head_dim, hidden])
+
+        def refuse(tensor: tuple[str, list[int]], rule: str) -> ShardingError:
+            return ShardingError(f"cannot shard {tensor[0]!r} (shape {tensor[1]}) across "
+                                 f"tp={tp.size}: {rule}. {_tps_that_work(num_heads, num_kv_heads)}")
+
+        if num_heads % tp.size:
+            raise refuse(q_tensor, f"attention heads = {num_heads} is not divisible by {tp.size}")
+        self.num_heads = num_heads // tp.size
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = shard_size(num_kv_heads, tp.size, tensor=f"{prefix}.{kn}.weight",
-                                           what="key/value heads",
-                                           shape=(num_kv_heads * head_dim, hidden))
+            if num_kv_heads % tp.size:
+                raise refuse(kv_tensor, f"key/value heads = {num_kv_heads} is not divisible by "
+                                        f"{tp.size}")
+            self.num_kv_heads = num_kv_heads // tp.size
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
             if tp.size % num_kv_heads:
-                raise ShardingError(
-                    f"cannot shard {f'{prefix}.{kn}.weight'!r} (shape "
-                    f"{[num_kv_heads * head_dim, hidden]}) across tp={tp.size}: {num_kv_heads} "
-                    f"key/value heads can be replicated only when tp is a multiple of them. "
-                    f"{_tps_that_work(num_heads, num_kv_heads)}")
+                raise refuse(kv_tensor, f"{num_kv_heads} key/value heads can be replicated only "
+                                        "when tp is a multiple of them")
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         self.total_heads, self.total_kv_heads = num_heads, num_kv_heads

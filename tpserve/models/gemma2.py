@@ -34,14 +34,16 @@ def _cap(config, name: str) -> float | None:
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
-                 sliding_window: int | None, qk_norm: float | None = None) -> None:
+                 sliding_window: int | None, qk_norm: float | None = None,
+                 score_cap: bool = True) -> None:
+        """score_cap: cap the attention scores by attn_logit_softcapping where set."""
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         bias = bool(getattr(config, "attention_bias", False))
         scalar = getattr(config, "query_pre_attn_scalar", None)
         self.self_attn = LlamaAttention(
             config, layer, f"{prefix}.self_attn", max_positions, sliding_window, bias=bias,
-            o_bias=bias, softcap=_cap(config, "attn_logit_softcapping"),
+            o_bias=bias, softcap=_cap(config, "attn_logit_softcapping") if score_cap else None,
             scale=float(scalar) ** -0.5 if scalar else None, qk_norm=qk_norm)
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp")

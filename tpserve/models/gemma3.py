@@ -2,7 +2,8 @@
 a (1 + w) RMSNorm over each head's query and key before rotary, a window on most layers
 (config.layer_types: five windowed to one global in the released models) whose rotary uses
 a base frequency of its own (config.rope_parameters per layer type; LlamaModel keeps one
-table per type), and no caps in the released configs (Gemma 2's are honoured when set).
+table per type), and no attention score cap (transformers' Gemma 3 ignores
+attn_logit_softcapping; final_logit_softcapping is honoured when set, as there).
 The vision-language checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b and up) are
 served as text only: their language model, built from the config's text_config
 (hf_config.text_only), with the vision tower left out."""
@@ -30,7 +31,10 @@ def text_name(name: str) -> str:
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None) -> None:
-        super().__init__(config, layer, prefix, max_positions, sliding_window, qk_norm=1.0)
+        # No score cap: the query/key norms took its place, and transformers' Gemma 3 never
+        # passes attn_logit_softcapping to its attention (final_logit_softcapping it applies).
+        super().__init__(config, layer, prefix, max_positions, sliding_window, qk_norm=1.0,
+                         score_cap=False)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

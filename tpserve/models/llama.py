@@ -22,17 +22,19 @@ def head_dim_of(config) -> int:
 class LlamaAttention(nn.Module):
     """qk_norm: the weight offset of an RMSNorm over each head's query and key before rotary
     (0.0: Qwen3's; 1.0: Gemma 3's (1 + w) in float32); None: none. Its weight of head_dim
-    values is shared by the heads, so every rank holds it whole."""
+    values is shared by the heads, so every rank holds it whole. fused_on_disk: the
+    checkpoint stores q, k, v as one qkv_proj (Phi-3), which a sharding refusal names."""
 
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, bias: bool = False, o_bias: bool = False,
                  softcap: float | None = None, scale: float | None = None,
-                 qk_norm: float | None = None) -> None:
+                 qk_norm: float | None = None, fused_on_disk: bool = False) -> None:
         super().__init__()
         d = self.head_dim = head_dim_of(config)
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads, kv,
-                                          bias=bias, prefix=prefix)
+                                          bias=bias, prefix=prefix,
+                                          disk_name="qkv_proj" if fused_on_disk else None)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                         bias=o_bias,
                                         prefix=f"{prefix}.o_proj")
@@ -59,11 +61,13 @@ class LlamaAttention(nn.Module):
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, prefix: str,
-                 bias: bool = False) -> None:
+                 bias: bool = False, fused_on_disk: bool = False) -> None:
+        """fused_on_disk: the checkpoint stores gate and up as one gate_up_proj (Phi-3)."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
-                                                       bias=bias, prefix=prefix,
-                                                       part_names=["gate_proj", "up_proj"])
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], bias=bias, prefix=prefix,
+            part_names=["gate_proj", "up_proj"], what="intermediate size",
+            disk_name="gate_up_proj" if fused_on_disk else None)
         self.act = GatedActivation(act)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias,
                                            prefix=f"{prefix}.down_proj")
@@ -88,21 +92,23 @@ class LlamaDecoderLayer(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
                  qk_norm: float | None = None, mlp: nn.Module | None = None,
                  attn_scale: float | None = None, residual_scale: float = 1.0,
-                 make_norm=None) -> None:
+                 make_norm=None, fused_on_disk: bool = False) -> None:
         """mlp: the feed-forward block (Mixtral's experts, StarCoder2's plain MLP); the
         default is a GatedMLP. attn_scale: the attention scores' scale (Granite's
         attention_multiplier); None: 1 / sqrt(head_dim). residual_scale: each branch's
         output is multiplied by it before it joins the residual stream (Granite's
         residual_multiplier). make_norm: builds the two norms (StarCoder2's LayerNorm); the
-        default is the family's RMSNorm (rms_norm_maker), the only norm fold_norms folds."""
+        default is the family's RMSNorm (rms_norm_maker), the only norm fold_norms folds.
+        fused_on_disk: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
                                         sliding_window, bias=qkv_bias, o_bias=o_bias,
-                                        scale=attn_scale, qk_norm=qk_norm)
+                                        scale=attn_scale, qk_norm=qk_norm,
+                                        fused_on_disk=fused_on_disk)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
-            bias=getattr(config, "mlp_bias", False))
+            bias=getattr(config, "mlp_bias", False), fused_on_disk=fused_on_disk)
         make_norm = make_norm or rms_norm_maker(config, norm_offset)
         self.input_layernorm = make_norm()
         self.post_attention_layernorm = make_norm()
@@ -181,14 +187,16 @@ class LlamaModel(nn.Module):
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
                  qk_norm: float | None = None, make_layer=None, attn_scale: float | None = None,
-                 residual_scale: float = 1.0, make_norm=None) -> None:
+                 residual_scale: float = 1.0, make_norm=None,
+                 fused_on_disk: bool = False) -> None:
         super().__init__()
         make_norm = make_norm or rms_norm_maker(config, norm_offset)
         if make_layer is None:
             def make_layer(config, i, prefix, max_positions, window):
                 return LlamaDecoderLayer(config, i, prefix, max_positions, window, norm_offset,
                                          qkv_bias, o_bias, act, qk_norm, attn_scale=attn_scale,
-                                         residual_scale=residual_scale, make_norm=make_norm)
+                                         residual_scale=residual_scale, make_norm=make_norm,
+                                         fused_on_disk=fused_on_disk)
         n = config.num_hidden_layers
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

@@ -11,3 +11,8 @@ from tpserve.models.llama import LlamaForCausalLM
 class Phi3ForCausalLM(LlamaForCausalLM):
     # Checkpoint names already match the fused parameters: nothing to stack.
     stacked_params: list = []
+
+    @staticmethod
+    def model_kwargs(config) -> dict:
+        # A refusal to shard names qkv_proj / gate_up_proj, the tensors the file holds.
+        return {**LlamaForCausalLM.model_kwargs(config), "fused_on_disk": True}

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import logging
+
+log = logging.getLogger(__name__)
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "tpserve.models.llama:LlamaForCausalLM",
@@ -25,8 +28,8 @@ _MODELS: dict[str, str] = {
 }
 
 
-# The architecture a config.json that names none stands for, by its model_type (what
-# transformers' Auto classes go by).
+# The family of each model_type (what transformers' Auto classes go by): the architecture
+# of a config.json that names none, and the one served over another family's label.
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM", "t5": "T5ForConditionalGeneration",
@@ -48,11 +51,24 @@ def supported_architectures() -> list[str]:
 
 
 def model_class(config):
+    """The class that serves config. `architectures` must name a model tpserve serves (a
+    classification head is refused); the family is then the one of the config's model_type
+    where tpserve lists it: transformers' Auto classes build the model of the config class
+    and never read `architectures`, so a Qwen2 config labelled LlamaForCausalLM is a Qwen2
+    (its q/k/v biases count) and a UMT5 one labelled T5ForConditionalGeneration a UMT5."""
     archs = list(getattr(config, "architectures", None) or [])
-    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
-        archs = [_BY_MODEL_TYPE[config.model_type]]
+    by_type = _BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+    if not archs and by_type:
+        archs = [by_type]
     for arch in archs:
         if arch in _MODELS:
+            # Only a built-in family gives way; a class register()ed under its own name is
+            # what its checkpoints ask for.
+            if by_type and arch != by_type and arch in _BY_MODEL_TYPE.values():
+                log.warning("config.json names %s but its model_type %r is %s's: serving it "
+                            "as %s, as transformers does", arch, config.model_type, by_type,
+                            by_type)
+                arch = by_type
             module, _, attr = _MODELS[arch].partition(":")
             return getattr(importlib.import_module(module), attr)
     raise ValueError(

@@ -50,6 +50,9 @@ class LoadReport:
     passed_over: dict[str, str] = field(default_factory=dict)
     cache_bytes_per_block: int = 0
     cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "bfloat16" or "float8_e4m3fn"
+    # Each cache-owning attention layer's window (None: the whole sequence), as the model
+    # built it: what the scheduler may free blocks by.
+    windows: tuple[int | None, ...] = ()
 
 
 def _is_loopback(addr: str) -> bool:
@@ -197,7 +200,8 @@ class Worker:
         self.marks["weights"] = now()
         return LoadReport(self.rank, time.perf_counter() - t0, params, stats.read_bytes,
                           stats.full_bytes, self.backend.name, passed, self._bytes_per_block(),
-                          str(self.kv_dtype).replace("torch.", ""))
+                          str(self.kv_dtype).replace("torch.", ""),
+                          tuple(spec.sliding_window for spec in self.specs))
 
     def _attention_layers(self) -> list[AttentionLayer]:
         return [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
