@@ -135,10 +135,10 @@ REFUSED = [
       "expert intermediate size = 100 is not divisible by 8"]),
     ("Qwen3-30B-A3B", {"mlp_only_layers": [5], "intermediate_size": 6150}, 4,
      ["'model.layers.5.mlp.gate_proj.weight'", "[6150, 2048]", "tp=4",
-      "output features = 6150 is not divisible by 4"]),
+      "intermediate size = 6150 is not divisible by 4"]),
     ("Qwen1.5-MoE-A2.7B-Chat", {"shared_expert_intermediate_size": 5636}, 8,
      ["'model.layers.0.mlp.shared_expert.gate_proj.weight'", "[5636, 2048]", "tp=8",
-      "output features = 5636 is not divisible by 8"]),
+      "intermediate size = 5636 is not divisible by 8"]),
     # Synthetic head counts (24 heads, 6 KV heads) for the two KV-head rules.
     ("gemma-7b", {"num_attention_heads": 24, "num_key_value_heads": 6}, 4,
      ["'model.layers.0.self_attn.k_proj.weight'", "[1536, 3072]", "tp=4",

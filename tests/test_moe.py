@@ -152,7 +152,7 @@ def test_an_uneven_shared_expert_is_refused_at_start():
     with pytest.raises(ShardingError) as err:
         check_shardable(cfg, qwen2_moe_config(shared_expert_intermediate_size=66))
     for needle in ("'model.layers.1.mlp.shared_expert.gate_proj.weight'", "[66, 64]", "tp=4",
-                   "output features = 66 is not divisible by 4"):
+                   "intermediate size = 66 is not divisible by 4"):
         assert needle in str(err.value)
 
 
