@@ -31,9 +31,11 @@ from tpserve.errors import ShardingError
 from tpserve.worker.build import check_shardable
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
-                          "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe")
+                          "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
+                          "gpt-neox", "phi")
          for tp in (1, 2, 4)]
-CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2)]
+CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
+          ("gpt-neox-sequential", 2)]
 
 _refs: dict[str, tuple] = {}
 
@@ -196,10 +198,10 @@ def test_alibi_slopes_match_transformers(heads):
 
 
 def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
-    from tpserve.models.bloom import BloomQKVLinear
+    from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 
     with tp_context(1, 2), torch.device("meta"):
-        layer = BloomQKVLinear(64, 4, "transformer.h.0.self_attention.query_key_value")
+        layer = PerHeadQKVLinear(64, 4, "transformer.h.0.self_attention.query_key_value")
     bad = SimpleNamespace(name="transformer.h.0.self_attention.query_key_value.weight",
                           shape=(3 * 96, 64))
     with tp_context(1, 2), pytest.raises(ShardingError) as err:
