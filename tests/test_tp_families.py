@@ -35,7 +35,7 @@ CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3
                           "gpt-neox", "phi")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
-          ("gpt-neox-sequential", 2)]
+          ("gpt-neox-sequential", 2), ("phi-qk-norm", 2)]
 
 _refs: dict[str, tuple] = {}
 
@@ -94,7 +94,7 @@ FEATURES = [
     ("gpt-neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                       "partial_rotary_factor": 1.0}}),
     ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                 "partial_rotary_factor": 1.0}}),
+                                 "partial_rotary_factor": 1.0}}),    ("phi-qk-norm", {"qk_layernorm": False}),
 ]
 
 

@@ -394,6 +394,8 @@ FAMILY_CHECKPOINTS = {
     "gpt-neox-sequential": (lambda: gpt_neox_config(use_parallel_residual=False),
                             {"std": 0.3, "vector_std": 0.1}),
     "phi": (phi_config, {"std": 0.3, "vector_std": 0.1}),
+    # A LayerNorm over each head's query and key (off in the released Phi models).
+    "phi-qk-norm": (lambda: phi_config(qk_layernorm=True), {"std": 0.3, "vector_std": 0.1}),
 }
 
 
