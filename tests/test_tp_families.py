@@ -31,9 +31,11 @@ from tpserve.errors import ShardingError
 from tpserve.worker.build import check_shardable
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
-                          "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe")
+                          "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
+                          "gpt-neox", "phi")
          for tp in (1, 2, 4)]
-CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2)]
+CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
+          ("gpt-neox-sequential", 2), ("phi-qk-norm", 2)]
 
 _refs: dict[str, tuple] = {}
 
@@ -88,6 +90,11 @@ FEATURES = [
     ("starcoder2", {"sliding_window": None}),
     ("qwen3-moe", {"norm_topk_prob": False}), ("qwen3-moe", {"sliding_window": None}),
     ("qwen2-moe", {"norm_topk_prob": True}),
+    ("gpt-neox", {"use_parallel_residual": False}),
+    ("gpt-neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 1.0}}),
+    ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 1.0}}),    ("phi-qk-norm", {"qk_layernorm": False}),
 ]
 
 
@@ -97,8 +104,10 @@ def test_each_feature_changes_the_reference(family, name, override):
     """Guards the oracle: without Gemma 2's score cap, logit cap, query_pre_attn_scalar or
     window, Gemma 3's rotary base of its own for the windowed layers, any of Granite's four
     multipliers (attention_multiplier 0.25 is 1 / sqrt(head_dim), Llama's scale),
-    StarCoder2's window or Qwen3-MoE's, or with the other norm_topk_prob of either Qwen
-    MoE, transformers' own logits for the prompts change, so matching them checks each."""
+    StarCoder2's window or Qwen3-MoE's, with the other norm_topk_prob of either Qwen MoE,
+    with GPT-NeoX's layers sequential instead of parallel, or with GPT-NeoX's or Phi's
+    rotary over whole heads, transformers' own logits for the prompts change, so matching
+    them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
@@ -164,6 +173,33 @@ def test_phi3_rank_reads_its_slice_of_the_fused_tensors(checkpoint, tp):
         assert stats.fraction("model.layers.0.mlp.gate_up_proj.weight") == pytest.approx(1 / tp)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_neox_rank_reads_its_heads_of_query_key_value(checkpoint, tp):
+    """GPT-NeoX's query_key_value rows are [head, (q, k, v), head_dim], as Bloom's (its
+    attention views them so): rank r holds heads [r n, (r + 1) n), weight and bias, and
+    reads exactly 1/tp of each split tensor; the MLP by rows / columns, its down bias whole."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("gpt-neox")
+    full = load_file(str(path / "model.safetensors"))
+    pre, heads, d = "gpt_neox.layers.1", 4, 16
+    w = full[f"{pre}.attention.query_key_value.weight"].view(heads, 3, d, -1)
+    b = full[f"{pre}.attention.query_key_value.bias"].view(heads, 3, d)
+    for rank in range(tp):
+        model, stats = load_rank(path, rank, tp)
+        n, layer = heads // tp, model.gpt_neox.layers[1]
+        qkv = layer.attention.query_key_value
+        mine = slice(rank * n, (rank + 1) * n)
+        torch.testing.assert_close(qkv.weight.view(n, 3, d, -1), w[mine], rtol=0, atol=0)
+        torch.testing.assert_close(qkv.bias.view(n, 3, d), b[mine], rtol=0, atol=0)
+        torch.testing.assert_close(layer.mlp.dense_4h_to_h.bias,
+                                   full[f"{pre}.mlp.dense_4h_to_h.bias"], rtol=0, atol=0)
+        for name in ("attention.query_key_value.weight", "attention.query_key_value.bias",
+                     "attention.dense.weight", "mlp.dense_h_to_4h.weight",
+                     "mlp.dense_4h_to_h.weight"):
+            assert stats.fraction(f"{pre}.{name}") == pytest.approx(1 / tp), name
+
+
 def test_bloom_loads_names_without_the_transformer_prefix(checkpoint, tmp_path):
     """bigscience's own Bloom files name tensors "h.0...", "word_embeddings.weight" (no
     "transformer." prefix): the same weights load either way."""
@@ -196,10 +232,10 @@ def test_alibi_slopes_match_transformers(heads):
 
 
 def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
-    from tpserve.models.bloom import BloomQKVLinear
+    from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 
     with tp_context(1, 2), torch.device("meta"):
-        layer = BloomQKVLinear(64, 4, "transformer.h.0.self_attention.query_key_value")
+        layer = PerHeadQKVLinear(64, 4, "transformer.h.0.self_attention.query_key_value")
     bad = SimpleNamespace(name="transformer.h.0.self_attention.query_key_value.weight",
                           shape=(3 * 96, 64))
     with tp_context(1, 2), pytest.raises(ShardingError) as err:
@@ -209,7 +245,9 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
 
 
 @pytest.mark.parametrize(("name", "why"), [("granite", "scaled by 0.22 before the residual add"),
-                                           ("starcoder2", "LayerNorms: only an RMSNorm folds")])
+                                           ("starcoder2", "LayerNorms: only an RMSNorm folds"),
+                                           ("gpt-neox", "LayerNorms: only an RMSNorm folds"),
+                                           ("phi", "LayerNorms: only an RMSNorm folds")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -218,7 +256,7 @@ def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, wh
     model, _ = load_rank(checkpoint(name), 0, 1)
     before = {n: p.clone() for n, p in model.named_parameters()}
     assert why in model.fold_norms(need_gemv=False)
-    assert not model.model.norms_folded
+    assert not getattr(getattr(model, "model", None), "norms_folded", False)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, before[n], rtol=0, atol=0, msg=n)
 
@@ -252,6 +290,15 @@ REFUSED = [
     ("starcoder2", {"intermediate_size": 130}, 4,
      ["'model.layers.0.mlp.c_fc.weight'", "[130, 64]", "tp=4",
       "output features = 130 is not divisible by 4"]),
+    ("gpt-neox", {}, 3, ["'gpt_neox.layers.0.attention.query_key_value.weight'", "[192, 64]",
+                         "tp=3", "attention heads = 4 is not divisible by 3"]),
+    ("gpt-neox", {"intermediate_size": 130}, 4,
+     ["'gpt_neox.layers.0.mlp.dense_h_to_4h.weight'", "[130, 64]", "tp=4",
+      "output features = 130 is not divisible by 4"]),
+    ("phi", {}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=8",
+                    "attention heads = 4 is not divisible by 8"]),
+    ("phi", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.fc1.weight'", "[130, 64]",
+                                            "tp=4", "output features = 130 is not divisible by 4"]),
 ]
 
 

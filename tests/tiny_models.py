@@ -284,6 +284,39 @@ def starcoder2_config(**kw):
     return cfg
 
 
+def gpt_neox_config(**kw):
+    """GPT-NeoX / Pythia: per-head fused query_key_value (4 heads of 16, one per rank at
+    tp = 4), rotary on a quarter of each head (rotary_pct 0.25, as Pythia), LayerNorms and
+    a plain MLP with biases, exact GELU, untied embed_out; use_parallel_residual as given
+    (Pythia's and 20B's default True; gpt-neox-sequential: False)."""
+    from transformers import GPTNeoXConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512, rotary_pct=0.25,
+                hidden_act="gelu", use_parallel_residual=True, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GPTNeoXConfig(**args)
+    cfg.architectures = ["GPTNeoXForCausalLM"]
+    return cfg
+
+
+def phi_config(**kw):
+    """Phi-2: biases on q/k/v/dense, fc1/fc2 and the LM head, rotary on half of each head
+    (partial_rotary_factor 0.5), one LayerNorm feeding attention and MLP in parallel,
+    gelu_new; GQA (4 heads, 2 KV heads: transformers' Phi takes num_key_value_heads)."""
+    from transformers import PhiConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                partial_rotary_factor=0.5, hidden_act="gelu_new", tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = PhiConfig(**args)
+    cfg.architectures = ["PhiForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -357,6 +390,12 @@ FAMILY_CHECKPOINTS = {
                         {"std": 0.3, "vector_std": 0.1}),
     "qwen3-moe": (qwen3_moe_config, {"std": 0.3, "vector_std": 0.1}),
     "qwen2-moe": (qwen2_moe_config, {"std": 0.3, "vector_std": 0.1}),
+    "gpt-neox": (gpt_neox_config, {"std": 0.3, "vector_std": 0.1}),
+    "gpt-neox-sequential": (lambda: gpt_neox_config(use_parallel_residual=False),
+                            {"std": 0.3, "vector_std": 0.1}),
+    "phi": (phi_config, {"std": 0.3, "vector_std": 0.1}),
+    # A LayerNorm over each head's query and key (off in the released Phi models).
+    "phi-qk-norm": (lambda: phi_config(qk_layernorm=True), {"std": 0.3, "vector_std": 0.1}),
 }
 
 

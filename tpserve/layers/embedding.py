@@ -34,8 +34,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.load_rows
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
-        if w.shape[0] < self.vocab_size or w.shape[1] != param.shape[1]:
-            check_shape(param, (self.vocab_size, param.shape[1]), w.name)
+        # Rows of [vocab, hidden] or, for a head's bias (Phi), entries of [vocab].
+        if w.shape[0] < self.vocab_size or tuple(w.shape[1:]) != tuple(param.shape[1:]):
+            check_shape(param, (self.vocab_size, *param.shape[1:]), w.name)
         # Checkpoints may carry extra (padding) rows beyond config.vocab_size; ignore them.
         real = max(0, min(self.end, self.vocab_size) - self.start)
         param.data.zero_()

@@ -33,6 +33,17 @@ def layer_rope_parameters(config) -> dict[str, dict] | None:
     return out
 
 
+def partial_rotary_factor(config) -> float:
+    """The share of each head's dimensions that rotate (the first ones; the rest pass
+    through): partial_rotary_factor (Phi, Phi-3, and where transformers 5 keeps it, in
+    rope_parameters) or GPT-NeoX's rotary_pct in a config read without transformers; 1.0
+    when none is given."""
+    rope = rope_parameters(config)
+    return float(getattr(config, "partial_rotary_factor", None)
+                 or rope.get("partial_rotary_factor")
+                 or getattr(config, "rotary_pct", None) or 1.0)
+
+
 def inv_frequencies(rot_dim: int, params: dict) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rot_dim / 2], attention scaling applied to cos/sin)."""
     base = float(params["rope_theta"])

@@ -11,7 +11,12 @@ from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.quant.methods import Int4Method, UnquantizedMethod
-from tpserve.layers.rotary import RotaryEmbedding, layer_rope_parameters, rope_parameters
+from tpserve.layers.rotary import (
+    RotaryEmbedding,
+    layer_rope_parameters,
+    partial_rotary_factor,
+    rope_parameters,
+)
 from tpserve.models.loader import load_into, with_prefix
 
 
@@ -201,8 +206,7 @@ class LlamaModel(nn.Module):
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = rope_parameters(config)
-        partial = getattr(config, "partial_rotary_factor", None) \
-            or rope.get("partial_rotary_factor") or 1.0
+        partial = partial_rotary_factor(config)
         # One table for every layer, or one per layer type where the config gives each its
         # own (Gemma 3); each step gathers each table's cos/sin once (forward).
         by_type = layer_rope_parameters(config)

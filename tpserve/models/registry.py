@@ -25,6 +25,8 @@ _MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "tpserve.models.phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "tpserve.models.granite:GraniteForCausalLM",
     "Starcoder2ForCausalLM": "tpserve.models.starcoder2:Starcoder2ForCausalLM",
+    "GPTNeoXForCausalLM": "tpserve.models.gpt_neox:GPTNeoXForCausalLM",
+    "PhiForCausalLM": "tpserve.models.phi:PhiForCausalLM",
 }
 
 
@@ -39,6 +41,7 @@ _BY_MODEL_TYPE = {
     "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
     "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
 }
 
 

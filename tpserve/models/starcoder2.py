@@ -7,11 +7,7 @@ not fold into a projection: LlamaDecoderLayer.why_not_foldable)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from tpserve.layers.activation import get_activation
-from tpserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -25,28 +21,17 @@ def _layer_norm(config):
                              bias=_bias(config))
 
 
-class Starcoder2MLP(nn.Module):
-    """Not gated: c_fc split by rows, c_proj by columns (its bias added once, after the
-    all-reduce)."""
-
-    def __init__(self, config, prefix: str) -> None:
-        super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
-        self.c_fc = ColumnParallelLinear(hidden, inter, bias=_bias(config),
-                                         prefix=f"{prefix}.c_fc")
-        self.act = get_activation(getattr(config, "hidden_act", "gelu_pytorch_tanh"))
-        self.c_proj = RowParallelLinear(inter, hidden, bias=_bias(config),
-                                        prefix=f"{prefix}.c_proj")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+def _mlp(config, prefix: str) -> PlainMLP:
+    return PlainMLP(config.hidden_size, config.intermediate_size,
+                    getattr(config, "hidden_act", "gelu_pytorch_tanh"), prefix,
+                    names=("c_fc", "c_proj"), bias=_bias(config))
 
 
 def _make_layer(config, i: int, prefix: str, max_positions: int,
                 window: int | None) -> LlamaDecoderLayer:
     bias = _bias(config)
     return LlamaDecoderLayer(config, i, prefix, max_positions, window, qkv_bias=bias,
-                             o_bias=bias, mlp=Starcoder2MLP(config, f"{prefix}.mlp"),
+                             o_bias=bias, mlp=_mlp(config, f"{prefix}.mlp"),
                              make_norm=_layer_norm(config))
 
 

@@ -1,0 +1,122 @@
+"""GPT-NeoX (GPTNeoXForCausalLM: Pythia, GPT-NeoX-20B): a fused query_key_value laid out
+per head ([head, (q, k, v), head_dim], as Bloom's) with rotary on the first rotary_pct of
+each head's dimensions, LayerNorms with biases, a plain MLP dense_h_to_4h -> act ->
+dense_4h_to_h with biases, and an untied head `embed_out`. With use_parallel_residual
+(Pythia, 20B) attention and MLP both read the layer's input, each through its own norm, and
+both outputs join the stream; without it the MLP reads the stream after attention.
+
+No norm fold and no fused residual-add + RMSNorm: the norms are LayerNorms (mean and bias
+do not fold into a projection), and a parallel layer adds two branches to a stream that
+neither norm sees summed (fold_norms says so)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.layers.attention import PagedAttention
+from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.linear import RowParallelLinear
+from tpserve.layers.mlp import PlainMLP
+from tpserve.layers.norm import LayerNorm
+from tpserve.layers.per_head_qkv import PerHeadQKVLinear
+from tpserve.layers.quant.config import refuse_checkpoint_quant
+from tpserve.layers.rotary import RotaryEmbedding, partial_rotary_factor, rope_parameters
+from tpserve.models.loader import load_into
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, config, layer: int, prefix: str) -> None:
+        super().__init__()
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", True))
+        self.query_key_value = PerHeadQKVLinear(hidden, config.num_attention_heads,
+                                                f"{prefix}.query_key_value", bias=bias)
+        self.dense = RowParallelLinear(hidden, hidden, bias=bias, prefix=f"{prefix}.dense")
+        n, d = self.query_key_value.num_heads, self.query_key_value.head_dim
+        self.attn = PagedAttention(layer, n, n, d, d**-0.5)
+
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.query_key_value.split(self.query_key_value(x))
+        return self.dense(self.attn(q, k, v, rope=rope))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, config, layer: int, prefix: str) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.post_attention_layernorm = LayerNorm(hidden, eps)
+        self.attention = GPTNeoXAttention(config, layer, f"{prefix}.attention")
+        self.mlp = PlainMLP(hidden, config.intermediate_size, config.hidden_act, f"{prefix}.mlp",
+                            names=("dense_h_to_4h", "dense_4h_to_h"))
+        self.parallel_residual = bool(config.use_parallel_residual)
+
+    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        # Summed in transformers' order (mlp + attn + x), so float32 rounds alike.
+        attn = self.attention(rope, self.input_layernorm(x))
+        if self.parallel_residual:
+            return self.mlp(self.post_attention_layernorm(x)) + attn + x
+        x = attn + x
+        return self.mlp(self.post_attention_layernorm(x)) + x
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.embed_in = VocabParallelEmbedding(config.vocab_size, hidden)
+        self.rotary = RotaryEmbedding(hidden // config.num_attention_heads, max_positions,
+                                      rope_parameters(config), partial_rotary_factor(config))
+        self.layers = nn.ModuleList(GPTNeoXLayer(config, i, f"gpt_neox.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.final_layer_norm = LayerNorm(hidden, config.layer_norm_eps)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_in(ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(rope, x)
+        return self.final_layer_norm(x)
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        # The per-head query_key_value loads float rows only (as Bloom's).
+        refuse_checkpoint_quant("GPTNeoXForCausalLM")
+        self.config = config
+        self.gpt_neox = GPTNeoXModel(config, max_positions)
+        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tied(config):
+            self.embed_out.tie_to(self.gpt_neox.embed_in)
+
+    @staticmethod
+    def tied(config) -> bool:
+        return bool(getattr(config, "tie_word_embeddings", False))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.gpt_neox(ids, positions)
+
+    def fold_norms(self, need_gemv: bool = True) -> str | None:
+        """Never folds (the worker logs why): a LayerNorm's mean and bias do not fold into
+        the projection after it, as an RMSNorm's weight does."""
+        return "its norms are LayerNorms: only an RMSNorm folds"
+
+    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
+                       ) -> torch.Tensor | None:
+        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
+        return self.embed_out.compute_logits(hidden, to_first_rank)
+
+    def load_weights(self, tensors) -> None:
+        def rename(name: str) -> str:
+            # EleutherAI's files name the head embed_out; transformers 5 calls it lm_head in
+            # memory and writes that name with save_pretrained(save_original_format=False).
+            return "embed_out." + name.removeprefix("lm_head.") if name.startswith("lm_head.") \
+                else name
+
+        # attention.bias / masked_bias: the causal mask buffers older files carry.
+        skip = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
+        skip += ("embed_out.", "lm_head.") if self.tied(self.config) else ()
+        load_into(self, tensors, skip=skip, rename=rename)
