@@ -317,6 +317,21 @@ def phi_config(**kw):
     return cfg
 
 
+def olmo2_config(**kw):
+    """OLMo 2: norms after attention and after the MLP (none before), q_norm / k_norm over
+    every head's query (64 wide) and key (32 wide); GQA (4 heads, 2 KV heads of 16), so at
+    tp = 4 each KV head and its slice of k_norm sit on two ranks."""
+    from transformers import Olmo2Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Olmo2Config(**args)
+    cfg.architectures = ["Olmo2ForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -396,6 +411,7 @@ FAMILY_CHECKPOINTS = {
     "phi": (phi_config, {"std": 0.3, "vector_std": 0.1}),
     # A LayerNorm over each head's query and key (off in the released Phi models).
     "phi-qk-norm": (lambda: phi_config(qk_layernorm=True), {"std": 0.3, "vector_std": 0.1}),
+    "olmo2": (olmo2_config, {"std": 0.5, "vector_std": 0.1}),
 }
 
 

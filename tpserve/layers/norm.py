@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpserve.distributed import all_reduce
 from tpserve.kernels.fused_ops import add_rms_norm, plan_norm
-from tpserve.layers.sharding import copy_full
+from tpserve.layers.sharding import copy_full, copy_narrow, expect_shape
+from tpserve.weights import TensorSlice
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +50,37 @@ class RMSNorm(nn.Module):
             for rows in w.split(1024):
                 rows.copy_((rows.float() * g).to(w.dtype))
         self.weight.fill_(1.0 - self.offset)
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a vector of `total` features split across the tp ranks (OLMo 2's q_norm
+    and k_norm span every head's query or key, and each rank holds its heads only): this
+    rank holds features [start, start + width) and their weights. The mean square needs the
+    whole vector, so the ranks all-reduce their sums of squares (nothing on one rank), then
+    each normalises its own slice. counted=False: this rank's slice is a replica of one
+    another rank also holds (KV heads replicated when tp exceeds them); it adds zero so the
+    replicated features count once. The weight multiplies in float32 before the cast back
+    (OLMo 2's order)."""
+
+    def __init__(self, total: int, start: int, width: int, eps: float, counted: bool = True) -> None:
+        super().__init__()
+        self.total, self.start, self.width = total, start, width
+        self.eps, self.counted = eps, counted
+        self.weight = nn.Parameter(torch.empty(width), requires_grad=False)
+        self.weight.weight_loader = self.load_slice
+
+    def load_slice(self, param: nn.Parameter, w: TensorSlice) -> None:
+        expect_shape(w, (self.total,))
+        copy_narrow(param, w, 0, self.start, self.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if not self.counted:
+            squares = torch.zeros_like(squares)
+        squares = all_reduce(squares)
+        out = xf * torch.rsqrt(squares / self.total + self.eps) * self.weight.float()
+        return out.to(x.dtype)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -27,6 +27,7 @@ _MODELS: dict[str, str] = {
     "Starcoder2ForCausalLM": "tpserve.models.starcoder2:Starcoder2ForCausalLM",
     "GPTNeoXForCausalLM": "tpserve.models.gpt_neox:GPTNeoXForCausalLM",
     "PhiForCausalLM": "tpserve.models.phi:PhiForCausalLM",
+    "Olmo2ForCausalLM": "tpserve.models.olmo2:Olmo2ForCausalLM",
 }
 
 
@@ -41,7 +42,7 @@ _BY_MODEL_TYPE = {
     "mt5": "MT5ForConditionalGeneration", "umt5": "UMT5ForConditionalGeneration",
     "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
 }
 
 
