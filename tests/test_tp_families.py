@@ -247,7 +247,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize(("name", "why"), [("granite", "scaled by 0.22 before the residual add"),
                                            ("starcoder2", "LayerNorms: only an RMSNorm folds"),
                                            ("gpt-neox", "LayerNorms: only an RMSNorm folds"),
-                                           ("phi", "LayerNorms: only an RMSNorm folds")])
+                                           ("phi", "LayerNorms: only an RMSNorm folds"),
+                                           ("olmo2", "none feeds qkv_proj")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -299,6 +300,12 @@ REFUSED = [
                     "attention heads = 4 is not divisible by 8"]),
     ("phi", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.fc1.weight'", "[130, 64]",
                                             "tp=4", "output features = 130 is not divisible by 4"]),
+    ("olmo2", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=3",
+                      "attention heads = 4 is not divisible by 3"]),
+    ("olmo2", {"num_key_value_heads": 4}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "tp=8",
+                                              "attention heads = 4 is not divisible by 8"]),
+    ("olmo2", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.gate_proj.weight'",
+                                              "[130, 64]", "tp=4", "intermediate size = 130"]),
 ]
 
 
@@ -312,3 +319,70 @@ def test_impossible_tp_is_refused_at_start(name, overrides, tp, needles):
         check_shardable(cfg, FAMILY_CHECKPOINTS[name][0](**overrides))
     for needle in needles:
         assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_olmo2_rank_reads_its_slice_of_the_whole_width_qk_norms(checkpoint, tp):
+    """q_norm (64 wide: 4 heads of 16) and k_norm (32: 2 KV heads) span every head: a rank
+    holds the weights of its own heads' features, k_norm's replicated with its KV head at
+    tp = 4, and only the first rank of each KV head's replicas adds its sum of squares."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("olmo2")
+    full = load_file(str(path / "model.safetensors"))
+    pre, d = "model.layers.1.self_attn", 16
+    for rank in range(tp):
+        model, _ = load_rank(path, rank, tp)
+        attn = model.model.layers[1].self_attn
+        nq, kv0 = 4 // tp, rank * 2 // tp
+        torch.testing.assert_close(attn.q_norm.weight,
+                                   full[f"{pre}.q_norm.weight"][rank * nq * d:(rank + 1) * nq * d],
+                                   rtol=0, atol=0)
+        nkv = max(1, 2 // tp)
+        torch.testing.assert_close(attn.k_norm.weight,
+                                   full[f"{pre}.k_norm.weight"][kv0 * d:(kv0 + nkv) * d],
+                                   rtol=0, atol=0)
+        assert (attn.q_norm.total, attn.k_norm.total) == (64, 32)
+        assert attn.k_norm.counted == (tp == 2 or rank % 2 == 0)
+
+
+def test_sharded_rms_norm_on_one_rank_is_olmo2s_norm():
+    """A group of one: no all-reduce, and the norm is transformers' Olmo2RMSNorm."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from tpserve.layers.norm import ShardedRMSNorm
+
+    torch.manual_seed(0)
+    ref = Olmo2RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        ref.weight.normal_()
+    with tp_context(0, 1):
+        norm = ShardedRMSNorm(48, 0, 48, 1e-5)
+        norm.weight.data.copy_(ref.weight)
+        x = torch.randn(5, 48) * 3
+        torch.testing.assert_close(norm(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+def test_olmo2_whole_width_qk_norms_change_the_reference(family):
+    """Guards the oracle: with q_norm and k_norm taken per head (as Qwen3's) instead of over
+    the whole projection, transformers' logits for the prompts change, so the tp = 2 and 4
+    matches check that each rank's mean square covers every head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _, ref_logits = family("olmo2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def per_head(norm):
+        def forward(x):
+            heads = x.unflatten(-1, (-1, 16))
+            heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return heads.flatten(-2) * norm.weight
+        return forward
+
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.forward = per_head(layer.self_attn.q_norm)
+        layer.self_attn.k_norm.forward = per_head(layer.self_attn.k_norm)
+    with torch.no_grad():
+        got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+    assert max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True)) > 0.05
