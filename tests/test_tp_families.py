@@ -14,7 +14,9 @@ attention and MLP biases, StarCoder2's LayerNorm with biases, plain (non-gated) 
 biases, biased q/k/v/o, GQA and a window of 8 on every layer, tied and untied,
 Qwen3-MoE's experts renormalised (norm_topk_prob) on two layers around a dense one
 (mlp_only_layers) with a window on every layer, and Qwen2-MoE's experts not renormalised,
-with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases."""
+with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases,
+and OLMo 2's norms after each branch with q/k norms over the whole projections (sums of
+squares all-reduced; at tp = 4 a replicated KV head counted once)."""
 
 from __future__ import annotations
 
