@@ -267,6 +267,24 @@ def granite_config(**kw):
     return cfg
 
 
+def granite_moe_config(**kw):
+    """GraniteMoE: granite_config's four multipliers and attention biases with 4 experts of
+    64 (16 a rank at tp = 4), 2 per token, stored fused (input_linear [4, 128, 64] with gate
+    before up, output_linear [4, 64, 64]); GQA (4 heads, 2 KV heads)."""
+    from transformers import GraniteMoeConfig
+
+    args = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                num_experts_per_tok=2, max_position_embeddings=512,
+                embedding_multiplier=12.0, residual_multiplier=0.22,
+                attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GraniteMoeConfig(**args)
+    cfg.architectures = ["GraniteMoeForCausalLM"]
+    return cfg
+
+
 def starcoder2_config(**kw):
     """LayerNorm with a bias, biases on q/k/v/o and the plain c_fc -> tanh GELU -> c_proj
     MLP (use_bias), GQA (4 heads, 2 KV heads), a window of 8 on every layer (shorter than
@@ -412,6 +430,7 @@ FAMILY_CHECKPOINTS = {
     # A LayerNorm over each head's query and key (off in the released Phi models).
     "phi-qk-norm": (lambda: phi_config(qk_layernorm=True), {"std": 0.3, "vector_std": 0.1}),
     "olmo2": (olmo2_config, {"std": 0.5, "vector_std": 0.1}),
+    "granite-moe": (granite_moe_config, {"std": 0.5, "vector_std": 0.1}),
 }
 
 

@@ -39,7 +39,11 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  act: str, prefix: str, renormalize: bool = True,
-                 names: tuple[str, str, str] = ("w1", "w3", "w2")) -> None:
+                 names: tuple[str, str, str] = ("w1", "w3", "w2"),
+                 fused_names: tuple[str, str] | None = None) -> None:
+        """fused_names: where the checkpoint holds the experts only fused, the names of the
+        [experts, (gate; up), hidden] and [experts, hidden, intermediate] tensors under
+        prefix (GraniteMoE's input_linear.weight, output_linear.weight), which errors name."""
         super().__init__()
         tp = get_tp()
         if act not in _ACTS:
@@ -49,8 +53,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.act = num_experts, top_k, _ACTS[act]
         self.renormalize, self.prefix = renormalize, prefix
         self.names = dict(zip(PARTS, names, strict=True))
+        self.fused_names = fused_names
+        shape = (intermediate, hidden) if fused_names is None \
+            else (num_experts, 2 * intermediate, hidden)
         self.part = shard_size(intermediate, tp.size, tensor=self.tensor_name(0, "gate"),
-                               what="expert intermediate size", shape=(intermediate, hidden))
+                               what="expert intermediate size", shape=shape)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.gate.weight.weight_loader = copy_full
@@ -62,6 +69,8 @@ class SparseMoE(nn.Module):
         self.w13.optional = self.w2.optional = True
 
     def tensor_name(self, expert: int, part: str) -> str:
+        if self.fused_names is not None:
+            return f"{self.prefix}.{self.fused_names[part == 'down']}"
         return f"{self.prefix}.experts.{expert}.{self.names[part]}.weight"
 
     def load_expert(self, expert: int, part: str, w: TensorSlice) -> None:

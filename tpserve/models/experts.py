@@ -1,4 +1,5 @@
-"""Loading checkpoints of mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): which
+"""Loading checkpoints of mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE,
+GraniteMoE, whose files hold only the fused layout, as input_linear / output_linear): which
 layers are sparse, and the expert tensors taken out of the stream into each layer's SparseMoE
 in either layout a checkpoint may have:
 
@@ -41,11 +42,17 @@ class ExpertTensors:
     """blocks: the checkpoint's names of a layer's sparse block, as a regex alternative
     ("mlp"; Mixtral's per-expert tensors sit under "block_sparse_moe")."""
 
-    def __init__(self, layers: nn.ModuleList, blocks: str = "mlp") -> None:
+    def __init__(self, layers: nn.ModuleList, blocks: str = "mlp",
+                 fused_names: dict[str, str] | None = None) -> None:
+        """fused_names: other names of the fused tensors under the block, each mapped to
+        "gate_up_proj" or "down_proj" (GraniteMoE's input_linear.weight, output_linear.weight)."""
         self.layers = layers
         layer = r"(?:model\.)?layers\.(\d+)"  # "model." may be missing (loader.with_prefix)
         self.per_expert = re.compile(rf"{layer}\.(?:{blocks})\.experts\.(\d+)\.(\w+)\.weight$")
-        self.fused = re.compile(rf"{layer}\.(?:{blocks})\.experts\.(gate_up_proj|down_proj)$")
+        self.fused_names = {"experts.gate_up_proj": "gate_up_proj",
+                            "experts.down_proj": "down_proj", **(fused_names or {})}
+        names = "|".join(re.escape(n) for n in self.fused_names)
+        self.fused = re.compile(rf"{layer}\.(?:{blocks})\.({names})$")
         self.seen: set[tuple[int, int, str]] = set()
 
     def moe(self, i: int, w: TensorSlice) -> SparseMoE:
@@ -72,19 +79,20 @@ class ExpertTensors:
                 moe.load_expert(e, part, w)
                 self.seen.add((i, e, part))
             elif m := self.fused.match(w.name):
-                i, moe = int(m[1]), self.moe(int(m[1]), w)
-                moe.load_fused(m[2], w)
-                parts = ("down",) if m[2] == "down_proj" else ("gate", "up")
+                i, moe, which = int(m[1]), self.moe(int(m[1]), w), self.fused_names[m[2]]
+                moe.load_fused(which, w)
+                parts = ("down",) if which == "down_proj" else ("gate", "up")
                 self.seen.update((i, e, p) for e in range(moe.num_experts) for p in parts)
             else:
                 yield w
 
     def check(self) -> None:
         """Every expert of every sparse layer loaded, or a CheckpointError naming those not."""
-        missing = [layer.mlp.tensor_name(e, p) for i, layer in enumerate(self.layers)
+        # dict.fromkeys: a fused tensor is every expert's, named once.
+        missing = [*dict.fromkeys(layer.mlp.tensor_name(e, p) for i, layer in enumerate(self.layers)
                    if isinstance(layer.mlp, SparseMoE)
                    for e in range(layer.mlp.num_experts) for p in PARTS
-                   if (i, e, p) not in self.seen]
+                   if (i, e, p) not in self.seen)]
         if missing:
             raise CheckpointError(f"checkpoint has no weights for {len(missing)} expert "
                                   f"tensors: {', '.join(missing[:8])}"

@@ -28,6 +28,7 @@ _MODELS: dict[str, str] = {
     "GPTNeoXForCausalLM": "tpserve.models.gpt_neox:GPTNeoXForCausalLM",
     "PhiForCausalLM": "tpserve.models.phi:PhiForCausalLM",
     "Olmo2ForCausalLM": "tpserve.models.olmo2:Olmo2ForCausalLM",
+    "GraniteMoeForCausalLM": "tpserve.models.granite_moe:GraniteMoeForCausalLM",
 }
 
 
@@ -43,6 +44,7 @@ _BY_MODEL_TYPE = {
     "granite": "GraniteForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 
 
