@@ -78,6 +78,7 @@ def _tensors(path):
     ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
     ("qwen3-moe", "model.layers.2.mlp.experts.7.down_proj.weight"),
     ("qwen2-moe", "model.layers.3.mlp.experts.5.up_proj.weight"),
+    ("granite-moe", "model.layers.1.block_sparse_moe.output_linear.weight"),
 ])
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(models_dir, name, gone):
     path = family_checkpoint(models_dir, name)
@@ -126,6 +127,37 @@ def test_fused_experts_load_the_same_slices(models_dir, tmp_path, name):
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
         for n in stacked:
             assert stats.fraction(n) == pytest.approx(1 / 2), n
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_granite_moe_rank_reads_its_rows_of_input_linear(models_dir, tmp_path, tp):
+    """GraniteMoE's files hold the experts fused only: input_linear [experts, (gate; up),
+    hidden] gives each rank its gate rows then its up rows, output_linear its columns, each
+    1/tp read, the router (router.layer) whole; transformers 5's own layout of the same
+    weights (experts.gate_up_proj, experts.down_proj, router.weight) loads the same."""
+    from safetensors.torch import load_file
+
+    path = family_checkpoint(models_dir, "granite-moe")
+    full = load_file(str(path / "model.safetensors"))
+    pre, inter = "model.layers.1.block_sparse_moe", 64
+    w_in, w_out = full[f"{pre}.input_linear.weight"], full[f"{pre}.output_linear.weight"]
+    renamed = _save_fused(path, tmp_path / "granite-moe")
+    assert f"{pre}.experts.gate_up_proj" in load_file(str(renamed / "model.safetensors"))
+    for rank in range(tp):
+        model, stats = load_rank(path, rank, tp)
+        moe, n = model.model.layers[1].mlp, inter // tp
+        rows = slice(rank * n, (rank + 1) * n)
+        want = torch.cat([w_in[:, rows], w_in[:, inter:][:, rows]], dim=1)
+        torch.testing.assert_close(moe.w13, want, rtol=0, atol=0)
+        torch.testing.assert_close(moe.w2, w_out[:, :, rows], rtol=0, atol=0)
+        torch.testing.assert_close(moe.gate.weight, full[f"{pre}.router.layer.weight"],
+                                   rtol=0, atol=0)
+        for name in ("input_linear.weight", "output_linear.weight"):
+            assert stats.fraction(f"{pre}.{name}") == pytest.approx(1 / tp), name
+        got, _ = load_rank(renamed, rank, tp)
+        for (name, a), (_, b) in zip(model.named_parameters(), got.named_parameters(),
+                                     strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

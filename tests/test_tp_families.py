@@ -89,6 +89,7 @@ FEATURES = [
     ("gemma3", {"query_pre_attn_scalar": 32}), ("gemma3", {"sliding_window": 4096}),
     ("granite", {"embedding_multiplier": 1.0}), ("granite", {"residual_multiplier": 1.0}),
     ("granite", {"attention_multiplier": 0.25}), ("granite", {"logits_scaling": 1.0}),
+    ("granite-moe", {"residual_multiplier": 1.0}), ("granite-moe", {"num_experts_per_tok": 1}),
     ("starcoder2", {"sliding_window": None}),
     ("qwen3-moe", {"norm_topk_prob": False}), ("qwen3-moe", {"sliding_window": None}),
     ("qwen2-moe", {"norm_topk_prob": True}),
@@ -250,7 +251,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("starcoder2", "LayerNorms: only an RMSNorm folds"),
                                            ("gpt-neox", "LayerNorms: only an RMSNorm folds"),
                                            ("phi", "LayerNorms: only an RMSNorm folds"),
-                                           ("olmo2", "none feeds qkv_proj")])
+                                           ("olmo2", "none feeds qkv_proj"),
+                                           ("granite-moe", "scaled by 0.22")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -306,6 +308,9 @@ REFUSED = [
                       "attention heads = 4 is not divisible by 3"]),
     ("olmo2", {"num_key_value_heads": 4}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "tp=8",
                                               "attention heads = 4 is not divisible by 8"]),
+    ("granite-moe", {"intermediate_size": 66}, 4,
+     ["'model.layers.0.block_sparse_moe.input_linear.weight'", "[4, 132, 64]", "tp=4",
+      "expert intermediate size = 66 is not divisible by 4"]),
     ("olmo2", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.gate_proj.weight'",
                                               "[130, 64]", "tp=4", "intermediate size = 130"]),
 ]
