@@ -15,6 +15,7 @@ biases, biased q/k/v/o, GQA and a window of 8 on every layer, tied and untied,
 Qwen3-MoE's experts renormalised (norm_topk_prob) on two layers around a dense one
 (mlp_only_layers) with a window on every layer, and Qwen2-MoE's experts not renormalised,
 with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases,
+GraniteMoE's multipliers with fused experts (input_linear gate;up, output_linear),
 and OLMo 2's norms after each branch with q/k norms over the whole projections (sums of
 squares all-reduced; at tp = 4 a replicated KV head counted once)."""
 
