@@ -47,9 +47,8 @@ class Olmo2Attention(LlamaAttention):
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None) -> None:
+        """sliding_window: always None (Olmo2ForCausalLM.sliding_window; OLMo 2 has none)."""
         super().__init__()
-        if sliding_window:
-            raise ValueError("OLMo 2 has no sliding window; config.json sets one")
         self.self_attn = Olmo2Attention(config, layer, f"{prefix}.self_attn", max_positions)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             f"{prefix}.mlp")
