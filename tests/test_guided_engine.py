@@ -264,3 +264,34 @@ def test_an_eos_id_past_the_tokenizer_does_not_break_every_grammar(llama_dir):
     assert vocab.eos_ids == [tok.eos_token_id] and vocab.n_vocab == past + 10
     matcher = Grammars(vocab).matcher(SPECS["regex"])  # compiles: no ValidationError
     assert matcher is not None
+
+
+def test_an_llguidance_without_eos_lists_gets_the_first_eos_id(llama_dir, monkeypatch):
+    """llguidance 1.6 takes one EOS id, not a list (a GPU machine's preinstalled copy refused
+    every guided request with a TypeError): the tokenizer is built with the first id, and a
+    grammar still ends on it."""
+    import llguidance
+    from transformers import AutoTokenizer
+
+    from tpserve.engine.guided import Grammars, GuidedVocab
+
+    real, seen = llguidance.LLTokenizer, []
+
+    def one_id_only(text, n_vocab=None, eos_token=None):
+        seen.append(eos_token)
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an "
+                            "integer")
+        return real(text, n_vocab=n_vocab, eos_token=eos_token)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", one_id_only)
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    eos = [tok.eos_token_id, tok.bos_token_id]
+    vocab = GuidedVocab.from_tokenizer(tok, len(tok), eos)
+    matcher = Grammars(vocab).matcher(GuidedSpec("regex", "ab", "grammar"))
+    assert seen == [sorted(eos), sorted(eos)[0]]
+    for token_id in tok.encode("ab", add_special_tokens=False):
+        assert matcher.accept(token_id), matcher.error
+    first = sorted(eos)[0]
+    words = matcher.mask().view(np.uint32)
+    assert words[first // 32] >> (first % 32) & 1  # the grammar may end on the first EOS

@@ -93,8 +93,16 @@ class GuidedVocab:
         with self._lock:
             if self._built is None:
                 ll = _library()
-                self._built = ll.LLTokenizer(self.tokenizer_json, n_vocab=self.n_vocab,
-                                             eos_token=self.eos_ids or None)
+                try:
+                    self._built = ll.LLTokenizer(self.tokenizer_json, n_vocab=self.n_vocab,
+                                                 eos_token=self.eos_ids or None)
+                except TypeError:
+                    # llguidance before lists of EOS ids (1.6 takes one int; found on a
+                    # GPU machine's preinstalled copy): the first EOS id ends a grammar,
+                    # the others stay forbidden in guided rows.
+                    self._built = ll.LLTokenizer(
+                        self.tokenizer_json, n_vocab=self.n_vocab,
+                        eos_token=self.eos_ids[0] if self.eos_ids else None)
             return self._built
 
     @property
