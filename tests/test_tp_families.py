@@ -394,3 +394,39 @@ def test_olmo2_whole_width_qk_norms_change_the_reference(family):
     with torch.no_grad():
         got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
     assert max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True)) > 0.05
+
+
+@pytest.mark.parametrize(("name", "layer_class", "per_layer"), [
+    ("gpt-neox", "GPTNeoXLayer", 1), ("gpt-neox-sequential", "GPTNeoXLayer", 2),
+    ("phi", "PhiDecoderLayer", 1), ("olmo2", "Olmo2DecoderLayer", 3)])
+def test_collectives_per_layer(family, monkeypatch, name, layer_class, per_layer):
+    """A parallel layer (GPT-NeoX, Phi) all-reduces its attention and MLP partial sums
+    together, once, and OLMo 2's q and k norms share one all-reduce of their sums of
+    squares: at one decode row under tp a collective costs its latency, so each saved one is
+    a layer's worth of it. Counted in-process at tp = 1 (all_reduce is called there too; it
+    returns at once), with the served output still transformers' (the tp = 1, 2, 4 cases
+    above check the numbers across ranks)."""
+    import tpserve.layers.linear as linear
+    import tpserve.layers.norm as norm
+
+    path, ref_tokens, ref_logits = family(name)
+    engine = make_engine(path, 1, local=True)
+    calls, layers = [0], [0]
+
+    def counted(x):
+        calls[0] += 1
+        return x
+
+    def count_layer(module, args):
+        layers[0] += type(module).__name__ == layer_class
+
+    monkeypatch.setattr(linear, "all_reduce", counted)
+    monkeypatch.setattr(norm, "all_reduce", counted)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_layer)
+    try:
+        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
+    finally:
+        hook.remove()
+        engine.shutdown()
+    assert layers[0] > 0
+    assert calls[0] == per_layer * layers[0], (calls[0], layers[0])

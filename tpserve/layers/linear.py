@@ -236,3 +236,15 @@ class RowParallelLinear(nn.Module):
         """This rank's partial sum, neither reduced nor biased: for a block that adds it to
         other partial sums and all-reduces them once (Qwen2-MoE's shared expert)."""
         return self.method.apply(self, x)
+
+
+def row_parallel_sum(*branches: tuple[RowParallelLinear, torch.Tensor]) -> torch.Tensor:
+    """The sum of several row-parallel projections, each (layer, its input), with one
+    all-reduce: a parallel layer's attention and MLP outputs (GPT-NeoX, Phi) both join the
+    stream, so their partial sums are added on each rank and reduced once, then each bias is
+    added once. At one decode row a collective costs its latency, so this halves a layer's."""
+    y = all_reduce(sum(layer.partial(x) for layer, x in branches))
+    for layer, _ in branches:
+        if layer.bias is not None:
+            y = y + layer.bias
+    return y

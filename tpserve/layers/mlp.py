@@ -33,4 +33,8 @@ class PlainMLP(nn.Module):
         return getattr(self, self.down_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))
+        return self.down(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation between the projections (this rank's columns): down's input."""
+        return self.act(self.up(x))

@@ -73,14 +73,27 @@ class ShardedRMSNorm(nn.Module):
         expect_shape(w, (self.total,))
         copy_narrow(param, w, 0, self.start, self.width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        squares = xf.pow(2).sum(-1, keepdim=True)
-        if not self.counted:
-            squares = torch.zeros_like(squares)
-        squares = all_reduce(squares)
-        out = xf * torch.rsqrt(squares / self.total + self.eps) * self.weight.float()
+    def squares(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of each row's sum of squares (float32, [rows, 1])."""
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        return squares if self.counted else torch.zeros_like(squares)
+
+    def scale(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """x normalised by the whole vector's sum of squares (all ranks' shares summed)."""
+        out = x.float() * torch.rsqrt(squares / self.total + self.eps) * self.weight.float()
         return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(x, all_reduce(self.squares(x)))
+
+
+def sharded_rms_norms(pairs: tuple[tuple[ShardedRMSNorm, torch.Tensor], ...]
+                      ) -> list[torch.Tensor]:
+    """Several ShardedRMSNorms of the same rows with one all-reduce for all their sums of
+    squares (OLMo 2's q_norm and k_norm: one collective a layer instead of two; at one
+    decode row a collective's latency, not its bytes, is the cost)."""
+    squares = all_reduce(torch.cat([norm.squares(x) for norm, x in pairs], dim=-1))
+    return [norm.scale(x, squares[..., i:i + 1]) for i, (norm, x) in enumerate(pairs)]
 
 
 class LayerNorm(nn.LayerNorm):

@@ -16,7 +16,7 @@ from torch import nn
 
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tpserve.layers.linear import RowParallelLinear
+from tpserve.layers.linear import RowParallelLinear, row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
@@ -38,8 +38,12 @@ class GPTNeoXAttention(nn.Module):
         self.attn = PagedAttention(layer, n, n, d, d**-0.5)
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.heads(rope, x))
+
+    def heads(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' attention output, before `dense`."""
         q, k, v = self.query_key_value.split(self.query_key_value(x))
-        return self.dense(self.attn(q, k, v, rope=rope))
+        return self.attn(q, k, v, rope=rope)
 
 
 class GPTNeoXLayer(nn.Module):
@@ -54,11 +58,12 @@ class GPTNeoXLayer(nn.Module):
         self.parallel_residual = bool(config.use_parallel_residual)
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        # Summed in transformers' order (mlp + attn + x), so float32 rounds alike.
-        attn = self.attention(rope, self.input_layernorm(x))
         if self.parallel_residual:
-            return self.mlp(self.post_attention_layernorm(x)) + attn + x
-        x = attn + x
+            # Both branches' partial sums reduced in one all-reduce (row_parallel_sum).
+            attn = self.attention.heads(rope, self.input_layernorm(x))
+            mlp = self.mlp.hidden(self.post_attention_layernorm(x))
+            return row_parallel_sum((self.attention.dense, attn), (self.mlp.down, mlp)) + x
+        x = self.attention(rope, self.input_layernorm(x)) + x
         return self.mlp(self.post_attention_layernorm(x)) + x
 
 

@@ -56,12 +56,18 @@ class LlamaAttention(nn.Module):
                 rms_eps: float | None = None) -> torch.Tensor:
         """rms_eps: x is the residual stream, normalised inside qkv_proj (the input norm
         folded into it, LlamaDecoderLayer.forward_folded)."""
+        return self.o_proj(self.heads(rope, x, rms_eps))
+
+    def heads(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+              rms_eps: float | None = None) -> torch.Tensor:
+        """This rank's heads' attention output, before o_proj (for a layer that reduces
+        o_proj's partial sums together with another branch's: Phi)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x, rms_eps))
         if self.q_norm is not None:
             d = self.head_dim
             q = self.q_norm(q.reshape(-1, d)).view(q.shape)
             k = self.k_norm(k.reshape(-1, d)).view(k.shape)
-        return self.o_proj(self.attn(q, k, v, rope=rope))
+        return self.attn(q, k, v, rope=rope)
 
 
 class GatedMLP(nn.Module):

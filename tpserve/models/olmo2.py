@@ -3,7 +3,8 @@ reads the layer's input; the attention output and the MLP output are each normal
 (post_attention_layernorm, post_feedforward_layernorm) before they join the residual stream.
 q_norm and k_norm are RMSNorms over the whole query and key projections (every head at once,
 num_heads * head_dim and num_key_value_heads * head_dim wide), applied before rotary, so under
-tensor parallelism each rank's mean square takes an all-reduce (layers/norm.ShardedRMSNorm).
+tensor parallelism each rank's mean square takes an all-reduce (layers/norm.ShardedRMSNorm;
+q's and k's sums of squares travel in one).
 Its RMSNorms multiply the weight in float32 before the cast back (Gemma's order, no offset).
 attention_bias puts biases on q, k, v and o (off in the released models).
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from tpserve.distributed import get_tp
-from tpserve.layers.norm import RMSNorm, ShardedRMSNorm
+from tpserve.layers.norm import RMSNorm, ShardedRMSNorm, sharded_rms_norms
 from tpserve.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM
 
 
@@ -41,7 +42,8 @@ class Olmo2Attention(LlamaAttention):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        return self.o_proj(self.attn(self.q_norm(q), self.k_norm(k), v, rope=rope))
+        q, k = sharded_rms_norms(((self.q_norm, q), (self.k_norm, k)))
+        return self.o_proj(self.attn(q, k, v, rope=rope))
 
 
 class Olmo2DecoderLayer(nn.Module):

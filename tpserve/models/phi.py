@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpserve.layers.embedding import ParallelLMHead
+from tpserve.layers.linear import row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.quant.config import refuse_checkpoint_quant
@@ -57,7 +58,9 @@ class PhiDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        return self.self_attn(rope, h) + self.mlp(h), residual
+        # Both branches' partial sums reduced in one all-reduce (row_parallel_sum).
+        return row_parallel_sum((self.self_attn.o_proj, self.self_attn.heads(rope, h)),
+                                (self.mlp.down, self.mlp.hidden(h))), residual
 
 
 def _make_layer(config, i: int, prefix: str, max_positions: int,
