@@ -1,6 +1,7 @@
 """Weight-only quantized matmuls on a GPU at the Llama-3-8B layer shapes: bf16 (torch) next
-to int4 (held K-contiguous, as layers hold it for Triton) and fp8 (Triton, and the torch
-reference), per layer and summed over one decoder layer x 32, for decode-sized batches.
+to int4 (held K-contiguous, as layers hold it for Triton) and fp8 with per-channel and with
+128 x 128 block scales (Triton, and the torch reference), per layer and summed over one
+decoder layer x 32, for decode-sized batches.
 
     python3 benchmarks/quant_bench.py --out results/   # needs CUDA; writes markdown + JSON
     python3 benchmarks/quant_bench.py --out results/ --tiles OUT/quant_tiles.json  # a sweep's
@@ -29,6 +30,7 @@ LAYERS = (("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up_proj", 409
 NUM_LAYERS = 32
 BATCHES = (1, 4, 16, 64, 256)
 GROUP = 128
+FP8_BLOCK = (128, 128)  # weight_block_size of the official FP8 releases (Qwen3-8B-FP8 ...)
 
 
 def tensors(k: int, n: int, dev: torch.device, dt: torch.dtype):
@@ -41,14 +43,18 @@ def tensors(k: int, n: int, dev: torch.device, dt: torch.dtype):
     w_fp8 = (torch.randn(n, k, device=dev, generator=g) * 100).clamp(-448, 448).to(
         torch.float8_e4m3fn)
     fp8_scale = torch.rand(n, device=dev, generator=g) * 1e-3
-    return qweight, scales, zeros, w_bf16, w_fp8, fp8_scale
+    blocks = (-(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+    fp8_blocks = torch.rand(*blocks, device=dev, generator=g) * 1e-3 + 1e-4
+    return qweight, scales, zeros, w_bf16, w_fp8, (fp8_scale, fp8_blocks)
 
 
 def check(tri, ref, x, qw, s, z, w8, s8) -> str:
     """Triton against the torch reference at this shape; '' when they agree."""
     for label, a, b in (
             ("int4", tri.int4_matmul(x, qw, s, z, GROUP), ref.int4_matmul(x, qw, s, z, GROUP)),
-            ("fp8", tri.fp8_matmul(x, w8, s8), ref.fp8_matmul(x, w8, s8))):
+            ("fp8", tri.fp8_matmul(x, w8, s8[0]), ref.fp8_matmul(x, w8, s8[0])),
+            ("fp8-block", tri.fp8_matmul(x, w8, s8[1], FP8_BLOCK),
+             ref.fp8_matmul(x, w8, s8[1], FP8_BLOCK))):
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         if not err < 2e-2:
             return f"{label}: relative error {err:.3g}"
@@ -72,7 +78,8 @@ def time_all(tri, ref, x, qw, s, z, wb, w8, s8) -> dict[str, float]:
     fns = {
         "bf16": lambda: torch.nn.functional.linear(x, wb),
         "int4": lambda: tri.int4_matmul(x, qw, s, z, GROUP),
-        "fp8": lambda: tri.fp8_matmul(x, w8, s8),
+        "fp8": lambda: tri.fp8_matmul(x, w8, s8[0]),
+        "fp8-block": lambda: tri.fp8_matmul(x, w8, s8[1], FP8_BLOCK),
         "int4-torch-ref": lambda: ref.int4_matmul(x, qw, s, z, GROUP),
     }
     return {key: do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if tri.int4_k_contiguous:  # the memory order layers give the kernel (base.py)
             qw = qw.t().contiguous().t()
         by = {"bf16": wb.numel() * 2, "int4": qw.numel() * 4 + s.numel() * 2 + z.numel() * 2,
-              "fp8": w8.numel() + s8.numel() * 4}
+              "fp8": w8.numel() + s8[0].numel() * 4}
         for m in BATCHES:
             x = torch.randn(m, k, device=dev, dtype=dt)
             err = check(tri, ref, x, qw, s, z, w8, s8)
@@ -121,17 +128,21 @@ def main(argv: list[str] | None = None) -> int:
                 totals[(m, key)] = totals.get((m, key), 0.0) + t * NUM_LAYERS
             results.append({"layer": name, "K": k, "N": n, "M": m, **ms})
             rows.append(f"| {name} | {k} x {n} | {m} | {ms['bf16']:.4f} | {ms['int4']:.4f} | "
-                        f"{ms['fp8']:.4f} | {ms['int4'] / ms['bf16']:.2f} | "
+                        f"{ms['fp8']:.4f} | {ms['fp8-block']:.4f} | "
+                        f"{ms['int4'] / ms['bf16']:.2f} | "
                         f"{ms['fp8'] / ms['bf16']:.2f} | "
                         f"{by['bf16'] / ms['bf16'] / 1e6:.0f} / {by['int4'] / ms['int4'] / 1e6:.0f}"
                         f" / {by['fp8'] / ms['fp8'] / 1e6:.0f} | {ms['int4-torch-ref']:.3f} |")
-    head = ["| layer | K x N | M | bf16 ms | int4 ms | fp8 ms | int4 / bf16 | fp8 / bf16 | "
-            "GB/s bf16 / int4 / fp8 | int4 torch-ref ms |", "| --- " * 10 + "|"]
+    head = ["| layer | K x N | M | bf16 ms | int4 ms | fp8 ms | fp8 block ms | int4 / bf16 | "
+            "fp8 / bf16 | GB/s bf16 / int4 / fp8 | int4 torch-ref ms |", "| --- " * 11 + "|"]
     sums = ["", f"Sum over the {NUM_LAYERS} decoder layers' linears (ms per step, weights only):",
-            "", "| M | bf16 | int4 | fp8 | int4 / bf16 | fp8 / bf16 |", "| --- " * 6 + "|"]
+            "", "| M | bf16 | int4 | fp8 | fp8 block | int4 / bf16 | fp8 / bf16 | "
+            "fp8 block / fp8 |", "| --- " * 8 + "|"]
     for m in BATCHES:
         b, i, f = totals[(m, "bf16")], totals[(m, "int4")], totals[(m, "fp8")]
-        sums.append(f"| {m} | {b:.3f} | {i:.3f} | {f:.3f} | {i / b:.2f} | {f / b:.2f} |")
+        fb = totals[(m, "fp8-block")]
+        sums.append(f"| {m} | {b:.3f} | {i:.3f} | {f:.3f} | {fb:.3f} | {i / b:.2f} | "
+                    f"{f / b:.2f} | {fb / f:.2f} |")
     gpu = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(dev)
     machine = f"{gpu}, torch {torch.__version__}, " \
               f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"

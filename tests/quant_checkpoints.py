@@ -86,16 +86,20 @@ def _input_seed(name: str) -> int:
 
 
 def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: int = 32,
-                    sym: bool = True, act_order: bool = False, fp8_per_tensor: bool = False
-                    ) -> tuple[Path, Path]:
+                    sym: bool = True, act_order: bool = False, fp8_per_tensor: bool = False,
+                    fp8_block: tuple[int, int] | None = None) -> tuple[Path, Path]:
     """From float_dir write out/ (fmt: gptq | awq | fp8) and ref_out/ (its dequantized float
-    weights, no quantization_config). Returns (out, ref_out)."""
+    weights, no quantization_config). fp8_block = (rows, columns): block scales as the
+    official FP8 releases store them (weight_scale_inv, weight_block_size). Returns
+    (out, ref_out)."""
     weights = load_file(float_dir / "model.safetensors")
     quant, ref = dict(weights), dict(weights)
     for name in _linear_names(weights):
         w = weights[f"{name}.weight"]
         del quant[f"{name}.weight"]
-        if fmt == "fp8":
+        if fmt == "fp8" and fp8_block:
+            deq = _write_fp8_blocks(quant, name, w, fp8_block)
+        elif fmt == "fp8":
             deq = _write_fp8(quant, name, w, fp8_per_tensor)
         else:
             q, zeros, scales, g_idx, deq = quantize_int4(w, group, sym, act_order,
@@ -115,6 +119,9 @@ def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: 
             "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                     "version": "gemm"},
             "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}[fmt]
+    if fp8_block:  # as Qwen/Qwen3-8B-FP8's config.json has it
+        qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(fp8_block)}
     for d, tensors, cfg in ((out, quant, {**config, "quantization_config": qcfg}),
                             (ref_out, ref, config)):
         shutil.copytree(float_dir, d, dirs_exist_ok=True)
@@ -132,6 +139,52 @@ def _write_fp8(quant: dict, name: str, w: torch.Tensor, per_tensor: bool) -> tor
     quant[f"{name}.weight_scale"] = scale.reshape(()) if per_tensor else scale.float()
     quant[f"{name}.input_scale"] = torch.tensor(1.0)  # unused by weight-only serving
     return q.float() * scale
+
+
+def _block_index(n: int, k: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each weight row and column, the row and column of its block's scale."""
+    return torch.arange(n) // block[0], torch.arange(k) // block[1]
+
+
+def _write_fp8_blocks(quant: dict, name: str, w: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """weight (e4m3) and weight_scale_inv (float32, one per block; the last blocks cut by N
+    and K), where weight * scale_inv of its block is the float weight. Each block's scale is
+    its largest magnitude / 448 times 2^0..2^4 (seeded by the name), so neighbouring blocks'
+    scales differ by up to 16x and a reader that takes one scale per row or per tensor is far
+    off."""
+    w = w.float()
+    (n, k), (bn, bk) = w.shape, block
+    rows, cols = _block_index(n, k, block)
+    grid = (-(-n // bn), -(-k // bk))
+    padded = torch.zeros(grid[0] * bn, grid[1] * bk)
+    padded[:n, :k] = w.abs()
+    amax = padded.view(grid[0], bn, grid[1], bk).amax(dim=(1, 3))
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    scale = (amax / 448.0).clamp(min=1e-12) * 2.0 ** torch.randint(0, 5, grid, generator=g)
+    per_weight = scale[rows][:, cols]
+    q = (w / per_weight).to(torch.float8_e4m3fn)
+    quant[f"{name}.weight"] = q
+    quant[f"{name}.weight_scale_inv"] = scale.float()
+    return q.float() * per_weight
+
+
+def write_fp8_block_misread(qdir: Path, ref_out: Path, how: str) -> Path:
+    """A float checkpoint from the block-scaled qdir dequantized the wrong way, for oracle
+    guards: how = "row" takes each row's first block scale for the whole row, "tensor" the
+    first scale for the whole tensor."""
+    config = json.loads((qdir / "config.json").read_text())
+    block = config.pop("quantization_config")["weight_block_size"]
+    weights = load_file(qdir / "model.safetensors")
+    for name in [n for n in weights if n.endswith(".weight_scale_inv")]:
+        base = name[: -len("_scale_inv")]
+        q, scale = weights.pop(base).float(), weights.pop(name)
+        rows, _ = _block_index(*q.shape, block)
+        weights[base] = q * (scale[rows, :1] if how == "row" else scale[0, 0])
+    shutil.copytree(qdir, ref_out, dirs_exist_ok=True)
+    save_file(weights, ref_out / "model.safetensors", metadata={"format": "pt"})
+    (ref_out / "config.json").write_text(json.dumps(config, indent=2))
+    return ref_out
 
 
 def write_fp8_cast_reference(float_dir: Path, ref_out: Path, tp: int) -> Path:

@@ -64,13 +64,53 @@ def test_fp8_activations_follow_the_checkpoints_scheme(quant, dynamic):
     ("auto", {"quant_method": "awq", "bits": 4, "version": "gemv"}, "GEMM layout"),
     ("auto", gptq(bits=8), "8 bits"),
     ("auto", gptq(lm_head=True), "float head"),
-    ("auto", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ("auto", {"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
+    ("auto", {"quant_method": "fp8", "weight_block_size": [128, 0]}, "two positive integers"),
     ("auto", {"quant_method": "bitsandbytes"}, "not supported"),
     ("bogus", None, "choose one of"),
 ])
 def test_refusals_say_what_to_do(requested, quant, needle):
     with pytest.raises(QuantizationError, match=needle):
         resolve_quant(requested, config(quant))
+
+
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}  # as Qwen/Qwen3-8B-FP8's config.json
+
+
+def test_fp8_block_scales_are_read():
+    q = resolve_quant("auto", config(FP8_BLOCKS))
+    assert (q.method, q.block, q.dynamic_activations) == ("fp8", (128, 128), True)
+    assert "128 x 128 block scales" in q.describe() and "weight-only" in q.describe()
+    assert resolve_quant("fp8", config(FP8_BLOCKS)).block == (128, 128)
+    assert resolve_quant("auto", config({"quant_method": "fp8"})).block is None
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fp8_blocks_shard_at_every_tp_even_inside_a_block(tp):
+    """Intermediate 320 with 128 x 128 blocks: at tp = 2 a rank's 160 gate/up rows and 160
+    down_proj columns start inside a block, at tp = 4 its 80. Served exactly: a rank holds
+    smaller blocks (the gcd of the block and the offsets it starts at), each with its
+    checkpoint block's scale. K and V (64 rows) are each smaller than a block."""
+    cfg = llama_config(hidden_size=128, intermediate_size=320, num_attention_heads=4,
+                       num_key_value_heads=2)
+    cfg.quantization_config = FP8_BLOCKS
+    check_shardable(engine_cfg(tp), cfg)
+    with tp_context(tp - 1, tp):
+        model = build_model(engine_cfg(tp), cfg, torch.device("meta"))
+    layer = model.model.layers[0]
+    held = {name: (mod.method.block, tuple(mod.weight_scale_inv.shape))
+            for name, mod in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                              ("gate_up", layer.mlp.gate_up_proj),
+                              ("down", layer.mlp.down_proj))}
+    assert held == {
+        1: {"qkv": ((64, 128), (4, 1)), "o": ((128, 128), (1, 1)),
+            "gate_up": ((64, 128), (10, 1)), "down": ((128, 128), (1, 3))},
+        2: {"qkv": ((32, 128), (4, 1)), "o": ((128, 64), (1, 1)),
+            "gate_up": ((32, 128), (10, 1)), "down": ((128, 32), (1, 5))},
+        4: {"qkv": ((32, 128), (3, 1)), "o": ((128, 32), (1, 1)),
+            "gate_up": ((16, 128), (10, 1)), "down": ((128, 16), (1, 5))},
+    }[tp]
 
 
 def test_a_tp_that_cuts_a_group_is_refused_at_start():
@@ -105,6 +145,7 @@ def test_packing_refuses_output_slices_that_are_not_multiples_of_8():
     (None, "auto", 4.0),  # float32 on the CPU
     (gptq(32), "auto", 0.5),
     (None, "fp8", 1.0),
+    (FP8_BLOCKS, "auto", 1.0),
 ])
 def test_weight_bytes_per_rank(quant, quantize, bytes_per_weight):
     """The quantized linears hold int32-packed nibbles or fp8 bytes; the embedding, norms and

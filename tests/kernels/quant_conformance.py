@@ -1,8 +1,9 @@
 """Quantized-matmul conformance: every kernel (torch reference, Triton, plugins) against a
 float64 oracle built from the unpacked integers, over int4 with and without act-order g_idx,
-symmetric and not, group sizes 32/64/128, and fp8 with per-channel scales; batch sizes that
-take the GEMV path (1) and the tensor-core paths (2-16, 17, 64); odd N, and a K (200) that
-is a whole number of packed words but not of groups. int4 weights are handed over in the
+symmetric and not, group sizes 32/64/128, and fp8 with per-channel scales and with block
+scales (FP8_BLOCKS); batch sizes that take the GEMV path (1) and the tensor-core paths (2-16,
+17, 64); odd N, and a K (200) that is a whole number of packed words but not of groups, and
+cuts the last fp8 block. int4 weights are handed over in the
 memory order the kernel asks for (int4_k_contiguous), as the layers hold them. Triton also
 runs with the fixed tiles of tile_sets(), which reach the paths its tile table may not pick at
 these shapes, and in GPTQ's row-major order (the "gptq-order" set).
@@ -26,6 +27,11 @@ SHAPES = ((256, 96), (384, 200), (1024, 64), (200, 97))
 GROUPS = (32, 64, 128)
 BATCHES = (1, 2, 5, 16, 17, 64)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# fp8 block scales (rows, columns): the releases' 128 x 128 (N and K cut its last blocks),
+# blocks whose rows hold several GEMV column blocks but whose columns hold no tensor-core
+# K-block (24: each weight scaled before the dot), and one scale per row and 8 columns (what
+# a rank keeps where tp cuts inside a block, at worst; the GEMV then scales each weight).
+FP8_BLOCKS = ((128, 128), (64, 24), (1, 8))
 
 
 def tile_sets() -> dict:
@@ -114,6 +120,19 @@ def fp8_case(k: int, n: int, seed: int):
     return w8, scale, (w8.double() * scale.double()[:, None]).t()
 
 
+def fp8_block_case(k: int, n: int, block: tuple[int, int], seed: int):
+    """e4m3 weight [N, K], scales [ceil(N / bn), ceil(K / bk)] that differ by up to 2^9
+    between blocks (a kernel reading another block's scale fails), and the float64 weight
+    [K, N] they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    bn, bk = block
+    w8 = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (-(-n // bn), -(-k // bk))
+    scale = 2.0 ** torch.randint(-16, -7, shape, generator=g) * (1 + torch.rand(shape, generator=g))
+    rows, cols = torch.arange(n) // bn, torch.arange(k) // bk
+    return w8, scale, (w8.double() * scale.double()[rows][:, cols]).t()
+
+
 def _check(res: Result, label: str, y: torch.Tensor, ref: torch.Tensor,
            tol: float = 0.0) -> None:
     res.cases += 1
@@ -125,7 +144,8 @@ def _check(res: Result, label: str, y: torch.Tensor, ref: torch.Tensor,
 
 
 def run_quant_conformance(kernel, device: str, dtype: torch.dtype,
-                          shapes=SHAPES, groups=GROUPS, batches=BATCHES) -> Result:
+                          shapes=SHAPES, groups=GROUPS, batches=BATCHES,
+                          blocks=FP8_BLOCKS) -> Result:
     """kernel: a registered name or a QuantKernel instance."""
     from tpserve.kernels.quant.registry import load_kernel_class
 
@@ -155,6 +175,11 @@ def run_quant_conformance(kernel, device: str, dtype: torch.dtype,
             w8, sc, w = fp8_case(k, n, seed)
             y = kernel.fp8_matmul(x.to(dev), w8.to(dev), sc.to(dev))
             _check(res, f"fp8 K={k} N={n} M={m}", y, xd @ w)
+            for block in blocks:
+                seed += 1
+                w8, sc, w = fp8_block_case(k, n, block, seed)
+                y = kernel.fp8_matmul(x.to(dev), w8.to(dev), sc.to(dev), block=block)
+                _check(res, f"fp8 K={k} N={n} M={m} block={block}", y, xd @ w)
     return res
 
 

@@ -200,11 +200,20 @@ def test_quant_kernels_compile(pdl):
     _compile(jit.int4_gemv_k_kernel, ptrs,
              dict(HAS_GIDX=False, PREFETCH=True, K_SPAN=1024, GPB=2, WPG=8, BLOCK_K=128,
                   BLOCK_N=32, PDL=pdl))
-    _compile(jit.fp8_gemv_kernel, {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "*": "*bf16"},
-             dict(PREFETCH=True, K_SPAN=1024, BLOCK_K=128, BLOCK_N=32, PDL=pdl))
+    # fp8: per-column scales (BLOCKS 0), 128 x 128 block scales (1), one scale per row and
+    # 8 columns (2), as quant_matmul chooses them for the GEMV and the tensor-core tiles.
+    for blocks, sn, sk in ((0, 1, 1), (1, 128, 128), (2, 1, 8)):
+        _compile(jit.fp8_gemv_kernel, {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "*": "*bf16"},
+                 dict(BLOCKS=blocks, SN=sn, SK=sk, PREFETCH=True, K_SPAN=1024, BLOCK_K=1024,
+                      BLOCK_N=8, PDL=pdl))
+        _compile(jit.gemm_kernel, {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "z_ptr": "*fp32",
+                                   "g_ptr": "*fp32", "*": "*bf16"},
+                 dict(FP8=True, HAS_GIDX=False, ROW_SCALES=False, FACTOR=False,
+                      PRECISION="tf32", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, K_SPAN=1024,
+                      BLOCKS=blocks, SN=sn, SK=sk))
     _compile(jit.gemm_kernel, {"w_ptr": "*i32", "g_ptr": "*i32", "*": "*bf16"},
              dict(FP8=False, HAS_GIDX=False, ROW_SCALES=True, FACTOR=True, PRECISION="tf32",
-                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPAN=1024))
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPAN=1024, BLOCKS=0, SN=1, SK=1))
     _compile(jit.sum_splits_kernel, {"ws_ptr": "*fp32", "*": "*bf16"},
              dict(SPLIT=4, BLOCK=1024, PDL=pdl))
     _compile(jit.fp8_quant_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "*": "*bf16"},

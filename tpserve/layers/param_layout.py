@@ -30,6 +30,10 @@ class ParamLayout:
     # False: every rank holds the whole input extent (act-order scales of a row-parallel layer,
     # whose rows may belong to any group).
     in_sharded: bool = True
+    # Block scales (fp8 weight_scale_inv, dims (0, 1)): an entry covers out_per x in_per weight
+    # features, the last ones cut by the weight's edge, and a rank's slice may start or end
+    # inside one (load_region reads the entries it touches, load_blocks says how).
+    blocked: bool = False
 
 
 FLOAT_WEIGHT = ParamLayout()
@@ -48,7 +52,8 @@ def full_shape(layout: ParamLayout, out_total: int, in_total: int, ndim: int) ->
     """The checkpoint shape a tensor of this layout has for (out_total, in_total) features."""
     shape = [1] * ndim
     if layout.out_dim is not None:
-        shape[layout.out_dim] = out_total // layout.out_per
+        shape[layout.out_dim] = math.ceil(out_total / layout.out_per) if layout.blocked \
+            else out_total // layout.out_per
     if layout.in_dim is not None:
         shape[layout.in_dim] = math.ceil(in_total / layout.in_per)
     return tuple(shape)
@@ -75,6 +80,9 @@ def load_region(param: torch.nn.Parameter, w: TensorSlice, out: tuple[int, int, 
         value = w[...] if w.shape == () else w.all()  # a 0-dim tensor takes no slice
         param.data.narrow(0, out[2], out[1]).fill_(value.reshape(()).item())
         return
+    if src.blocked:
+        load_blocks(param, w, out, inp)
+        return
     index = [slice(None)] * len(w.shape)
     o_start, o_len, o_dst = out
     if src.out_dim is not None:
@@ -94,6 +102,32 @@ def load_region(param: torch.nn.Parameter, w: TensorSlice, out: tuple[int, int, 
     if tuple(target.shape) != tuple(part.shape):
         raise ShardingError(f"{w.name!r}: slice of shape {list(part.shape)} does not fit this "
                             f"rank's parameter region {list(target.shape)} (a tpserve bug)")
+    target.copy_(part)
+
+
+def load_blocks(param: torch.nn.Parameter, w: TensorSlice, out: tuple[int, int, int],
+                inp: tuple[int, int]) -> None:
+    """load_region for block scales. The parameter's blocks (dst.out_per x dst.in_per) divide
+    the checkpoint's (src's) and every offset a slice starts at, so each lies inside one
+    checkpoint block: read the checkpoint blocks the slice touches (a block shared with the
+    neighbouring rank too) and give each parameter block its checkpoint block's scale."""
+    src, dst = param.src_layout, param.dst_layout
+    o_start, o_len, o_dst = out
+    if o_start % dst.out_per or o_dst % dst.out_per or inp[0] % dst.in_per:
+        raise ShardingError(f"{w.name!r}: a slice at output {o_start} (to {o_dst}), input "
+                            f"{inp[0]} cuts this rank's {dst.out_per} x {dst.in_per} scale "
+                            "blocks (a tpserve bug)")
+    rows = torch.arange(o_start, o_start + o_len, dst.out_per) // src.out_per
+    cols = torch.arange(inp[0], inp[0] + inp[1], dst.in_per) // src.in_per
+    r0, c0 = int(rows[0]), int(cols[0])
+    part = w[r0:int(rows[-1]) + 1, c0:int(cols[-1]) + 1]
+    if param.convert is not None:
+        part = param.convert(part, out)
+    part = part[rows - r0][:, cols - c0]
+    target = param.data.narrow(0, o_dst // dst.out_per, len(rows))
+    if tuple(target.shape) != tuple(part.shape):
+        raise ShardingError(f"{w.name!r}: scale blocks of shape {list(part.shape)} do not fit "
+                            f"this rank's parameter region {list(target.shape)} (a tpserve bug)")
     target.copy_(part)
 
 

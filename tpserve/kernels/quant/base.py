@@ -8,7 +8,10 @@ Stored layouts (what the linear layers hand a kernel, whatever the checkpoint fo
   (int4_k_contiguous): row-major as in the checkpoint, or K-contiguous (strides (1, K // 8):
   [N, K // 8] row-major, each output column's packed inputs in one run), which the layer
   allocates before its rank's slice is copied in.
-- fp8: weight float8_e4m3fn [N, K], scale [N] float32: w[n, k] = weight[n, k] * scale[n].
+- fp8: weight float8_e4m3fn [N, K], scale [N] float32: w[n, k] = weight[n, k] * scale[n];
+  or, with block = (bn, bk), one scale per block of bn rows and bk columns, scale
+  [ceil(N / bn), ceil(K / bk)] float32: w[n, k] = weight[n, k] * scale[n // bn, k // bk] (the
+  last blocks may be cut by N and K).
 Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts and
 never keeps a dequantized copy between calls.
 """
@@ -41,9 +44,10 @@ class QuantKernel(ABC):
         """x [M, K] @ dequantized int4 weight [K, N] -> [M, N]."""
 
     @abstractmethod
-    def fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor,
-                   scale: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]."""
+    def fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]; with block = (bn, bk),
+        scale holds one value per block of the weight (the module docstring)."""
 
     def int4_normed_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            zeros: torch.Tensor, group_size: int, gamma: torch.Tensor,

@@ -27,6 +27,22 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return (q.to(scales.dtype) - zeros[groups]) * scales[groups]
 
 
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
+    """float32 [N, K] from e4m3 [N, K] and its per-channel [N] or block scales (base.py)."""
+    w = weight.to(torch.float32)
+    if block is None:
+        return w.mul_(scale.to(torch.float32).unsqueeze(1))
+    bn, bk = block
+    n, k = w.shape
+    rows = scale.to(torch.float32).repeat_interleave(bn, dim=0)[:n]  # [N, ceil(K / bk)]
+    whole = k // bk
+    w[:, :whole * bk].view(n, whole, bk).mul_(rows[:, :whole, None])
+    if k % bk:
+        w[:, whole * bk:].mul_(rows[:, whole:])
+    return w
+
+
 class TorchQuantKernel(QuantKernel):
     name = "torch"
 
@@ -42,7 +58,6 @@ class TorchQuantKernel(QuantKernel):
         w = dequantize_int4(qweight, scales.to(dt), zeros.to(dt), group_size, g_idx)
         return x @ w.to(x.dtype)
 
-    def fp8_matmul(self, x, weight, scale):
+    def fp8_matmul(self, x, weight, scale, block=None):
         # Scale in float32 before rounding to the activation dtype, as the checkpoint meant.
-        w = (weight.to(torch.float32) * scale.to(torch.float32).unsqueeze(1)).to(x.dtype)
-        return x @ w.t()
+        return x @ dequantize_fp8(weight, scale, block).to(x.dtype).t()

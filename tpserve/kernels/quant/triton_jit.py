@@ -2,7 +2,8 @@
 imports). Layouts are those of base.py: int4 qweight int32 [K / 8, N] (row 8r + j in bits
 4j.. of packed row r) with strides (sqk, sqn), row-major (sqn = 1) as in the checkpoint and
 as the layers hold it for these kernels, or K-contiguous (sqk = 1); scales and zeros [G, N];
-fp8 weight [N, K] with a scale per column n.
+fp8 weight [N, K] with a scale per column n, or one per block of SN rows and SK columns
+(scale [ceil(N / SN), ceil(K / SK)], row stride ssn), applied per K-block inside the loop.
 
 int4 nibbles become floats without an int-to-float conversion (a quarter-rate instruction):
 OR-ing a nibble into the mantissa of a float whose exponent makes the nibble's lowest bit
@@ -474,12 +475,16 @@ def int4_gemv_k_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, N, K, KW, gr
 
 
 @triton.jit
-def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
+def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn, ssn,
+                    BLOCKS: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
                     PREFETCH: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One activation row against fp8 weight [N, K]: tiles [BLOCK_N, BLOCK_K] contiguous
-    along K; the per-column scale is applied once to the sum. PDL: as in
-    int4_gemv_n_kernel."""
+    along K. BLOCKS 0: the per-column scale is applied once to the sum; 1: block scales,
+    the program's BLOCK_N columns inside one block row (SN a multiple of BLOCK_N), so each
+    input is multiplied by its block's scale as it is read (one load per input, shared by
+    the columns); 2: block scales, any SN, each weight multiplied by its block's scale.
+    PDL: as in int4_gemv_n_kernel."""
     if PDL:
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -497,15 +502,23 @@ def fp8_gemv_kernel(x_ptr, out_ptr, w_ptr, scale_ptr, N, K, sxk, sos, son, swn,
     for kk in range(0, K_SPAN, BLOCK_K):
         kmask = offs_k + kk < K
         x = tl.load(x_ptr + (offs_k + kk) * sxk, mask=kmask, other=0.0).to(tl.float32)
+        if BLOCKS == 1:
+            x *= tl.load(scale_ptr + (pid_n * BLOCK_N // SN) * ssn + (offs_k + kk) // SK,
+                         mask=kmask, other=0.0)
         if PREFETCH:
             w = nxt
             more = (offs_k + kk + BLOCK_K < K) & (kk + BLOCK_K < K_SPAN)
             nxt = tl.load(ptrs + kk + BLOCK_K, mask=nmask[:, None] & more[None, :], other=0.0)
         else:
             w = tl.load(ptrs + kk, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    s = tl.load(scale_ptr + offs_n, mask=nmask, other=0.0)
-    y = tl.sum(acc, axis=1) * s
+        w = w.to(tl.float32)
+        if BLOCKS == 2:
+            w *= tl.load(scale_ptr + (offs_n // SN)[:, None] * ssn + ((offs_k + kk) // SK)[None, :],
+                         mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if BLOCKS == 0:
+        y *= tl.load(scale_ptr + offs_n, mask=nmask, other=0.0)
     tl.store(out_ptr + pid_k * sos + offs_n * son, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -548,12 +561,16 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
                 sxm, sxk, sos, som, son, sw0, sw1, ssg, FP8: tl.constexpr, HAS_GIDX: tl.constexpr,
                 ROW_SCALES: tl.constexpr, FACTOR: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_SPAN: tl.constexpr):
+                K_SPAN: tl.constexpr, BLOCKS: tl.constexpr = 0, SN: tl.constexpr = 1,
+                SK: tl.constexpr = 1):
     """Tensor-core tiles: each weight tile is dequantized once into x's dtype and fed to
     tl.dot. int4: (sw0, sw1) are qweight's strides, either order; FACTOR (with ROW_SCALES): the dot takes the
     exact integers q - zero and the block's scales multiply its [BLOCK_M, BLOCK_N] result,
-    one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0
-    (its scale, per column, multiplies the finished sum). Neither M nor the split stride
+    one multiply per output instead of one per weight. fp8: weight [N, K] with row stride sw0;
+    BLOCKS 0: its scale, per column, multiplies the finished sum; block scales (row stride
+    ssg) 1: each K-block lies in one block column (SK a multiple of BLOCK_K), its dot takes
+    the exact e4m3 values and the block's scales multiply its result; 2: any SK, each weight
+    multiplied by its block's scale before the dot. Neither M nor the split stride
     M * N is specialized on, so every batch size of a bucket runs one compiled variant."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -573,6 +590,10 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
         if FP8:
             w = tl.load(w_ptr + offs_n[None, :] * sw0 + offs_k[:, None],
                         mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if BLOCKS == 2:
+                w = w.to(tl.float32) * tl.load(
+                    s_ptr + (offs_n // SN)[None, :] * ssg + (offs_k // SK)[:, None],
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
         else:
             w = _int4_dot_tile(w_ptr, s_ptr, z_ptr, g_ptr, k0, K, KW, offs_n, nmask,
                                group_size, sw0, sw1, ssg, HAS_GIDX, ROW_SCALES, not FACTOR, BLOCK_K,
@@ -582,10 +603,15 @@ def gemm_kernel(x_ptr, out_ptr, w_ptr, s_ptr, z_ptr, g_ptr, M, N, K, KW, group_s
                         other=0.0).to(tl.float32)
             acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
                           input_precision=PRECISION) * s[None, :]
+        elif BLOCKS == 1:
+            s = tl.load(s_ptr + (offs_n // SN) * ssg + k0 // SK, mask=nmask & (k0 < K),
+                        other=0.0)
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
+                          input_precision=PRECISION) * s[None, :]
         else:
             acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), out_dtype=tl.float32,
                           input_precision=PRECISION)
-    if FP8:
+    if FP8 and BLOCKS == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=nmask, other=0.0)[None, :]
     out = out_ptr + pid_k * sos + offs_m[:, None] * som + offs_n[None, :] * son
     tl.store(out, acc.to(out_ptr.dtype.element_ty),

@@ -132,8 +132,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                  g: torch.Tensor | None, group_size: int, fp8: bool,
                  tile: Tile | None = None, gated: int = 0,
                  rms: tuple[torch.Tensor, float] | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
+                 residual: torch.Tensor | None = None,
+                 block: tuple[int, int] | None = None) -> torch.Tensor | None:
     """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype.
+    block (fp8): s holds one scale per block of block[0] rows and block[1] columns.
     gated (int4, one row; 1: silu, 2: the tanh GELU): w's columns are a gated MLP's
     [gate; up], and the result is act(x W_gate) * (x W_up), [1, N / 2], from one launch; or
     None where no single launch does that here (the caller runs the projection, then the
@@ -161,7 +163,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     if tile is None:
         tile = pick_tile("fp8" if fp8 else "int4", m, n, k, _num_sms(x.device))
     if tile.dense:
-        return _dense(x, w, s, z, g, group_size, fp8)
+        return _dense(x, w, s, z, g, group_size, fp8, block)
+    blocks, sn, sk = 0, 1, 1
+    if block is not None:
+        tile, blocks = _fit_blocks(tile, block)
+        sn, sk = block
     if tile.block_m:
         tile = fit_shared_memory(tile, x.element_size(), _smem_limit(x.device))
     bk = tile.block_k
@@ -192,7 +198,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         grid = (_cdiv(n, tile.block_n), split)
         if fp8:
             jit.fp8_gemv_kernel[grid](x, out, w, s, n, k, x.stride(1), sos, out.stride(-1),
-                                      w.stride(0), PREFETCH=tile.prefetch, K_SPAN=k_span,
+                                      w.stride(0), s.stride(0), BLOCKS=blocks, SN=sn, SK=sk,
+                                      PREFETCH=tile.prefetch, K_SPAN=k_span,
                                       BLOCK_K=bk, BLOCK_N=tile.block_n, **launch, **chain)
         elif k_contig:
             # Chunks of gcd(group, block) inputs lie in one group each (blocks start at
@@ -252,16 +259,31 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
         # float32 activations get an exact float32 product, not TF32.
         jit.gemm_kernel[grid](x, out, w, s, z, g, m, n, k, k // 8, group_size, x.stride(0),
                               x.stride(1), sos, out.stride(-2), out.stride(-1), w.stride(0),
-                              1 if fp8 else w.stride(1), 0 if fp8 else s.stride(0), FP8=fp8,
-                              HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
+                              1 if fp8 else w.stride(1), s.stride(0) if s.dim() > 1 else 0,
+                              FP8=fp8, HAS_GIDX=has_gidx, ROW_SCALES=row_scales,
                               FACTOR=tile.factor and row_scales,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, K_SPAN=k_span,
-                              BLOCK_K=bk, **launch)
+                              BLOCK_K=bk, BLOCKS=blocks, SN=sn, SK=sk, **launch)
     if split > 1:
         jit.sum_splits_kernel[(_cdiv(m * n, SUM_BLOCK),)](
             out, y, m * n, SPLIT=split, BLOCK=SUM_BLOCK, **chain)
     return y
+
+
+def _fit_blocks(tile: Tile, block: tuple[int, int]) -> tuple[Tile, int]:
+    """The tile for fp8 block scales of block = (rows, columns), and the kernels' BLOCKS
+    mode. The GEMV scales each input as it reads it (1) where its columns lie in one block
+    row, else each weight (2). A tensor-core tile halves its K-block (down to 16) until it
+    divides the block's columns, so its dot takes the exact e4m3 values and the scales
+    multiply its result (1); where none does, each weight is scaled before the dot (2)."""
+    rows, cols = block
+    if tile.block_m == 0:
+        return tile, 1 if rows % tile.block_n == 0 else 2
+    bk = tile.block_k
+    while cols % bk and bk > 16:
+        bk //= 2
+    return (replace(tile, block_k=bk), 1) if cols % bk == 0 else (tile, 2)
 
 
 def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int,
@@ -441,9 +463,14 @@ def _k_contiguous(qweight: torch.Tensor) -> bool:
 
 
 def _dense(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
-           g: torch.Tensor | None, group_size: int, fp8: bool) -> torch.Tensor:
+           g: torch.Tensor | None, group_size: int, fp8: bool,
+           block: tuple[int, int] | None = None) -> torch.Tensor:
     """Large batches: the weight dequantized into x's dtype (a temporary of K x N elements),
     then the vendor matmul, which beats the fused tiles once the matmul is compute-bound."""
+    if block is not None:  # block scales: the reference's dequantization (float32, by blocks)
+        from tpserve.kernels.quant.torch_ref import dequantize_fp8
+
+        return x @ dequantize_fp8(w, s, block).to(x.dtype).t()
     if fp8:  # e4m3 is exact in bf16, fp16 and fp32; the per-column scale goes on the output
         y = x @ w.to(x.dtype).t()
         return y.mul_(s)
@@ -499,9 +526,9 @@ class TritonQuantKernel(QuantKernel):
         tile = self._tile("int4", x, qweight.shape[1])
         return quant_matmul(x, qweight, scales, zeros, g_idx, group_size, False, tile)
 
-    def fp8_matmul(self, x, weight, scale):
+    def fp8_matmul(self, x, weight, scale, block=None):
         return quant_matmul(x, weight, scale, None, None, 1, True,
-                            self._tile("fp8", x, weight.shape[0]))
+                            self._tile("fp8", x, weight.shape[0]), block=block)
 
     def int4_normed_matmul(self, x, qweight, scales, zeros, group_size, gamma, eps,
                            g_idx=None):

@@ -34,16 +34,22 @@ class QuantConfig:
     # activations to e4m3 per row and use the fp8 tensor cores where the GPU has them
     # (kernels/quant/w8a8.py); otherwise, and always with "static" or a cast, weight-only.
     dynamic_activations: bool = False
+    # fp8 only: the checkpoint's weight_block_size [output rows, input columns]: weight_scale_inv
+    # holds one scale per block of the weight (None: per-channel or per-tensor weight_scale).
+    block: tuple[int, int] | None = None
     kernel: str = "auto"  # int4 kernel: auto, torch, triton or a tpserve.quant_kernels plugin
     # name fragments left unquantized (AWQ modules_to_not_convert)
     skip_modules: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.method == "fp8":
-            return "fp8 e4m3 weights, per-channel scales" + (
+            scales = f"{self.block[0]} x {self.block[1]} block scales" if self.block \
+                else "per-channel scales"
+            return f"fp8 e4m3 weights, {scales}" + (
                 " (cast from the checkpoint at load)" if self.cast_at_load else "") + (
-                ", dynamic e4m3 activations above 16 rows where supported"
-                if self.dynamic_activations else "")
+                "" if not self.dynamic_activations else
+                ", weight-only (W8A8 takes no block scales)" if self.block else
+                ", dynamic e4m3 activations above 16 rows where supported")
         act = ", act-order" if self.desc_act else ""
         return f"{self.method} int{self.bits}, group size {self.group_size}{act}, " \
                f"{'symmetric' if self.sym else 'asymmetric'}"
@@ -112,11 +118,13 @@ def _parse(q: dict, kernel: str) -> QuantConfig:
         return _int4(q, method, kernel, desc_act=False, sym=False, zero_offset=0,
                      skip=tuple(q.get("modules_to_not_convert") or ()))
     if method == "fp8":
-        if q.get("weight_block_size"):
+        block = q.get("weight_block_size")  # [rows, columns] per scale of weight_scale_inv
+        if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2 or
+                                  not all(isinstance(b, int) and b > 0 for b in block)):
             raise QuantizationError(
-                f"fp8 with block-wise scales (weight_block_size {q['weight_block_size']}) is not "
-                "supported; tpserve reads per-tensor or per-channel weight scales")
-        return QuantConfig("fp8", bits=8, kernel=kernel,
+                f"fp8 weight_block_size {block!r}: tpserve reads two positive integers, [output "
+                "rows, input columns] per scale of weight_scale_inv (e.g. [128, 128])")
+        return QuantConfig("fp8", bits=8, kernel=kernel, block=tuple(block) if block else None,
                            dynamic_activations=q.get("activation_scheme") == "dynamic",
                            skip_modules=tuple(q.get("modules_to_not_convert") or ()))
     raise QuantizationError(

@@ -254,21 +254,54 @@ class Int4Method(LinearMethod):
 
 
 class Fp8Method(LinearMethod):
-    """e4m3 weights with one float32 scale per output channel. A checkpoint's per-tensor
-    scale is broadcast to its channels; --quantize fp8 casts float weights per channel of the
-    rank's slice while loading (so row-parallel ranks scale their own columns)."""
+    """e4m3 weights with one float32 scale per output channel, or per block of the weight
+    (weight_block_size). A checkpoint's per-tensor scale is broadcast to its channels;
+    --quantize fp8 casts float weights per channel of the rank's slice while loading (so
+    row-parallel ranks scale their own columns)."""
 
     def __init__(self, cfg: QuantConfig) -> None:
         self.cfg = cfg
+        self.block: tuple[int, int] | None = None  # (rows, columns) per held scale
 
-    def create(self, layer, out_per_rank, in_per_rank, **_) -> None:
+    def create(self, layer, out_per_rank, in_per_rank, *, row_parallel, part_sizes, prefix,
+               **_) -> None:
         fp8 = torch.float8_e4m3fn
-        layer.weight_scale = attach(_param((out_per_rank,), torch.float32), VECTOR,
-                                    convert=lambda t, _o: t.reshape(-1).float(),
-                                    optional=self.cfg.cast_at_load)
+        if self.cfg.block is not None:
+            self._create_blocks(layer, out_per_rank, in_per_rank, row_parallel, part_sizes,
+                                prefix)
+        else:
+            layer.weight_scale = attach(_param((out_per_rank,), torch.float32), VECTOR,
+                                        convert=lambda t, _o: t.reshape(-1).float(),
+                                        optional=self.cfg.cast_at_load)
         convert = self._cast(layer) if self.cfg.cast_at_load else None
         layer.weight = attach(_param((out_per_rank, in_per_rank), fp8), FLOAT_WEIGHT,
                               convert=convert)
+
+    def _create_blocks(self, layer, out_per_rank: int, in_per_rank: int, row_parallel: bool,
+                       part_sizes: list[int], prefix: str) -> None:
+        """weight_scale_inv, one scale per (rows x columns) block of this rank's weight. Where
+        a rank's slice, or a fused part, starts inside a checkpoint block, the blocks held are
+        smaller (the gcd of the block and those offsets), each inside one checkpoint block and
+        holding its scale: exact at any tp, for a few more scale bytes."""
+        from tpserve.distributed import get_tp
+
+        bn, bk = self.cfg.block
+        split = get_tp().size > 1
+        if row_parallel:  # a rank's columns start at rank * in_per_rank
+            rows, cols = bn, math.gcd(bk, in_per_rank) if split else bk
+        else:  # each part starts at a multiple of its size (rank * size, or after the others)
+            rows, cols = math.gcd(bn, *part_sizes[:-1], *(part_sizes if split else ())), bk
+        self.block = (rows, cols)
+        if self.block != (bn, bk):
+            _log_once(("blocks", bn, bk, rows, cols),
+                      f"fp8 {bn} x {bk} block scales held as {rows} x {cols} blocks, each with "
+                      f"its checkpoint block's scale (exact), where a rank's slice or a fused "
+                      f"part starts inside a block (first: {prefix})")
+        shape = (math.ceil(out_per_rank / rows), math.ceil(in_per_rank / cols))
+        layer.weight_scale_inv = attach(
+            _param(shape, torch.float32), ParamLayout(out_per=bn, in_per=bk, blocked=True),
+            ParamLayout(out_per=rows, in_per=cols, blocked=True),
+            convert=lambda t, _o: t.float())
 
     @staticmethod
     def _cast(layer):
@@ -283,12 +316,29 @@ class Fp8Method(LinearMethod):
     def apply(self, layer, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.cfg.dynamic_activations and x2.shape[0] > w8a8.MIN_ROWS and \
+        if self.block is not None:
+            if self.cfg.dynamic_activations and x2.shape[0] > w8a8.MIN_ROWS:
+                _log_once(("weight-only",),
+                          "fp8 layers with block scales stay weight-only at every batch size "
+                          "(the checkpoint's dynamic activation scheme is not used): W8A8's "
+                          "row-wise scaled matmul takes one scale per weight column")
+            y = _kernel(self.cfg, x, "fp8").fp8_matmul(x2, layer.weight, layer.weight_scale_inv,
+                                                       block=self.block)
+        elif self.cfg.dynamic_activations and x2.shape[0] > w8a8.MIN_ROWS and \
                 _w8a8_here(x2, layer.weight):
             y = w8a8.w8a8_matmul(x2, layer.weight, layer.weight_scale)
         else:
             y = _kernel(self.cfg, x, "fp8").fp8_matmul(x2, layer.weight, layer.weight_scale)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+_LOGGED: set[tuple] = set()
+
+
+def _log_once(key: tuple, msg: str) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(msg)
 
 
 _W8A8_LOGGED: set[tuple] = set()
