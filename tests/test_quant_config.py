@@ -66,6 +66,7 @@ def test_fp8_activations_follow_the_checkpoints_scheme(quant, dynamic):
     ("auto", gptq(lm_head=True), "float head"),
     ("auto", {"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
     ("auto", {"quant_method": "fp8", "weight_block_size": [128, 0]}, "two positive integers"),
+    ("auto", {"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'.*reads e4m3"),
     ("auto", {"quant_method": "bitsandbytes"}, "not supported"),
     ("bogus", None, "choose one of"),
 ])

@@ -118,6 +118,11 @@ def _parse(q: dict, kernel: str) -> QuantConfig:
         return _int4(q, method, kernel, desc_act=False, sym=False, zero_offset=0,
                      skip=tuple(q.get("modules_to_not_convert") or ()))
     if method == "fp8":
+        fmt = str(q.get("fmt", "e4m3")).lower()
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise QuantizationError(
+                f"fp8 checkpoint format {q.get('fmt')!r} (quantization_config.fmt) is not "
+                "supported; tpserve reads e4m3 weights (float8_e4m3fn)")
         block = q.get("weight_block_size")  # [rows, columns] per scale of weight_scale_inv
         if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2 or
                                   not all(isinstance(b, int) and b > 0 for b in block)):
