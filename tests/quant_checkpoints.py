@@ -1,18 +1,23 @@
-"""Tiny GPTQ, AWQ and fp8 checkpoints written from a float model in the test itself (no
-quantization library): each linear weight of the decoder layers is quantized here, packed as
-the format stores it, and the dequantized float weights go into a twin checkpoint that
-transformers runs as the oracle. The packing below is written from the formats' published
-layouts, independently of tpserve/layers/quant/packing.py."""
+"""Tiny GPTQ, AWQ, fp8 and compressed-tensors checkpoints written from a float model in the
+test itself (no quantization library): each linear weight of the decoder layers is quantized
+here, packed as the format stores it, and the dequantized float weights go into a twin
+checkpoint that transformers runs as the oracle. The packing below is written from the
+formats' published layouts, independently of tpserve/layers/quant/packing.py and
+tpserve/layers/quant/compressed_tensors.py (test_quant_compressed_tensors.py checks the
+compressed-tensors writer against that library where it is installed)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # the last two: Phi-3 stores them fused on disk
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # packed column c, nibble i holds column 8c + AWQ_ORDER[i]
@@ -41,10 +46,12 @@ def pack_along_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     return _to_int32(out)
 
 
-def quantize_int4(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int):
-    """w [N, K] -> (q [K, N], zeros [G, N], scales [G, N] float16, g_idx [K], dequant [N, K]).
-    act_order: the groups are formed over a random permutation of the input rows, as GPTQ's
-    desc_act does, so g_idx is not sorted."""
+def quantize_int4(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed: int,
+                  scale_dtype: torch.dtype = torch.float16):
+    """w [N, K] -> (q [K, N], zeros [G, N], scales [G, N] in scale_dtype, g_idx [K],
+    dequant [N, K]). act_order: the groups are formed over a random permutation of the input
+    rows, as GPTQ's desc_act does, so g_idx is not sorted. q and zeros are 0..15; symmetric
+    means zero 8 and scale max|w| / 7.5 (q - 8 in -8..7, as compressed-tensors has it too)."""
     wt = w.t().contiguous().float()
     k, n = wt.shape
     ngroups = k // group
@@ -65,11 +72,24 @@ def quantize_int4(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed:
             lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
             scales[j] = ((hi - lo) / 15).clamp(min=1e-8)
             zeros[j] = torch.round(-lo / scales[j]).clamp(1, 15).long()
-    scales = scales.half().float()  # what the checkpoint stores
+    scales = scales.to(scale_dtype).float()  # what the checkpoint stores
     g = g_idx.long()
     q = (torch.round(wt / scales[g]) + zeros[g]).clamp(0, 15).long()
     deq = ((q - zeros[g]).float() * scales[g]).t().contiguous()
-    return q, zeros, scales.half(), g_idx, deq
+    return q, zeros, scales.to(scale_dtype), g_idx, deq
+
+
+def float_checkpoint(models_dir: Path, family: str) -> Path:
+    """The float model (llama, qwen2 with perturbed biases and norms, or phi3) of SHAPE that
+    the quantized checkpoints are written from, saved once per session."""
+    from tiny_models import llama_config, phi3_config, qwen2_config, save_model
+
+    out = models_dir / f"quant-float-{family}"
+    if not (out / "config.json").exists():
+        config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](
+            **SHAPE)
+        save_model(config, out, vector_std=0.1 if family == "qwen2" else 0.0)
+    return out
 
 
 def _linear_names(weights: dict) -> list[str]:
@@ -87,20 +107,27 @@ def _input_seed(name: str) -> int:
 
 def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: int = 32,
                     sym: bool = True, act_order: bool = False, fp8_per_tensor: bool = False,
-                    fp8_block: tuple[int, int] | None = None) -> tuple[Path, Path]:
-    """From float_dir write out/ (fmt: gptq | awq | fp8) and ref_out/ (its dequantized float
-    weights, no quantization_config). fp8_block = (rows, columns): block scales as the
-    official FP8 releases store them (weight_scale_inv, weight_block_size). Returns
-    (out, ref_out)."""
+                    fp8_block: tuple[int, int] | None = None,
+                    ignore: tuple[str, ...] = ("lm_head",)) -> tuple[Path, Path]:
+    """From float_dir write out/ (fmt: gptq | awq | fp8, or compressed-tensors' ct-w4a16
+    (group -1: channel) | ct-fp8 (static activations) | ct-fp8-dynamic) and ref_out/ (its
+    dequantized float weights, no quantization_config). Returns (out, ref_out).
+    fp8_block = (rows, columns): block scales as the official FP8 releases store them
+    (weight_scale_inv, weight_block_size). ignore: compressed-tensors' list of modules kept
+    float (names, or "re:" regexes)."""
     weights = load_file(float_dir / "model.safetensors")
     quant, ref = dict(weights), dict(weights)
     for name in _linear_names(weights):
+        if fmt.startswith("ct-") and _ct_ignored(name, ignore):
+            continue
         w = weights[f"{name}.weight"]
         del quant[f"{name}.weight"]
         if fmt == "fp8" and fp8_block:
             deq = _write_fp8_blocks(quant, name, w, fp8_block)
         elif fmt == "fp8":
             deq = _write_fp8(quant, name, w, fp8_per_tensor)
+        elif fmt.startswith("ct-"):
+            deq = _write_ct(quant, name, w, fmt, group, sym)
         else:
             q, zeros, scales, g_idx, deq = quantize_int4(w, group, sym, act_order,
                                                          seed=_input_seed(name))
@@ -114,11 +141,12 @@ def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: 
                 quant[f"{name}.qzeros"] = pack_along_cols(zeros, AWQ_ORDER)
         ref[f"{name}.weight"] = deq
     config = json.loads((float_dir / "config.json").read_text())
-    qcfg = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
-                     "sym": sym, "checkpoint_format": "gptq"},
-            "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                    "version": "gemm"},
-            "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}[fmt]
+    qcfg = ct_quantization_config(fmt, group, sym, ignore) if fmt.startswith("ct-") else {
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+                 "sym": sym, "checkpoint_format": "gptq"},
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm"},
+        "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}[fmt]
     if fp8_block:  # as Qwen/Qwen3-8B-FP8's config.json has it
         qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(fp8_block)}
@@ -203,3 +231,68 @@ def write_fp8_cast_reference(float_dir: Path, ref_out: Path, tp: int) -> Path:
     shutil.copytree(float_dir, ref_out, dirs_exist_ok=True)
     save_file(weights, ref_out / "model.safetensors", metadata={"format": "pt"})
     return ref_out
+
+
+# compressed-tensors (llm-compressor's format), from its published schema: one scheme in
+# config_groups targeting every Linear, the float modules in ignore.
+def ct_weights(fmt: str, group: int = 32, sym: bool = True) -> dict:
+    """config_groups.*.weights as llm-compressor writes them for fmt (write_quantized's)."""
+    if fmt == "ct-w4a16":
+        return {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False,
+                "group_size": group if group > 0 else None,
+                "strategy": "group" if group > 0 else "channel", "actorder": None,
+                "observer": "minmax", "observer_kwargs": {}}
+    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+            "group_size": None, "strategy": "tensor" if fmt == "ct-fp8" else "channel",
+            "observer": "minmax", "observer_kwargs": {}}
+
+
+def ct_activations(fmt: str) -> dict | None:
+    if fmt == "ct-fp8":  # the FP8 preset: static per-tensor scales (input_scale)
+        return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                "group_size": None, "strategy": "tensor", "observer": "static_minmax"}
+    if fmt == "ct-fp8-dynamic":  # FP8_DYNAMIC: per token, computed while serving
+        return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                "group_size": None, "strategy": "token"}
+    return None
+
+
+def ct_quantization_config(fmt: str, group: int = 32, sym: bool = True,
+                           ignore: tuple[str, ...] = ("lm_head",)) -> dict:
+    scheme = {"targets": ["Linear"], "weights": ct_weights(fmt, group, sym),
+              "input_activations": ct_activations(fmt), "output_activations": None,
+              "format": None}
+    return {"config_groups": {"group_0": scheme},
+            "format": "pack-quantized" if fmt == "ct-w4a16" else "float-quantized",
+            "global_compression_ratio": None, "ignore": list(ignore), "kv_cache_scheme": None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "sparsity_config": {}, "transform_config": {}, "version": "0.20.1"}
+
+
+def _ct_ignored(name: str, ignore) -> bool:
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+
+def _write_ct(quant: dict, name: str, w: torch.Tensor, fmt: str, group: int,
+              sym: bool) -> torch.Tensor:
+    """One linear in compressed-tensors' tensors; returns the dequantized weight [N, K]."""
+    if fmt != "ct-w4a16":
+        deq = _write_fp8(quant, name, w, per_tensor=fmt == "ct-fp8")
+        quant[f"{name}.weight_scale"] = quant[f"{name}.weight_scale"].reshape(-1, 1) \
+            if fmt != "ct-fp8" else quant[f"{name}.weight_scale"].reshape(1)
+        if fmt == "ct-fp8":
+            quant[f"{name}.input_scale"] = torch.tensor([0.05])  # calibrated; not applied
+        else:
+            del quant[f"{name}.input_scale"]
+        return deq
+    # Group along K (channel: one group of the whole row); scales in the model's dtype as
+    # llm-compressor keeps them, bfloat16 here (exact in the float32 oracle).
+    g = group if group > 0 else w.shape[1]
+    q, zeros, scales, _, deq = quantize_int4(w, g, sym, False, seed=0,
+                                             scale_dtype=torch.bfloat16)
+    quant[f"{name}.weight_packed"] = pack_along_cols(q.t())  # [N, K/8]: input 8w + i, nibble i
+    quant[f"{name}.weight_scale"] = scales.t().contiguous()  # [N, G]
+    quant[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
+    if not sym:  # [N/8, G]: output 8r + i in nibble i of row r; stored zero + 8 = zeros here
+        quant[f"{name}.weight_zero_point"] = pack_along_rows(zeros.t())
+    return deq

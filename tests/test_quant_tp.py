@@ -1,27 +1,16 @@
-"""GPTQ, AWQ and fp8 checkpoints served by tp = 1, 2, 4 Ray shard actors match transformers
-(float32, CPU) running the same model with the dequantized weights: prefill logits within 1e-4
-relative, greedy 32-token continuations identical. The checkpoints are quantized in the test
-(tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and gate/up fused on
-disk) models: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4), so group size 32
-keeps whole groups on each rank at tp = 4."""
+"""GPTQ, AWQ, fp8 and compressed-tensors checkpoints served by tp = 1, 2, 4 Ray shard actors
+match transformers (float32, CPU) running the same model with the dequantized weights: prefill
+logits within 1e-4 relative, greedy 32-token continuations identical. The checkpoints are
+quantized in the test (tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and
+gate/up fused on disk) models: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4),
+so group size 32 keeps whole groups on each rank at tp = 4."""
 
 from __future__ import annotations
 
 import pytest
 from engine_utils import assert_matches_reference, load_rank, make_engine
-from quant_checkpoints import write_fp8_cast_reference, write_quantized
-from tiny_models import (
-    PROMPTS,
-    hf_greedy,
-    hf_last_logits,
-    llama_config,
-    phi3_config,
-    qwen2_config,
-    save_model,
-)
-
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-             num_key_value_heads=2)
+from quant_checkpoints import float_checkpoint, write_fp8_cast_reference, write_quantized
+from tiny_models import PROMPTS, hf_greedy, hf_last_logits
 
 # name -> (family, write_quantized kwargs)
 CHECKPOINTS = {
@@ -31,11 +20,23 @@ CHECKPOINTS = {
     "phi3-gptq-fused": ("phi3", dict(fmt="gptq", group=32, sym=False)),
     "qwen2-fp8": ("qwen2", dict(fmt="fp8")),
     "llama-fp8-per-tensor": ("llama", dict(fmt="fp8", fp8_per_tensor=True)),
+    # compressed-tensors (llm-compressor): int4 pack-quantized, fp8 float-quantized
+    "llama-ct-w4a16": ("llama", dict(fmt="ct-w4a16", group=32, sym=True)),
+    "qwen2-ct-w4a16-asym": ("qwen2", dict(fmt="ct-w4a16", group=32, sym=False)),
+    "llama-ct-w4a16-channel-asym": ("llama", dict(fmt="ct-w4a16", group=-1, sym=False)),
+    "llama-ct-fp8-dynamic": ("llama", dict(fmt="ct-fp8-dynamic")),
+    "qwen2-ct-fp8-static": ("qwen2", dict(fmt="ct-fp8")),
+    # float modules by name and by regex, whole fused layers (gate and up of layer 1)
+    "llama-ct-w4a16-ignore": ("llama", dict(
+        fmt="ct-w4a16", group=32, sym=False,
+        ignore=("lm_head", r"re:.*self_attn\.o_proj$", "model.layers.1.mlp.gate_proj",
+                "model.layers.1.mlp.up_proj"))),
 }
 # Every format at tp = 2, and the riskiest splits at tp = 4 (act-order rows with every
-# group's scales; AWQ's repacked columns), run in the default job; the rest in the slow job
-# (each case starts tp Ray actors: ~25 s on two shared cores).
-FAST = {("llama-awq", 4), ("qwen2-gptq-actorder", 4)}
+# group's scales; AWQ's repacked columns; compressed-tensors' transposed zero points), run in
+# the default job; the rest in the slow job (each case starts tp Ray actors: ~25 s on two
+# shared cores).
+FAST = {("llama-awq", 4), ("qwen2-gptq-actorder", 4), ("qwen2-ct-w4a16-asym", 4)}
 
 
 def _case(name: str, tp: int):
@@ -47,15 +48,6 @@ def _case(name: str, tp: int):
 CASES = [_case(name, tp) for name in CHECKPOINTS for tp in (1, 2, 4)]
 
 _cache: dict[str, tuple] = {}
-
-
-def float_checkpoint(models_dir, family: str):
-    out = models_dir / f"quant-float-{family}"
-    if not (out / "config.json").exists():
-        config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](
-            **SHAPE)
-        save_model(config, out, vector_std=0.1 if family == "qwen2" else 0.0)
-    return out
 
 
 @pytest.fixture(scope="module")

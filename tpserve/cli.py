@@ -63,9 +63,11 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="auto: CUDA, else XPU, else CPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, the checkpoint's dtype on accelerators")
-    p.add_argument("--quantize", default="auto", choices=["auto", "gptq", "awq", "fp8", "none"],
+    p.add_argument("--quantize", default="auto",
+                   choices=["auto", "gptq", "awq", "fp8", "compressed-tensors", "none"],
                    help="weight quantization: auto follows the checkpoint's quantization_config "
-                   "(GPTQ/AWQ int4, fp8); fp8 also casts a float checkpoint to e4m3 at load")
+                   "(GPTQ/AWQ int4, fp8, compressed-tensors fp8 or int4); fp8 also casts a "
+                   "float checkpoint to e4m3 at load")
     p.add_argument("--quant-kernel", default="auto",
                    help="int4/fp8 matmul kernel: auto, torch, triton or an installed "
                    "tpserve.quant_kernels plugin")

@@ -42,9 +42,12 @@ class ReplicatedLinear(nn.Module):
 
 
 def _build(layer: nn.Module, out_per_rank: int, in_per_rank: int, in_total: int, bias: bool,
-           bias_size: int, row_parallel: bool, part_sizes: list[int], prefix: str, loader) -> None:
-    """Create the layer's weight parameters through its method, a bias, and their loaders."""
-    layer.method = linear_method(prefix)
+           bias_size: int, row_parallel: bool, part_sizes: list[int], prefix: str, loader,
+           parts: list[str] | None = None) -> None:
+    """Create the layer's weight parameters through its method, a bias, and their loaders.
+    parts: the checkpoint modules fused into the layer (a quantized checkpoint may keep some
+    float)."""
+    layer.method = linear_method(prefix, parts)
     layer.method.create(layer, out_per_rank, in_per_rank, in_total=in_total,
                         row_parallel=row_parallel, part_sizes=part_sizes, prefix=prefix)
     layer.bias = attach(_param(bias_size), VECTOR) if bias else None
@@ -64,11 +67,15 @@ class ColumnParallelLinear(nn.Module):
                                        what="output features", shape=(out_features, in_features))
         self.in_features, self.out_features = in_features, out_features
         _build(self, self.out_per_rank, in_features, in_features, bias, self.out_per_rank,
-               False, self.rank_parts(), prefix, self.load_rows)
+               False, self.rank_parts(), prefix, self.load_rows, self.checkpoint_modules())
 
     def rank_parts(self) -> list[int]:
         """Output features of each fused projection on this rank (one, unless fused)."""
         return [self.out_per_rank]
+
+    def checkpoint_modules(self) -> list[str]:
+        """The checkpoint modules this layer holds (one, unless fused)."""
+        return [self.prefix]
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         n = self.out_per_rank
@@ -100,10 +107,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 else (f"{prefix}.{disk_name}.weight", (sum(out_sizes), in_features))
             shard_size(size, tp, tensor=tensor, what=what, shape=shape)
         self.out_sizes = list(out_sizes)
+        self.part_modules = [f"{prefix}.{disk_name}"] if disk_name is not None else \
+            [f"{prefix}.{name}" for name in part_names] if part_names else [prefix]
         super().__init__(in_features, sum(out_sizes), bias, prefix)
 
     def rank_parts(self) -> list[int]:
         return [s // get_tp().size for s in self.out_sizes]
+
+    def checkpoint_modules(self) -> list[str]:
+        return self.part_modules
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         tp = get_tp()
@@ -172,8 +184,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.prefix, self.out_per_rank = prefix, q + 2 * kv
         self.q_size, self.kv_size = q, kv
         self.in_features, self.out_features = hidden, (num_heads + 2 * num_kv_heads) * head_dim
+        parts = [f"{prefix}.{disk_name}"] if disk_name is not None else \
+            [f"{prefix}.{name}" for name in part_names]
         _build(self, q + 2 * kv, hidden, hidden, bias, q + 2 * kv, False, [q, kv, kv],
-               f"{prefix}.qkv_proj", self.load_rows)
+               f"{prefix}.qkv_proj", self.load_rows, parts)
 
     def _rows(self, part: str) -> tuple[int, int, int]:
         """(source row in that projection, rows, destination row in the fused weight)."""

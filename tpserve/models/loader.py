@@ -37,6 +37,9 @@ def load_into(
     (".qkv_proj", ".q_proj", "q"). skip: substrings of checkpoint names to ignore.
     rename: maps a checkpoint name to the model's parameter name (prefix changes)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    # Layers whose method stores checkpoint tensors under other names (LinearMethod).
+    renames = {n: m.method.checkpoint_names for n, m in model.named_modules()
+               if getattr(getattr(m, "method", None), "checkpoint_names", None)}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for w in tensors:
@@ -47,6 +50,11 @@ def load_into(
             if part in name:
                 name, shard_id = name.replace(part, fused), sid
                 break
+        module, _, tensor = name.rpartition(".")
+        if tensor in renames.get(module, {}):
+            if renames[module][tensor] is None:
+                continue
+            name = f"{module}.{renames[module][tensor]}"
         param = params.get(name)
         if param is None:
             unexpected.append(w.name)

@@ -12,7 +12,7 @@ import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-QUANTIZE_CHOICES = ("auto", "gptq", "awq", "fp8", "none")
+QUANTIZE_CHOICES = ("auto", "gptq", "awq", "fp8", "compressed-tensors", "none")
 
 
 class QuantizationError(ValueError):
@@ -21,7 +21,7 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "gptq" | "awq" | "fp8"
+    method: str  # "gptq" | "awq" | "fp8" | "compressed-tensors" (its int4; its fp8 is "fp8")
     bits: int = 4
     group_size: int = 128  # input features per scale/zero (int4); -1 in a checkpoint = whole row
     desc_act: bool = False  # GPTQ act-order: g_idx maps each input row to its group
@@ -38,7 +38,8 @@ class QuantConfig:
     # holds one scale per block of the weight (None: per-channel or per-tensor weight_scale).
     block: tuple[int, int] | None = None
     kernel: str = "auto"  # int4 kernel: auto, torch, triton or a tpserve.quant_kernels plugin
-    # name fragments left unquantized (AWQ modules_to_not_convert)
+    # modules left unquantized: name fragments (AWQ modules_to_not_convert), or "re:" and a
+    # regex matched at the start of a module's name (compressed-tensors' ignore)
     skip_modules: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -132,9 +133,13 @@ def _parse(q: dict, kernel: str) -> QuantConfig:
         return QuantConfig("fp8", bits=8, kernel=kernel, block=tuple(block) if block else None,
                            dynamic_activations=q.get("activation_scheme") == "dynamic",
                            skip_modules=tuple(q.get("modules_to_not_convert") or ()))
+    if method == "compressed-tensors":
+        from tpserve.layers.quant.compressed_tensors import parse_config
+
+        return parse_config(q, kernel)
     raise QuantizationError(
         f"quantization method {method!r} is not supported; tpserve serves gptq (4-bit), awq "
-        "(4-bit GEMM) and fp8 (e4m3) checkpoints")
+        "(4-bit GEMM), fp8 (e4m3) and compressed-tensors (fp8, 4-bit) checkpoints")
 
 
 def _int4(q: dict, method: str, kernel: str, *, desc_act: bool, sym: bool, zero_offset: int,

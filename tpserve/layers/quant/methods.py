@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from tpserve.kernels import gemv
 from tpserve.kernels.kv_quant import FP8_MAX
 from tpserve.kernels.quant import w8a8
 from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
-from tpserve.layers.quant.config import QuantConfig, current_quant
+from tpserve.layers.quant.config import QuantConfig, QuantizationError, current_quant
 from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,10 @@ def _param(shape, dtype=None) -> nn.Parameter:
 
 
 class LinearMethod:
+    # Checkpoint tensor names this method stores under other parameter names (None: read
+    # nothing from it); the loader (models/loader.py) renames them.
+    checkpoint_names: dict[str, str | None] = {}
+
     def create(self, layer: nn.Module, out_per_rank: int, in_per_rank: int, *, in_total: int,
                row_parallel: bool, part_sizes: list[int], prefix: str) -> None:
         raise NotImplementedError
@@ -111,6 +116,8 @@ class Int4Method(LinearMethod):
     the packing); row-parallel ranks take whole input groups, or, with act-order, their input
     rows plus every group's scales (rows of one group are scattered over the input)."""
 
+    tensor_name = "qweight"  # the packed tensor on disk, as refusals name it
+
     def __init__(self, cfg: QuantConfig) -> None:
         self.cfg = cfg
 
@@ -119,22 +126,23 @@ class Int4Method(LinearMethod):
         from tpserve.distributed import get_tp
 
         cfg, tp = self.cfg, get_tp().size
+        tensor = f"{prefix}.{self.tensor_name}"
         group = in_total if cfg.group_size <= 0 else cfg.group_size
         for size in part_sizes:
             if size % 8:
                 raise ShardingError(
-                    f"cannot shard {prefix + '.qweight'!r} across tp={tp}: each rank's share of "
+                    f"cannot shard {tensor!r} across tp={tp}: each rank's share of "
                     f"the output features ({size}) must be a multiple of 8, the int4 packing "
                     "of qzeros. Choose a smaller tp.")
         if in_per_rank % 8:
             raise ShardingError(
-                f"cannot shard {prefix + '.qweight'!r} across tp={tp}: each rank's input "
+                f"cannot shard {tensor!r} across tp={tp}: each rank's input "
                 f"features ({in_per_rank}) must be a multiple of 8 (8 int4 rows per int32)")
         # Row-parallel without act-order: a rank's rows are whole groups, its scales theirs.
         split_groups = row_parallel and not cfg.desc_act and cfg.group_size > 0
         if split_groups and in_per_rank % group:
             raise ShardingError(
-                f"cannot shard {prefix + '.qweight'!r} across tp={tp}: a rank's "
+                f"cannot shard {tensor!r} across tp={tp}: a rank's "
                 f"{in_per_rank} input features would cut a quantization group (group size "
                 f"{group}, {in_total} input features). Choose a tp that divides "
                 f"{in_total // group} groups.")
@@ -360,9 +368,30 @@ def _w8a8_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return reason is None
 
 
-def linear_method(prefix: str) -> LinearMethod:
-    """The method for the linear layer being built (named by its checkpoint prefix)."""
+def linear_method(prefix: str, parts: list[str] | None = None) -> LinearMethod:
+    """The method for the linear layer being built, named by its checkpoint prefix; parts:
+    the checkpoint modules fused into it (default: the prefix)."""
     cfg = current_quant()
-    if cfg is None or any(s and s in prefix for s in cfg.skip_modules):
+    if cfg is None or _skipped(cfg, prefix, parts or [prefix]):
         return UnquantizedMethod()
+    if cfg.method == "compressed-tensors":
+        from tpserve.layers.quant.compressed_tensors import CtInt4Method
+
+        return CtInt4Method(cfg)
     return Fp8Method(cfg) if cfg.method == "fp8" else Int4Method(cfg)
+
+
+def _skipped(cfg: QuantConfig, prefix: str, parts: list[str]) -> bool:
+    """Whether the checkpoint keeps this layer float. A skip_modules entry is a fragment of
+    the prefix (AWQ's modules_to_not_convert), or "re:" and a regex matched at the start of
+    each fused part's name (compressed-tensors' ignore), which must match all parts or none."""
+    if any(s and not s.startswith("re:") and s in prefix for s in cfg.skip_modules):
+        return True
+    regexes = [re.compile(s[3:]) for s in cfg.skip_modules if s.startswith("re:")]
+    float_parts = [p for p in parts if any(r.match(p) for r in regexes)]
+    if float_parts and len(float_parts) < len(parts):
+        raise QuantizationError(
+            f"the checkpoint keeps {float_parts} float but quantizes "
+            f"{[p for p in parts if p not in float_parts]}; tpserve runs them as one fused "
+            "layer, all float or all quantized")
+    return bool(float_parts)
