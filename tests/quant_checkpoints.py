@@ -18,8 +18,22 @@ from safetensors.torch import load_file, save_file
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2)
+# Phi-3 stores qkv_proj and gate_up_proj fused on disk; w1, w3, w2: Mixtral's experts' gate,
+# up and down (Qwen MoE experts and shared experts use the dense names). Routers (mlp.gate,
+# block_sparse_moe.gate, shared_expert_gate) stay float, as the released checkpoints keep them.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj")  # the last two: Phi-3 stores them fused on disk
+           "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
+# Mixture-of-experts models: 128 wide (4 heads of 32, 2 KV heads), experts of 128 (32 a rank
+# at tp = 4: whole groups of 32), dense layers and Qwen2-MoE's shared expert of 256.
+MOE_SHAPES = {
+    "mixtral": dict(hidden_size=128, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2),
+    "qwen3-moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen2-moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32),
+}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # packed column c, nibble i holds column 8c + AWQ_ORDER[i]
 
 
@@ -81,15 +95,37 @@ def quantize_int4(w: torch.Tensor, group: int, sym: bool, act_order: bool, seed:
 
 def float_checkpoint(models_dir: Path, family: str) -> Path:
     """The float model (llama, qwen2 with perturbed biases and norms, or phi3) of SHAPE that
-    the quantized checkpoints are written from, saved once per session."""
-    from tiny_models import llama_config, phi3_config, qwen2_config, save_model
+    the quantized checkpoints are written from, saved once per session; or a mixture of
+    experts (mixtral, qwen3-moe, qwen2-moe) of MOE_SHAPES, with tiny_models' weights."""
+    from tiny_models import FAMILY_CHECKPOINTS, llama_config, phi3_config, qwen2_config, save_model
 
     out = models_dir / f"quant-float-{family}"
     if not (out / "config.json").exists():
+        if family in MOE_SHAPES:
+            config, kwargs = FAMILY_CHECKPOINTS[family]
+            save_model(config(**MOE_SHAPES[family]), out, **kwargs)
+            return out
         config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](
             **SHAPE)
         save_model(config, out, vector_std=0.1 if family == "qwen2" else 0.0)
     return out
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def quantized_with_reference(models_dir: Path, name: str, family: str, kwargs: dict) -> tuple:
+    """(quantized dir, transformers' greedy 32-token continuations of PROMPTS, its last
+    prefill logits), both from the dequantized twin: write_quantized(**kwargs) of family's
+    float model under name, built once per session."""
+    from tiny_models import PROMPTS, hf_greedy, hf_last_logits
+
+    if name not in _REFERENCES:
+        src = float_checkpoint(models_dir, family)
+        qdir, ref = write_quantized(src, models_dir / name, models_dir / f"{name}-ref",
+                                    **kwargs)
+        _REFERENCES[name] = (qdir, hf_greedy(ref, PROMPTS, 32), hf_last_logits(ref, PROMPTS))
+    return _REFERENCES[name]
 
 
 def _linear_names(weights: dict) -> list[str]:
@@ -100,7 +136,8 @@ def _linear_names(weights: dict) -> list[str]:
 def _input_seed(name: str) -> int:
     """One act-order permutation per layer input: GPTQ orders rows by the Hessian of the
     input, which q/k/v (and gate/up) share, so their g_idx are equal."""
-    for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+    for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj"),
+                 ("w3", "w1")):
         name = name.replace(a, b)
     return sum(map(ord, name)) * 7919 + len(name)
 
@@ -108,17 +145,20 @@ def _input_seed(name: str) -> int:
 def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: int = 32,
                     sym: bool = True, act_order: bool = False, fp8_per_tensor: bool = False,
                     fp8_block: tuple[int, int] | None = None,
-                    ignore: tuple[str, ...] = ("lm_head",)) -> tuple[Path, Path]:
+                    ignore: tuple[str, ...] = ("lm_head",),
+                    not_convert: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """From float_dir write out/ (fmt: gptq | awq | fp8, or compressed-tensors' ct-w4a16
     (group -1: channel) | ct-fp8 (static activations) | ct-fp8-dynamic) and ref_out/ (its
     dequantized float weights, no quantization_config). Returns (out, ref_out).
     fp8_block = (rows, columns): block scales as the official FP8 releases store them
     (weight_scale_inv, weight_block_size). ignore: compressed-tensors' list of modules kept
-    float (names, or "re:" regexes)."""
+    float (names, or "re:" regexes). not_convert: GPTQ's and AWQ's modules_to_not_convert
+    (name fragments)."""
     weights = load_file(float_dir / "model.safetensors")
     quant, ref = dict(weights), dict(weights)
     for name in _linear_names(weights):
-        if fmt.startswith("ct-") and _ct_ignored(name, ignore):
+        if fmt.startswith("ct-") and _ct_ignored(name, ignore) or \
+                any(s in name for s in not_convert):
             continue
         w = weights[f"{name}.weight"]
         del quant[f"{name}.weight"]
@@ -147,6 +187,8 @@ def write_quantized(float_dir: Path, out: Path, ref_out: Path, fmt: str, group: 
         "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                 "version": "gemm"},
         "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}[fmt]
+    if not_convert:
+        qcfg["modules_to_not_convert"] = list(not_convert)
     if fp8_block:  # as Qwen/Qwen3-8B-FP8's config.json has it
         qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(fp8_block)}
@@ -213,6 +255,23 @@ def write_fp8_block_misread(qdir: Path, ref_out: Path, how: str) -> Path:
     save_file(weights, ref_out / "model.safetensors", metadata={"format": "pt"})
     (ref_out / "config.json").write_text(json.dumps(config, indent=2))
     return ref_out
+
+
+EXPERT_TENSOR = re.compile(r"(.*\.experts\.)(\d+)(\.\w+\.)(scales|qzeros|weight_scale|"
+                           r"weight_scale_inv|weight_zero_point)$")
+
+
+def write_expert_scales_from(qdir: Path, out: Path, expert: int = 0) -> Path:
+    """A copy of the quantized qdir whose every expert carries `expert`'s scales (and zero
+    points): what a loader that read one expert's scales for all would serve, for oracle
+    guards."""
+    weights = load_file(qdir / "model.safetensors")
+    for name in list(weights):
+        if (m := EXPERT_TENSOR.match(name)) and int(m[2]) != expert:
+            weights[name] = weights[f"{m[1]}{expert}{m[3]}{m[4]}"].clone()
+    shutil.copytree(qdir, out, dirs_exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def write_fp8_cast_reference(float_dir: Path, ref_out: Path, tp: int) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from engine_utils import assert_matches_reference, load_rank, make_engine
-from quant_checkpoints import float_checkpoint, write_fp8_cast_reference, write_quantized
+from quant_checkpoints import float_checkpoint, quantized_with_reference, write_fp8_cast_reference
 from tiny_models import PROMPTS, hf_greedy, hf_last_logits
 
 # name -> (family, write_quantized kwargs)
@@ -47,24 +47,10 @@ def _case(name: str, tp: int):
 
 CASES = [_case(name, tp) for name in CHECKPOINTS for tp in (1, 2, 4)]
 
-_cache: dict[str, tuple] = {}
-
-
 @pytest.fixture(scope="module")
 def quantized(models_dir):
     """name -> (quantized dir, reference tokens, reference logits), built once."""
-
-    def get(name: str):
-        if name not in _cache:
-            family, kwargs = CHECKPOINTS[name]
-            src = float_checkpoint(models_dir, family)
-            qdir, ref = write_quantized(src, models_dir / name, models_dir / f"{name}-ref",
-                                        **kwargs)
-            _cache[name] = (qdir, hf_greedy(ref, PROMPTS, 32), hf_last_logits(ref, PROMPTS))
-        return _cache[name]
-
-    yield get
-    _cache.clear()
+    return lambda name: quantized_with_reference(models_dir, name, *CHECKPOINTS[name])
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)

@@ -13,6 +13,13 @@ expert runs on the tokens routed to it; inside a CUDA graph capture, where shape
 depend on the routing, each expert runs on every token and a weight of zero drops the
 tokens not routed to it (more arithmetic, but a decode step reads every expert's weights
 anyway once the batch has a few tokens).
+
+Two ways to hold the experts, chosen when the block is built: float experts are stacked
+([expert, ...] tensors, one F.linear per expert); the experts of a quantized checkpoint
+(GPTQ, AWQ, fp8, compressed-tensors) are one QuantizedExpert each, a gated MLP of the
+shared linear layers, so each expert's gate/up and down hold and multiply their weights as
+the dense layers' methods do (layers/quant/methods.py) and load from the checkpoint's
+per-expert tensors by name (models/experts.py).
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.kernels.capabilities import stream_capturing
+from tpserve.layers.activation import GatedActivation
+from tpserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tpserve.layers.quant.config import QuantizationError, current_quant
+from tpserve.layers.quant.methods import UnquantizedMethod, linear_method
 from tpserve.layers.sharding import copy_full, copy_narrow, expect_shape, shard_size
 from tpserve.weights import TensorSlice
 
@@ -30,6 +41,48 @@ _ACTS = {"silu": F.silu, "gelu": F.gelu,
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 PARTS = ("gate", "up", "down")
+
+
+def quantized_experts() -> bool:
+    """Whether the block being built holds a quantized checkpoint's experts (one
+    QuantizedExpert each). --quantize fp8 on a float checkpoint (a cast at load) keeps the
+    stacked float experts, as before quantized experts were read."""
+    q = current_quant()
+    return q is not None and not q.cast_at_load
+
+
+def refuse_quantized_router(module: str) -> None:
+    """A router (or Qwen2-MoE's shared_expert_gate) is float in the released checkpoints.
+    compressed-tensors names every float Linear in its ignore list, so one it does not name
+    is quantized: refused at start (a router's quantized tensors are refused at load,
+    models/experts.py)."""
+    q = current_quant()
+    if q is not None and q.explicit_float and \
+            not isinstance(linear_method(module), UnquantizedMethod):
+        raise QuantizationError(
+            f"this checkpoint quantizes the router {module!r} (its compressed-tensors ignore "
+            f"list does not name it); tpserve keeps routers float, as the released quantized "
+            f"mixture-of-experts checkpoints store them: use a checkpoint whose ignore list "
+            f"names it (e.g. 're:.*mlp.gate$')")
+
+
+class QuantizedExpert(nn.Module):
+    """One expert of a quantized checkpoint: [gate; up] column-parallel (fused as GatedMLP
+    fuses them) and down row-parallel, each with its layer's quantization method. forward
+    returns the rank's partial sums: the block all-reduces once for every expert."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, prefix: str,
+                 names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate, intermediate], prefix=prefix, part_names=list(names[:2]),
+            what="expert intermediate size")
+        self.act = GatedActivation(act)
+        self.down_proj = RowParallelLinear(intermediate, hidden, prefix=f"{prefix}.{names[2]}")
+        self.act.fuse_with(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.partial(self.act.project(self.gate_up_proj, x))
 
 
 class SparseMoE(nn.Module):
@@ -61,6 +114,14 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.gate.weight.weight_loader = copy_full
+        self.experts: nn.ModuleList | None = None
+        if quantized_experts() and fused_names is None:
+            refuse_quantized_router(f"{prefix}.gate")
+            self.experts = nn.ModuleList(
+                QuantizedExpert(hidden, intermediate, act, f"{prefix}.experts.{e}", names)
+                for e in range(num_experts))
+            self.w13 = self.w2 = None
+            return
         # [expert, (gate rows; up rows) of this rank, hidden] and [expert, hidden, down columns].
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.part, hidden),
                                 requires_grad=False)
@@ -73,12 +134,15 @@ class SparseMoE(nn.Module):
             return f"{self.prefix}.{self.fused_names[part == 'down']}"
         return f"{self.prefix}.experts.{expert}.{self.names[part]}.weight"
 
-    def load_expert(self, expert: int, part: str, w: TensorSlice) -> None:
-        """One expert's gate, up or down projection as stored per expert: this rank's rows
-        (gate, up) or columns (down)."""
+    def check_expert(self, expert: int, w: TensorSlice) -> None:
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {w.name!r} names expert {expert}, but the "
                              f"config has {self.num_experts}")
+
+    def load_expert(self, expert: int, part: str, w: TensorSlice) -> None:
+        """One expert's gate, up or down projection as stored per expert: this rank's rows
+        (gate, up) or columns (down)."""
+        self.check_expert(expert, w)
         start = get_tp().rank * self.part
         if part == "down":
             expect_shape(w, (self.hidden, self.intermediate))
@@ -111,6 +175,8 @@ class SparseMoE(nn.Module):
         return torch.zeros_like(probs).scatter(1, idx, top)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is not None:
+            return self.experts[e](x)
         h = F.linear(x, self.w13[e])
         return F.linear(self.act(h[:, : self.part]) * h[:, self.part:], self.w2[e])
 

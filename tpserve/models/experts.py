@@ -10,6 +10,11 @@ in either layout a checkpoint may have:
   [experts, 2 * intermediate, hidden] and layers.{i}.mlp.experts.down_proj
   [experts, hidden, intermediate].
 
+The experts of a quantized checkpoint (SparseMoE.experts: one QuantizedExpert each) are read
+per expert only: their tensors (qweight, scales, weight_scale_inv, weight_packed ...) go on
+to loader.load_into under the expert's name, which maps them onto its layers (the family's
+stacked names fuse gate and up). A router stored quantized is refused naming its tensor.
+
 Every other tensor goes on to loader.load_into."""
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ def is_sparse_layer(config, i: int) -> bool:
 
 
 def refuse_quantized(config, family: str) -> None:
+    """For a family whose checkpoints hold the experts fused only (GraniteMoE): quantized
+    experts are read one by one."""
     if getattr(config, "quantization_config", None):
-        raise ValueError(f"quantized {family} checkpoints are not supported yet (the experts "
-                         f"have no int4/fp8 kernels); serve the bf16 or fp16 checkpoint")
+        raise ValueError(f"quantized {family} checkpoints are not supported yet: {family} "
+                         f"stores its experts fused (input_linear / output_linear), and "
+                         f"tpserve reads quantized experts stored one by one; serve the bf16 "
+                         f"or fp16 checkpoint")
+
+
+# The tensors of a float linear layer; anything else under a router is a quantized one's.
+FLOAT_TENSORS = ("weight", "bias")
 
 
 class ExpertTensors:
@@ -48,7 +61,8 @@ class ExpertTensors:
         "gate_up_proj" or "down_proj" (GraniteMoE's input_linear.weight, output_linear.weight)."""
         self.layers = layers
         layer = r"(?:model\.)?layers\.(\d+)"  # "model." may be missing (loader.with_prefix)
-        self.per_expert = re.compile(rf"{layer}\.(?:{blocks})\.experts\.(\d+)\.(\w+)\.weight$")
+        self.per_expert = re.compile(rf"{layer}\.(?:{blocks})\.experts\.(\d+)\.(\w+)\.(\w+)$")
+        self.router = re.compile(rf"{layer}\.(?:{blocks})\.(gate|shared_expert_gate)\.(\w+)$")
         self.fused_names = {"experts.gate_up_proj": "gate_up_proj",
                             "experts.down_proj": "down_proj", **(fused_names or {})}
         names = "|".join(re.escape(n) for n in self.fused_names)
@@ -69,17 +83,32 @@ class ExpertTensors:
     def others(self, tensors: Iterable[TensorSlice]) -> Iterator[TensorSlice]:
         """The tensors that are not experts; the experts are loaded on the way."""
         for w in tensors:
-            if m := self.per_expert.match(w.name):
+            if (m := self.router.match(w.name)) and m[3] not in FLOAT_TENSORS:
+                raise CheckpointError(
+                    f"checkpoint tensor {w.name!r}: the router {m[2]!r} of layer {m[1]} is "
+                    f"stored quantized; tpserve keeps routers float, as the released "
+                    f"quantized mixture-of-experts checkpoints store them")
+            if (m := self.per_expert.match(w.name)) and (
+                    m[4] == "weight" or self.moe(int(m[1]), w).experts is not None):
                 i, e = int(m[1]), int(m[2])
                 moe = self.moe(i, w)
                 part = {name: p for p, name in moe.names.items()}.get(m[3])
                 if part is None:
                     raise CheckpointError(f"checkpoint tensor {w.name!r}: expert projections "
                                           f"are named {', '.join(moe.names.values())}")
+                if moe.experts is not None:  # quantized: the expert's own layers load it
+                    moe.check_expert(e, w)
+                    yield w
+                    continue
                 moe.load_expert(e, part, w)
                 self.seen.add((i, e, part))
             elif m := self.fused.match(w.name):
                 i, moe, which = int(m[1]), self.moe(int(m[1]), w), self.fused_names[m[2]]
+                if moe.experts is not None:
+                    raise CheckpointError(
+                        f"checkpoint tensor {w.name!r}: experts stored fused in a quantized "
+                        f"checkpoint; tpserve reads quantized experts stored one by one "
+                        f"(experts.{{e}}.{moe.names['gate']}.* ...)")
                 moe.load_fused(which, w)
                 parts = ("down",) if which == "down_proj" else ("gate", "up")
                 self.seen.update((i, e, p) for e in range(moe.num_experts) for p in parts)
@@ -87,10 +116,11 @@ class ExpertTensors:
                 yield w
 
     def check(self) -> None:
-        """Every expert of every sparse layer loaded, or a CheckpointError naming those not."""
+        """Every expert of every sparse layer loaded, or a CheckpointError naming those not
+        (quantized experts: load_into checks their parameters)."""
         # dict.fromkeys: a fused tensor is every expert's, named once.
         missing = [*dict.fromkeys(layer.mlp.tensor_name(e, p) for i, layer in enumerate(self.layers)
-                   if isinstance(layer.mlp, SparseMoE)
+                   if isinstance(layer.mlp, SparseMoE) and layer.mlp.experts is None
                    for e in range(layer.mlp.num_experts) for p in PARTS
                    if (i, e, p) not in self.seen)]
         if missing:

@@ -2,12 +2,14 @@
 mixture of experts in place of the MLP (layers/moe.py: the router replicated, every expert
 split across the ranks as a GatedMLP is). Checkpoint names: block_sparse_moe.gate.weight
 (the router) and block_sparse_moe.experts.{e}.{w1,w2,w3}.weight (gate, down, up), or the
-experts fused under mlp. (models/experts.py)."""
+experts fused under mlp. (models/experts.py). Quantized checkpoints keep the per-expert
+names (w1.qweight, w2.weight_scale ...): w1 and w3 load into each expert's fused
+gate_up_proj, w2 into its down_proj."""
 
 from __future__ import annotations
 
 from tpserve.layers.moe import SparseMoE
-from tpserve.models.experts import ExpertTensors, refuse_quantized
+from tpserve.models.experts import ExpertTensors
 from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tpserve.models.loader import load_into, with_prefix
 
@@ -20,9 +22,10 @@ def _make_layer(config, i, prefix, max_positions, window):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config, max_positions: int) -> None:
-        refuse_quantized(config, "Mixtral")
-        super().__init__(config, max_positions)
+    # A quantized checkpoint's experts (SparseMoE.experts), by their per-expert names.
+    stacked_params = LlamaForCausalLM.stacked_params + [
+        (".gate_up_proj.", ".w1.", 0), (".gate_up_proj.", ".w3.", 1), (".down_proj.", ".w2.", None),
+    ]
 
     @staticmethod
     def model_kwargs(config) -> dict:

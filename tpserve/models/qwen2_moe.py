@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.layers.linear import ReplicatedLinear
-from tpserve.layers.moe import SparseMoE
+from tpserve.layers.moe import SparseMoE, refuse_quantized_router
 from tpserve.models.llama import GatedMLP
 from tpserve.models.qwen2 import Qwen2ForCausalLM
 from tpserve.models.qwen3_moe import Qwen3MoeForCausalLM, expert_args
@@ -24,6 +24,7 @@ class SharedExpertMoE(SparseMoE):
         super().__init__(**expert_args(config, prefix))
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
                                       config.hidden_act, f"{prefix}.shared_expert")
+        refuse_quantized_router(f"{prefix}.shared_expert_gate")
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:

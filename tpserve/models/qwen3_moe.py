@@ -9,7 +9,7 @@ family no layer_types (dense Qwen3 has them)."""
 from __future__ import annotations
 
 from tpserve.layers.moe import SparseMoE
-from tpserve.models.experts import ExpertTensors, is_sparse_layer, refuse_quantized
+from tpserve.models.experts import ExpertTensors, is_sparse_layer
 from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -25,10 +25,6 @@ def expert_args(config, prefix: str) -> dict:
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     family = "Qwen3-MoE"
-
-    def __init__(self, config, max_positions: int) -> None:
-        refuse_quantized(config, self.family)
-        super().__init__(config, max_positions)
 
     @staticmethod
     def attention_kwargs(config) -> dict:

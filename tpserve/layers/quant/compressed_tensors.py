@@ -50,7 +50,7 @@ def parse_config(q: dict, kernel: str) -> QuantConfig:
     if fmt in ("float-quantized", "naive-quantized") and w.get("type") == "float" and \
             w.get("num_bits") == 8:
         return QuantConfig("fp8", bits=8, kernel=kernel, skip_modules=skip,
-                           dynamic_activations=_fp8_activations(w, acts, has))
+                           explicit_float=True, dynamic_activations=_fp8_activations(w, acts, has))
     if fmt == "pack-quantized" and w.get("type", "int") == "int" and w.get("num_bits") == 4:
         return _int4(w, acts, has, kernel, skip)
     raise QuantizationError(f"compressed-tensors {has} is not supported; {READS}")
@@ -176,7 +176,7 @@ def _int4(w: dict, acts: dict | None, has: str, kernel: str,
     group = int(w["group_size"]) if strategy == "group" else -1
     return QuantConfig("compressed-tensors", bits=4, group_size=group,
                        sym=bool(w.get("symmetric", True)), zero_offset=0, kernel=kernel,
-                       skip_modules=skip)
+                       skip_modules=skip, explicit_float=True)
 
 
 _NOTED: set[str] = set()

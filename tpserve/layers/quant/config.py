@@ -41,6 +41,10 @@ class QuantConfig:
     # modules left unquantized: name fragments (AWQ modules_to_not_convert), or "re:" and a
     # regex matched at the start of a module's name (compressed-tensors' ignore)
     skip_modules: tuple[str, ...] = ()
+    # The checkpoint names every Linear it keeps float (compressed-tensors' ignore, with
+    # targets ["Linear"]), so a Linear not named is quantized; GPTQ's, AWQ's and fp8's lists
+    # of modules left float are not complete (their routers are float without being named).
+    explicit_float: bool = False
 
     def describe(self) -> str:
         if self.method == "fp8":
