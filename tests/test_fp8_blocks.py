@@ -211,20 +211,3 @@ def test_block_scales_stay_weight_only_above_16_rows(checkpoint, monkeypatch, ca
         for mod in mods:
             mod.method.apply(mod, torch.randn(2, 17, mod.weight.shape[1]))
     assert sum("stay weight-only" in r.getMessage() for r in caplog.records) == 1
-
-
-def test_moe_families_still_refuse_block_scaled_fp8():
-    """Qwen3-30B-A3B-FP8's quantization (the same 128 x 128 blocks) stays refused at start:
-    the experts have no quantized kernels."""
-    from tiny_models import qwen3_moe_config
-
-    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
-    from tpserve.worker.build import check_shardable
-
-    hf = qwen3_moe_config()
-    hf.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
-                              "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="m", max_model_len=64),
-                       parallel=ParallelConfig(tp_size=2))
-    with pytest.raises(ValueError, match="quantized Qwen3-MoE checkpoints are not supported"):
-        check_shardable(cfg, hf)

@@ -5,7 +5,7 @@ renormalised weights and with Qwen2-MoE's shared expert; experts stored fused (a
 transformers 5 writes them with save_original_format=False) load the same rank slices as
 experts stored one by one, each rank reading only its share; a checkpoint missing an expert,
 or with experts on a layer the config makes dense, is refused with the tensor named; an
-uneven shared expert or a quantized checkpoint is refused at start."""
+uneven shared expert is refused at start (quantized experts: tests/test_quant_moe.py)."""
 
 from __future__ import annotations
 
@@ -186,13 +186,3 @@ def test_an_uneven_shared_expert_is_refused_at_start():
     for needle in ("'model.layers.1.mlp.shared_expert.gate_proj.weight'", "[66, 64]", "tp=4",
                    "intermediate size = 66 is not divisible by 4"):
         assert needle in str(err.value)
-
-
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
-def test_a_quantized_checkpoint_is_refused(models_dir, name):
-    path = family_checkpoint(models_dir, name)
-    hf = load_hf_config(path)
-    hf.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                              "desc_act": False, "sym": True}
-    with pytest.raises(ValueError, match="quantized Qwen.-MoE checkpoints are not supported"):
-        _built(path, hf=hf)

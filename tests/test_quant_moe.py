@@ -224,3 +224,60 @@ def test_experts_a_checkpoint_keeps_float_load_float(quantized):
     assert isinstance(moe.experts[0].gate_up_proj.method, Int4Method)
     assert isinstance(moe.experts[0].down_proj.method, Int4Method)
     assert not isinstance(model.model.layers[0].self_attn.qkv_proj.method, UnquantizedMethod)
+
+
+def test_the_graph_safe_path_gives_the_routed_sums_with_quantized_experts(monkeypatch,
+                                                                         quantized):
+    """Inside a CUDA graph capture every expert runs on every token with zero weights for
+    the others (layers/moe.py); with quantized experts (and the shared one) the sums are the
+    eager routed path's."""
+    import tpserve.layers.moe as moe_mod
+    from tpserve.distributed import tp_context
+
+    model, _ = load_rank(quantized("qwen2-moe-gptq-actorder")[0], 0, 1)
+    moe = model.model.layers[1].mlp
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(0))
+    with tp_context(0, 1):
+        routed = moe(x)
+        monkeypatch.setattr(moe_mod, "stream_capturing", lambda device: True)
+        dense = moe(x)
+    torch.testing.assert_close(dense, routed, atol=1e-5, rtol=1e-5)
+    assert bool(((moe.route(x) > 0).sum(-1) == 2).all())
+
+
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+GPTQ128 = {**GPTQ64, "group_size": 128}
+
+
+def _real(name: str, quantization_config: dict):
+    from test_model_shapes import hf_config
+
+    hf = hf_config(name)
+    hf.quantization_config = quantization_config
+    return hf
+
+
+@pytest.mark.parametrize(("name", "quant", "tp"), [
+    # Qwen3-30B-A3B-FP8: experts of 768 at tp = 4 are 1.5 blocks of 128 a rank
+    ("Qwen3-30B-A3B", FP8_BLOCKS, 4),
+    ("Qwen3-30B-A3B", GPTQ128, 2),
+    ("Mixtral-8x7B-v0.1", {**GPTQ128, "desc_act": True}, 8),
+])
+def test_the_real_moe_configs_build_quantized(name, quant, tp):
+    check_shardable(_cfg(tp), _real(name, quant))
+
+
+@pytest.mark.parametrize(("name", "tp", "needles"), [
+    # experts of 768 (6 groups of 128): tp = 4 would give a rank 1.5 groups of down_proj
+    ("Qwen3-30B-A3B", 4, ("'model.layers.0.mlp.experts.0.down_proj.qweight'", "tp=4",
+                          "group size 128", "divides 6 groups")),
+    # experts of 1408: 11 groups, so only tp = 1 without act-order
+    ("Qwen1.5-MoE-A2.7B-Chat", 2, ("'model.layers.0.mlp.experts.0.down_proj.qweight'",
+                                   "tp=2", "group size 128", "divides 11 groups")),
+])
+def test_the_real_gptq_moe_configs_refuse_a_tp_that_cuts_groups(name, tp, needles):
+    with pytest.raises(ShardingError) as err:
+        check_shardable(_cfg(tp), _real(name, GPTQ128))
+    for needle in needles:
+        assert needle in str(err.value)
