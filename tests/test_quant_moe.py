@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
-from engine_utils import assert_close_rel, assert_matches_reference, load_rank, make_engine
+from engine_utils import (
+    assert_close_rel,
+    assert_matches_reference,
+    load_rank,
+    make_engine,
+    prefill_logits,
+)
 from quant_checkpoints import (
     MOE_SHAPES,
     float_checkpoint,
@@ -98,8 +105,6 @@ def test_a_loader_that_mixed_up_experts_would_fail(models_dir, quantized, name):
     mixed = write_expert_scales_from(path, models_dir / f"{name}-expert0-scales")
     engine = make_engine(mixed, 1, local=True)
     try:
-        from engine_utils import prefill_logits
-
         got = prefill_logits(engine, PROMPTS)
     finally:
         engine.shutdown()
@@ -188,8 +193,6 @@ def test_a_router_stored_quantized_is_refused_at_load(models_dir, quantized):
     """A GPTQ file whose router holds qweight/scales instead of a float weight."""
     src = quantized("qwen3-moe-gptq-sym")[0]
     out = models_dir / "qwen3-moe-gptq-quantized-router"
-    import shutil
-
     shutil.copytree(src, out, dirs_exist_ok=True)
     weights = load_file(src / "model.safetensors")
     router = "model.layers.2.mlp.gate"
@@ -281,3 +284,22 @@ def test_the_real_gptq_moe_configs_refuse_a_tp_that_cuts_groups(name, tp, needle
         check_shardable(_cfg(tp), _real(name, GPTQ128))
     for needle in needles:
         assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    ("missing", "model.layers.0.mlp.experts.3.down_proj.qweight"),
+    ("fused", "'model.layers.0.mlp.experts.gate_up_proj': experts stored fused"),
+])
+def test_a_quantized_checkpoint_missing_an_expert_or_with_fused_experts_is_refused(
+        models_dir, quantized, edit, needle):
+    src = quantized("qwen3-moe-gptq-sym")[0]
+    out = models_dir / f"qwen3-moe-gptq-{edit}-experts"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    if edit == "missing":
+        del weights["model.layers.0.mlp.experts.3.down_proj.qweight"]
+    else:
+        weights["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(8, 256, 128)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        load_rank(out, 0, 1)
