@@ -131,6 +131,19 @@ def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: lis
     assert greedy(engine, prompts, len(ref_tokens[0])) == ref_tokens
 
 
+def engine_matches_reference(path: Path, tp: int, ref_tokens: list[list[int]],
+                             ref_logits: list[torch.Tensor], rel: float = 1e-4) -> None:
+    """A tp-rank engine over path serves PROMPTS as the reference does (assert_matches_
+    reference), then shuts down whatever the outcome."""
+    from tiny_models import PROMPTS
+
+    engine = make_engine(path, tp)
+    try:
+        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits, rel)
+    finally:
+        engine.shutdown()
+
+
 def load_rank(path: Path, rank: int, tp: int):
     """One rank's model loaded on the CPU without a process group (loading needs none);
     returns (model, LoadStats) so tests can see what the rank read."""

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import assert_close_rel, assert_matches_reference, load_rank, make_engine
+from engine_utils import (
+    assert_close_rel,
+    engine_matches_reference,
+    load_rank,
+)
 from quant_checkpoints import write_fp8_block_misread, write_quantized
 from safetensors.torch import load_file
 from tiny_models import (
@@ -90,11 +94,7 @@ def oracle(checkpoint, name: str):
 def test_block_scaled_fp8_matches_transformers(ray_cluster, checkpoint, name, tp):
     path = checkpoint(name)[1]
     ref_tokens, ref_logits = oracle(checkpoint, name)
-    engine = make_engine(path, tp)
-    try:
-        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
-    finally:
-        engine.shutdown()
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))

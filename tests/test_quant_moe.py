@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_utils import (
     assert_close_rel,
-    assert_matches_reference,
+    engine_matches_reference,
     load_rank,
     make_engine,
     prefill_logits,
@@ -73,11 +73,7 @@ def quantized(models_dir):
 @pytest.mark.parametrize(("name", "tp"), CASES)
 def test_quantized_moe_matches_transformers(ray_cluster, quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
-    engine = make_engine(path, tp)
-    try:
-        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
-    finally:
-        engine.shutdown()
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("name", sorted(MOE))

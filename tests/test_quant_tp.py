@@ -8,7 +8,7 @@ so group size 32 keeps whole groups on each rank at tp = 4."""
 from __future__ import annotations
 
 import pytest
-from engine_utils import assert_matches_reference, load_rank, make_engine
+from engine_utils import assert_matches_reference, engine_matches_reference, load_rank, make_engine
 from quant_checkpoints import float_checkpoint, quantized_with_reference, write_fp8_cast_reference
 from tiny_models import PROMPTS, hf_greedy, hf_last_logits
 
@@ -56,11 +56,7 @@ def quantized(models_dir):
 @pytest.mark.parametrize(("name", "tp"), CASES)
 def test_quantized_matches_transformers(ray_cluster, quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
-    engine = make_engine(path, tp)
-    try:
-        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
-    finally:
-        engine.shutdown()
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_utils import assert_matches_reference, load_rank, make_engine
+from engine_utils import assert_matches_reference, engine_matches_reference, load_rank, make_engine
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
 
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
@@ -66,11 +66,7 @@ def family(checkpoint):
 @pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{f}-tp{tp}" for f, tp in CASES])
 def test_family_matches_transformers(ray_cluster, family, name, tp):
     path, ref_tokens, ref_logits = family(name)
-    engine = make_engine(path, tp)
-    try:
-        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
-    finally:
-        engine.shutdown()
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_CHECKPOINTS))
