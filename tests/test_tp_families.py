@@ -5,7 +5,9 @@ continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,
 Gemma 2's four norms a layer, capped attention scores and logits, query_pre_attn_scalar and
 a window on every other layer, Gemma 3's norms on queries and keys and a rotary table per
-layer type (also as the language model of a vision-language checkpoint, served as text), Bloom's ALiBi and per-head fused
+layer type (also as the language model of a vision-language checkpoint, served as text, as
+are Mistral 3's, LLaVA's and LLaVA-NeXT's Llama, Mistral and Qwen2 and Qwen2-VL's and
+Qwen2.5-VL's Qwen2 under multimodal rotary), Bloom's ALiBi and per-head fused
 query_key_value with 4 heads (one per rank at tp = 4), Qwen2's q/k/v biases tied and untied,
 Qwen3's per-head RMSNorm on queries and keys with a window on one layer, Mixtral's experts
 (4, two per token, each split across the ranks), Phi-3's fused qkv_proj / gate_up_proj on disk with GQA and half-rotary heads,
@@ -39,6 +41,10 @@ CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2)]
+# Vision-language checkpoints served as text (tests/test_vlm_text_only.py has the rest):
+# transformers runs the whole vision-language model on the prompts' input_ids alone.
+CASES += [(f, tp) for f in ("mistral3", "llava-llama", "qwen2-vl") for tp in (1, 2, 4)]
+CASES += [("llava-qwen2", 2), ("llava-next-mistral", 2), ("qwen2.5-vl-tied", 2)]
 
 _refs: dict[str, tuple] = {}
 

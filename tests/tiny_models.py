@@ -158,6 +158,85 @@ def gemma3_vlm_config(**kw):
     return cfg
 
 
+# Vision towers of the tiny vision-language checkpoints: one small layer each (served as
+# text only, they are saved and never read; transformers builds them when it runs the model).
+def _pixtral_vision():
+    from transformers import PixtralVisionConfig
+
+    return PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, head_dim=16, image_size=28,
+                               patch_size=14).to_dict()
+
+
+def _clip_vision():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, image_size=28, patch_size=14,
+                            projection_dim=32).to_dict()
+
+
+def mistral3_vlm_config(**kw):
+    """Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration): a Mistral language model
+    with head_dim 32 != 64 / 4 (as the released 128 != 5120 / 32) and mistral_config's window
+    of 8, a one-layer Pixtral vision tower and the patch-merging projector. Untied, as
+    released (tie_word_embeddings false on the outer config, which Mistral3Config defaults
+    to true)."""
+    from transformers import Mistral3Config
+
+    cfg = Mistral3Config(text_config=mistral_config(head_dim=32, **kw).to_dict(),
+                         vision_config=_pixtral_vision(), tie_word_embeddings=False)
+    cfg.architectures = ["Mistral3ForConditionalGeneration"]
+    return cfg
+
+
+def llava_config(text, next_: bool = False, **kw):
+    """LLaVA (LlavaForConditionalGeneration) or LLaVA-NeXT (next_: LlavaNextForConditional-
+    Generation, with its image_newline) over the language model text(**kw) (llama_config,
+    mistral_config or qwen2_config), with a one-layer CLIP vision tower; untied."""
+    from transformers import LlavaConfig, LlavaNextConfig
+
+    language = text(**kw)
+    if next_:
+        cfg = LlavaNextConfig(text_config=language.to_dict(), vision_config=_clip_vision(),
+                              image_grid_pinpoints=[[28, 56]],
+                              tie_word_embeddings=language.tie_word_embeddings)
+    else:
+        cfg = LlavaConfig(text_config=language.to_dict(), vision_config=_clip_vision(),
+                          image_seq_length=4, tie_word_embeddings=language.tie_word_embeddings)
+    cfg.architectures = ["LlavaNextForConditionalGeneration" if next_
+                         else "LlavaForConditionalGeneration"]
+    return cfg
+
+
+def qwen2_vl_config(v2_5: bool = False, **kw):
+    """Qwen2-VL (or Qwen2.5-VL: v2_5) with Qwen2's language model (q/k/v biases, GQA 4 / 2,
+    head_dim 16) under multimodal rotary: mrope_section [2, 3, 3] (the released 16, 24, 24
+    scaled to head_dim / 2 = 8 frequencies), rope_theta 1e6 as released; a one-layer vision
+    tower. Untied unless kw says otherwise (Qwen2-VL-2B and Qwen2.5-VL-3B tie)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    tied = kw.pop("tie_word_embeddings", False)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                 "mrope_section": [2, 3, 3]},
+                **_common(kw.pop("vocab_size", 301)))
+    text.update(kw)
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+    if v2_5:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, fullatt_block_indexes=[0])
+    # Image and video tokens past the tokenizer's ids: text never holds them.
+    ids = dict(image_token_id=301, video_token_id=302, vision_start_token_id=303,
+               vision_end_token_id=304)
+    cls = Qwen2_5_VLConfig if v2_5 else Qwen2VLConfig
+    cfg = cls(text_config=text, vision_config=vision, tie_word_embeddings=tied, **ids)
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration" if v2_5
+                         else "Qwen2VLForConditionalGeneration"]
+    return cfg
+
+
 def bloom_config(**kw):
     """4 heads (one per rank at tp = 4), ALiBi, tied head."""
     from transformers import BloomConfig
@@ -368,13 +447,9 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
     norm weights), which transformers initialises to constants that would hide bugs.
     save_dtype: the weights (and config.json's dtype) in that dtype; max_shard_size: split
     into several files with a model.safetensors.index.json, as large checkpoints are."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
-    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) \
-        else AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
+    model = auto_class(config.to_dict()).from_config(config, dtype=torch.float32)
     # Spread the random weights so greedy continuations are not all one token.
     with torch.no_grad():
         for p in model.parameters():
@@ -406,6 +481,17 @@ FAMILY_CHECKPOINTS = {
     "gemma2": (gemma2_config, {"std": 0.3, "vector_std": 0.1}),
     "gemma3": (gemma3_config, {"std": 0.3, "vector_std": 0.1}),
     "gemma3-vlm": (gemma3_vlm_config, {"std": 0.3, "vector_std": 0.1}),
+    # Vision-language checkpoints served as text (tests/test_vlm_text_only.py), saved as
+    # transformers saves them: the published names (language_model.model.* ...; Qwen2-VL's
+    # model.*, visual.*).
+    "mistral3": (mistral3_vlm_config, {"std": 0.3, "vector_std": 0.1}),
+    "llava-llama": (lambda: llava_config(llama_config), {"std": 0.3, "vector_std": 0.1}),
+    "llava-qwen2": (lambda: llava_config(qwen2_config), {"std": 0.3, "vector_std": 0.1}),
+    "llava-next-mistral": (lambda: llava_config(mistral_config, next_=True),
+                           {"std": 0.3, "vector_std": 0.1}),
+    "qwen2-vl": (qwen2_vl_config, {"std": 0.3, "vector_std": 0.1}),
+    "qwen2.5-vl-tied": (lambda: qwen2_vl_config(v2_5=True, tie_word_embeddings=True),
+                        {"std": 0.3, "vector_std": 0.1}),
     "bloom": (bloom_config, {"std": 0.5, "vector_std": 0.1}),
     "qwen2": (qwen2_config, {"vector_std": 0.1}),
     "qwen2-tied": (lambda: qwen2_config(tie_word_embeddings=True),
@@ -434,6 +520,24 @@ FAMILY_CHECKPOINTS = {
 }
 
 
+def auto_class(config: dict):
+    """transformers' Auto class for a config (as a dict): seq2seq, causal LM, or for the
+    vision-language models transformers does not list as causal LMs (LLaVA, Mistral 3,
+    Qwen2-VL) image-text-to-text, which runs them on text alone too."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("is_encoder_decoder"):
+        return AutoModelForSeq2SeqLM
+    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def family_checkpoint(models_dir: Path, name: str) -> Path:
     """The tiny checkpoint of a family under models_dir, saved on first use (test modules
     of one session share it)."""
@@ -448,12 +552,11 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
               use_cache: bool = True) -> list[list[int]]:
     """transformers' own greedy continuation, float32 on the CPU: the oracle. use_cache=False:
     every step recomputes the whole sequence (the model alone, without generate's cache)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     cfg = json.loads((Path(path) / "config.json").read_text())
-    auto = AutoModelForSeq2SeqLM if cfg.get("is_encoder_decoder") else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32).eval()
+    model = auto_class(cfg).from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
@@ -482,10 +585,11 @@ def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int]) -> list
 
 
 def hf_last_logits(path: Path, prompts: list[str]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    model = auto_class(cfg).from_pretrained(path, dtype=torch.float32).eval()
     res = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids

@@ -50,23 +50,47 @@ def _plain(value: Any, depth: int = 0) -> tuple[bool, Any]:
 
 
 # Vision-language checkpoints whose language model tpserve serves on its own (text in, text
-# out): architecture -> the text-only architecture its language model is. The weights keep
-# their names (language_model.model.*); the text model's loader maps them and skips the
-# vision tower and projector.
-TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# out): architecture -> {the text config's model_type: the text-only architecture serving
+# it}. As transformers builds such a model's language model from text_config (AutoModel), the
+# text family is the text config's model_type. The weights keep their names
+# (language_model.model.*, model.language_model.*); the text model's loader maps them and
+# skips the vision tower and projector (models/loader.py text_model_name).
+_LLAVA_TEXT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
+TEXT_ONLY: dict[str, dict[str, str]] = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM"},
+    "LlavaForConditionalGeneration": _LLAVA_TEXT,
+    "LlavaNextForConditionalGeneration": _LLAVA_TEXT,
+    # Multimodal rotary (rope_parameters.mrope_section) rotates each section of a head by
+    # its own position (time, height, width); for text all three are the token's position,
+    # so it is Qwen2's 1-D rotary (tests/test_vlm_text_only.py checks it against
+    # transformers), and the layers are Qwen2's.
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+}
 
 
 def text_only(hf_config):
     """The config to build and serve: the config itself, or for a TEXT_ONLY vision-language
     checkpoint its text config, named as the text-only architecture, with the composite
     model's tied-head flag (transformers ties the head by the outer config) and, where the
-    text config has none, its dtype and quantization_config."""
+    text config has none, its dtype and quantization_config. A TEXT_ONLY architecture
+    whose language model is of a family tpserve does not serve inside it is refused
+    (ValueError naming both)."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in TEXT_ONLY), None)
     text = getattr(hf_config, "text_config", None)
     if arch is None or text is None:
         return hf_config
-    text.architectures = [TEXT_ONLY[arch]]
+    families = TEXT_ONLY[arch]
+    kind = getattr(text, "model_type", None)
+    if kind not in families:
+        raise ValueError(
+            f"{arch} is served as text only when its language model (text_config.model_type) "
+            f"is {' or '.join(map(repr, families))}; this checkpoint's is {kind!r}, which "
+            "tpserve does not serve inside it (docs/models.md lists what is served)")
+    text.architectures = [families[kind]]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
     if getattr(text, "dtype", None) is None:  # published configs give it on the outer one
         text.dtype = getattr(hf_config, "dtype", None)
@@ -75,6 +99,12 @@ def text_only(hf_config):
     if quant is not None and getattr(text, "quantization_config", None) is None:
         text.quantization_config = quant
     return text
+
+
+def text_only_architectures() -> list[str]:
+    """The vision-language architectures served as text, each with the language models it
+    takes: "LlavaForConditionalGeneration (llama, mistral, qwen2)"."""
+    return [f"{arch} ({', '.join(families)})" for arch, families in sorted(TEXT_ONLY.items())]
 
 
 def snapshot(hf_config) -> str:

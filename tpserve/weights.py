@@ -84,7 +84,34 @@ def load_hf_config(path: Path | str):
 
     from tpserve.hf_config import text_only
 
-    return adopt_quant_file(text_only(AutoConfig.from_pretrained(str(path))), Path(path))
+    outer = AutoConfig.from_pretrained(str(path))
+    config = text_only(outer)
+    if config is not outer:
+        _untie_a_stored_head(config, Path(path))
+    return adopt_quant_file(config, Path(path))
+
+
+def _untie_a_stored_head(text_config, path: Path) -> None:
+    """A vision-language config may tie the head by default (Mistral3Config does) over a
+    checkpoint that stores a head of its own (language_model.lm_head.weight). transformers
+    ties only where the file lacks one of the two or holds them equal, so a stored head is
+    the one it serves; tpserve loads it too (equal tensors give the same logits either way)."""
+    if getattr(text_config, "tie_word_embeddings", False) and any(
+            name.endswith("lm_head.weight") for name in tensor_names(path)):
+        text_config.tie_word_embeddings = False
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The names of the checkpoint's tensors, from its index or the files' headers; none
+    where it has no weights (--load-format dummy)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            names += list(st.keys())
+    return names
 
 
 # Quantizers that wrote their settings to a file of their own, with the method it implies:

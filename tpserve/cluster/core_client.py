@@ -98,9 +98,9 @@ class CoreClient:
             _settle(prepared, wait_s=2.0)
             raise
         try:
-            from transformers import AutoTokenizer
+            from tpserve.tokenizer import load_tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            self.tokenizer = load_tokenizer(cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
             self.kill()
             _settle(prepared, wait_s=2.0)

@@ -75,13 +75,12 @@ def vocab_id(tokenizer, piece: str) -> int | None:
 class Engine(EngineCore):
     def __init__(self, cfg: EngineConfig, executor: Executor, hf_config=None) -> None:
         try:
-            from transformers import AutoTokenizer
-
+            from tpserve.tokenizer import load_tokenizer
             from tpserve.weights import load_hf_config
 
             hf_config = hf_config or load_hf_config(cfg.model.path)
             try:
-                self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+                self.tokenizer = load_tokenizer(cfg.model.path)
             except Exception as exc:  # noqa: BLE001 - say which file is missing
                 raise CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
                                       f"{exc}") from exc

@@ -6,26 +6,12 @@ table per type), and no attention score cap (transformers' Gemma 3 ignores
 attn_logit_softcapping; final_logit_softcapping is honoured when set, as there).
 The vision-language checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b and up) are
 served as text only: their language model, built from the config's text_config
-(hf_config.text_only), with the vision tower left out."""
+(hf_config.text_only), its tensors named as loader.text_model_name maps them, with the
+vision tower left out (LlamaForCausalLM.load_weights)."""
 
 from __future__ import annotations
 
 from tpserve.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, layer_windows
-from tpserve.models.loader import load_into, with_prefix
-
-# A vision-language checkpoint served as text (hf_config.TEXT_ONLY) names its language
-# model's tensors under language_model.model.* (as published; model.language_model.* in
-# transformers' own naming); its vision tower and projector are not loaded.
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
-_VISION = ("vision_tower.", "multi_modal_projector.")
-
-
-def text_name(name: str) -> str:
-    for old, new in _TEXT_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
@@ -45,9 +31,3 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @staticmethod
     def model_kwargs(config) -> dict:
         return {"norm_offset": 1.0, "make_layer": Gemma3DecoderLayer}
-
-    def load_weights(self, tensors) -> None:
-        skip = self.skip_tensors + _VISION + (("lm_head.",) if self.tied(self.config) else ())
-        prefixed = with_prefix("model.")  # names without "model." (with_prefix)
-        load_into(self, tensors, self.stacked_params, skip,
-                  rename=lambda name: prefixed(text_name(name)))

@@ -17,7 +17,7 @@ from tpserve.layers.rotary import (
     partial_rotary_factor,
     rope_parameters,
 )
-from tpserve.models.loader import load_into, with_prefix
+from tpserve.models.loader import VISION_TENSORS, decoder_names, load_into
 
 
 def head_dim_of(config) -> int:
@@ -329,8 +329,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
-        skip = self.skip_tensors + (("lm_head.",) if self.tied(self.config) else ())
-        load_into(self, tensors, self.stacked_params, skip, rename=with_prefix("model."))
+        # VISION_TENSORS: a vision-language checkpoint served as text (Llava, Mistral 3,
+        # Qwen2-VL) names its language model's tensors as decoder_names maps them.
+        skip = self.skip_tensors + VISION_TENSORS + \
+            (("lm_head.",) if self.tied(self.config) else ())
+        load_into(self, tensors, self.stacked_params, skip, rename=decoder_names("model."))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -26,6 +26,34 @@ def with_prefix(prefix: str, keep: tuple[str, ...] = ("lm_head.",)):
     return rename
 
 
+# A vision-language checkpoint served as text (hf_config.TEXT_ONLY) names its language
+# model's tensors under a prefix of its own: language_model.model.* and
+# language_model.lm_head.* as published (Llava, Mistral 3, Gemma 3) or written by
+# transformers' save_pretrained, model.language_model.* and lm_head.* in transformers 5's own
+# names (save_original_format=False); Qwen2-VL's published names are a decoder's own
+# (model.*, lm_head.*). The vision tower, the projector and LLaVA-NeXT's image_newline
+# (visual.* for Qwen2-VL), under either prefix, are not read (VISION_TENSORS).
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+VISION_TENSORS = ("vision_tower.", "multi_modal_projector.", "image_newline", "visual.")
+
+
+def text_model_name(name: str) -> str:
+    """A vision-language checkpoint's name for a language-model tensor, as the text-only
+    model names it ("language_model.model.layers.0..." -> "model.layers.0..."); any other
+    name as it is."""
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def decoder_names(prefix: str = "model."):
+    """The rename of a decoder-only family: text_model_name, then with_prefix(prefix)."""
+    prefixed = with_prefix(prefix)
+    return lambda name: prefixed(text_model_name(name))
+
+
 def load_into(
     model: nn.Module,
     tensors: Iterable[TensorSlice],

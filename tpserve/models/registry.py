@@ -77,8 +77,12 @@ def model_class(config):
                 arch = by_type
             module, _, attr = _MODELS[arch].partition(":")
             return getattr(importlib.import_module(module), attr)
+    from tpserve.hf_config import text_only_architectures
+
     raise ValueError(
         f"unsupported model architecture {archs or '(config.json names none)'} (model_type "
         f"{getattr(config, 'model_type', None)!r}); tpserve "
-        f"supports: {', '.join(supported_architectures())}"
+        f"supports: {', '.join(supported_architectures())}; and, served as text only (text "
+        f"in, text out, no images), the vision-language "
+        f"{', '.join(text_only_architectures())}"
     )

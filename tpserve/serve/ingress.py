@@ -325,12 +325,12 @@ class TPServeIngress:
 
     async def __init__(self, replica_handle: Any, model_path: str, server: Any = None,
                        replicas: int = 1, grpc_on_loopback: bool = False) -> None:
-        from transformers import AutoTokenizer
+        from tpserve.tokenizer import load_tokenizer
 
         if grpc_on_loopback:
             keep_replica_grpc_on_loopback()
         self.server = server  # ServerConfig: API keys, body limit, deadlines, as the direct server
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         self.backend = ReplicaSetBackend(replica_handle, tokenizer, replicas)
         await self.backend.refresh_info()
         await self.backend.refresh_replicas()

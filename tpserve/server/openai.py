@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
@@ -183,9 +183,24 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+def _text_parts_only(content: Any) -> Any:
+    """Refuses a content part that is not text (image_url, input_audio, file) by its type,
+    before pydantic tries the union and reports only "Input should be 'text'"."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"has a part of type {kind[:40]!r} (content[{j}]): tpserve serves text "
+                    "in, text out, also for a vision-language model; images, audio and files "
+                    "are not served. Send the content as a string or as parts of type \"text\"")
+    return content
+
+
 class ChatMessage(BaseModel):
     role: Text
-    content: Text | Annotated[list[ContentPart], FailFast] | None = None
+    content: Annotated[Text | Annotated[list[ContentPart], FailFast] | None,
+                       BeforeValidator(_text_parts_only)] = None
     name: Text | None = None
     # An assistant turn's calls (content may be null) and a `tool` turn's answer to one.
     tool_calls: Annotated[list[ToolCallIn], FailFast] | None = None

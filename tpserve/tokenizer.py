@@ -1,0 +1,50 @@
+"""The checkpoint's tokenizer, with its chat template wherever the checkpoint keeps it.
+
+Vision-language repositories often keep the chat template beside the tokenizer rather than
+in tokenizer_config.json: in chat_template.jinja (which transformers' tokenizer reads) or in
+a processor's chat_template.json ({"chat_template": "..."}, which only transformers'
+processor reads). The chat routes need it either way, so a tokenizer without a template
+takes the one of those files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "chat_template", None):
+        template = chat_template_beside(Path(path))
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def chat_template_beside(path: Path) -> str | dict[str, str] | None:
+    """The template of chat_template.jinja, else of chat_template.json (one template, or a
+    list of {"name", "template"} as tokenizer_config.json may hold them); None without."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    file = path / "chat_template.json"
+    if not file.is_file():
+        return None
+    try:
+        template: Any = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as exc:
+        log.warning("ignoring %s: not a JSON object with a chat_template (%s)", file, exc)
+        return None
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        template = {t["name"]: t["template"] for t in template
+                    if isinstance(t, dict) and {"name", "template"} <= t.keys()}
+    if isinstance(template, (str, dict)) and template:
+        return template
+    log.warning("ignoring %s: its chat_template is not a template", file)
+    return None
