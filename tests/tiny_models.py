@@ -429,6 +429,22 @@ def olmo2_config(**kw):
     return cfg
 
 
+def gpt_bigcode_config(**kw):
+    """StarCoder / SantaCoder: multi-query attention (4 heads of 16, one KV head, replicated
+    on every rank) with c_attn fused [q; k; v] (gpt-bigcode-mha: multi_query False, rows
+    per head), learned positions wpe, LayerNorms and a plain MLP with biases, tanh GELU,
+    tied head; n_inner 128 (not 4 x hidden)."""
+    from transformers import GPTBigCodeConfig
+
+    args = dict(n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=512,
+                multi_query=True, activation_function="gelu_pytorch_tanh",
+                tie_word_embeddings=True, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GPTBigCodeConfig(**args)
+    cfg.architectures = ["GPTBigCodeForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -517,6 +533,9 @@ FAMILY_CHECKPOINTS = {
     "phi-qk-norm": (lambda: phi_config(qk_layernorm=True), {"std": 0.3, "vector_std": 0.1}),
     "olmo2": (olmo2_config, {"std": 0.5, "vector_std": 0.1}),
     "granite-moe": (granite_moe_config, {"std": 0.5, "vector_std": 0.1}),
+    "gpt-bigcode": (gpt_bigcode_config, {"std": 0.3, "vector_std": 0.1}),
+    "gpt-bigcode-mha": (lambda: gpt_bigcode_config(multi_query=False),
+                        {"std": 0.3, "vector_std": 0.1}),
 }
 
 

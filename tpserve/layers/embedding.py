@@ -17,7 +17,7 @@ from tpserve.distributed import (
     get_tp,
 )
 from tpserve.kernels import fused_ops, gemv
-from tpserve.layers.sharding import check_shape, copy_narrow
+from tpserve.layers.sharding import check_shape, copy_full, copy_narrow
 from tpserve.weights import TensorSlice
 
 
@@ -50,6 +50,19 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding((ids - self.start) * mine, self.weight)
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return all_reduce(out)
+
+
+class ReplicatedEmbedding(nn.Module):
+    """A table every rank holds whole, so a lookup needs no collective (GPTBigCode's learned
+    positions, `wpe`: n_positions x hidden, small beside the layers)."""
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+        self.weight.weight_loader = copy_full
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -29,6 +29,7 @@ _MODELS: dict[str, str] = {
     "PhiForCausalLM": "tpserve.models.phi:PhiForCausalLM",
     "Olmo2ForCausalLM": "tpserve.models.olmo2:Olmo2ForCausalLM",
     "GraniteMoeForCausalLM": "tpserve.models.granite_moe:GraniteMoeForCausalLM",
+    "GPTBigCodeForCausalLM": "tpserve.models.gpt_bigcode:GPTBigCodeForCausalLM",
 }
 
 
@@ -45,6 +46,7 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
 }
 
 
