@@ -101,6 +101,7 @@ FEATURES = [
                                       "partial_rotary_factor": 1.0}}),
     ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 1.0}}),    ("phi-qk-norm", {"qk_layernorm": False}),
+    ("gpt-bigcode", {"scale_attn_weights": False}),
 ]
 
 
@@ -255,7 +256,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("gpt-neox", "LayerNorms: only an RMSNorm folds"),
                                            ("phi", "LayerNorms: only an RMSNorm folds"),
                                            ("olmo2", "none feeds qkv_proj"),
-                                           ("granite-moe", "scaled by 0.22")])
+                                           ("granite-moe", "scaled by 0.22"),
+                                           ("gpt-bigcode", "LayerNorms: only an RMSNorm folds")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -316,6 +318,15 @@ REFUSED = [
       "expert intermediate size = 66 is not divisible by 4"]),
     ("olmo2", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.gate_proj.weight'",
                                               "[130, 64]", "tp=4", "intermediate size = 130"]),
+    ("gpt-bigcode", {}, 3, ["'transformer.h.0.attn.c_attn.weight'", "[96, 64]", "tp=3",
+                            "attention heads = 4 is not divisible by 3", "tp = 1, 2 or 4."]),
+    ("gpt-bigcode", {}, 8, ["'transformer.h.0.attn.c_attn.weight'", "[96, 64]", "tp=8",
+                            "attention heads = 4 is not divisible by 8", "tp = 1, 2 or 4."]),
+    ("gpt-bigcode-mha", {}, 8, ["'transformer.h.0.attn.c_attn.weight'", "[192, 64]", "tp=8",
+                                "attention heads = 4 is not divisible by 8",
+                                "a tp that divides 4"]),
+    ("gpt-bigcode", {"n_inner": 130}, 4, ["'transformer.h.0.mlp.c_fc.weight'", "[130, 64]",
+                                          "tp=4", "output features = 130 is not divisible by 4"]),
 ]
 
 
@@ -432,3 +443,115 @@ def test_collectives_per_layer(family, monkeypatch, name, layer_class, per_layer
         engine.shutdown()
     assert layers[0] > 0
     assert calls[0] == per_layer * layers[0], (calls[0], layers[0])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_bigcode_rank_reads_its_q_heads_and_the_whole_kv_head(checkpoint, tp):
+    """Multi-query c_attn rows are [q (4 heads x 16); k (16); v (16)]: rank r holds q heads
+    [r n, (r + 1) n) and the one k and v head whole (weight and bias), reading exactly that
+    much of the file; c_fc by rows, both c_proj by columns with their biases whole, wpe
+    whole on every rank."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("gpt-bigcode")
+    full = load_file(str(path / "model.safetensors"))
+    pre, d = "transformer.h.1", 16
+    w, b = full[f"{pre}.attn.c_attn.weight"], full[f"{pre}.attn.c_attn.bias"]
+    for rank in range(tp):
+        model, stats = load_rank(path, rank, tp)
+        block, n = model.transformer.h[1], 4 // tp
+        q = slice(rank * n * d, (rank + 1) * n * d)
+        for got, t in ((block.attn.c_attn.weight, w), (block.attn.c_attn.bias, b)):
+            torch.testing.assert_close(got, torch.cat([t[q], t[64:80], t[80:96]]),
+                                       rtol=0, atol=0)
+        assert (block.attn.attn.spec.num_heads, block.attn.attn.spec.num_kv_heads) == (n, 1)
+        assert stats.fraction(f"{pre}.attn.c_attn.weight") == pytest.approx((n + 2) / 6)
+        assert stats.fraction(f"{pre}.attn.c_attn.bias") == pytest.approx((n + 2) / 6)
+        for name in ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                     "mlp.c_proj.weight"):
+            assert stats.fraction(f"{pre}.{name}") == pytest.approx(1 / tp), name
+        for name in ("attn.c_proj.bias", "mlp.c_proj.bias"):
+            torch.testing.assert_close(block.get_submodule(name.rpartition(".")[0]).bias,
+                                       full[f"{pre}.{name}"], rtol=0, atol=0)
+        torch.testing.assert_close(model.transformer.wpe.weight, full["transformer.wpe.weight"],
+                                   rtol=0, atol=0)
+        assert stats.fraction("transformer.wpe.weight") == 1.0
+
+
+def test_gpt_bigcode_without_multi_query_reads_its_heads_of_c_attn(checkpoint):
+    """multi_query False: c_attn rows per head, [head, (q, k, v), head_dim], as Bloom's;
+    rank r holds heads [2 r, 2 r + 2) and reads half of the tensor."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("gpt-bigcode-mha")
+    full = load_file(str(path / "model.safetensors"))
+    w = full["transformer.h.0.attn.c_attn.weight"].view(4, 3, 16, 64)
+    for rank in range(2):
+        model, stats = load_rank(path, rank, 2)
+        attn = model.transformer.h[0].attn
+        torch.testing.assert_close(attn.c_attn.weight.view(2, 3, 16, 64),
+                                   w[2 * rank:2 * rank + 2], rtol=0, atol=0)
+        assert (attn.attn.spec.num_heads, attn.attn.spec.num_kv_heads) == (2, 2)
+        assert stats.fraction("transformer.h.0.attn.c_attn.weight") == pytest.approx(1 / 2)
+
+
+def _bigcode_logits(model, tok) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+
+
+def test_gpt_bigcode_c_attn_layouts_are_transformers(family):
+    """Guards the oracle and the two layouts: the multi-query checkpoint, rewritten as a
+    multi_query False model whose every head has the one k and v (rows [head, (q, k, v),
+    head_dim]), gives transformers' own logits; the same rows read as [q; k...; v...]
+    (the multi-query order, heads repeated) do not. So the tp cases check each layout, and
+    that positions (wpe) enter: zeroing wpe changes the logits too."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, _, ref_logits = family("gpt-bigcode")
+    tok = AutoTokenizer.from_pretrained(path)
+    mqa = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    state = mqa.state_dict()
+
+    def as_mha(per_head: bool):
+        config = AutoConfig.from_pretrained(path, multi_query=False)
+        mha = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        fused = dict(state)
+        for name, t in state.items():
+            if ".attn.c_attn." in name:
+                q, k, v = t[:64].unflatten(0, (4, 16)), t[64:80], t[80:96]
+                k, v = k.expand(4, *k.shape), v.expand(4, *v.shape)
+                rows = torch.stack([q, k, v], 1) if per_head else torch.cat([q, k, v])
+                fused[name] = rows.reshape(-1, *t.shape[1:])
+        mha.load_state_dict(fused)
+        return mha
+
+    def gap(logits):
+        return max(float((g - r).abs().max()) for g, r in zip(logits, ref_logits, strict=True))
+
+    assert gap(_bigcode_logits(mqa, tok)) < 1e-5
+    assert gap(_bigcode_logits(as_mha(per_head=True), tok)) < 1e-4
+    assert gap(_bigcode_logits(as_mha(per_head=False), tok)) > 0.05
+    with torch.no_grad():
+        mqa.transformer.wpe.weight.zero_()
+    assert gap(_bigcode_logits(mqa, tok)) > 0.05
+
+
+def test_gpt_bigcode_past_its_positions_is_refused_at_start(checkpoint):
+    """wpe has n_positions (512) rows and no embedding past them: --max-total-tokens 513 is
+    refused before any shard starts, with the limit and the flag to use; 512 builds."""
+    from tpserve.weights import load_hf_config
+
+    path = checkpoint("gpt-bigcode")
+
+    def cfg(max_len: int) -> EngineConfig:
+        return EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=max_len),
+                            parallel=ParallelConfig(tp_size=2))
+
+    check_shardable(cfg(512), load_hf_config(path))
+    with pytest.raises(ValueError) as err:
+        check_shardable(cfg(513), load_hf_config(path))
+    msg = str(err.value)
+    for needle in ("transformer.wpe.weight", "n_positions = 512", "--max-total-tokens 512",
+                   "asked for 513"):
+        assert needle in msg, msg

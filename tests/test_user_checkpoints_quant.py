@@ -1,6 +1,6 @@
 """Quantized checkpoints shaped unlike tests/test_quant_tp.py's: a family tpserve does not
-serve quantized (Bloom, T5) is refused at start with the family, the method and what to do,
-instead of failing at load on a tensor shape; --quantize fp8 (a cast at load) still serves
+serve quantized (Bloom, T5, GPTBigCode) is refused at start with the family, the method and
+what to do, instead of failing at load on a tensor shape; --quantize fp8 (a cast at load) still serves
 them, and matches transformers running the same per-channel cast."""
 
 from __future__ import annotations
@@ -10,7 +10,14 @@ import shutil
 import pytest
 import torch
 from engine_utils import greedy, make_engine
-from tiny_models import PROMPTS, bloom_config, hf_greedy, save_model, t5_config
+from tiny_models import (
+    PROMPTS,
+    bloom_config,
+    gpt_bigcode_config,
+    hf_greedy,
+    save_model,
+    t5_config,
+)
 
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.layers.quant.config import QuantizationError
@@ -26,14 +33,25 @@ def engine_cfg(tp: int) -> EngineConfig:
                         parallel=ParallelConfig(tp_size=tp))
 
 
-@pytest.mark.parametrize(("family", "qcfg"), [("bloom", GPTQ), ("bloom", FP8), ("t5", AWQ)])
+CONFIGS = {"bloom": (bloom_config, "BloomForCausalLM"),
+           "t5": (t5_config, "T5ForConditionalGeneration"),
+           "gpt-bigcode": (gpt_bigcode_config, "GPTBigCodeForCausalLM"),
+           "gpt-bigcode-mha": (lambda: gpt_bigcode_config(multi_query=False),
+                               "GPTBigCodeForCausalLM")}
+
+
+@pytest.mark.parametrize(("family", "qcfg"), [("bloom", GPTQ), ("bloom", FP8), ("t5", AWQ),
+                                              ("gpt-bigcode", GPTQ), ("gpt-bigcode", FP8),
+                                              ("gpt-bigcode-mha", AWQ)])
 def test_quantized_checkpoint_of_a_family_without_int4_layers_is_refused(family, qcfg):
-    hf = bloom_config() if family == "bloom" else t5_config()
+    """GPTBigCode: no quantized file is under test, and without multi_query its per-head
+    c_attn loads float rows only (as Bloom's)."""
+    build, name = CONFIGS[family]
+    hf = build()
     hf.quantization_config = dict(qcfg)
     with pytest.raises(QuantizationError) as err:
         check_shardable(engine_cfg(2), hf)
     msg = str(err.value)
-    name = {"bloom": "BloomForCausalLM", "t5": "T5ForConditionalGeneration"}[family]
     for needle in (name, qcfg["quant_method"], "--quantize fp8"):
         assert needle in msg, msg
 
