@@ -193,3 +193,32 @@ def test_rope_of_the_real_llama3_configs_matches_transformers(name, kind):
         want, _ = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert scale == 1.0
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_starcoder_shapes_add_up_with_the_kv_head_and_positions_replicated(tp):
+    """StarCoder-15B's dimensions (GPTBigCode, multi_query: 48 heads of 128, one KV head,
+    40 layers, n_inner 24576, vocab 49152, 8192 positions, tied head), typed in rather than
+    a stored config.json. Every rank holds its 48 / tp query heads plus the whole k and v
+    head (weight rows and bias), the whole wpe, the norms and the c_proj biases; the rest
+    adds up to transformers' count. tp = 5 is refused naming c_attn."""
+    from transformers import AutoModelForCausalLM, GPTBigCodeConfig
+
+    hf = GPTBigCodeConfig(n_embd=6144, n_head=48, n_layer=40, n_inner=24576, vocab_size=49152,
+                          n_positions=8192, multi_query=True, tie_word_embeddings=True,
+                          architectures=["GPTBigCodeForCausalLM"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    whole = ("ln_", "c_proj.bias", "wpe")
+    replicated = sum(p.numel() for n, p in model.named_parameters() if any(w in n for w in whole))
+    kv_rows = 40 * 2 * 128 * (6144 + 1)  # k and v of c_attn, weight and bias, per layer
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == numel(model) + (tp - 1) * (replicated + kv_rows)
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(5), hf)
+    for needle in ("'transformer.h.0.attn.c_attn.weight'", "[6400, 6144]", "tp=5",
+                   "attention heads = 48 is not divisible by 5", "tp = 1, 2, 3, 4, 6, 8"):
+        assert needle in str(err.value), str(err.value)
