@@ -1,8 +1,7 @@
 """`tpserve launch --tp 2` per added family (Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral,
-Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE; vision-language Gemma 3, Mistral 3, LLaVA-NeXT
-and Qwen2-VL served as text) in a
-subprocess, asked over HTTP through tpserve.Client: the served text is transformers' greedy
-text.
+Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE, GPTBigCode; vision-language Gemma 3, Mistral 3,
+LLaVA-NeXT and Qwen2-VL served as text) in a subprocess, asked over HTTP through
+tpserve.Client: the served text is transformers' greedy text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
 Slow job (bash .ci/run slow): 11-13 s per family on 2 quiet cores, up to ~38 s when shared."""
@@ -48,7 +47,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
             "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe", "mistral3",
-            "llava-next-mistral", "qwen2-vl"]
+            "llava-next-mistral", "qwen2-vl", "gpt-bigcode"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
