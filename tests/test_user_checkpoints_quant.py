@@ -56,16 +56,25 @@ def test_quantized_checkpoint_of_a_family_without_int4_layers_is_refused(family,
         assert needle in msg, msg
 
 
-def test_bloom_cast_to_fp8_at_load_matches_transformers(models_dir, tmp_path):
-    """--quantize fp8 on a float Bloom (tp = 1): each linear's rows scaled to e4m3 at load;
-    the oracle is transformers on the same cast weights."""
+# family -> (config builder, the linears' weight names that --quantize fp8 casts).
+CAST = {"bloom": (bloom_config, ("query_key_value.weight", "dense.weight",
+                                 "dense_h_to_4h.weight", "dense_4h_to_h.weight")),
+        "gpt-bigcode": (gpt_bigcode_config, ("c_attn.weight", "c_proj.weight",
+                                             "c_fc.weight"))}
+
+
+@pytest.mark.parametrize("family", sorted(CAST))
+def test_cast_to_fp8_at_load_matches_transformers(models_dir, tmp_path, family):
+    """--quantize fp8 on a float Bloom or GPTBigCode (multi-query c_attn fused [q; k; v])
+    at tp = 1: each linear's rows scaled to e4m3 at load; the oracle is transformers on the
+    same cast weights."""
     from safetensors.torch import load_file, save_file
 
-    src = save_model(bloom_config(), models_dir / "bloom-fp8-cast-src", std=0.5, vector_std=0.1)
+    build, linears = CAST[family]
+    src = save_model(build(), models_dir / f"{family}-fp8-cast-src", std=0.5, vector_std=0.1)
     weights = load_file(src / "model.safetensors")
     for name, w in weights.items():
-        if name.endswith(("query_key_value.weight", "dense.weight", "dense_h_to_4h.weight",
-                          "dense_4h_to_h.weight")):
+        if name.endswith(linears):
             scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
             weights[name] = (w / scale).to(torch.float8_e4m3fn).float() * scale
     ref = tmp_path / "ref"
