@@ -18,8 +18,10 @@ Qwen3-MoE's experts renormalised (norm_topk_prob) on two layers around a dense o
 (mlp_only_layers) with a window on every layer, and Qwen2-MoE's experts not renormalised,
 with a gated shared expert, on every second layer (decoder_sparse_step) and q/k/v biases,
 GraniteMoE's multipliers with fused experts (input_linear gate;up, output_linear),
-and OLMo 2's norms after each branch with q/k norms over the whole projections (sums of
-squares all-reduced; at tp = 4 a replicated KV head counted once)."""
+OLMo 2's norms after each branch with q/k norms over the whole projections (sums of
+squares all-reduced; at tp = 4 a replicated KV head counted once), and GPTBigCode's
+multi-query c_attn (one KV head on every rank; per head without multi_query) with learned
+positions and a tied head."""
 
 from __future__ import annotations
 
@@ -112,8 +114,8 @@ def test_each_feature_changes_the_reference(family, name, override):
     window, Gemma 3's rotary base of its own for the windowed layers, any of Granite's four
     multipliers (attention_multiplier 0.25 is 1 / sqrt(head_dim), Llama's scale),
     StarCoder2's window or Qwen3-MoE's, with the other norm_topk_prob of either Qwen MoE,
-    with GPT-NeoX's layers sequential instead of parallel, or with GPT-NeoX's or Phi's
-    rotary over whole heads, transformers' own logits for the prompts change, so matching
+    with GPT-NeoX's layers sequential instead of parallel, with GPT-NeoX's or Phi's
+    rotary over whole heads, or with GPTBigCode's scores unscaled, transformers' own logits for the prompts change, so matching
     them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
