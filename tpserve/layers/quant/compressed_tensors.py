@@ -12,21 +12,16 @@ mapped onto the methods tpserve already has, or refused at start naming what the
     weight_shape       int   [2]       (N, K), which config.json already gives
   and the weight is (q - z) * scale with q, z in -8..7: the stored nibbles' difference.
   These are GPTQ's qweight, scales and qzeros transposed, with zeros stored as they are
-  (gptq_v2's offset 0), or 8 everywhere for a symmetric scheme. CtInt4Method reads them so.
+  (gptq_v2's offset 0), or 8 everywhere for a symmetric scheme; methods.CtInt4Method
+  reads them so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 
-import torch
-
-from tpserve.errors import CheckpointError
-from tpserve.layers.param_layout import ParamLayout, attach
-from tpserve.layers.quant.config import QuantConfig, QuantizationError
-from tpserve.layers.quant.methods import Int4Method
+from tpserve.layers.quant.spec import QuantConfig, QuantizationError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +88,7 @@ def _refuse_extras(q: dict, name: str, scheme: dict) -> None:
             f"{_args(scheme['output_activations'])}: output quantization is not supported; "
             f"{READS}")
     if q.get("kv_cache_scheme"):
-        _note("compressed-tensors kv_cache_scheme %s: its k/v scales are not read; the KV "
+        note_once("compressed-tensors kv_cache_scheme %s: its k/v scales are not read; the KV "
               "cache follows --kv-cache-dtype", _args(q["kv_cache_scheme"]))
 
 
@@ -153,7 +148,7 @@ def _fp8_activations(w: dict, acts: dict | None, has: str) -> bool:
     if acts.get("dynamic") is True and _strategy(acts) in ("token", "tensor"):
         return True  # per row is what W8A8 does; for per tensor it is the finer choice
     if acts.get("dynamic") is False and _strategy(acts) == "tensor":
-        _note("compressed-tensors static fp8 activation scales (input_scale) are not "
+        note_once("compressed-tensors static fp8 activation scales (input_scale) are not "
               "applied: its fp8 layers run weight-only, activations in the model dtype")
         return False
     raise QuantizationError(f"compressed-tensors {has}: fp8 activations must be dynamic per "
@@ -182,56 +177,9 @@ def _int4(w: dict, acts: dict | None, has: str, kernel: str,
 _NOTED: set[str] = set()
 
 
-def _note(msg: str, *args) -> None:
+def note_once(msg: str, *args) -> None:
     """Log once per process what a checkpoint holds that tpserve does not apply (the config
     is resolved by the launcher and again by every shard)."""
     if msg not in _NOTED:
         _NOTED.add(msg)
         log.warning(msg, *args)
-
-
-class CtInt4Method(Int4Method):
-    """Int4Method over pack-quantized tensors: each is GPTQ's tensor transposed (output
-    features first), read through the same layouts with the dims swapped, so a rank reads
-    only its slice and the sharding rules and refusals are GPTQ's."""
-
-    tensor_name = "weight_packed"
-    checkpoint_names = {"weight_packed": "qweight", "weight_scale": "scales",
-                        "weight_zero_point": "qzeros", "weight_shape": None}
-
-    def create(self, layer, out_per_rank, in_per_rank, *, prefix, **kw) -> None:
-        super().create(layer, out_per_rank, in_per_rank, prefix=prefix, **kw)
-        for name in ("qweight", "scales", "qzeros"):
-            p = getattr(layer, name)
-            convert = _exact_scales(p.dtype, f"{prefix}.weight_scale") if name == "scales" \
-                else p.convert
-            attach(p, _swap(p.src_layout), p.dst_layout, _transposed(convert), p.optional)
-        if self.cfg.sym:  # no zero points on disk: the stored nibble 8 is zero
-            layer.qzeros.optional = True
-            layer.qzeros.data.fill_(8)
-
-
-def _swap(layout: ParamLayout) -> ParamLayout:
-    return dataclasses.replace(layout, out_dim=layout.in_dim, in_dim=layout.out_dim)
-
-
-def _transposed(convert):
-    if convert is None:
-        return lambda t, _out: t.t()
-    return lambda t, out: convert(t.t(), out)
-
-
-def _exact_scales(dtype: torch.dtype, name: str):
-    """Scales become the layer's scale dtype (float16 under a bfloat16 model, as GPTQ's);
-    a bfloat16 checkpoint's scales below float16's normal range lose bits there."""
-    def cast(t: torch.Tensor, _out) -> torch.Tensor:
-        s = t.to(dtype)
-        if not torch.isfinite(s).all():
-            raise CheckpointError(f"{name!r}: scales outside the range of {dtype}")
-        if not torch.equal(s.to(t.dtype), t):
-            err = ((s.double() - t.double()).abs() / t.double().abs().clamp(min=1e-30)).max()
-            _note("compressed-tensors scales of %s (and maybe other layers) are not exact in "
-                  "%s, which tpserve keeps int4 scales in: largest relative change %.2g",
-                  name, dtype, err.item())
-        return s
-    return cast

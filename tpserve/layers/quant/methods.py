@@ -5,6 +5,7 @@ for row-parallel layers, the all-reduce."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -17,6 +18,7 @@ from tpserve.kernels import gemv
 from tpserve.kernels.kv_quant import FP8_MAX
 from tpserve.kernels.quant import w8a8
 from tpserve.layers.param_layout import FLOAT_WEIGHT, VECTOR, ParamLayout, attach
+from tpserve.layers.quant.compressed_tensors import note_once
 from tpserve.layers.quant.config import QuantConfig, QuantizationError, current_quant
 from tpserve.layers.quant.packing import awq_qweight_to_rows, zeros_from_packed
 
@@ -375,8 +377,6 @@ def linear_method(prefix: str, parts: list[str] | None = None) -> LinearMethod:
     if cfg is None or _skipped(cfg, prefix, parts or [prefix]):
         return UnquantizedMethod()
     if cfg.method == "compressed-tensors":
-        from tpserve.layers.quant.compressed_tensors import CtInt4Method
-
         return CtInt4Method(cfg)
     return Fp8Method(cfg) if cfg.method == "fp8" else Int4Method(cfg)
 
@@ -395,3 +395,50 @@ def _skipped(cfg: QuantConfig, prefix: str, parts: list[str]) -> bool:
             f"{[p for p in parts if p not in float_parts]}; tpserve runs them as one fused "
             "layer, all float or all quantized")
     return bool(float_parts)
+
+
+class CtInt4Method(Int4Method):
+    """Int4Method over pack-quantized tensors: each is GPTQ's tensor transposed (output
+    features first), read through the same layouts with the dims swapped, so a rank reads
+    only its slice and the sharding rules and refusals are GPTQ's."""
+
+    tensor_name = "weight_packed"
+    checkpoint_names = {"weight_packed": "qweight", "weight_scale": "scales",
+                        "weight_zero_point": "qzeros", "weight_shape": None}
+
+    def create(self, layer, out_per_rank, in_per_rank, *, prefix, **kw) -> None:
+        super().create(layer, out_per_rank, in_per_rank, prefix=prefix, **kw)
+        for name in ("qweight", "scales", "qzeros"):
+            p = getattr(layer, name)
+            convert = _exact_scales(p.dtype, f"{prefix}.weight_scale") if name == "scales" \
+                else p.convert
+            attach(p, _swap(p.src_layout), p.dst_layout, _transposed(convert), p.optional)
+        if self.cfg.sym:  # no zero points on disk: the stored nibble 8 is zero
+            layer.qzeros.optional = True
+            layer.qzeros.data.fill_(8)
+
+
+def _swap(layout: ParamLayout) -> ParamLayout:
+    return dataclasses.replace(layout, out_dim=layout.in_dim, in_dim=layout.out_dim)
+
+
+def _transposed(convert):
+    if convert is None:
+        return lambda t, _out: t.t()
+    return lambda t, out: convert(t.t(), out)
+
+
+def _exact_scales(dtype: torch.dtype, name: str):
+    """Scales become the layer's scale dtype (float16 under a bfloat16 model, as GPTQ's);
+    a bfloat16 checkpoint's scales below float16's normal range lose bits there."""
+    def cast(t: torch.Tensor, _out) -> torch.Tensor:
+        s = t.to(dtype)
+        if not torch.isfinite(s).all():
+            raise CheckpointError(f"{name!r}: scales outside the range of {dtype}")
+        if not torch.equal(s.to(t.dtype), t):
+            err = ((s.double() - t.double()).abs() / t.double().abs().clamp(min=1e-30)).max()
+            note_once("compressed-tensors scales of %s (and maybe other layers) are not exact in "
+                  "%s, which tpserve keeps int4 scales in: largest relative change %.2g",
+                  name, dtype, err.item())
+        return s
+    return cast
