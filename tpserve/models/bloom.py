@@ -12,12 +12,13 @@ from torch import nn
 
 from tpserve.layers.alibi import rank_alibi_slopes
 from tpserve.layers.attention import PagedAttention
-from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.embedding import VocabParallelEmbedding
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 from tpserve.layers.quant.config import refuse_checkpoint_quant
+from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into
 
 
@@ -71,27 +72,14 @@ class BloomModel(nn.Module):
         return self.ln_f(x)
 
 
-class BloomForCausalLM(nn.Module):
+class BloomForCausalLM(LayerNormCausalLM):
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
         refuse_checkpoint_quant("BloomForCausalLM")
-        self.config = config
-        self.transformer = BloomModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tied(config):
-            self.lm_head.tie_to(self.transformer.word_embeddings)
-
-    @staticmethod
-    def tied(config) -> bool:
-        return bool(getattr(config, "tie_word_embeddings", True))
+        body = BloomModel(config)
+        super().__init__(config, "transformer", body, body.word_embeddings)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transformer(ids)  # ALiBi: positions enter through the attention kernel
-
-    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
-                       ) -> torch.Tensor | None:
-        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
-        return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         def rename(name: str) -> str:

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from tpserve.layers.attention import PagedAttention
-from tpserve.layers.embedding import ParallelLMHead, ReplicatedEmbedding, VocabParallelEmbedding
+from tpserve.layers.embedding import ReplicatedEmbedding, VocabParallelEmbedding
 from tpserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 from tpserve.layers.quant.config import refuse_checkpoint_quant
+from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into, with_prefix
 
 
@@ -84,9 +85,8 @@ class GPTBigCodeModel(nn.Module):
         return self.ln_f(x)
 
 
-class GPTBigCodeForCausalLM(nn.Module):
+class GPTBigCodeForCausalLM(LayerNormCausalLM):
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
         # c_attn loads float rows only (fused [q; k; v] or per head); not under test quantized.
         refuse_checkpoint_quant("GPTBigCodeForCausalLM")
         limit = config.max_position_embeddings
@@ -96,28 +96,11 @@ class GPTBigCodeForCausalLM(nn.Module):
                 f"n_positions = {limit}) and has none past it; tpserve serves this model up to "
                 f"{limit} tokens: pass --max-total-tokens {limit} or less "
                 f"(asked for {max_positions})")
-        self.config = config
-        self.transformer = GPTBigCodeModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tied(config):
-            self.lm_head.tie_to(self.transformer.wte)
-
-    @staticmethod
-    def tied(config) -> bool:
-        return bool(getattr(config, "tie_word_embeddings", True))
+        body = GPTBigCodeModel(config)
+        super().__init__(config, "transformer", body, body.wte)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transformer(ids, positions)
-
-    def fold_norms(self, need_gemv: bool = True) -> str | None:
-        """Never folds (the worker logs why): a LayerNorm's mean and bias do not fold into
-        the projection after it, as an RMSNorm's weight does."""
-        return "its norms are LayerNorms: only an RMSNorm folds"
-
-    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
-                       ) -> torch.Tensor | None:
-        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
-        return self.lm_head.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         skip = ("lm_head.",) if self.tied(self.config) else ()

@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from tpserve.layers.attention import PagedAttention
-from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.embedding import VocabParallelEmbedding
 from tpserve.layers.linear import RowParallelLinear, row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.layers.rotary import RotaryEmbedding, partial_rotary_factor, rope_parameters
+from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -86,33 +87,18 @@ class GPTNeoXModel(nn.Module):
         return self.final_layer_norm(x)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(LayerNormCausalLM):
+    tied_by_default = False
+    head_name = "embed_out"
+
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
         # The per-head query_key_value loads float rows only (as Bloom's).
         refuse_checkpoint_quant("GPTNeoXForCausalLM")
-        self.config = config
-        self.gpt_neox = GPTNeoXModel(config, max_positions)
-        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tied(config):
-            self.embed_out.tie_to(self.gpt_neox.embed_in)
-
-    @staticmethod
-    def tied(config) -> bool:
-        return bool(getattr(config, "tie_word_embeddings", False))
+        body = GPTNeoXModel(config, max_positions)
+        super().__init__(config, "gpt_neox", body, body.embed_in)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.gpt_neox(ids, positions)
-
-    def fold_norms(self, need_gemv: bool = True) -> str | None:
-        """Never folds (the worker logs why): a LayerNorm's mean and bias do not fold into
-        the projection after it, as an RMSNorm's weight does."""
-        return "its norms are LayerNorms: only an RMSNorm folds"
-
-    def compute_logits(self, hidden: torch.Tensor, to_first_rank: bool = False
-                       ) -> torch.Tensor | None:
-        """to_first_rank: logits on tp rank 0 only, None elsewhere (ParallelLMHead)."""
-        return self.embed_out.compute_logits(hidden, to_first_rank)
 
     def load_weights(self, tensors) -> None:
         def rename(name: str) -> str:
