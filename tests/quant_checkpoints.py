@@ -22,7 +22,24 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
 # up and down (Qwen MoE experts and shared experts use the dense names). Routers (mlp.gate,
 # block_sparse_moe.gate, shared_expert_gate) stay float, as the released checkpoints keep them.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
+           "qkv_proj", "gate_up_proj", "w1", "w2", "w3",
+           # Bloom and GPT-NeoX (query_key_value per head), Phi-1/2 (dense, fc1, fc2),
+           # GPTBigCode (c_attn fused [q; k; v] or per head, c_proj, c_fc)
+           "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2",
+           "c_attn", "c_proj", "c_fc")
+# The LayerNorm families at 128 wide: 4 heads of 32 (GPTBigCode: one KV head of 32, read
+# whole by every rank; Phi: 2 KV heads), MLPs of 256, so groups of 32 stay whole at tp = 4.
+# Bloom stays 64 wide (at 128 its random continuations loop on a token or two): its
+# attention dense then has 16 input features a rank at tp = 4, which only act-order GPTQ
+# (every group's scales on every rank) or fp8 (no groups) serves.
+LAYERNORM_SHAPES = {
+    "bloom": {},
+    "gpt-neox": dict(hidden_size=128, intermediate_size=256),
+    "phi": dict(hidden_size=128, intermediate_size=256),
+    "gpt-bigcode": dict(n_embd=128, n_inner=256),
+    "gpt-bigcode-mha": dict(n_embd=128, n_inner=256, multi_query=False),
+}
+
 # Mixture-of-experts models: 128 wide (4 heads of 32, 2 KV heads), experts of 128 (32 a rank
 # at tp = 4: whole groups of 32), dense layers and Qwen2-MoE's shared expert of 256.
 MOE_SHAPES = {
@@ -101,9 +118,12 @@ def float_checkpoint(models_dir: Path, family: str) -> Path:
 
     out = models_dir / f"quant-float-{family}"
     if not (out / "config.json").exists():
-        if family in MOE_SHAPES:
+        if family in MOE_SHAPES or family in LAYERNORM_SHAPES:
             config, kwargs = FAMILY_CHECKPOINTS[family]
-            save_model(config(**MOE_SHAPES[family]), out, **kwargs)
+            shape = MOE_SHAPES.get(family) or LAYERNORM_SHAPES[family]
+            if family == "gpt-bigcode-mha":  # FAMILY_CHECKPOINTS' entry takes no arguments
+                from tiny_models import gpt_bigcode_config as config
+            save_model(config(**shape), out, **kwargs)
             return out
         config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](
             **SHAPE)

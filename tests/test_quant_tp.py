@@ -2,7 +2,8 @@
 match transformers (float32, CPU) running the same model with the dequantized weights: prefill
 logits within 1e-4 relative, greedy 32-token continuations identical. The checkpoints are
 quantized in the test (tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and
-gate/up fused on disk) models: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4),
+gate/up fused on disk) models, and from the LayerNorm families (Bloom, GPT-NeoX, Phi-2,
+GPTBigCode) of tests/quant_checkpoints.py's LAYERNORM_SHAPES: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4),
 so group size 32 keeps whole groups on each rank at tp = 4."""
 
 from __future__ import annotations
@@ -31,16 +32,26 @@ CHECKPOINTS = {
         fmt="ct-w4a16", group=32, sym=False,
         ignore=("lm_head", r"re:.*self_attn\.o_proj$", "model.layers.1.mlp.gate_proj",
                 "model.layers.1.mlp.up_proj"))),
+    # The LayerNorm families: per-head query_key_value (Bloom, GPT-NeoX), GPTBigCode's
+    # multi-query c_attn whose one KV head every rank reads whole, Phi's separate q/k/v
+    "bloom-gptq-actorder": ("bloom", dict(fmt="gptq", group=32, sym=False, act_order=True)),
+    "gpt-bigcode-gptq": ("gpt-bigcode", dict(fmt="gptq", group=32, sym=False)),
+    "gpt-bigcode-mha-awq": ("gpt-bigcode-mha", dict(fmt="awq", group=32)),
+    "gpt-neox-awq": ("gpt-neox", dict(fmt="awq", group=32)),
+    "phi-gptq": ("phi", dict(fmt="gptq", group=32, sym=True)),
+    "bloom-fp8": ("bloom", dict(fmt="fp8")),
 }
 # Every format at tp = 2, and the riskiest splits at tp = 4 (act-order rows with every
 # group's scales; AWQ's repacked columns; compressed-tensors' transposed zero points), run in
 # the default job; the rest in the slow job (each case starts tp Ray actors: ~25 s on two
 # shared cores).
 FAST = {("llama-awq", 4), ("qwen2-gptq-actorder", 4), ("qwen2-ct-w4a16-asym", 4)}
+# Layouts the Llama cases already cover at tp = 2 (AWQ, fp8, symmetric GPTQ): slow job only.
+SLOW = {"gpt-bigcode-mha-awq", "gpt-neox-awq", "phi-gptq", "bloom-fp8"}
 
 
 def _case(name: str, tp: int):
-    fast = tp == 2 or (name, tp) in FAST
+    fast = (tp == 2 and name not in SLOW) or (name, tp) in FAST
     return pytest.param(name, tp, id=f"{name}-tp{tp}",
                         marks=() if fast else pytest.mark.slow)
 

@@ -4,12 +4,15 @@ of rows, so each rank reads its 1/tp of the tensor with one narrow."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from tpserve.distributed import get_tp
 from tpserve.errors import ShardingError
 from tpserve.layers.linear import ColumnParallelLinear
+from tpserve.layers.param_layout import full_shape
 from tpserve.layers.sharding import shard_size
 from tpserve.weights import TensorSlice
 
@@ -23,8 +26,9 @@ class PerHeadQKVLinear(ColumnParallelLinear):
         super().__init__(hidden, 3 * hidden, bias=bias, prefix=prefix)
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
-        full = (3 * self.num_heads * get_tp().size * self.head_dim, *param.shape[1:])
-        if tuple(w.shape) != full:
+        # In output and input features, so packed int4 and fp8 scales are checked alike.
+        full = full_shape(param.src_layout, self.out_features, self.in_features, len(w.shape))
+        if tuple(w.shape) != full and math.prod(w.shape) != 1:  # 1: a per-tensor fp8 scale
             raise ShardingError(
                 f"checkpoint tensor {w.name!r} has shape {list(w.shape)}; expected {list(full)} "
                 "(rows laid out as [heads, (q, k, v), head_dim]): the checkpoint does not match "

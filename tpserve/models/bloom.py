@@ -17,7 +17,6 @@ from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
-from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into
 
@@ -74,7 +73,6 @@ class BloomModel(nn.Module):
 
 class BloomForCausalLM(LayerNormCausalLM):
     def __init__(self, config, max_positions: int) -> None:
-        refuse_checkpoint_quant("BloomForCausalLM")
         body = BloomModel(config)
         super().__init__(config, "transformer", body, body.word_embeddings)
 

@@ -14,7 +14,8 @@ scale_attn_weights, else not at all.
 
 Positions past n_positions have no embedding, so a longer --max-total-tokens is refused
 while the model is built (on the meta device, before any shard starts). No norm fold
-(LayerNorms); quantized checkpoints refused (--quantize fp8 casts a float one)."""
+(LayerNorms). Quantized checkpoints (GPTQ, AWQ, fp8, compressed-tensors) load through the
+linears' methods as the Llama-shaped families' do."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from tpserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
-from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into, with_prefix
 
@@ -87,8 +87,6 @@ class GPTBigCodeModel(nn.Module):
 
 class GPTBigCodeForCausalLM(LayerNormCausalLM):
     def __init__(self, config, max_positions: int) -> None:
-        # c_attn loads float rows only (fused [q; k; v] or per head); not under test quantized.
-        refuse_checkpoint_quant("GPTBigCodeForCausalLM")
         limit = config.max_position_embeddings
         if max_positions > limit:
             raise ValueError(

@@ -20,7 +20,6 @@ from tpserve.layers.linear import RowParallelLinear, row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
-from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.layers.rotary import RotaryEmbedding, partial_rotary_factor, rope_parameters
 from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into
@@ -92,8 +91,6 @@ class GPTNeoXForCausalLM(LayerNormCausalLM):
     head_name = "embed_out"
 
     def __init__(self, config, max_positions: int) -> None:
-        # The per-head query_key_value loads float rows only (as Bloom's).
-        refuse_checkpoint_quant("GPTNeoXForCausalLM")
         body = GPTNeoXModel(config, max_positions)
         super().__init__(config, "gpt_neox", body, body.embed_in)
 

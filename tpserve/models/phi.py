@@ -20,7 +20,6 @@ from tpserve.layers.embedding import ParallelLMHead
 from tpserve.layers.linear import row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
-from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.models.llama import LlamaAttention, LlamaForCausalLM
 from tpserve.models.loader import load_into
 
@@ -72,8 +71,6 @@ class PhiForCausalLM(LlamaForCausalLM):
     stacked_params = LlamaForCausalLM.stacked_params[:3]  # q, k, v into qkv_proj
 
     def __init__(self, config, max_positions: int) -> None:
-        # Quantized Phi files are not under test: refused rather than served unchecked.
-        refuse_checkpoint_quant("PhiForCausalLM")
         super().__init__(config, max_positions)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, bias=True)
         if self.tied(config):

@@ -130,13 +130,14 @@ def current_quant() -> QuantConfig | None:
 
 
 def refuse_checkpoint_quant(architecture: str) -> None:
-    """For a family whose layers load float weights only (Bloom's per-head query_key_value,
-    T5): a quantized checkpoint is refused while the model is built, which the launcher does
-    on the meta device before any shard starts; --quantize fp8 (a cast at load) is served."""
+    """For a family whose layers load float weights only (T5): a quantized checkpoint is
+    refused while the model is built, which the launcher does on the meta device before any
+    shard starts; --quantize fp8 (a cast at load) is served."""
     q = current_quant()
     if q is not None and not q.cast_at_load:
         raise QuantizationError(
             f"{architecture} checkpoints quantized with {q.method} are not supported: tpserve "
-            "serves gptq, awq and fp8 checkpoints of the Llama-shaped families (Llama, "
-            "Mistral, Gemma, Qwen, Phi-3; docs/quantization.md). Serve the float checkpoint "
-            "instead, with --quantize fp8 to cast its weights to e4m3 at load")
+            "serves gptq, awq, fp8 and compressed-tensors checkpoints of the decoder-only "
+            "families (Llama, Mistral, Gemma, Qwen, Phi, Bloom, GPT-NeoX, GPTBigCode, the "
+            "mixtures of experts; docs/quantization.md). Serve the float checkpoint instead, "
+            "with --quantize fp8 to cast its weights to e4m3 at load")
