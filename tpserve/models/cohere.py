@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tpserve.distributed import get_tp
+from tpserve.kernels.fused_ops import plan_unrotated
 from tpserve.layers.interleaved_rotary import HalfOrderRows
 from tpserve.layers.linear import row_parallel_sum
 from tpserve.layers.norm import HeadLayerNorm, LayerNorm
@@ -56,6 +57,8 @@ class CohereDecoderLayer(nn.Module):
                             f"{prefix}.mlp")
         self.input_layernorm = _layer_norm(config)
         self.rotary = rotary
+        if not rotary:
+            plan_unrotated()  # the attention backend's warmup compiles that launch too
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
