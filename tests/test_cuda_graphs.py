@@ -135,3 +135,44 @@ def test_captured_graphs_serve_the_experts_on_cuda(models_dir, name):
         assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["cohere-qk-norm", "cohere2"])
+def test_static_buffer_decode_path_serves_cohere(models_dir, name):
+    """Cohere's parallel layer (one all-reduce), per-head q/k norms and logit scale, and
+    Cohere 2's rows through layers with and without rotary, through the decode graphs'
+    static buffers (replayed eagerly): transformers' tokens, past the window of 8."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, name)
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    worker = engine.executor.worker
+    graphs = DecodeGraphs(worker.model, worker.kv_caches, worker.backend, worker.device,
+                          (1, 2, 8), max_blocks=64, block_size=4,
+                          scratch_block=worker.num_blocks)
+    for b in graphs.buckets:
+        out = graphs._forward(b)
+        graphs.graphs[b] = (EagerReplay(graphs, b, out), out)
+    worker.graphs = worker.runner.graphs = graphs
+    try:
+        assert greedy(engine, PROMPTS, 24) == hf_greedy(path, PROMPTS, 24)
+    finally:
+        engine.shutdown()
+    assert graphs.graphs[8][0].replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["cohere-qk-norm", "cohere2"])
+def test_captured_graphs_serve_cohere_on_cuda(models_dir, name):
+    """The Triton kernels and captured decode graphs on Cohere's reordered q/k rows and
+    Cohere 2's layers without rotary."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, name)
+    engine = cuda_engine(path, True)
+    try:
+        assert engine.executor.health()[0]["decode_graphs"]
+        assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
+    finally:
+        engine.shutdown()

@@ -222,3 +222,43 @@ def test_starcoder_shapes_add_up_with_the_kv_head_and_positions_replicated(tp):
     for needle in ("'transformer.h.0.attn.c_attn.weight'", "[6400, 6144]", "tp=5",
                    "attention heads = 48 is not divisible by 5", "tp = 1, 2, 3, 4, 6, 8"):
         assert needle in str(err.value), str(err.value)
+
+
+# Typed in rather than stored config.json files: the sizes of Command R+ (104B, Cohere with
+# q/k norms) and Command A (111B, Cohere 2), which give those parameter counts.
+COHERE_SIZES = {
+    "CohereForCausalLM": dict(hidden_size=12288, intermediate_size=33792, use_qk_norm=True,
+                              logit_scale=0.8333333333333334),
+    "Cohere2ForCausalLM": dict(hidden_size=12288, intermediate_size=36864, logit_scale=0.25,
+                               sliding_window=4096),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(COHERE_SIZES))
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_cohere_shapes_add_up_with_only_the_layer_norms_replicated(arch, tp):
+    """96 heads / 8 KV heads of 128, 64 layers, vocabulary 256000, tied head. Every rank
+    holds the bias-free LayerNorms whole; q_norm / k_norm (Command R+) split with their
+    heads, so the rest adds up to transformers' count exactly. tp = 5 is refused naming
+    q_proj."""
+    from transformers import AutoModelForCausalLM, Cohere2Config, CohereConfig
+
+    kind = CohereConfig if arch == "CohereForCausalLM" else Cohere2Config
+    hf = kind(num_attention_heads=96, num_key_value_heads=8, num_hidden_layers=64,
+              vocab_size=256000, architectures=[arch], **COHERE_SIZES[arch])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert 103e9 < numel(model) < 112e9
+    whole = ("input_layernorm", "model.norm")
+    replicated = sum(p.numel() for n, p in model.named_parameters() if n.startswith(whole)
+                     or any(f".{w}." in n for w in whole))
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == numel(model) + (tp - 1) * replicated
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(5), hf)
+    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[12288, 12288]", "tp=5",
+                   "attention heads = 96 is not divisible by 5", "tp = 1, 2, 4, 8"):
+        assert needle in str(err.value), str(err.value)

@@ -149,3 +149,25 @@ def test_pieces_captured_on_cuda_match_transformers(llama_dir, overlap):
     assert len(calls) >= longer, calls
     assert engine.executor.health()[0]["compiles_since_warmup"] == 0
     engine.shutdown()
+
+
+def test_cohere2_mixed_steps_in_pieces_match_transformers(models_dir, monkeypatch):
+    """Cohere 2's pieces: each attention call staged with its rotary or none (the full
+    layer), prompts prefilled beside decode rows."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, "cohere2")
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    pieces = _pieces_on_cpu(engine, monkeypatch)
+    runs, run = [0], pieces.run
+
+    def counting_run(ids, positions, meta):
+        runs[0] += 1
+        return run(ids, positions, meta)
+
+    monkeypatch.setattr(pieces, "run", counting_run)
+    try:
+        assert staggered_greedy(engine, PROMPTS, 12) == hf_greedy(path, PROMPTS, 12)
+    finally:
+        engine.shutdown()
+    assert runs[0] > 0

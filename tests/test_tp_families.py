@@ -21,7 +21,10 @@ GraniteMoE's multipliers with fused experts (input_linear gate;up, output_linear
 OLMo 2's norms after each branch with q/k norms over the whole projections (sums of
 squares all-reduced; at tp = 4 a replicated KV head counted once), and GPTBigCode's
 multi-query c_attn (one KV head on every rank; per head without multi_query) with learned
-positions and a tied head."""
+positions and a tied head, and Cohere's parallel layer (one bias-free LayerNorm, one
+all-reduce) with interleaved rotary, logit_scale and a tied head, with and without
+Command-R+'s per-head q/k LayerNorms, and Cohere 2's windowed rotary layers beside a
+full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8)."""
 
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from tpserve.worker.build import check_shardable
 
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
-                          "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode")
+                          "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
+                          "cohere-qk-norm", "cohere2")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2)]
@@ -104,6 +108,8 @@ FEATURES = [
     ("phi", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 1.0}}),    ("phi-qk-norm", {"qk_layernorm": False}),
     ("gpt-bigcode", {"scale_attn_weights": False}),
+    ("cohere", {"logit_scale": 1.0}), ("cohere-qk-norm", {"use_qk_norm": False}),
+    ("cohere2", {"sliding_window": 4096}), ("cohere2", {"attention_bias": False}),
 ]
 
 
@@ -115,7 +121,9 @@ def test_each_feature_changes_the_reference(family, name, override):
     multipliers (attention_multiplier 0.25 is 1 / sqrt(head_dim), Llama's scale),
     StarCoder2's window or Qwen3-MoE's, with the other norm_topk_prob of either Qwen MoE,
     with GPT-NeoX's layers sequential instead of parallel, with GPT-NeoX's or Phi's
-    rotary over whole heads, or with GPTBigCode's scores unscaled, transformers' own logits for the prompts change, so matching
+    rotary over whole heads, with GPTBigCode's scores unscaled, without Cohere's
+    logit_scale or Command-R+'s q/k norms, or with Cohere 2's window wider than the prompts
+    or its biases dropped, transformers' own logits for the prompts change, so matching
     them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -259,7 +267,9 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("phi", "LayerNorms: only an RMSNorm folds"),
                                            ("olmo2", "none feeds qkv_proj"),
                                            ("granite-moe", "scaled by 0.22"),
-                                           ("gpt-bigcode", "LayerNorms: only an RMSNorm folds")])
+                                           ("gpt-bigcode", "LayerNorms: only an RMSNorm folds"),
+                                           ("cohere", "LayerNorms: only an RMSNorm folds"),
+                                           ("cohere2", "LayerNorms: only an RMSNorm folds")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -329,6 +339,14 @@ REFUSED = [
                                 "a tp that divides 4"]),
     ("gpt-bigcode", {"n_inner": 130}, 4, ["'transformer.h.0.mlp.c_fc.weight'", "[130, 64]",
                                           "tp=4", "output features = 130 is not divisible by 4"]),
+    ("cohere", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=3",
+                       "attention heads = 4 is not divisible by 3", "tp = 1, 2 or 4."]),
+    ("cohere", {"use_qk_norm": True}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "tp=8",
+                                          "attention heads = 4 is not divisible by 8"]),
+    ("cohere", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.gate_proj.weight'",
+                                               "[130, 64]", "tp=4", "intermediate size = 130"]),
+    ("cohere2", {"num_key_value_heads": 4}, 3, ["'model.layers.0.self_attn.q_proj.weight'",
+                                                "tp=3", "attention heads = 4 is not divisible"]),
 ]
 
 
@@ -413,9 +431,10 @@ def test_olmo2_whole_width_qk_norms_change_the_reference(family):
 
 @pytest.mark.parametrize(("name", "layer_class", "per_layer"), [
     ("gpt-neox", "GPTNeoXLayer", 1), ("gpt-neox-sequential", "GPTNeoXLayer", 2),
-    ("phi", "PhiDecoderLayer", 1), ("olmo2", "Olmo2DecoderLayer", 3)])
+    ("phi", "PhiDecoderLayer", 1), ("olmo2", "Olmo2DecoderLayer", 3),
+    ("cohere-qk-norm", "CohereDecoderLayer", 1), ("cohere2", "CohereDecoderLayer", 1)])
 def test_collectives_per_layer(family, monkeypatch, name, layer_class, per_layer):
-    """A parallel layer (GPT-NeoX, Phi) all-reduces its attention and MLP partial sums
+    """A parallel layer (GPT-NeoX, Phi, Cohere) all-reduces its attention and MLP partial sums
     together, once, and OLMo 2's q and k norms share one all-reduce of their sums of
     squares: at one decode row under tp a collective costs its latency, so each saved one is
     a layer's worth of it. Counted in-process at tp = 1 (all_reduce is called there too; it

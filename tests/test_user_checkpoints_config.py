@@ -31,7 +31,8 @@ def test_a_config_without_architectures_is_served_by_its_model_type(llama_dir, t
 @pytest.mark.parametrize(("model_type", "want"), [
     ("mistral", "MistralForCausalLM"), ("gemma", "GemmaForCausalLM"),
     ("bloom", "BloomForCausalLM"), ("t5", "T5ForConditionalGeneration"),
-    ("gpt_bigcode", "GPTBigCodeForCausalLM")])
+    ("gpt_bigcode", "GPTBigCodeForCausalLM"), ("cohere", "CohereForCausalLM"),
+    ("cohere2", "Cohere2ForCausalLM")])
 def test_model_type_picks_the_family(model_type, want):
     from transformers import CONFIG_MAPPING
 

@@ -1,7 +1,7 @@
 """Quantized checkpoints shaped unlike tests/test_quant_tp.py's: a family tpserve does not
-serve quantized (T5) is refused at start with the family, the method and what to do, instead
-of failing at load on a tensor shape; --quantize fp8 (a cast at load) still serves it, Bloom
-and GPTBigCode too, and matches transformers running the same per-channel cast."""
+serve quantized (T5, Cohere) is refused at start with the family, the method and what to do,
+instead of failing at load on a tensor shape; --quantize fp8 (a cast at load) still serves
+them, Bloom and GPTBigCode too, and matches transformers running the same per-channel cast."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from engine_utils import greedy, make_engine
 from tiny_models import (
     PROMPTS,
     bloom_config,
+    cohere2_config,
+    cohere_config,
     gpt_bigcode_config,
     hf_greedy,
     save_model,
@@ -37,13 +39,18 @@ CONFIGS = {"bloom": (bloom_config, "BloomForCausalLM"),
            "t5": (t5_config, "T5ForConditionalGeneration"),
            "gpt-bigcode": (gpt_bigcode_config, "GPTBigCodeForCausalLM"),
            "gpt-bigcode-mha": (lambda: gpt_bigcode_config(multi_query=False),
-                               "GPTBigCodeForCausalLM")}
+                               "GPTBigCodeForCausalLM"),
+           "cohere": (cohere_config, "CohereForCausalLM"),
+           "cohere2": (cohere2_config, "Cohere2ForCausalLM")}
 
 
-@pytest.mark.parametrize(("family", "qcfg"), [("t5", GPTQ), ("t5", AWQ), ("t5", FP8)])
+@pytest.mark.parametrize(("family", "qcfg"), [("t5", GPTQ), ("t5", AWQ), ("t5", FP8),
+                                              ("cohere", GPTQ), ("cohere2", AWQ),
+                                              ("cohere", FP8)])
 def test_quantized_checkpoint_of_a_family_without_int4_layers_is_refused(family, qcfg):
-    """T5's relative-attention layers load float weights only (Bloom, GPT-NeoX, Phi and
-    GPTBigCode are served quantized: tests/test_quant_tp.py)."""
+    """T5's relative-attention layers load float weights only; Cohere's q/k rows are
+    reordered at load (interleaved rotary), which packed int4 rows are not. (Bloom, GPT-NeoX,
+    Phi and GPTBigCode are served quantized: tests/test_quant_tp.py.)"""
     build, name = CONFIGS[family]
     hf = build()
     hf.quantization_config = dict(qcfg)
@@ -58,13 +65,16 @@ def test_quantized_checkpoint_of_a_family_without_int4_layers_is_refused(family,
 CAST = {"bloom": (bloom_config, ("query_key_value.weight", "dense.weight",
                                  "dense_h_to_4h.weight", "dense_4h_to_h.weight")),
         "gpt-bigcode": (gpt_bigcode_config, ("c_attn.weight", "c_proj.weight",
-                                             "c_fc.weight"))}
+                                             "c_fc.weight")),
+        "cohere": (lambda: cohere_config(use_qk_norm=True),
+                   ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                    "gate_proj.weight", "up_proj.weight", "down_proj.weight"))}
 
 
 @pytest.mark.parametrize("family", sorted(CAST))
 def test_cast_to_fp8_at_load_matches_transformers(models_dir, tmp_path, family):
-    """--quantize fp8 on a float Bloom or GPTBigCode (multi-query c_attn fused [q; k; v])
-    at tp = 1: each linear's rows scaled to e4m3 at load; the oracle is transformers on the
+    """--quantize fp8 on a float Bloom, GPTBigCode (multi-query c_attn fused [q; k; v]) or
+    Cohere (q/k rows reordered at load, then cast) at tp = 1: each linear's rows scaled to e4m3 at load; the oracle is transformers on the
     same cast weights."""
     from safetensors.torch import load_file, save_file
 

@@ -445,6 +445,40 @@ def gpt_bigcode_config(**kw):
     return cfg
 
 
+def cohere_config(**kw):
+    """Command-R: one bias-free LayerNorm feeding attention and a gated SiLU MLP in parallel,
+    rotary over interleaved pairs, GQA (4 heads, 2 KV heads of 16: replicated at tp = 4),
+    logits x logit_scale 0.5, tied head (the family's default); cohere-qk-norm adds
+    Command-R+'s per-head LayerNorms (a weight per head) on queries and keys."""
+    from transformers import CohereConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                logit_scale=0.5, layer_norm_eps=1e-5, tie_word_embeddings=True,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = CohereConfig(**args)
+    cfg.architectures = ["CohereForCausalLM"]
+    return cfg
+
+
+def cohere2_config(**kw):
+    """Command R7B / Command A: Cohere's layer on 4 layers, the first three sliding (window
+    8, rotary) and the fourth full attention without any positional embedding (transformers'
+    sliding_window_pattern 4); GQA as cohere_config, q/k/v/o biases (attention_bias) to show
+    each is added once, tied head, logit_scale 0.5."""
+    from transformers import Cohere2Config
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                sliding_window=8, logit_scale=0.5, attention_bias=True,
+                tie_word_embeddings=True, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Cohere2Config(**args)
+    cfg.architectures = ["Cohere2ForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -536,6 +570,9 @@ FAMILY_CHECKPOINTS = {
     "gpt-bigcode": (gpt_bigcode_config, {"std": 0.3, "vector_std": 0.1}),
     "gpt-bigcode-mha": (lambda: gpt_bigcode_config(multi_query=False),
                         {"std": 0.3, "vector_std": 0.1}),
+    "cohere": (cohere_config, {"std": 0.3, "vector_std": 0.1}),
+    "cohere-qk-norm": (lambda: cohere_config(use_qk_norm=True), {"std": 0.3, "vector_std": 0.1}),
+    "cohere2": (cohere2_config, {"std": 0.3, "vector_std": 0.1}),
 }
 
 

@@ -395,3 +395,35 @@ def test_fp8_cache_on_cuda(backend, dtype, scales):
                              kv_cache_dtype="fp8", kv_scales=scales)
     assert not result.declined, result.declined
     print(result.summary())
+
+
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores
+def test_a_cohere2_engine_on_the_triton_kernels_matches_transformers_under_the_interpreter():
+    """Cohere 2 on the Triton backend: its sliding layers' queries and keys, reordered at
+    load, go through the fused rotary + cache write and decode_new's rotate-half rotary
+    (serving Cohere's interleaved pairs), its full-attention layer through decode_new with no
+    rotary at all, which warmup compiled too; a 52-token prompt runs past the window of 8.
+    The greedy tokens equal transformers'."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, tempfile
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from engine_utils import greedy, make_engine
+        from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, save_model
+        config, kwargs = FAMILY_CHECKPOINTS["cohere2"]
+        d = save_model(config(), Path(tempfile.mkdtemp()) / "cohere2", **kwargs)
+        engine = make_engine(d, 1, kernel="triton", local=True)
+        got = greedy(engine, PROMPTS, 12)
+        backend = engine.executor.worker.backend
+        health = engine.executor.health()[0]
+        engine.shutdown()
+        widths = {{k[-1] for k in backend.launched if "new_kv" in k}}
+        assert backend.name == "triton" and {{0, 16}} <= widths, backend.launched
+        assert backend.unplanned_launches == 0, backend.launched
+        assert health["compiles_since_warmup"] == 0, health
+        assert got == hf_greedy(d, PROMPTS, 12), got
+        print("tokens match", sorted(widths))
+    """)
+    proc = _interpret(script)
+    assert "tokens match" in proc.stdout

@@ -63,6 +63,16 @@ def plan_rotary(rot_dim: int) -> None:
     _PLANNED_ROTARY.add(int(rot_dim))
 
 
+def plan_unrotated() -> None:
+    """A layer of a model built here attends without rotary while others rotate (Cohere 2's
+    full-attention layers): warmup compiles the decode launch without rotary too."""
+    _PLANNED_ROTARY.add(0)
+
+
+def planned_unrotated() -> bool:
+    return 0 in _PLANNED_ROTARY
+
+
 def planned_rotary_dims(head_dim: int) -> list[int]:
     """The planned rotary widths a layer of `head_dim` can use; [] when no model built in
     this process rotates (ALiBi or other positions)."""

@@ -486,7 +486,9 @@ class TritonAttentionBackend(AttentionBackend):
         t = q.shape[0]
         kv = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
         if case.kind == "decode" and self.decode_new_kv:
-            for width in widths or [0]:  # decode_new: 0, no rotary
+            # decode_new: 0, no rotary (ALiBi, learned positions, Cohere 2's full layers)
+            unrotated = [0] if not widths or fused_ops.planned_unrotated() else []
+            for width in widths + unrotated:
                 cs = torch.randn(t, width, dtype=dtype, device=device)
                 self.decode_new(q, kv, kv, (cs, cs) if width else None, k_cache, v_cache,
                                 meta, spec, slopes)

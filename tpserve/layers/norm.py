@@ -112,3 +112,27 @@ class LayerNorm(nn.LayerNorm):
             return super().forward(x)
         x = x + residual
         return super().forward(x), x
+
+
+class HeadLayerNorm(nn.Module):
+    """A bias-free LayerNorm over each head's head_dim features with a weight of its own per
+    head (Cohere's q_norm / k_norm, weight [heads, head_dim] on disk): this rank holds heads
+    [start, start + heads) of `total`, whole, so no collective is needed. Mean, variance and
+    the weight in float32, then the cast back, as transformers' CohereLayerNorm. Takes rows
+    of one head each ([tokens * heads, head_dim], LlamaAttention's q_norm call)."""
+
+    def __init__(self, total: int, start: int, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.total, self.start, self.heads, self.eps = total, start, heads, eps
+        self.weight = nn.Parameter(torch.empty(heads, head_dim), requires_grad=False)
+        self.weight.weight_loader = self.load_heads
+
+    def load_heads(self, param: nn.Parameter, w: TensorSlice) -> None:
+        expect_shape(w, (self.total, param.shape[1]))
+        copy_narrow(param, w, 0, self.start, self.heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.weight.shape[1]
+        h = x.float().view(-1, self.heads, d)
+        h = torch.nn.functional.layer_norm(h, (d,), eps=self.eps) * self.weight.float()
+        return h.to(x.dtype).view(x.shape)

@@ -192,14 +192,16 @@ class LlamaModel(nn.Module):
     """sliding_window: one window for every layer, or a list with one entry per layer.
     make_layer(config, index, prefix, max_positions, window) builds a decoder layer of
     another shape (Gemma 2's four norms); the default is LlamaDecoderLayer, given
-    attn_scale and residual_scale. make_norm builds the final norm (and the default layer's)."""
+    attn_scale and residual_scale. make_norm builds the final norm (and the default layer's).
+    rotary_fraction: the share of each head that rotates where the family fixes it (Cohere
+    rotates whole heads whatever rotary_pct its config.json carries); None: the config's."""
 
     def __init__(self, config, max_positions: int,
                  sliding_window: int | list[int | None] | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
                  qk_norm: float | None = None, make_layer=None, attn_scale: float | None = None,
                  residual_scale: float = 1.0, make_norm=None,
-                 fused_on_disk: bool = False) -> None:
+                 fused_on_disk: bool = False, rotary_fraction: float | None = None) -> None:
         super().__init__()
         make_norm = make_norm or rms_norm_maker(config, norm_offset)
         if make_layer is None:
@@ -212,7 +214,7 @@ class LlamaModel(nn.Module):
         windows = sliding_window if isinstance(sliding_window, list) else [sliding_window] * n
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = rope_parameters(config)
-        partial = partial_rotary_factor(config)
+        partial = partial_rotary_factor(config) if rotary_fraction is None else rotary_fraction
         # One table for every layer, or one per layer type where the config gives each its
         # own (Gemma 3); each step gathers each table's cos/sin once (forward).
         by_type = layer_rope_parameters(config)

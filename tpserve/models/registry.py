@@ -30,6 +30,8 @@ _MODELS: dict[str, str] = {
     "Olmo2ForCausalLM": "tpserve.models.olmo2:Olmo2ForCausalLM",
     "GraniteMoeForCausalLM": "tpserve.models.granite_moe:GraniteMoeForCausalLM",
     "GPTBigCodeForCausalLM": "tpserve.models.gpt_bigcode:GPTBigCodeForCausalLM",
+    "CohereForCausalLM": "tpserve.models.cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "tpserve.models.cohere:Cohere2ForCausalLM",
 }
 
 
@@ -47,6 +49,7 @@ _BY_MODEL_TYPE = {
     "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
 }
 
 
