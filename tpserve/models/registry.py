@@ -30,6 +30,7 @@ _MODELS: dict[str, str] = {
     "Olmo2ForCausalLM": "tpserve.models.olmo2:Olmo2ForCausalLM",
     "GraniteMoeForCausalLM": "tpserve.models.granite_moe:GraniteMoeForCausalLM",
     "GPTBigCodeForCausalLM": "tpserve.models.gpt_bigcode:GPTBigCodeForCausalLM",
+    "GptOssForCausalLM": "tpserve.models.gpt_oss:GptOssForCausalLM",
 }
 
 
@@ -46,7 +47,7 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
-    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
 }
 
 
