@@ -27,8 +27,8 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.layers.moe import SparseMoE
-from tpserve.layers.sharding import copy_full, expect_shape, shard_size
 from tpserve.layers.quant.mxfp4 import GROUP, dequantize
+from tpserve.layers.sharding import copy_full, expect_shape, shard_size
 from tpserve.weights import TensorSlice
 
 
