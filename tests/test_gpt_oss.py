@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from engine_utils import engine_matches_reference, load_rank
-from tiny_models import PROMPTS, family_checkpoint, hf_greedy, hf_last_logits
+from tiny_models import PROMPTS, family_checkpoint
 
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import SINKS_REASON
@@ -269,11 +269,23 @@ def test_mxfp4_rank_dequantizes_its_own_slice(gpt_oss_mxfp4, tp):
 
 def test_mxfp4_checkpoint_matches_transformers_at_tp2(ray_cluster, gpt_oss_mxfp4):
     """The MXFP4 checkpoint served at tp = 2 against transformers loading the same file
-    (dequantized on the CPU by its own MXFP4 integration), float32: prefill logits within
-    1e-4 relative, 32 greedy tokens identical."""
-    ref_tokens = hf_greedy(gpt_oss_mxfp4, PROMPTS, 32)
+    (dequantized by its own MXFP4 integration, Mxfp4Config(dequantize=True)), float32:
+    prefill logits within 1e-4 relative, 32 greedy tokens identical."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    tok = AutoTokenizer.from_pretrained(gpt_oss_mxfp4)
+    model = AutoModelForCausalLM.from_pretrained(
+        gpt_oss_mxfp4, dtype=torch.float32,
+        quantization_config=Mxfp4Config(dequantize=True)).eval()
+    ref_tokens = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tok.pad_token_id)
+        ref_tokens.append(gen[0, ids.shape[1]:].tolist())
     assert all(len(set(t)) > 3 for t in ref_tokens)
-    engine_matches_reference(gpt_oss_mxfp4, 2, ref_tokens, hf_last_logits(gpt_oss_mxfp4, PROMPTS))
+    engine_matches_reference(gpt_oss_mxfp4, 2, ref_tokens, _logits(model, tok))
 
 
 def test_mxfp4_is_refused_for_other_families():
