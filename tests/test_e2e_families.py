@@ -1,5 +1,5 @@
 """`tpserve launch --tp 2` per added family (Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral,
-Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE, GPTBigCode; vision-language Gemma 3, Mistral 3,
+Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE, GPTBigCode, GPT-OSS; vision-language Gemma 3, Mistral 3,
 LLaVA-NeXT and Qwen2-VL served as text) in a subprocess, asked over HTTP through
 tpserve.Client: the served text is transformers' greedy text.
 
@@ -47,7 +47,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
 
 FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
             "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe", "mistral3",
-            "llava-next-mistral", "qwen2-vl", "gpt-bigcode"]
+            "llava-next-mistral", "qwen2-vl", "gpt-bigcode", "gpt-oss"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
