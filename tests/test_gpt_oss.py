@@ -1,9 +1,10 @@
 """GPT-OSS beyond the tp = 1, 2, 4 family cases (tests/test_tp_families.py): attention sinks
 in the torch backend against transformers' own attention, the Triton and IPEX backends
 declining them, oracle guards (the reference moves when sinks, the SwiGLU clamp, the window
-or the down bias are dropped or doubled), each rank's slice of the interleaved experts, and
-the released MXFP4 format: packed here from a float model, read by tpserve at tp = 2 and by
-transformers on its own (it dequantizes MXFP4 on the CPU), greedy tokens and logits equal."""
+or the down bias are dropped or doubled), each rank's slice of the interleaved experts, a
+bf16 checkpoint in several files at tp = 2, and the released MXFP4 format: packed here from
+a float model, read by tpserve at tp = 2 and by transformers on its own (it dequantizes
+MXFP4 on the CPU), greedy tokens and logits equal."""
 
 from __future__ import annotations
 
@@ -181,6 +182,18 @@ def test_gpt_oss_rank_reads_its_slice_of_the_interleaved_experts(gpt_oss, tp):
                                    rtol=0, atol=0)
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):
             assert stats.fraction(f"{pre}.mlp.experts.{name}") == pytest.approx(1 / tp), name
+
+
+def test_bf16_checkpoint_in_several_files_matches_transformers_at_tp2(ray_cluster, models_dir):
+    """A bf16 checkpoint split into several files with an index, as the bf16 releases
+    (unsloth/gpt-oss-20b-BF16) are: served at tp = 2 in float32, it gives transformers'
+    logits and greedy tokens on the same file."""
+    from tiny_models import gpt_oss_config, hf_greedy, hf_last_logits, save_model
+
+    path = save_model(gpt_oss_config(), models_dir / "gpt-oss-bf16", std=0.3, vector_std=1.0,
+                      save_dtype=torch.bfloat16, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").exists()
+    engine_matches_reference(path, 2, hf_greedy(path, PROMPTS, 32), hf_last_logits(path, PROMPTS))
 
 
 def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
