@@ -316,3 +316,21 @@ def test_mxfp4_is_refused_for_other_families():
     with pytest.raises(QuantizationError, match="--quantize fp8: this checkpoint stores its "
                                                 "experts as mxfp4"):
         resolve_quant("fp8", oss)
+
+
+def test_other_quantized_gpt_oss_checkpoints_are_refused_at_start():
+    """Only float and MXFP4 experts load: a GPTQ gpt-oss config is refused while the ranks
+    are built on the meta device, before any shard starts, naming the family and method."""
+    from tiny_models import gpt_oss_config
+
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.layers.quant.config import QuantizationError
+    from tpserve.worker.build import check_shardable
+
+    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=2))
+    hf = gpt_oss_config(quantization_config={"quant_method": "gptq", "bits": 4,
+                                             "group_size": 32})
+    with pytest.raises(QuantizationError, match="GptOssForCausalLM checkpoints quantized with "
+                                                "gptq are not supported"):
+        check_shardable(cfg, hf)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from tpserve.errors import CheckpointError
 from tpserve.layers.gpt_oss_moe import GptOssMoE
 from tpserve.layers.norm import RMSNorm
+from tpserve.layers.quant.config import refuse_checkpoint_quant
 from tpserve.models.gemma2 import layer_windows
 from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tpserve.models.loader import load_into, with_prefix
@@ -52,6 +53,12 @@ def _make_layer(config, i, prefix, max_positions, window):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     family = "GPT-OSS"
+
+    def __init__(self, config, max_positions: int) -> None:
+        # Experts load float or MXFP4 (which resolves to no quantization: dequantized at
+        # load); a GPTQ / AWQ / fp8 file of this family is not under test.
+        refuse_checkpoint_quant("GptOssForCausalLM")
+        super().__init__(config, max_positions)
 
     @staticmethod
     def sliding_window(config) -> list[int | None]:
