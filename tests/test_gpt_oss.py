@@ -114,12 +114,19 @@ def _logits(model, tok) -> list[torch.Tensor]:
         return [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
 
 
+def _as_halves(experts) -> None:
+    """What reading interleaved [gate, up] columns as [gate; up] halves would compute."""
+    for t in (experts.gate_up_proj, experts.gate_up_proj_bias):
+        halves = t.clone()
+        t[..., 0::2], t[..., 1::2] = halves.chunk(2, dim=-1)
+
+
 def test_each_gpt_oss_feature_changes_the_reference(gpt_oss):
     """Guards the oracle: transformers' logits for the prompts move when the sinks are
     dropped (-inf: plain attention) or zeroed, when the SwiGLU is not clamped, when the
     window is wider than the prompts, when the down bias counts twice (a row-parallel bias
-    added by both ranks at tp = 2) or the router's bias is dropped; so the tp cases, which
-    match the reference, check each."""
+    added by both ranks at tp = 2), when the router's bias is dropped or when gate and up are
+    read as halves; so the tp cases, which match the reference, check each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gpt_oss)
@@ -140,6 +147,8 @@ def test_each_gpt_oss_feature_changes_the_reference(gpt_oss):
         "sinks zeroed": lambda m: [a.self_attn.sinks.zero_() for a in m.model.layers],
         "down bias twice": lambda m: [a.mlp.experts.down_proj_bias.mul_(2) for a in m.model.layers],
         "router bias dropped": lambda m: [a.mlp.router.bias.zero_() for a in m.model.layers],
+        # A reader that took the columns as [gate; up] halves instead of interleaved.
+        "gate/up as halves": lambda m: [_as_halves(a.mlp.experts) for a in m.model.layers],
     }
     for what, change in changes.items():
         model = load()
