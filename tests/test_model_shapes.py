@@ -262,3 +262,32 @@ def test_cohere_shapes_add_up_with_only_the_layer_norms_replicated(arch, tp):
     for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[12288, 12288]", "tp=5",
                    "attention heads = 96 is not divisible by 5", "tp = 1, 2, 4, 8"):
         assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize(("layers", "experts"), [(24, 32), (36, 128)], ids=["20b", "120b"])
+def test_gpt_oss_shapes_add_up_with_the_row_biases_and_router_replicated(layers, experts, tp):
+    """gpt-oss-20b's and -120b's dimensions (GptOssConfig's defaults are 120b's: 64 heads of
+    64, 8 KV heads, hidden and expert intermediate 2880, vocab 201088; 20b: 24 layers of 32
+    experts), typed in rather than stored config.json files. Every rank holds the norms,
+    o_proj's bias, the router (weight and bias) and the experts' down bias whole; the rest,
+    sinks and the interleaved gate/up bias included, adds up to transformers' count. tp = 3
+    is refused naming q_proj (2880 divides by 3, the 64 heads do not)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    hf = GptOssConfig(num_hidden_layers=layers, num_local_experts=experts,
+                      architectures=["GptOssForCausalLM"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    whole = ("norm", "o_proj.bias", "mlp.router.", "down_proj_bias")
+    replicated = sum(p.numel() for n, p in model.named_parameters() if any(w in n for w in whole))
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == numel(model) + (tp - 1) * replicated
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(3), hf)
+    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[4096, 2880]", "tp=3",
+                   "attention heads = 64 is not divisible by 3"):
+        assert needle in str(err.value), str(err.value)

@@ -24,7 +24,10 @@ multi-query c_attn (one KV head on every rank; per head without multi_query) wit
 positions and a tied head, and Cohere's parallel layer (one bias-free LayerNorm, one
 all-reduce) with interleaved rotary, logit_scale and a tied head, with and without
 Command-R+'s per-head q/k LayerNorms, and Cohere 2's windowed rotary layers beside a
-full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8)."""
+full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8),
+and GPT-OSS's attention sinks with a window on every other layer
+(prompts longer than it), YaRN rotary and experts with a biased router, biases and a clamped
+SwiGLU, gate and up interleaved (tests/test_gpt_oss.py has its guards and MXFP4)."""
 
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from tpserve.worker.build import check_shardable
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
                           "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
-                          "cohere-qk-norm", "cohere2")
+                          "cohere-qk-norm", "cohere2", "gpt-oss")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2)]
@@ -269,7 +272,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("granite-moe", "scaled by 0.22"),
                                            ("gpt-bigcode", "LayerNorms: only an RMSNorm folds"),
                                            ("cohere", "LayerNorms: only an RMSNorm folds"),
-                                           ("cohere2", "LayerNorms: only an RMSNorm folds")])
+                                           ("cohere2", "LayerNorms: only an RMSNorm folds"),
+                                           ("gpt-oss", "block is a GptOssMoE, not a gated")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -305,6 +309,14 @@ def test_starcoder2_rank_reads_its_slice_of_the_plain_mlp(checkpoint):
 
 
 REFUSED = [
+    ("gpt-oss", {}, 3, ["'model.layers.0.mlp.experts.gate_up_proj'", "[8, 64, 128]", "tp=3",
+                        "expert intermediate size = 64 is not divisible by 3"]),
+    ("gpt-oss", {"intermediate_size": 96}, 3, ["'model.layers.0.self_attn.q_proj.weight'",
+                                               "[64, 64]", "tp=3",
+                                               "attention heads = 4 is not divisible by 3"]),
+    ("gpt-oss", {"intermediate_size": 90}, 4, [
+        "'model.layers.0.mlp.experts.gate_up_proj'", "[8, 64, 180]", "tp=4",
+        "expert intermediate size = 90 is not divisible by 4"]),
     ("granite", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=3",
                         "attention heads = 4 is not divisible by 3"]),
     ("starcoder2", {}, 8, ["'model.layers.0.self_attn.q_proj.weight'", "[64, 64]", "tp=8",

@@ -476,6 +476,26 @@ def cohere2_config(**kw):
     args.update(kw)
     cfg = Cohere2Config(**args)
     cfg.architectures = ["Cohere2ForCausalLM"]
+def gpt_oss_config(**kw):
+    """GPT-OSS: 4 heads of 16, 2 KV heads (replicated at tp = 4), q/k/v/o biases, attention
+    sinks, three layers windowed / full / windowed (layer_types) with a window of 8 (the
+    prompts are longer), YaRN rotary; 8 experts of 64 (16 a rank at tp = 4), 2 per token,
+    with a biased router and the clamped SwiGLU at a limit of 1.5, low enough that the
+    random weights reach it."""
+    from transformers import GptOssConfig
+
+    args = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, head_dim=16,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+                swiglu_limit=1.5, tie_word_embeddings=False,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 128},
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = GptOssConfig(**args)
+    cfg.architectures = ["GptOssForCausalLM"]
     return cfg
 
 
@@ -573,6 +593,8 @@ FAMILY_CHECKPOINTS = {
     "cohere": (cohere_config, {"std": 0.3, "vector_std": 0.1}),
     "cohere-qk-norm": (lambda: cohere_config(use_qk_norm=True), {"std": 0.3, "vector_std": 0.1}),
     "cohere2": (cohere2_config, {"std": 0.3, "vector_std": 0.1}),
+    # vector_std 1.0: sinks (1-D) large enough to take a visible share of each softmax.
+    "gpt-oss": (gpt_oss_config, {"std": 0.3, "vector_std": 1.0}),
 }
 
 

@@ -154,13 +154,15 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "([f(a=1), g()]: Llama 3.2+), or auto, any of them; text that is no call "
                    "stays content (docs/http_api.md#tool-calling)")
     p.add_argument("--reasoning-parser", default="none",
-                   choices=["none", "think", "mistral", "auto"],
+                   choices=["none", "think", "mistral", "harmony", "auto"],
                    help="thinking models: move the reasoning block of chat and Responses "
                    "answers into message.reasoning_content / reasoning (delta pieces when "
                    "streaming; a reasoning item in the Responses API) and read tool calls "
                    "after it. think reads <think>...</think> (Qwen3, QwQ, DeepSeek-R1), "
                    "mistral [THINK]...[/THINK] (Magistral; special tokens, kept in the text "
-                   "for this), auto the format whose two tags are tokens of the model's "
+                   "for this), harmony gpt-oss's analysis channel before its final one "
+                   "(<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>"
+                   "final<|message|>), auto the format whose two tags are tokens of the model's "
                    "vocabulary, else none (an info line says which). A prompt that ends with "
                    "the opening tag (DeepSeek-R1, Qwen3-Thinking templates) means the answer "
                    "starts inside it. none leaves the text as it is; /generate and "
@@ -789,7 +791,8 @@ def kernels(args: argparse.Namespace) -> int:
                 "head_dim 96": {"head_dim": 96, "scale": 96**-0.5},
                 # Encoder-decoder features, probed only where AttentionSpec has them.
                 "non_causal": {"causal": False}, "relative_bias": {"relative_bias": True},
-                "dense": {"paged": False}, "fp8_kv_cache": {"kv_cache_dtype": "fp8"}}
+                "dense": {"paged": False}, "fp8_kv_cache": {"kv_cache_dtype": "fp8"},
+                "sinks": {"sinks": True}}
     probes = {k: dataclasses.replace(base, **v) for k, v in variants.items() if set(v) <= fields}
     try:
         chosen = registry.select_backend("auto", dev, dtype, [base])[0].name

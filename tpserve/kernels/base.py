@@ -12,6 +12,11 @@ that lacks one refuses the spec through supports() (check spec.features):
 - "dense" (spec.paged=False): no cache at all; attend_dense() over this step's own K/V,
   sequences laid out varlen by query_start_loc (an encoder's self-attention).
 
+Attention sinks (gpt-oss; spec.sinks, feature "sinks"): a learned logit per query head that
+joins each softmax denominator and attends to nothing, so a query's weights over its keys sum
+to less than one. The float32 [num_heads on this rank] logits are passed as sinks= (a
+keyword, only for such specs) to forward/prefill/decode/decode_new.
+
 An fp8 KV cache (spec.kv_cache_dtype == "fp8", feature "fp8_kv_cache") stores e4m3fn values
 with the per-tensor scales spec.k_scale / spec.v_scale (kernels/kv_quant.py); write_kv and
 rotary_write_kv then receive the spec as a keyword. Only backends that set fp8_kv_cache =
@@ -55,6 +60,7 @@ class AttentionSpec:
     kv_cache_dtype: str = "auto"
     k_scale: float = 1.0  # per-tensor scales of an fp8 cache (1.0 until a checkpoint has one)
     v_scale: float = 1.0
+    sinks: bool = False  # a sinks= logit per head joins the softmax denominator
 
     @property
     def features(self) -> frozenset[str]:
@@ -71,6 +77,8 @@ class AttentionSpec:
             f.add("softcap")
         if self.kv_cache_dtype == "fp8":
             f.add(kv_quant.FP8_FEATURE)
+        if self.sinks:
+            f.add("sinks")
         return frozenset(f)
 
 
@@ -163,14 +171,17 @@ class AttentionBackend(ABC):
         return self.rotary_write_kv(q, k, v, *rope, k_cache, v_cache, slot_mapping, **extra)
 
     def decode_new(self, q, k, v, rope, k_cache, v_cache, meta: AttentionMetadata,
-                   spec: AttentionSpec, alibi_slopes=None) -> torch.Tensor:
+                   spec: AttentionSpec, alibi_slopes=None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """A decode step (one new token per sequence) from its raw projections: q [B, heads,
         head_dim] and k/v [B, kv_heads, head_dim], rotated by rope = (cos, sin) ([B,
         rot_dim]) when given, the keys and values stored at meta.slot_mapping. The default
         stores (write_new) and then attends (forward); a backend with a kernel that does
-        all of it in one launch overrides this."""
+        all of it in one launch overrides this. sinks: given (as a keyword) for a spec with
+        sinks only."""
         q = self.write_new(q, k, v, rope, k_cache, v_cache, meta.slot_mapping, spec)
-        return self.forward(q, k_cache, v_cache, meta, spec, alibi_slopes)
+        extra = {} if sinks is None else {"sinks": sinks}
+        return self.forward(q, k_cache, v_cache, meta, spec, alibi_slopes, **extra)
 
     @abstractmethod
     def prefill(
@@ -202,10 +213,14 @@ class AttentionBackend(ABC):
         """Attention for a batch of one new token per sequence. q: [B, heads, head_dim]."""
 
     def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None,
-                rel_bias: RelBias | None = None) -> torch.Tensor:
-        """Dispatch to decode or prefill. rel_bias (only when spec.relative_bias) reaches
-        them as a keyword, so a backend without relative-bias support keeps its signature."""
+                rel_bias: RelBias | None = None, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Dispatch to decode or prefill. rel_bias (only when spec.relative_bias) and sinks
+        (only when spec.sinks) reach them as keywords, so a backend without either keeps its
+        signature."""
         extra = {} if rel_bias is None else {"rel_bias": rel_bias}
+        if sinks is not None:
+            extra["sinks"] = sinks
         if meta.decode_only:
             return self.decode(q, k_cache, v_cache, meta, spec, alibi_slopes, **extra)
         return self.prefill(q, k_cache, v_cache, meta, spec, alibi_slopes, **extra)

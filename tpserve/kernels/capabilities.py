@@ -22,6 +22,11 @@ CORE_FIELDS = frozenset({"num_heads", "num_kv_heads", "head_dim", "scale", "slid
 CORE_FEATURES = frozenset({"prefill", "decode", "sliding_window", "alibi", "softcap"})
 
 
+# Why the Triton and IPEX backends decline a spec with attention sinks (gpt-oss).
+SINKS_REASON = ("attention sinks (gpt-oss) are implemented in the torch backend only; "
+                "use --kernel torch or auto")
+
+
 def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = CORE_FIELDS,
                            known_features: frozenset[str] = CORE_FEATURES) -> str | None:
     """Why `spec` asks for something outside `known_*`, or None."""

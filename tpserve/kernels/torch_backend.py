@@ -3,7 +3,8 @@
 Decode is one vectorised gather over the block tables for the whole batch. Prefill goes
 sequence by sequence (bounded memory: scores are [heads, q_len, context] for one sequence)
 and batches any decode rows of a mixed step together. Dense (encoder) attention goes
-sequence by sequence too. Every base.py feature is supported, so this is the reference.
+sequence by sequence too. Every base.py feature is supported (attention sinks in paged
+attention; dense attention has no use for them yet), so this is the reference.
 An fp8 cache is read back to the query's dtype and scaled right after the gather
 (kv_quant.dequantize), so the arithmetic after it is the full-precision path's.
 """
@@ -26,6 +27,7 @@ def attend_padded(
     alibi_slopes: torch.Tensor | None,
     rel_bias: RelBias | None = None,  # [Hq, 2R + 1], see kernels/base.py
     k_start: torch.Tensor | None = None,  # [B] position of k[:, 0] (default 0)
+    sinks: torch.Tensor | None = None,  # [Hq] logits that join the denominator (base.py)
 ) -> torch.Tensor:
     """Attention of padded queries over padded keys (causal unless spec.causal is False);
     returns [B, Q, Hq, D]."""
@@ -59,7 +61,12 @@ def attend_padded(
     if spec.sliding_window:
         visible = visible & (rel > -spec.sliding_window)
     scores = scores.masked_fill(~visible.unsqueeze(1).unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows see nothing
+    if sinks is not None:
+        # The sink is one more column of the softmax whose value is never read.
+        sink = sinks.to(acc).view(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows see nothing
     out = torch.matmul(probs, vh.unsqueeze(2))  # [B, Hkv, G, Q, D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d).to(q.dtype)
 
@@ -86,9 +93,12 @@ class TorchAttentionBackend(AttentionBackend):
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         if spec.kv_cache_dtype == "fp8":
             return kv_quant.fp8_unavailable(torch.device(device))
+        if spec.sinks and not spec.paged:
+            return "attention sinks in dense (encoder) attention are not implemented"
         return None
 
-    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
+    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None,
+               sinks=None):
         seq_lens = meta.seq_lens.long()
         tables, length, k_start = meta.block_tables, meta.max_seq_len, None
         block = k_cache.shape[1]
@@ -105,10 +115,11 @@ class TorchAttentionBackend(AttentionBackend):
         k = gather_context(k_cache, tables, length, spec.k_scale, q.dtype)
         v = gather_context(v_cache, tables, length, spec.v_scale, q.dtype)
         out = attend_padded(q.unsqueeze(1), k, v, (seq_lens - 1).unsqueeze(1), seq_lens,
-                            spec, alibi_slopes, rel_bias, k_start)
+                            spec, alibi_slopes, rel_bias, k_start, sinks)
         return out.squeeze(1)
 
-    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None):
+    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None,
+                sinks=None):
         q_lens = meta.query_lens_host or tuple(
             (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist())
         seq_lens = meta.seq_lens_host or tuple(meta.seq_lens.tolist())
@@ -125,7 +136,8 @@ class TorchAttentionBackend(AttentionBackend):
                 seq_lens=meta.seq_lens[idx], block_tables=meta.block_tables[idx],
                 slot_mapping=meta.slot_mapping, max_query_len=1,
                 max_seq_len=max(seq_lens[i] for i in decode_rows))
-            out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes, rel_bias)
+            out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes, rel_bias,
+                                   sinks)
         for i, n in enumerate(q_lens):
             if n == 1:
                 continue
@@ -135,7 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(0)
             ctx_t = torch.tensor([ctx], device=q.device)
             out[s : s + n] = attend_padded(q[s : s + n].unsqueeze(0), k, v, q_pos, ctx_t, spec,
-                                           alibi_slopes, rel_bias)[0]
+                                           alibi_slopes, rel_bias, sinks=sinks)[0]
         return out
 
     def attend_dense(self, q, k, v, meta, spec, rel_bias=None):

@@ -23,7 +23,12 @@ import torch
 
 from tpserve.kernels import fused_ops, kv_quant, pdl
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
-from tpserve.kernels.capabilities import CORE_FEATURES, CORE_FIELDS, unknown_feature_reason
+from tpserve.kernels.capabilities import (
+    CORE_FEATURES,
+    CORE_FIELDS,
+    SINKS_REASON,
+    unknown_feature_reason,
+)
 from tpserve.kernels.compile_cache import (
     TRITON_TARGETS,
     cached_kernel_count,
@@ -198,6 +203,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
+        if spec.sinks:
+            return SINKS_REASON
         on_cpu = device.type == "cpu" and interpreting()
         if device.type not in TRITON_TARGETS and not on_cpu:
             if importlib.util.find_spec("triton") is None:

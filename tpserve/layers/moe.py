@@ -182,7 +182,11 @@ class SparseMoE(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the block's output, before the all-reduce."""
-        weights = self.route(x)
+        return self.combine(x, self.route(x))
+
+    def combine(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The sum of each expert's output on this rank scaled by its [tokens, experts]
+        routing weight."""
         out = torch.zeros_like(x)
         if stream_capturing(x.device):
             for e in range(self.num_experts):

@@ -33,7 +33,10 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, bias: bool = False, o_bias: bool = False,
                  softcap: float | None = None, scale: float | None = None,
-                 qk_norm: float | None = None, fused_on_disk: bool = False) -> None:
+                 qk_norm: float | None = None, fused_on_disk: bool = False,
+                 sinks: bool = False) -> None:
+        """sinks: a learned logit per head in each softmax's denominator (gpt-oss), loaded
+        as self_attn.sinks (the family's rename maps it onto attn.sinks)."""
         super().__init__()
         d = self.head_dim = head_dim_of(config)
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -45,7 +48,7 @@ class LlamaAttention(nn.Module):
                                         prefix=f"{prefix}.o_proj")
         self.attn = PagedAttention(layer, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d,
                                    scale if scale is not None else d**-0.5,
-                                   sliding_window=sliding_window, softcap=softcap)
+                                   sliding_window=sliding_window, softcap=softcap, sinks=sinks)
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             eps = getattr(config, "rms_norm_eps", 1e-6)
@@ -103,19 +106,20 @@ class LlamaDecoderLayer(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
                  qk_norm: float | None = None, mlp: nn.Module | None = None,
                  attn_scale: float | None = None, residual_scale: float = 1.0,
-                 make_norm=None, fused_on_disk: bool = False) -> None:
+                 make_norm=None, fused_on_disk: bool = False, attn_sinks: bool = False) -> None:
         """mlp: the feed-forward block (Mixtral's experts, StarCoder2's plain MLP); the
         default is a GatedMLP. attn_scale: the attention scores' scale (Granite's
         attention_multiplier); None: 1 / sqrt(head_dim). residual_scale: each branch's
         output is multiplied by it before it joins the residual stream (Granite's
         residual_multiplier). make_norm: builds the two norms (StarCoder2's LayerNorm); the
         default is the family's RMSNorm (rms_norm_maker), the only norm fold_norms folds.
-        fused_on_disk: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)."""
+        fused_on_disk: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3).
+        attn_sinks: attention sinks (gpt-oss, LlamaAttention)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer, f"{prefix}.self_attn", max_positions,
                                         sliding_window, bias=qkv_bias, o_bias=o_bias,
                                         scale=attn_scale, qk_norm=qk_norm,
-                                        fused_on_disk=fused_on_disk)
+                                        fused_on_disk=fused_on_disk, sinks=attn_sinks)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",

@@ -32,6 +32,7 @@ _MODELS: dict[str, str] = {
     "GPTBigCodeForCausalLM": "tpserve.models.gpt_bigcode:GPTBigCodeForCausalLM",
     "CohereForCausalLM": "tpserve.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "tpserve.models.cohere:Cohere2ForCausalLM",
+    "GptOssForCausalLM": "tpserve.models.gpt_oss:GptOssForCausalLM",
 }
 
 
@@ -48,7 +49,7 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
-    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
 }
 

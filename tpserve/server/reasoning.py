@@ -1,9 +1,10 @@
 """A thinking model's reasoning split from its answer (`--reasoning-parser`).
 
 A format is a pair of tags (FORMATS): `think`, `<think> ... </think>` (Qwen3, QwQ,
-DeepSeek-R1 and its distills), and `mistral`, `[THINK] ... [/THINK]` (Magistral, whose tags
-are special tokens: server/reasoning_format.py has the engine keep their text). Below,
-"open" and "close" are the format's tags.
+DeepSeek-R1 and its distills), `mistral`, `[THINK] ... [/THINK]` (Magistral, whose tags
+are special tokens: server/reasoning_format.py has the engine keep their text), and
+`harmony` (gpt-oss: its analysis channel, up to the final channel's header). Below, "open"
+and "close" are the format's tags.
 
 The reasoning is open from the first character when the rendered prompt ends with the open
 tag (and whitespace): templates such as DeepSeek-R1's and Qwen3-Thinking's write it
@@ -29,13 +30,30 @@ from tpserve.server.tool_parsers import partial_marker
 
 @dataclass(frozen=True)
 class Tags:
-    """The tags around a reasoning block."""
+    """The tags around a reasoning block. tokens: the vocabulary's tokens the tags are
+    written with, where a tag is several of them (harmony's); empty: each tag is one token,
+    or plain text. answer: the header of an answer that starts without reasoning, left out
+    of its content."""
 
     open: str
     close: str
+    tokens: tuple[str, ...] = ()
+    # A header that opens an answer without reasoning (harmony's final channel): dropped.
+    answer: str = ""
+
+    def token_names(self) -> tuple[str, ...]:
+        return self.tokens or (self.open, self.close)
 
 
-FORMATS = {"think": Tags("<think>", "</think>"), "mistral": Tags("[THINK]", "[/THINK]")}
+# gpt-oss's harmony format: the answer is an analysis channel (the reasoning), ended by
+# <|end|>, then a new assistant message on the final channel (the content). Its markers are
+# special tokens, which the engine keeps in the text for the split.
+HARMONY = Tags("<|channel|>analysis<|message|>",
+               "<|end|><|start|>assistant<|channel|>final<|message|>",
+               tokens=("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
+               answer="<|channel|>final<|message|>")
+FORMATS = {"think": Tags("<think>", "</think>"), "mistral": Tags("[THINK]", "[/THINK]"),
+           "harmony": HARMONY}
 # none: not split; auto: the format whose tags are tokens of the model's vocabulary.
 PARSERS = ("none", *FORMATS, "auto")
 
@@ -108,12 +126,15 @@ class ReasoningSplitter:
 
     def _start(self) -> bool:
         """Decides whether the answer opens a reasoning block; False while it cannot tell."""
-        head, tag = self.text.lstrip(), self.tags.open
+        head, tag, answer = self.text.lstrip(), self.tags.open, self.tags.answer
         if head.startswith(tag):
             self.state, self.opened = "reasoning", True
             self.released = len(self.text) - len(head) + len(tag)
             return True
-        if not head or tag.startswith(head):
+        if answer and head.startswith(answer):
+            self.state, self.released = "content", len(self.text) - len(head) + len(answer)
+            return True
+        if not head or tag.startswith(head) or answer.startswith(head):
             return False
         self.state = "content"  # a plain answer: all of it, as written
         return True

@@ -3,7 +3,8 @@ against the model's vocabulary, when a chat or Responses request first needs it 
 tokenizer is loaded after the app is built, while the shards start).
 
 A named format is read as it is. `auto` reads the first format of reasoning.FORMATS whose
-two tags are each one token of the vocabulary (Qwen3's and DeepSeek-R1's `<think>` are
+two tags are each one token of the vocabulary (harmony's tags: each of the tokens they are
+written with) (Qwen3's and DeepSeek-R1's `<think>` are
 added tokens, Magistral's `[THINK]` control tokens; a model that never learnt a format
 spells its tags with several tokens), and falls back to none, saying so in an info line.
 
@@ -50,7 +51,7 @@ class ReasoningParser:
 
     def _ids(self, tags: Tags) -> list[int | None]:
         lookup = getattr(self.backend, "token_id", None)
-        return [lookup(t) if lookup else None for t in (tags.open, tags.close)]
+        return [lookup(t) if lookup else None for t in tags.token_names()]
 
     def _resolve(self) -> ReasoningFormat | None:
         if self.parser == "none":

@@ -30,6 +30,8 @@ def resolve_quant(requested: str, hf_config, kernel: str = "auto") -> QuantConfi
         raise QuantizationError(f"--quantize {requested!r}: choose one of {', '.join(QUANTIZE_CHOICES)}")
     q = _checkpoint_quant(hf_config)
     found = (q or {}).get("quant_method")
+    if found == "mxfp4":
+        return _mxfp4(requested, hf_config)
     if requested == "none":
         if found:
             raise QuantizationError(
@@ -50,6 +52,27 @@ def resolve_quant(requested: str, hf_config, kernel: str = "auto") -> QuantConfi
             f"--quantize {requested} but the checkpoint's quantization_config says {found!r}; "
             "use --quantize auto")
     return _parse(q, kernel)
+
+
+# Families whose MXFP4 tensors tpserve reads, dequantized at load (their layers run float).
+MXFP4_FAMILIES = ("GptOssForCausalLM",)
+
+
+def _mxfp4(requested: str, hf_config) -> None:
+    """gpt-oss's released checkpoints store their experts as MXFP4: the family's loader
+    dequantizes them into the model dtype (layers/quant/mxfp4.py), so no layer is quantized."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if getattr(hf_config, "model_type", None) != "gpt_oss" and \
+            not any(a in MXFP4_FAMILIES for a in archs):
+        raise QuantizationError(
+            f"quantization method 'mxfp4' is read only for {', '.join(MXFP4_FAMILIES)} "
+            f"(its experts, dequantized at load), not {archs or 'this model'}: serve a bf16 "
+            f"or fp16 checkpoint")
+    if requested not in ("auto", "none"):
+        raise QuantizationError(
+            f"--quantize {requested}: this checkpoint stores its experts as mxfp4, which "
+            f"tpserve dequantizes into the model dtype at load; use --quantize auto")
+    return None
 
 
 def _parse(q: dict, kernel: str) -> QuantConfig:
