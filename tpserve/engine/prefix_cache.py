@@ -74,7 +74,8 @@ class PrefixCachingBlockManager(BlockManager):
         hashes, bs = seq.block_hashes, self.block_size
         prompt, out = seq.prompt_ids, seq.output_ids
         p = len(prompt)
-        seed = _SEED[seq.long_rope]
+        # KV computed under a LoRA adapter is the adapter's own: its chain starts elsewhere.
+        seed = (_SEED[seq.long_rope], seq.adapter)
         while len(hashes) < upto_block:
             i = len(hashes)
             lo, hi = i * bs, (i + 1) * bs
