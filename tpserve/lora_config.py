@@ -110,3 +110,17 @@ def select_adapter(name: str | None, base_name: str, adapters: tuple[str, ...]) 
     if not adapters:  # no adapters: any `model` name reaches the one model, as before
         return None
     raise ValueError(unknown_adapter(name, adapters) + f" (the base model is {base_name!r})")
+
+
+def launch_config(items: list[str] | None, max_rank: int, max_loras: int, base_name: str):
+    """The LoraConfig of `tpserve launch`'s flags, every adapter read and checked (LoraError
+    naming the flag, option or rule) before any shard starts."""
+    from tpserve.config import LoraConfig
+
+    if max_rank < 1 or max_loras < 1:
+        raise LoraError(f"--max-lora-rank ({max_rank}) and --max-loras ({max_loras}) must be "
+                        ">= 1")
+    pairs = parse_lora_modules(items or [], base_name)
+    pairs = tuple((name, str(Path(path).expanduser().resolve())) for name, path in pairs)
+    read_adapters(pairs, max_rank)
+    return LoraConfig(adapters=pairs, max_rank=max_rank, max_loras=max_loras)
