@@ -62,13 +62,19 @@ def _pairs(spec: AdapterSpec, keys: list[str], targets: dict) -> dict[str, dict[
     pairs: dict[str, dict[str, str]] = {}
     for key in keys:
         m = _KEY.match(key)
-        if m is None or m["module"] not in targets:
-            module = m["module"] if m else key
+        if m is None:
+            continue
+        if m["module"] not in targets:
             raise LoraError(
-                f"LoRA adapter {spec.name!r}: tensor {key!r} targets module {module!r}, which "
-                f"is not a linear layer tpserve applies LoRA to in this model; target "
+                f"LoRA adapter {spec.name!r}: tensor {key!r} targets module {m['module']!r}, "
+                f"which is not a linear layer tpserve applies LoRA to in this model; target "
                 f"modules must be among {', '.join(TARGETS)} of its decoder layers")
         pairs.setdefault(m["module"], {})[m["ab"]] = key
+    other = [key for key in keys if _KEY.match(key) is None]
+    if other:
+        raise LoraError(f"LoRA adapter {spec.name!r}: tensor {other[0]!r} is not a LoRA A or B "
+                        "matrix (an embedding LoRA or a saved base-model weight); tpserve "
+                        "serves lora_A/lora_B pairs of linear layers only")
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise LoraError(f"LoRA adapter {spec.name!r}: module {module!r} has lora_"
