@@ -170,11 +170,11 @@ def test_sharded_slices_sum_to_the_whole(llama_dir, adapters):
     product B A per module: column layers split B's rows, row layers A's columns."""
     from safetensors.torch import load_file
 
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
     from tpserve.distributed import tp_context
+    from tpserve.weights import load_hf_config
     from tpserve.worker.build import build_model
     from tpserve.worker.lora_loader import attach_adapters
-    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
-    from tpserve.weights import load_hf_config
 
     cfg = lora_config(adapters)
     full = load_file(str(adapters["a"] / "adapter_model.safetensors"))
