@@ -20,10 +20,14 @@ NEW = 6
 
 
 @pytest.fixture(scope="module")
-def setup(llama_dir, tmp_path_factory):
+def adapters(llama_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_http")
-    adapters = {"a": save_adapter(llama_dir, d / "a", seed=11, r=4, alpha=8),
-                "b": save_adapter(llama_dir, d / "b", seed=12, r=2, alpha=4, rslora=True)}
+    return {"a": save_adapter(llama_dir, d / "a", seed=11, r=4, alpha=8),
+            "b": save_adapter(llama_dir, d / "b", seed=12, r=2, alpha=4, rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def setup(llama_dir, adapters):
     ids = AutoTokenizer.from_pretrained(llama_dir)(PROMPT).input_ids
     want = {n: oracle_greedy(llama_dir, adapters.get(n), [ids], NEW)[0] for n in (None, "a", "b")}
     assert len({tuple(t) for t in want.values()}) == 3, "oracle guard: adapters must differ"
@@ -89,3 +93,28 @@ def test_models_lists_adapters(setup):
     assert data[1]["parent"] == BASE
     assert requests.get(f"{url}/v1/models/a", timeout=10).json()["id"] == "a"
     assert requests.get(f"{url}/v1/models/c", timeout=10).status_code == 404
+
+
+@pytest.mark.slow
+def test_tpserve_launch_tp2_serves_adapters(setup, adapters, llama_dir, tmp_path):
+    """The real launch path (launcher, driver, engine core in rank 0, a follower over the
+    control channel) at tp 2: adapters a and b by TGI's adapter_id and OpenAI's model."""
+    from server_process import launched
+
+    _, want, tok = setup
+    args = ["--model", str(llama_dir), "--tp", "2", "--num-blocks", "256", "--lora-modules",
+            *(f"{n}={p}" for n, p in adapters.items()), "--max-lora-rank", "8"]
+    with launched(args, tmp_path / "server.log") as served:
+        assert [m["id"] for m in requests.get(f"{served}/v1/models", timeout=10).json()[
+            "data"]] == [str(llama_dir), "a", "b"]
+        for adapter in ("a", None):
+            assert tgi_tokens(served, adapter) == want[adapter]
+        r = requests.post(f"{served}/v1/completions", timeout=60, json={
+            "model": "b", "prompt": PROMPT, "max_tokens": NEW, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == tok.decode(want["b"])
+        assert tgi_status(served, "nope") == 422
+
+
+def tgi_status(url: str, adapter: str) -> int:
+    return requests.post(f"{url}/generate", timeout=60, json={
+        "inputs": PROMPT, "parameters": {"adapter_id": adapter}}).status_code
