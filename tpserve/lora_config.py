@@ -61,8 +61,8 @@ def read_adapter(name: str, path: str, max_rank: int) -> AdapterSpec:
         if not f.is_file():
             raise LoraError(f"LoRA adapter {name!r}: {f} not found; --lora-modules takes a "
                             f"local PEFT adapter directory holding {CONFIG_FILE} and "
-                            f"{WEIGHTS_FILE} (a hub id is not downloaded: fetch it first, "
-                            "e.g. `hf download ORG/NAME --local-dir DIR`)")
+                            f"{WEIGHTS_FILE} (a hub id is not downloaded: fetch it first with "
+                            "`hf download ORG/NAME` and pass its snapshot directory)")
     cfg = json.loads(cfg_path.read_text())
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
