@@ -1,8 +1,8 @@
 """LoRA deltas of one linear layer for every loaded adapter, applied per token row.
 
 A layer holding LoRA weights keeps every adapter stacked: a [slots, parts * r, in] and
-b [slots, out, parts * r] (this rank's slice; r is --max-lora-rank, smaller ranks are zero
-padded, the scale is folded into b). A layer fusing several checkpoint projections (q, k, v
+b [slots, out, parts * r] (this rank's slice; r is the largest rank among the adapters,
+smaller ranks are zero padded; the scale is folded into b). A layer fusing several checkpoint projections (q, k, v
 or gate, up) stacks each projection's A along the rank dim and places its B block-diagonally,
 so the fused output gets every projection's own delta in one pair of matmuls.
 

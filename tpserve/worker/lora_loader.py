@@ -89,7 +89,7 @@ def _check_shape(spec: AdapterSpec, key: str, got: list[int], want: list[int]) -
                         "model")
 
 
-def _ensure(layer: nn.Module, slots: int, max_rank: int, dtype: torch.dtype,
+def _ensure(layer: nn.Module, slots: int, width: int, dtype: torch.dtype,
             device: torch.device) -> LoraWeights:
     if layer.lora is None:
         if isinstance(layer, RowParallelLinear):
@@ -97,11 +97,11 @@ def _ensure(layer: nn.Module, slots: int, max_rank: int, dtype: torch.dtype,
         else:
             parts = len(layer.checkpoint_modules())
             n_in, n_out = layer.in_features, layer.out_per_rank
-        layer.lora = LoraWeights(slots, parts, max_rank, n_in, n_out, dtype, device)
+        layer.lora = LoraWeights(slots, parts, width, n_in, n_out, dtype, device)
     return layer.lora
 
 
-def _load_one(slot: int, spec: AdapterSpec, cfg: LoraConfig, targets: dict, dtype, device,
+def _load_one(slot: int, spec: AdapterSpec, width: int, targets: dict, dtype, device,
               slots: int) -> None:
     tp = get_tp()
     with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
@@ -113,7 +113,7 @@ def _load_one(slot: int, spec: AdapterSpec, cfg: LoraConfig, targets: dict, dtyp
             out_total = layer.out_features if row else _out_total(layer, part)
             _check_shape(spec, ab["A"], a.get_shape(), [spec.rank, layer.in_features])
             _check_shape(spec, ab["B"], b.get_shape(), [out_total, spec.rank])
-            weights = _ensure(layer, slots, cfg.max_rank, dtype, device)
+            weights = _ensure(layer, slots, width, dtype, device)
             if row:
                 n = layer.in_per_rank
                 regions = [(a[:, tp.rank * n : (tp.rank + 1) * n], b[:, :], 0)]
@@ -132,6 +132,7 @@ def attach_adapters(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype,
     rank's slices; returns the specs in slot order."""
     specs = read_adapters(cfg.adapters, cfg.max_rank)
     targets = _targets(model)
+    width = max(spec.rank for spec in specs)  # smaller ranks are zero padded to it
     for slot, spec in enumerate(specs):
-        _load_one(slot, spec, cfg, targets, dtype, device, len(specs))
+        _load_one(slot, spec, width, targets, dtype, device, len(specs))
     return specs
