@@ -197,3 +197,25 @@ def test_sharded_slices_sum_to_the_whole(llama_dir, adapters):
     want_q = full[key.format("self_attn.q_proj", "B")] @ full[key.format("self_attn.q_proj", "A")]
     rows_q = [d[:32] for d in deltas["qkv"]]  # 2 of 4 heads of 16 per rank
     torch.testing.assert_close(torch.cat(rows_q, 0), want_q * scale)
+
+
+@pytest.mark.slow
+def test_qwen2_biased_qkv_tp2(ray_cluster, models_dir, tmp_path):
+    """Another Llama-shaped family: Qwen2's q/k/v carry biases (perturbed), which the LoRA
+    delta adds to; one adapter and the base model in one batch at tp 2."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, "qwen2")
+    adapter = save_adapter(path, tmp_path / "q", seed=7, r=4, alpha=8)
+    want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
+                oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "q")}
+    assert want["q"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
+    engine = make_engine(path, 2, lora=LoraConfig(adapters=(("q", str(adapter)),)))
+    try:
+        reqs = [(p, n) for p in PROMPTS for n in (None, "q")]
+        for (p, n), got in zip(reqs, engine_logits(engine, reqs), strict=True):
+            assert_close_rel(got, want[n][0][PROMPTS.index(p)], REL)
+        assert engine_greedy(engine, reqs, NEW) == [want[n][1][PROMPTS.index(p)]
+                                                   for p, n in reqs]
+    finally:
+        engine.shutdown()
