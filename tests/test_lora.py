@@ -219,3 +219,18 @@ def test_qwen2_biased_qkv_tp2(ray_cluster, models_dir, tmp_path):
                                                    for p, n in reqs]
     finally:
         engine.shutdown()
+
+
+def test_control_message_and_row_groups_carry_the_adapter():
+    """Ranks 1..tp-1 learn each sequence's adapter from the control message, and group the
+    step's token rows by it (slot = adapter - 1; base rows in no group)."""
+    from tpserve.engine.step import SeqStep, StepBatch
+    from tpserve.layers.lora import step_groups
+    from tpserve.worker.control import decode_step, encode_step
+
+    seqs = [SeqStep(i, [1] * n, 0, [i], True, adapter=a)
+            for i, (n, a) in enumerate([(3, 2), (1, 0), (2, 1), (1, 2)])]
+    back = decode_step(encode_step(StepBatch(7, seqs)))
+    assert [s.adapter for s in back.seqs] == [2, 0, 1, 2]
+    groups = step_groups([s.adapter for s in back.seqs], [len(s.token_ids) for s in back.seqs])
+    assert [(slot, rows.tolist()) for slot, rows in groups] == [(0, [4, 5]), (1, [0, 1, 2, 6])]
