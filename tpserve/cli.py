@@ -144,6 +144,15 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", action="store_true",
                    help="reuse the KV blocks of prompt prefixes shared across requests "
                    "(decoder-only models without a sliding window)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                   help="LoRA adapters served next to the model: PEFT adapter directories "
+                   "(adapter_config.json + adapter_model.safetensors), selected per request by "
+                   "OpenAI's `model` or TGI's `parameters.adapter_id` (docs/lora.md)")
+    p.add_argument("--max-lora-rank", type=int, default=64,
+                   help="largest adapter rank served; a larger one is refused at start")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="most distinct LoRA adapters in one step; requests of further "
+                   "adapters wait until a running adapter's requests finish")
     p.add_argument("--seed", type=int, default=0, help="base seed for unseeded sampling")
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "llama3_json", "mistral", "pythonic"],
@@ -341,6 +350,7 @@ def engine_config(args: argparse.Namespace):
         ParallelConfig,
         SchedulerConfig,
     )
+    from tpserve.lora_config import launch_config
     from tpserve.weights import resolve_model
 
     path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy",
@@ -388,7 +398,9 @@ def engine_config(args: argparse.Namespace):
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   max_input_tokens=args.max_input_tokens,
                                   async_scheduling=not args.no_async_scheduling),
-        kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+        kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs,
+        lora=launch_config(getattr(args, "lora_modules", None), args.max_lora_rank,
+                           args.max_loras, args.model or "tpserve/default-model"))
     from tpserve.layers.quant.config import resolve_quant
 
     quant = resolve_quant(args.quantize, hf, args.quant_kernel)

@@ -261,8 +261,10 @@ class Client(_Base):
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
         grammar: Any = None,
+        adapter_id: str | None = None,
     ) -> wire.Response:
-        """Generate a completion of `prompt`; the result always carries `details`.
+        """Generate a completion of `prompt`; the result always carries `details`. adapter_id:
+        a LoRA adapter the server serves (`tpserve launch --lora-modules`), None: the model.
 
         Raises tpserve.errors.ValidationError (bad arguments, checked here first, or 422),
         OverloadedError (429), NotReadyError (503) and the others of docs/http_api.md with
@@ -292,6 +294,7 @@ class Client(_Base):
         watermark: bool = False,
         top_n_tokens: int | None = None,
         grammar: Any = None,
+        adapter_id: str | None = None,
     ) -> Iterator[wire.StreamResponse]:
         """Yield one StreamResponse per token; the last has generated_text and details.
 
@@ -367,6 +370,7 @@ class AsyncClient(_Base):
         decoder_input_details: bool = False,
         top_n_tokens: int | None = None,
         grammar: Any = None,
+        adapter_id: str | None = None,
     ) -> wire.Response:
         """As Client.generate."""
         body = _body(prompt, False, **_params(locals()))
@@ -394,6 +398,7 @@ class AsyncClient(_Base):
         watermark: bool = False,
         top_n_tokens: int | None = None,
         grammar: Any = None,
+        adapter_id: str | None = None,
     ) -> AsyncIterator[wire.StreamResponse]:
         """As Client.generate_stream."""
         body = _body(prompt, True, **_params(locals()))

@@ -70,6 +70,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served next to the base model (docs/lora.md). Adapter i of `adapters`
+    is slot i + 1 on every shard; slot 0 is the base model."""
+
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, local directory), in launch order
+    max_rank: int = 64  # --max-lora-rank: a larger adapter rank is refused at start
+    max_loras: int = 4  # --max-loras: most distinct adapters in one step
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.adapters)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -79,6 +93,7 @@ class EngineConfig:
     seed: int = 0
     # Capture decode steps as CUDA graphs in warmup (CUDA with a graph-safe backend only).
     cuda_graphs: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # Default --max-body-bytes-in-flight: this many bodies of --max-body-bytes. 16 MiB at the

@@ -32,12 +32,14 @@ from tpserve.fields import (
     RepetitionPenalty,
     Seed,
     StopText,
+    Text,
     TGITemperature,
     TokenCount,
     TopK,
     TopN,
     unsupported,
 )
+from tpserve.lora_config import select_adapter
 from tpserve.structured import Grammar
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
@@ -71,6 +73,8 @@ class GenerateParameters(BaseModel):
     truncate: TokenCount | None = None
     typical_p: OpenUnitInterval | None = None
     watermark: Annotated[bool, unsupported("`watermark`")] = False
+    # A LoRA adapter served here (--lora-modules name); None or the model's id: none.
+    adapter_id: Text | None = None
 
     @property
     def sampling(self) -> bool:
@@ -128,6 +132,10 @@ def check_limits(params: GenerateParameters, info: ModelInfo) -> None:
             f"`truncate` must be <= max_input_tokens ({info.max_input_tokens}) "
             f"(got {params.truncate})"
         )
+    try:
+        select_adapter(params.adapter_id, info.model_id, info.adapters)
+    except ValueError as exc:
+        raise ValidationError(f"`adapter_id`: {exc}") from None
     max_new = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if max_new >= info.max_total_tokens:
         raise ValidationError(
@@ -161,8 +169,12 @@ def check_streamable(params: GenerateParameters) -> None:
         )
 
 
-def to_sampling_params(params: GenerateParameters) -> SamplingParams:
-    """Convert validated wire parameters into the engine's SamplingParams."""
+def to_sampling_params(params: GenerateParameters, info: ModelInfo | None = None
+                       ) -> SamplingParams:
+    """Convert validated wire parameters (check_limits passed) into the engine's
+    SamplingParams; info: the served model, which names the adapters."""
+    adapter = None if info is None else \
+        select_adapter(params.adapter_id, info.model_id, info.adapters)
     return SamplingParams(
         max_new_tokens=params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         do_sample=params.sampling,
@@ -177,6 +189,7 @@ def to_sampling_params(params: GenerateParameters) -> SamplingParams:
         top_n_tokens=params.top_n_tokens or 0,
         prompt_logprobs=params.decoder_input_details,
         guided=params.grammar.spec("parameters.grammar") if params.grammar else None,
+        adapter=adapter,
     )
 
 

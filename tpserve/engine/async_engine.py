@@ -361,6 +361,7 @@ class AsyncEngine:
             max_batch_total_tokens=e.num_blocks * c.cache.block_size,
             attention_backend=e.load_reports[0].backend,
             encoder_decoder=bool(getattr(e.hf_config, "is_encoder_decoder", False)),
+            adapters=c.lora.names,
             extra={"kv_cache_blocks": e.num_blocks, "block_size": c.cache.block_size,
                    "placement": c.parallel.placement,  # rayops hook: --placement
                    "replica_state": self.state, "rebuilds": self.rebuild.rebuilds,

@@ -24,6 +24,7 @@ from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
 from tpserve.engine.step import PENDING_TOKEN, SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, TPServeError, ValidationError
+from tpserve.lora_config import unknown_adapter
 
 if TYPE_CHECKING:  # the engine sees the interface only; the launcher builds the executor
     from tpserve.executor.base import Executor
@@ -138,7 +139,8 @@ class EngineCore:
         self.scheduler = Scheduler(self._block_manager(window),
                                    cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens, window,
-                                   self.longrope_original)
+                                   self.longrope_original, cfg.lora.max_loras)
+        self.adapter_ids = {name: i + 1 for i, name in enumerate(cfg.lora.names)}
 
     def _start_executor(self, cfg: EngineConfig) -> None:
         executor = self.executor
@@ -201,6 +203,8 @@ class EngineCore:
             raise ValidationError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {self.max_model_len}. "
                 f"Given: {n} `inputs` tokens and {params.max_new_tokens} `max_new_tokens`")
+        if params.adapter is not None and params.adapter not in self.adapter_ids:
+            raise ValidationError(unknown_adapter(params.adapter, self.cfg.lora.names))
         vocab = getattr(self.hf_config, "vocab_size", None)
         # Ids past the embedding would fail the whole step at tp 1 (an index error for every
         # request in it) and read zeros at tp > 1 (each rank masks what it does not hold).
@@ -233,6 +237,7 @@ class EngineCore:
                            encoder_ids=list(prompt_ids))
         else:
             seq = Sequence(next(self._ids), list(prompt_ids), params)
+        seq.adapter = self.adapter_ids.get(params.adapter, 0)
         state = CoreRequest(seq)
         if params.guided is not None:  # ValidationError when the grammar does not compile
             state.matcher = self.grammars.matcher(params.guided)
@@ -305,7 +310,7 @@ class EngineCore:
             blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if p.needs_history else None,
             num_generated=len(seq.output_ids), prompt_logprobs=wants_lp,
-            long_rope=seq.long_rope)
+            long_rope=seq.long_rope, adapter=seq.adapter)
         if state.matcher is not None and step.sample:
             # The mask needs every earlier token: steps with guided rows are collected
             # before the next one is scheduled (_launch), so none is pending here.

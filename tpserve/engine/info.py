@@ -26,4 +26,6 @@ class ModelInfo:
     # The prompt feeds an encoder (T5): nothing scores its tokens.
     encoder_decoder: bool = False
     version: str = "0.1.0"
+    # LoRA adapters served next to the base model (--lora-modules names), in launch order.
+    adapters: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)

@@ -16,7 +16,9 @@ the device with overlapped steps) is never hashed; a later call hashes it once r
 
 A longrope model's keys depend on the factor set the sequence was rotated with
 (Sequence.long_rope), not on the tokens alone: the chain of a long sequence starts from
-another seed, so short and long sequences never share a block."""
+another seed, so short and long sequences never share a block. So does a sequence served with
+a LoRA adapter (Sequence.adapter): its keys and values are the adapter's, not the base
+model's."""
 
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class PrefixCachingBlockManager(BlockManager):
         prompt, out = seq.prompt_ids, seq.output_ids
         p = len(prompt)
         seed = _SEED[seq.long_rope]
+        if seq.adapter:  # KV computed under a LoRA adapter is its own: the chain starts apart
+            seed = (seed, seq.adapter)
         while len(hashes) < upto_block:
             i = len(hashes)
             lo, hi = i * bs, (i + 1) * bs

@@ -58,6 +58,9 @@ class SamplingParams:
     # tokens, as Mistral's [THINK] and [/THINK] (server/reasoning_format.py). Ids that
     # decoding keeps anyway change nothing.
     keep_special_ids: tuple[int, ...] = ()
+    # The LoRA adapter (a --lora-modules name) whose weights join the base model's for this
+    # request: OpenAI's `model`, TGI's `parameters.adapter_id`. None: the base model.
+    adapter: str | None = None
 
     @property
     def needs_history(self) -> bool:

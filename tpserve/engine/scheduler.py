@@ -31,13 +31,16 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, sliding_window: int | None = None,
-                 longrope_original: int | None = None) -> None:
+                 longrope_original: int | None = None, max_loras: int = 0) -> None:
+        """max_loras: most distinct LoRA adapters among the running sequences (0: no limit;
+        every step's adapters are among them)."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sliding_window = sliding_window
         # longrope models: the longest sequence the short factors rotate (else None).
         self.longrope_original = longrope_original
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -111,6 +114,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.hold:  # a preempted sequence whose last token is in flight: it ends soon
                 break
+            if not self._adapter_fits(seq):
+                break  # in order: it waits until a running adapter's sequences finish
             fresh = seq.num_computed == 0
             if fresh:
                 self._start_rope(seq)
@@ -132,6 +137,12 @@ class Scheduler:
             budget -= n + (len(seq.encoder_ids) if seq.encoder_ids is not None
                            and seq.num_computed == 0 else 0)
         return out
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        if not seq.adapter or not self.max_loras:
+            return True
+        active = {s.adapter for s in self.running if s.adapter}
+        return seq.adapter in active or len(active) < self.max_loras
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Record what the step computed; release blocks that left the sliding window."""

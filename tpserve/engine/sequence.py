@@ -45,6 +45,8 @@ class Sequence:
     # (re)started, so every token of it is rotated with the long factors; set by the
     # scheduler, which recomputes a sequence that grows past that length (scheduler.py).
     long_rope: bool = False
+    # LoRA: 0 for the base model, else adapter i + 1 of --lora-modules (SeqStep.adapter).
+    adapter: int = 0
 
     @property
     def num_input_tokens(self) -> int:

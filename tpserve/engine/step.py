@@ -48,6 +48,8 @@ class SeqStep:
     # every token of it is rotated with the long factors (the workers read the rotary
     # table's long half for it); its cached keys were computed so too (Sequence.long_rope).
     long_rope: bool = False
+    # LoRA: 0 for the base model, else adapter i + 1 of --lora-modules (LoraConfig.adapters).
+    adapter: int = 0
 
     @property
     def num_blocks(self) -> int:

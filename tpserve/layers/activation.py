@@ -8,6 +8,7 @@ from torch import nn
 
 from tpserve.kernels import gemv
 from tpserve.kernels.fused_ops import GATED_ACTS, gated_act, plan_act
+from tpserve.layers import lora
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ class GatedActivation(nn.Module):
         """self(proj(x)), in one launch for one row where warmup chose the fused GEMV for
         proj, or where proj's quantized weights have such a launch (LinearMethod.apply_gated);
         two launches otherwise."""
-        if x.numel() == x.shape[-1]:
+        if x.numel() == x.shape[-1] and not lora.active(proj):
             tile = getattr(proj, "gemv_gated_tile", None)
             if tile is not None:
                 y = gemv.gated(x, proj.weight, tile, proj.gemv_gated)

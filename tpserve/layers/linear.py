@@ -17,6 +17,7 @@ from torch import nn
 
 from tpserve.distributed import all_reduce, get_tp
 from tpserve.errors import ShardingError
+from tpserve.layers import lora
 from tpserve.layers.param_layout import VECTOR, attach, expect_full, load_region
 from tpserve.layers.quant.methods import linear_method
 from tpserve.layers.sharding import copy_full, shard_size
@@ -51,6 +52,7 @@ def _build(layer: nn.Module, out_per_rank: int, in_per_rank: int, in_total: int,
     layer.method.create(layer, out_per_rank, in_per_rank, in_total=in_total,
                         row_parallel=row_parallel, part_sizes=part_sizes, prefix=prefix)
     layer.bias = attach(_param(bias_size), VECTOR) if bias else None
+    layer.lora = None  # LoraWeights once adapters target this layer (worker/lora_loader.py)
     for p in layer.parameters(recurse=False):
         p.weight_loader = loader
 
@@ -77,6 +79,12 @@ class ColumnParallelLinear(nn.Module):
         """The checkpoint modules this layer holds (one, unless fused)."""
         return [self.prefix]
 
+    def lora_regions(self) -> list[list[tuple[int, int, int]]]:
+        """Per checkpoint module: (first output row in that module, rows, row in this rank's
+        output) of each region this rank holds; where a LoRA B's rows go."""
+        n = self.out_per_rank
+        return [[(get_tp().rank * n, n, 0)]]
+
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         n = self.out_per_rank
         expect_full(param, w, n * get_tp().size, self.in_features)
@@ -88,7 +96,9 @@ class ColumnParallelLinear(nn.Module):
         RMSNorm.fold_into); the one-row GEMV does that inside its launch."""
         y = (self.method.apply(self, x) if rms_eps is None
              else self.method.apply_normed(self, x, rms_eps))
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        # No fold with adapters (Worker._fold_norms): x is the normalised input here.
+        return y if self.lora is None else self.lora.add(y, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -116,6 +126,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def checkpoint_modules(self) -> list[str]:
         return self.part_modules
+
+    def lora_regions(self) -> list[list[tuple[int, int, int]]]:
+        tp = get_tp()
+        fused_on_disk = len(self.part_modules) == 1
+        regions, src_base, dst = [], 0, 0
+        for size in self.out_sizes:
+            n = size // tp.size
+            regions.append((src_base + tp.rank * n, n, dst))
+            dst += n
+            src_base += size if fused_on_disk else 0
+        return [regions] if fused_on_disk else [[r] for r in regions]
 
     def load_rows(self, param: nn.Parameter, w: TensorSlice, shard_id=None) -> None:
         tp = get_tp()
@@ -182,12 +203,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         nn.Module.__init__(self)
         self.prefix, self.out_per_rank = prefix, q + 2 * kv
+        self.part_modules = [f"{prefix}.{disk_name}"] if disk_name is not None else \
+            [f"{prefix}.{name}" for name in part_names]
         self.q_size, self.kv_size = q, kv
         self.in_features, self.out_features = hidden, (num_heads + 2 * num_kv_heads) * head_dim
-        parts = [f"{prefix}.{disk_name}"] if disk_name is not None else \
-            [f"{prefix}.{name}" for name in part_names]
         _build(self, q + 2 * kv, hidden, hidden, bias, q + 2 * kv, False, [q, kv, kv],
-               f"{prefix}.qkv_proj", self.load_rows, parts)
+               f"{prefix}.qkv_proj", self.load_rows, self.part_modules)
+
+    def checkpoint_modules(self) -> list[str]:
+        return self.part_modules
+
+    def lora_regions(self) -> list[list[tuple[int, int, int]]]:
+        regions = [self._rows(part) for part in "qkv"]
+        if len(self.part_modules) == 3:
+            return [[r] for r in regions]
+        d = self.head_dim  # stored fused on disk as [q; k; v]
+        bases = (0, self.total_heads * d, (self.total_heads + self.total_kv_heads) * d)
+        return [[(base + src, n, dst) for base, (src, n, dst) in zip(bases, regions)]]
 
     def _rows(self, part: str) -> tuple[int, int, int]:
         """(source row in that projection, rows, destination row in the fused weight)."""
@@ -228,7 +260,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = shard_size(in_features, tp.size, tensor=f"{prefix}.weight",
                                       what="input features", shape=(out_features, in_features))
         self.in_features, self.out_features = in_features, out_features
-        self.tp_size = tp.size
+        self.tp_size, self.prefix = tp.size, prefix
         _build(self, out_features, self.in_per_rank, in_features, bias, out_features, True,
                [out_features], prefix, self.load_cols)
 
@@ -240,16 +272,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: returns residual + this layer's output. With one rank and no bias the
         add happens inside the matmul's launch (the one-row GEMV adds it as it stores)."""
-        if residual is not None and self.tp_size == 1 and self.bias is None:
+        if (residual is not None and self.tp_size == 1 and self.bias is None
+                and not lora.active(self)):
             return self.method.apply_add(self, x, residual)
-        y = all_reduce(self.method.apply(self, x))
+        y = self.method.apply(self, x)
+        y = all_reduce(y if self.lora is None else self.lora.add(y, x))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, neither reduced nor biased: for a block that adds it to
-        other partial sums and all-reduces them once (Qwen2-MoE's shared expert)."""
-        return self.method.apply(self, x)
+        other partial sums and all-reduces them once (Qwen2-MoE's shared expert). A LoRA
+        delta joins it here: x_rank A_rank^T B^T summed over ranks is the whole delta."""
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.add(y, x)
 
 
 def row_parallel_sum(*branches: tuple[RowParallelLinear, torch.Tensor]) -> torch.Tensor:

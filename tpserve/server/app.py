@@ -92,7 +92,7 @@ class TGIRoutes:
         if stream:
             wire.check_streamable(p)
         n = wire.check_best_of(p, self.max_best_of)
-        params = wire.to_sampling_params(p)
+        params = wire.to_sampling_params(p, info)
         if n == 1:  # the common case: no task per stream
             return [await self.metrics.open_stream(self.backend, req.inputs, params,
                                                    truncate=p.truncate)]

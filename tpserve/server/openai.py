@@ -47,6 +47,7 @@ from tpserve.fields import (
     TokenId,
     unsupported,
 )
+from tpserve.lora_config import select_adapter
 from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.best_of import best_of_each, candidate_jobs, completion_candidates
 from tpserve.server.choice_reader import ChoiceReader, reasoning_of
@@ -117,6 +118,13 @@ class _Sampling(BaseModel):
     def choices(self) -> int:
         return self.n or 1
 
+    def adapter(self, info: ModelInfo) -> str | None:
+        """The LoRA adapter `model` names (None: the base model)."""
+        try:
+            return select_adapter(self.model, info.model_id, info.adapters)
+        except ValueError as exc:
+            raise ValidationError(f"`model`: {exc}") from None
+
     def sampling_params(self, info: ModelInfo, max_new_tokens: int, top_n: int = 0,
                         prompt_logprobs: bool = False) -> SamplingParams:
         stop = self.stop_list()
@@ -142,6 +150,7 @@ class _Sampling(BaseModel):
             # temperature, top_p, penalties or biases: the same numbers as at temperature 0.
             "raw_logprobs": True,
             "guided": response_format_spec(self.response_format),
+            "adapter": self.adapter(info),
         }
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         # OpenAI's spellings of greedy decoding: temperature 0, or top_p 0 (only the likeliest
@@ -363,16 +372,22 @@ class OpenAIRoutes:
         return {"id": self.backend.info().model_id, "object": "model",
                 "created": self.created, "owned_by": "tpserve"}
 
+    def _cards(self) -> list[dict[str, Any]]:
+        """The base model's card, then each LoRA adapter's (its `parent` the base model)."""
+        base = self._card()
+        return [base] + [{**base, "id": name, "parent": base["id"]}
+                         for name in self.backend.info().adapters]
+
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._card()]}
+        return {"object": "list", "data": self._cards()}
 
     async def model(self, model_id: str) -> dict:
-        """GET /v1/models/{model} (openai's `models.retrieve`): the served model's card."""
-        card = self._card()
-        if model_id != card["id"]:
+        """GET /v1/models/{model} (openai's `models.retrieve`): a served model's card."""
+        cards = {card["id"]: card for card in self._cards()}
+        if model_id not in cards:
             raise HTTPException(404, f"model `{model_id}` is not served here (this server "
-                                     f"serves `{card['id']}`)")
-        return card
+                                     f"serves {', '.join(f'`{c}`' for c in cards)})")
+        return cards[model_id]
 
     async def _open_all(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                         n: int, terms: tuple[str, str],

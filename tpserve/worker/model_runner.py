@@ -17,6 +17,7 @@ from tpserve.distributed import broadcast_from_first, get_tp
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
+from tpserve.layers.lora import LoraRows, lora_rows, step_groups
 from tpserve.worker.block_tables import BlockTables
 from tpserve.worker.metadata import (
     HostStaging,
@@ -50,6 +51,7 @@ class ModelRunner:
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         # longrope models: where the rotary table's long-factor rows start (else None).
         self.long_rope_offset: int | None = getattr(model, "long_rope_offset", None)
+        self.lora = any(getattr(m, "lora", None) is not None for m in model.modules())
         self.staging = HostStaging(device)
         self.block_tables = BlockTables()
         # Overlapped steps at tp > 1: rank 0 sends every step's sampled ids to the other
@@ -71,7 +73,10 @@ class ModelRunner:
         self.block_tables.release(batch.released)
         rows = self.block_tables.update(seqs)
         dst, src = self._prev_fill(seqs)
-        if self.graphs is not None and self.graphs.fits(seqs):
+        q_lens = [len(s.token_ids) for s in seqs]
+        # Steps with LoRA rows run eagerly: the graphs hold the base model's matmuls only.
+        groups = step_groups([s.adapter for s in seqs], q_lens) if self.lora else []
+        if self.graphs is not None and not groups and self.graphs.fits(seqs):
             tables = self.block_tables.gather(rows, self.graphs.max_blocks)
             logits = self.graphs.run(seqs, tables, (dst, src, self._prev_ids))
             return self._sample(batch, logits, seqs, [])
@@ -80,7 +85,6 @@ class ModelRunner:
         # rows of prompt log-probabilities) are known from the chunk lengths alone, so they
         # travel in the inputs' one copy: indexing with a list would copy it to the device
         # synchronously, waiting for the forward pass just queued.
-        q_lens = [len(s.token_ids) for s in seqs]
         ends = list(_cumsum(q_lens))
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         picks = [ends[i] - 1 for i in sampled]
@@ -89,17 +93,20 @@ class ModelRunner:
             picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
                                  tables, self.block_size, self.staging,
-                                 extra=[dst, src, np.asarray(picks, dtype=np.int64)],
+                                 extra=[dst, src, np.asarray(picks, dtype=np.int64),
+                                        *(rows for _, rows in groups)],
                                  rope_offsets=rope_offsets(seqs, self.long_rope_offset))
-        d_dst, d_src, d_picks = inp.extra
+        d_dst, d_src, d_picks, *d_lora = inp.extra
+        lora = LoraRows([(g[0], d) for g, d in zip(groups, d_lora)]) if groups else None
         if len(dst):
             inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
-        if cross is None and self.pieces is not None and self.pieces.fits(inp.ids.shape[0]):
+        if cross is None and self.pieces is not None and lora is None \
+                and self.pieces.fits(inp.ids.shape[0]):
             hidden = self.pieces.run(inp.ids, inp.rope_positions, inp.meta)
         else:
             with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend,
-                                                cross)):
+                                                cross)), lora_rows(lora):
                 hidden = self.model(inp.ids, inp.rope_positions)
         if not picks:
             self._prev_ids, self._prev_row = None, {}

@@ -34,6 +34,7 @@ from tpserve.worker import piecewise
 from tpserve.worker.build import build_model, fill_dummy
 from tpserve.worker.control import STOP, ControlChannel, decode_step, encode_step
 from tpserve.worker.graphs import DecodeGraphs, graph_buckets, graphs_supported
+from tpserve.worker.lora_loader import attach_adapters
 from tpserve.worker.model_runner import ModelRunner, PendingStep
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class Worker:
             fill_dummy(self.model, seed=self.cfg.seed + self.rank)
         else:
             self.model.load_weights(iter_checkpoint(Path(path), stats, self.rank == 0, desc))
+        if self.cfg.lora.adapters:
+            attach_adapters(self.model, self.cfg.lora, self.dtype, self.device)
         self.model.eval()
         layers = self._attention_layers()
         owners = sorted((m for m in layers if m.owns_cache), key=lambda m: m.layer_index)
@@ -290,7 +293,8 @@ class Worker:
         fold the input norms into QKV (LlamaModel.fold_norms): a single stream's step loses
         32 of its 65 norm launches. Set TPSERVE_FOLD_NORMS=0 to keep them (A/B runs)."""
         fold = getattr(self.model, "fold_norms", None)
-        if fold is None or os.environ.get("TPSERVE_FOLD_NORMS") == "0":
+        # A LoRA delta reads the normalised input of qkv_proj, which a fold never forms.
+        if fold is None or os.environ.get("TPSERVE_FOLD_NORMS") == "0" or self.cfg.lora.adapters:
             return
         why = fold()
         if why is None:
