@@ -234,3 +234,25 @@ def test_control_message_and_row_groups_carry_the_adapter():
     assert [s.adapter for s in back.seqs] == [2, 0, 1, 2]
     groups = step_groups([s.adapter for s in back.seqs], [len(s.token_ids) for s in back.seqs])
     assert [(slot, rows.tolist()) for slot, rows in groups] == [(0, [4, 5]), (1, [0, 1, 2, 6])]
+
+
+def test_cohere_interleaved_rotary_rows(models_dir, tmp_path):
+    """Cohere's q_proj / k_proj rows are held in each head's rotate-half order (its
+    interleaved rotary, layers/interleaved_rotary.py), so an adapter's B rows for them are
+    reordered alike; one adapter and the base model in one batch at tp 1."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, "cohere-qk-norm")
+    adapter = save_adapter(path, tmp_path / "c", seed=11, r=4, alpha=8)
+    want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
+                oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "c")}
+    assert want["c"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
+    engine = make_engine(path, 1, local=True, lora=LoraConfig(adapters=(("c", str(adapter)),)))
+    try:
+        reqs = [(p, n) for p in PROMPTS for n in (None, "c")]
+        for (p, n), got in zip(reqs, engine_logits(engine, reqs), strict=True):
+            assert_close_rel(got, want[n][0][PROMPTS.index(p)], REL)
+        assert engine_greedy(engine, reqs, NEW) == [want[n][1][PROMPTS.index(p)]
+                                                   for p, n in reqs]
+    finally:
+        engine.shutdown()

@@ -88,6 +88,10 @@ def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int) -> Iterator:
 
 
 class CohereForCausalLM(LlamaForCausalLM):
+    # Projections whose output rows are held in each head's rotate-half order: a LoRA
+    # adapter's B rows for them are reordered alike (worker/lora_loader.py).
+    half_order_modules = ("q_proj", "k_proj")
+
     def __init__(self, config, max_positions: int) -> None:
         # The load-time reordering of q/k rows reads float rows (a cast to fp8 after it is
         # fine); packed int4 rows are not reordered, so quantized files are refused.

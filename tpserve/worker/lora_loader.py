@@ -15,6 +15,7 @@ from torch import nn
 
 from tpserve.config import LoraConfig
 from tpserve.distributed import get_tp
+from tpserve.layers.interleaved_rotary import half_order
 from tpserve.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -23,6 +24,7 @@ from tpserve.layers.linear import (
 )
 from tpserve.layers.lora import LoraWeights
 from tpserve.lora_config import WEIGHTS_FILE, AdapterSpec, LoraError, read_adapters
+from tpserve.models.llama import head_dim_of
 
 # Projections of Llama-shaped decoder layers, the ones checked against transformers + peft.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,8 +103,23 @@ def _ensure(layer: nn.Module, slots: int, width: int, dtype: torch.dtype,
     return layer.lora
 
 
+def _row_order(model: nn.Module):
+    """module name, B rows -> B rows in the order the base weight's rows are held: each
+    head's rotate-half order for the projections a model reorders at load (Cohere's
+    interleaved rotary, layers/interleaved_rotary.py), else as stored."""
+    reordered = getattr(model, "half_order_modules", ())
+    head_dim = head_dim_of(model.config) if reordered else 0
+
+    def order(module: str, rows: torch.Tensor) -> torch.Tensor:
+        if module.rsplit(".", 1)[-1] not in reordered:
+            return rows
+        by_head = rows.view(-1, head_dim, rows.shape[-1])
+        return by_head[:, half_order(head_dim)].reshape(rows.shape)
+    return order
+
+
 def _load_one(slot: int, spec: AdapterSpec, width: int, targets: dict, dtype, device,
-              slots: int) -> None:
+              slots: int, order) -> None:
     tp = get_tp()
     with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
         pairs = _pairs(spec, list(f.keys()), targets)
@@ -119,7 +136,7 @@ def _load_one(slot: int, spec: AdapterSpec, width: int, targets: dict, dtype, de
                 regions = [(a[:, tp.rank * n : (tp.rank + 1) * n], b[:, :], 0)]
             else:
                 a_whole = a[:, :]
-                regions = [(a_whole, b[src : src + n, :], dst)
+                regions = [(a_whole, order(module, b[src : src + n, :]), dst)
                            for src, n, dst in layer.lora_regions()[part]]
             for a_part, b_rows, at in regions:
                 weights.set(slot, part, a_part.to(device, dtype),
@@ -133,6 +150,7 @@ def attach_adapters(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype,
     specs = read_adapters(cfg.adapters, cfg.max_rank)
     targets = _targets(model)
     width = max(spec.rank for spec in specs)  # smaller ranks are zero padded to it
+    order = _row_order(model)
     for slot, spec in enumerate(specs):
-        _load_one(slot, spec, width, targets, dtype, device, len(specs))
+        _load_one(slot, spec, width, targets, dtype, device, len(specs), order)
     return specs
