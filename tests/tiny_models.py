@@ -476,6 +476,9 @@ def cohere2_config(**kw):
     args.update(kw)
     cfg = Cohere2Config(**args)
     cfg.architectures = ["Cohere2ForCausalLM"]
+    return cfg
+
+
 def gpt_oss_config(**kw):
     """GPT-OSS: 4 heads of 16, 2 KV heads (replicated at tp = 4), q/k/v/o biases, attention
     sinks, three layers windowed / full / windowed (layer_types) with a window of 8 (the
