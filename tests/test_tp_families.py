@@ -43,7 +43,7 @@ from tpserve.worker.build import check_shardable
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
                           "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
-                          "cohere-qk-norm", "cohere2")
+                          "cohere-qk-norm", "cohere2", "deepseek-v2", "deepseek-v3")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2)]

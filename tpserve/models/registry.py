@@ -32,6 +32,8 @@ _MODELS: dict[str, str] = {
     "GPTBigCodeForCausalLM": "tpserve.models.gpt_bigcode:GPTBigCodeForCausalLM",
     "CohereForCausalLM": "tpserve.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "tpserve.models.cohere:Cohere2ForCausalLM",
+    "DeepseekV2ForCausalLM": "tpserve.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 
@@ -50,6 +52,7 @@ _BY_MODEL_TYPE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
