@@ -110,6 +110,9 @@ FEATURES = [
     ("gpt-bigcode", {"scale_attn_weights": False}),
     ("cohere", {"logit_scale": 1.0}), ("cohere-qk-norm", {"use_qk_norm": False}),
     ("cohere2", {"sliding_window": 4096}), ("cohere2", {"attention_bias": False}),
+    ("deepseek-v2", {"topk_method": "greedy"}), ("deepseek-v2", {"routed_scaling_factor": 1.0}),
+    ("deepseek-v3", {"routed_scaling_factor": 1.0}), ("deepseek-v3", {"norm_topk_prob": False}),
+    ("deepseek-v3", {"topk_group": 4}), ("deepseek-v3", {"rope_interleave": False}),
 ]
 
 
@@ -347,6 +350,15 @@ REFUSED = [
                                                "[130, 64]", "tp=4", "intermediate size = 130"]),
     ("cohere2", {"num_key_value_heads": 4}, 3, ["'model.layers.0.self_attn.q_proj.weight'",
                                                 "tp=3", "attention heads = 4 is not divisible"]),
+    # MLA splits by heads: q_proj / q_b_proj rows are 4 heads of 24 (96 rows, divisible by 8
+    # and 3 row-wise; a row split would cut heads).
+    ("deepseek-v2", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[96, 64]", "tp=3",
+                            "attention heads = 4 is not divisible by 3"]),
+    ("deepseek-v3", {}, 8, ["'model.layers.0.self_attn.q_b_proj.weight'", "[96, 48]", "tp=8",
+                            "attention heads = 4 is not divisible by 8"]),
+    ("deepseek-v3", {"moe_intermediate_size": 34}, 4,
+     ["'model.layers.1.mlp.experts.0.gate_proj.weight'", "[34, 64]", "tp=4",
+      "expert intermediate size = 34 is not divisible by 4"]),
 ]
 
 

@@ -482,8 +482,8 @@ def cohere2_config(**kw):
 def deepseek_v2_config(**kw):
     """DeepSeek-V2(-Lite): MLA with queries from q_proj (no q_lora_rank), a latent of 32
     expanded to 4 heads of nope 16 + rope 8 keys and values of 16 (v narrower than the
-    keys); layer 0 dense (first_k_dense_replace 1), then 8 experts of 32 in 4 groups, 2 per
-    token from the best 2 groups by softmax (group_limited_greedy), times
+    keys); layer 0 dense (first_k_dense_replace 1), then 8 experts of 32 in 2 groups, 2 per
+    token from the group of the best softmax score (group_limited_greedy), times
     routed_scaling_factor 2.0, beside 2 shared experts (one MLP of 64)."""
     from transformers import DeepseekV2Config
 
@@ -491,7 +491,7 @@ def deepseek_v2_config(**kw):
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                 q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                 v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
-                n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                n_group=2, topk_group=1, topk_method="group_limited_greedy",
                 routed_scaling_factor=2.0, first_k_dense_replace=1, norm_topk_prob=False,
                 max_position_embeddings=512, tie_word_embeddings=False,
                 **_common(kw.pop("vocab_size", 301)))
