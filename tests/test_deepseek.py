@@ -180,3 +180,69 @@ def test_the_real_head_sizes_fall_back_to_the_torch_backend():
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 4, 192)
     assert 192 not in triton_backend.HEAD_DIMS
     assert TorchAttentionBackend.supports(torch.device("cpu"), torch.float32, spec) is None
+
+
+def _real_v3(**drop):
+    from pathlib import Path
+
+    from transformers import CONFIG_MAPPING
+
+    d = json.loads((Path(__file__).parent / "data" / "configs" / "DeepSeek-V3.json").read_text())
+    for k in drop:
+        d.pop(k)
+    return CONFIG_MAPPING[d["model_type"]].from_dict(d)
+
+
+# Held whole by every rank: the norms (q_a_layernorm, kv_a_layernorm among them), the routers
+# and the two latent projections every head reads.
+_REPLICATED = ("norm", "mlp.gate.weight", "q_a_proj", "kv_a_proj_with_mqa")
+
+
+def test_real_v3_shapes_add_up_per_rank_at_tp8():
+    """DeepSeek-V3's published config (tests/data/configs/DeepSeek-V3.json, float weights)
+    on the meta device: 8 ranks' parameters sum to transformers' own count plus the
+    replicated ones 7 more times and each rank's copy of the 58 routers' correction biases
+    (a buffer in transformers); every rank holds 16 heads of 192-wide keys."""
+    from transformers import AutoModelForCausalLM
+
+    from tpserve.worker.build import build_model
+
+    hf = _real_v3(quantization_config=None)
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(hf)
+    full = sum(p.numel() for p in ref.parameters())
+    replicated = sum(p.numel() for n, p in ref.named_parameters()
+                     if any(r in n for r in _REPLICATED))
+    assert 670e9 < full < 672e9  # the main model's 671B (the MTP layer is not built)
+    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=8))
+    counts = []
+    for rank in range(8):
+        with tp_context(rank, 8):
+            model = build_model(cfg, hf, torch.device("meta"))
+        counts.append(sum(p.numel() for p in model.parameters()))
+        spec = model.model.layers[0].self_attn.attn.spec
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (16, 16, 192)
+    assert len(model.model.layers) == 61
+    assert len(set(counts)) == 1
+    assert sum(counts) == full + 7 * replicated + 8 * 58 * 256
+
+
+def test_real_v3_fp8_checkpoint_shards_at_tp8():
+    """The published fp8 layout (128 x 128 blocks) builds at tp = 8 with whole blocks on a
+    rank: kv_b_proj's 16 heads x 256 rows, q_b_proj's 16 x 192, an expert's 256 of 2048
+    (one rank: every rank's build takes minutes on two cores)."""
+    from tpserve.worker.build import build_model
+
+    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=8))
+    with tp_context(3, 8):
+        model = build_model(cfg, _real_v3(), torch.device("meta"))
+    attn, moe = model.model.layers[3].self_attn, model.model.layers[3].mlp
+    for layer in (attn.q_b_proj, attn.kv_b_proj, attn.o_proj, attn.q_a_proj,
+                  moe.experts[0].gate_up_proj, moe.experts[255].down_proj,
+                  moe.shared_experts.down_proj):
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        assert layer.method.block == (128, 128), layer.prefix
+    assert tuple(attn.kv_b_proj.weight_scale_inv.shape) == (32, 4)
+    assert model.model.layers[3].mlp.gate.weight.dtype == torch.float32
