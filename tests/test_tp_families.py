@@ -272,7 +272,9 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("granite-moe", "scaled by 0.22"),
                                            ("gpt-bigcode", "LayerNorms: only an RMSNorm folds"),
                                            ("cohere", "LayerNorms: only an RMSNorm folds"),
-                                           ("cohere2", "LayerNorms: only an RMSNorm folds")])
+                                           ("cohere2", "LayerNorms: only an RMSNorm folds"),
+                                           ("deepseek-v2", "layer 0 is a DeepseekDecoderLayer"),
+                                           ("deepseek-v3", "layer 0 is a DeepseekDecoderLayer")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a

@@ -10,10 +10,16 @@ import re
 
 from torch import nn
 
+from tpserve.layers.mla import MLAttention
 from tpserve.models.deepseek_moe import DeepseekMoE
 from tpserve.models.experts import ExpertTensors
-from tpserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, head_dim_of, rms_norm_maker
-from tpserve.layers.mla import MLAttention
+from tpserve.models.llama import (
+    GatedMLP,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    head_dim_of,
+    rms_norm_maker,
+)
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
@@ -25,20 +31,14 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, layer: int, prefix: str, mlp: nn.Module | None) -> None:
         nn.Module.__init__(self)  # LlamaDecoderLayer.__init__ would build Llama's attention
         self.self_attn = MLAttention(config, layer, f"{prefix}.self_attn")
-        self.mlp = mlp if mlp is not None else self._dense(config, prefix)
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, f"{prefix}.mlp")
         make_norm = rms_norm_maker(config)
         self.input_layernorm, self.post_attention_layernorm = make_norm(), make_norm()
         self.residual_scale = 1.0
 
-    @staticmethod
-    def _dense(config, prefix: str) -> nn.Module:
-        from tpserve.models.llama import GatedMLP
 
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                        f"{prefix}.mlp")
-
-
-def _refuse(config, family: str, option: str, value, rule: str) -> None:
+def _refuse(family: str, option: str, value, rule: str) -> None:
     raise ValueError(f"{family} config.json sets {option} = {value!r}: {rule}")
 
 
@@ -54,31 +54,31 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def check_config(cls, config) -> None:
         if head_dim_of(config) != config.qk_rope_head_dim:
-            _refuse(config, cls.family, "head_dim", head_dim_of(config),
+            _refuse(cls.family, "head_dim", head_dim_of(config),
                     f"transformers rotates qk_rope_head_dim = {config.qk_rope_head_dim} "
                     "dimensions with a table of head_dim; a config.json where the two differ "
                     "is not one transformers writes")
         if (getattr(config, "moe_layer_freq", 1) or 1) != 1:
-            _refuse(config, cls.family, "moe_layer_freq", config.moe_layer_freq,
+            _refuse(cls.family, "moe_layer_freq", config.moe_layer_freq,
                     "transformers makes every layer from first_k_dense_replace on sparse "
                     "(moe_layer_freq 1, as every released checkpoint has); tpserve matches it")
         if cls.version == 2:
             method = getattr(config, "topk_method", "greedy")
             if method not in ("greedy", "group_limited_greedy"):
-                _refuse(config, cls.family, "topk_method", method,
+                _refuse(cls.family, "topk_method", method,
                         "DeepSeek-V2's router is 'greedy' or 'group_limited_greedy'")
             if getattr(config, "norm_topk_prob", False):
-                _refuse(config, cls.family, "norm_topk_prob", True,
+                _refuse(cls.family, "norm_topk_prob", True,
                         "transformers' DeepSeek-V2 router does not renormalise the top-k "
                         "weights; the released V2 checkpoints set it false")
         else:
             method = getattr(config, "topk_method", None)
             if method not in (None, "noaux_tc"):
-                _refuse(config, cls.family, "topk_method", method,
+                _refuse(cls.family, "topk_method", method,
                         "DeepSeek-V3's router is 'noaux_tc' (transformers runs no other)")
             scoring = getattr(config, "scoring_func", None)
             if scoring not in (None, "sigmoid"):
-                _refuse(config, cls.family, "scoring_func", scoring,
+                _refuse(cls.family, "scoring_func", scoring,
                         "DeepSeek-V3's router scores by sigmoid (transformers runs no other)")
 
     @classmethod
