@@ -1,8 +1,10 @@
 """DeepSeek-V2 / V3 beyond the family cases of tests/test_tp_families.py: an fp8
 block-scaled V3 checkpoint at tp = 2 against transformers on its dequantized weights, the
 router's correction bias and YaRN's mscale as oracle guards, the multi-token-prediction
-layer skipped at load, options tpserve refuses at start, and the attention spec of the real
-head sizes (192-wide keys) refused by the Triton backend so the torch backend runs it."""
+layer skipped at load, options tpserve refuses at start, the attention spec of the real
+head sizes (192-wide keys) refused by the Triton backend so the torch backend runs it,
+DeepSeek-V3's published config at tp = 8 on the meta device, and the decode graphs' static
+buffers (replayed on the CPU; the CUDA capture case waits for a GPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 
 import pytest
 import torch
-from engine_utils import engine_matches_reference, load_rank
+from engine_utils import cuda_engine, engine_matches_reference, greedy, load_rank, make_engine
 from quant_checkpoints import write_fp8_block_misread, write_quantized
 from safetensors.torch import load_file, save_file
 from tiny_models import (
@@ -246,3 +248,48 @@ def test_real_v3_fp8_checkpoint_shards_at_tp8():
         assert layer.method.block == (128, 128), layer.prefix
     assert tuple(attn.kv_b_proj.weight_scale_inv.shape) == (32, 4)
     assert model.model.layers[3].mlp.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3"])
+def test_static_buffer_decode_path_serves_deepseek(models_dir, name):
+    """MLA's padded heads and the routed and shared experts through the decode graphs'
+    static buffers (each bucket replayed eagerly on the CPU): transformers' tokens."""
+    from test_cuda_graphs import EagerReplay
+
+    from tpserve.worker.graphs import DecodeGraphs
+
+    path = family_checkpoint(models_dir, name)
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    worker = engine.executor.worker
+    graphs = DecodeGraphs(worker.model, worker.kv_caches, worker.backend, worker.device,
+                          (1, 2, 8), max_blocks=64, block_size=4,
+                          scratch_block=worker.num_blocks)
+    for b in graphs.buckets:
+        out = graphs._forward(b)
+        graphs.graphs[b] = (EagerReplay(graphs, b, out), out)
+    worker.graphs = worker.runner.graphs = graphs
+    try:
+        assert greedy(engine, PROMPTS, 24) == hf_greedy(path, PROMPTS, 24)
+    finally:
+        engine.shutdown()
+    assert graphs.graphs[8][0].replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_captured_graphs_serve_deepseek_v3_on_cuda(models_dir):
+    """With a head size the Triton kernels take (nope 24 + rope 8 = 32), the Triton backend
+    and captured decode graphs run MLA and the experts (every expert on every token inside
+    the graph). Not run yet: no GPU in the session that wrote it."""
+    from tiny_models import save_model
+
+    path = models_dir / "deepseek-v3-head32"
+    if not (path / "config.json").exists():
+        save_model(deepseek_v3_config(qk_nope_head_dim=24), path, std=0.3, vector_std=0.1,
+                   buffer_std=0.1)
+    engine = cuda_engine(path, True)
+    try:
+        assert engine.executor.health()[0]["decode_graphs"]
+        assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
+    finally:
+        engine.shutdown()
