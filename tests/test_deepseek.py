@@ -320,3 +320,20 @@ def test_captured_graphs_serve_deepseek_v3_on_cuda(models_dir):
         assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
     finally:
         engine.shutdown()
+
+
+def test_v3_rotating_halves_matches_transformers(models_dir):
+    """rope_interleave false (V3's other layout): the rope dimensions rotate in halves, as
+    transformers then computes; the interleaved guard in tests/test_tp_families.py shows the
+    two layouts give other logits."""
+    from tiny_models import save_model
+
+    path = models_dir / "deepseek-v3-halves"
+    if not (path / "config.json").exists():
+        save_model(deepseek_v3_config(rope_interleave=False), path, std=0.3, vector_std=0.1,
+                   buffer_std=0.1)
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    try:
+        assert greedy(engine, PROMPTS, 24) == hf_greedy(path, PROMPTS, 24)
+    finally:
+        engine.shutdown()

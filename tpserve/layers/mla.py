@@ -70,7 +70,9 @@ def mla_softmax_scale(config) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config, layer: int, prefix: str) -> None:
+    def __init__(self, config, layer: int, prefix: str, interleaved: bool = True) -> None:
+        """interleaved: the rope dimensions rotate in pairs (2i, 2i + 1) (V2 always, V3 by
+        rope_interleave); else in halves (i, i + rope / 2)."""
         super().__init__()
         tp = get_tp()
         heads = config.num_attention_heads
@@ -106,8 +108,7 @@ class MLAttention(nn.Module):
         self.head_dim = max(qk, self.v_dim)
         self.attn = PagedAttention(layer, self.heads, self.heads, self.head_dim,
                                    mla_softmax_scale(config))
-        order = half_order(self.rope) if getattr(config, "rope_interleave", True) \
-            else torch.arange(self.rope)
+        order = half_order(self.rope) if interleaved else torch.arange(self.rope)
         self.register_buffer("rope_order", order, persistent=False)
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:

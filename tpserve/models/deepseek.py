@@ -32,7 +32,10 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config, layer: int, prefix: str, mlp: nn.Module | None) -> None:
         nn.Module.__init__(self)  # LlamaDecoderLayer.__init__ would build Llama's attention
-        self.self_attn = MLAttention(config, layer, f"{prefix}.self_attn")
+        # transformers' V2 always rotates interleaved pairs; V3 as rope_interleave says.
+        interleaved = bool(getattr(config, "rope_interleave", True)) \
+            if config.model_type == "deepseek_v3" else True
+        self.self_attn = MLAttention(config, layer, f"{prefix}.self_attn", interleaved)
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act, f"{prefix}.mlp")
         make_norm = rms_norm_maker(config)
