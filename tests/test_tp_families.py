@@ -24,7 +24,11 @@ multi-query c_attn (one KV head on every rank; per head without multi_query) wit
 positions and a tied head, and Cohere's parallel layer (one bias-free LayerNorm, one
 all-reduce) with interleaved rotary, logit_scale and a tied head, with and without
 Command-R+'s per-head q/k LayerNorms, and Cohere 2's windowed rotary layers beside a
-full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8)."""
+full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8),
+and DeepSeek-V2's and -V3's latent attention (values narrower than the keys, interleaved
+rope on part of each head; V3's low-rank queries and YaRN mscale) with a dense layer before
+routed and shared experts (V2: group-limited softmax; V3: sigmoid + correction bias over
+groups, renormalised and scaled)."""
 
 from __future__ import annotations
 
@@ -126,8 +130,9 @@ def test_each_feature_changes_the_reference(family, name, override):
     with GPT-NeoX's layers sequential instead of parallel, with GPT-NeoX's or Phi's
     rotary over whole heads, with GPTBigCode's scores unscaled, without Cohere's
     logit_scale or Command-R+'s q/k norms, or with Cohere 2's window wider than the prompts
-    or its biases dropped, transformers' own logits for the prompts change, so matching
-    them checks each."""
+    or its biases dropped, DeepSeek-V2 routed greedily or unscaled, DeepSeek-V3 unscaled,
+    not renormalised, with every group kept or its rope rotating halves, transformers' own
+    logits for the prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
