@@ -30,11 +30,9 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
     """Llama's layer (forward: norm, attention, norm, MLP) around MLA attention. Its own
     type, so fold_norms refuses it (there is no qkv_proj to fold the input norm into)."""
 
-    def __init__(self, config, layer: int, prefix: str, mlp: nn.Module | None) -> None:
+    def __init__(self, config, layer: int, prefix: str, mlp: nn.Module | None,
+                 interleaved: bool) -> None:
         nn.Module.__init__(self)  # LlamaDecoderLayer.__init__ would build Llama's attention
-        # transformers' V2 always rotates interleaved pairs; V3 as rope_interleave says.
-        interleaved = bool(getattr(config, "rope_interleave", True)) \
-            if config.model_type == "deepseek_v3" else True
         self.self_attn = MLAttention(config, layer, f"{prefix}.self_attn", interleaved)
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act, f"{prefix}.mlp")
@@ -99,7 +97,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         def make_layer(config, i, prefix, max_positions, window):
             sparse = config.n_routed_experts and i >= (config.first_k_dense_replace or 0)
             mlp = DeepseekMoE(config, f"{prefix}.mlp", cls.version) if sparse else None
-            return DeepseekDecoderLayer(config, i, prefix, mlp)
+            return DeepseekDecoderLayer(config, i, prefix, mlp, interleaved)
+        # transformers' V2 always rotates interleaved pairs; V3 as rope_interleave says.
+        interleaved = cls.version == 2 or bool(getattr(config, "rope_interleave", True))
         return {"make_layer": make_layer}
 
     @staticmethod
