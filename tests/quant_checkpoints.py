@@ -26,7 +26,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
            # Bloom and GPT-NeoX (query_key_value per head), Phi-1/2 (dense, fc1, fc2),
            # GPTBigCode (c_attn fused [q; k; v] or per head, c_proj, c_fc)
            "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2",
-           "c_attn", "c_proj", "c_fc")
+           "c_attn", "c_proj", "c_fc",
+           # DeepSeek's MLA (q_proj, o_proj above; the routers, mlp.gate, stay float)
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # The LayerNorm families at 128 wide: 4 heads of 32 (GPTBigCode: one KV head of 32, read
 # whole by every rank; Phi: 2 KV heads), MLPs of 256, so groups of 32 stay whole at tp = 4.
 # Bloom stays 64 wide (at 128 its random continuations loop on a token or two): its

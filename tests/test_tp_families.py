@@ -27,7 +27,11 @@ Command-R+'s per-head q/k LayerNorms, and Cohere 2's windowed rotary layers besi
 full-attention layer with no positions at all (a prompt of 52 tokens past the window of 8),
 and GPT-OSS's attention sinks with a window on every other layer
 (prompts longer than it), YaRN rotary and experts with a biased router, biases and a clamped
-SwiGLU, gate and up interleaved (tests/test_gpt_oss.py has its guards and MXFP4)."""
+SwiGLU, gate and up interleaved (tests/test_gpt_oss.py has its guards and MXFP4),
+and DeepSeek-V2's and -V3's latent attention (values narrower than the keys, interleaved
+rope on part of each head; V3's low-rank queries and YaRN mscale) with a dense layer before
+routed and shared experts (V2: group-limited softmax; V3: sigmoid + correction bias over
+groups, renormalised and scaled)."""
 
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from tpserve.worker.build import check_shardable
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
                           "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
-                          "cohere-qk-norm", "cohere2", "gpt-oss")
+                          "cohere-qk-norm", "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2)]
@@ -113,6 +117,9 @@ FEATURES = [
     ("gpt-bigcode", {"scale_attn_weights": False}),
     ("cohere", {"logit_scale": 1.0}), ("cohere-qk-norm", {"use_qk_norm": False}),
     ("cohere2", {"sliding_window": 4096}), ("cohere2", {"attention_bias": False}),
+    ("deepseek-v2", {"topk_method": "greedy"}), ("deepseek-v2", {"routed_scaling_factor": 1.0}),
+    ("deepseek-v3", {"routed_scaling_factor": 1.0}), ("deepseek-v3", {"norm_topk_prob": False}),
+    ("deepseek-v3", {"topk_group": 4}), ("deepseek-v3", {"rope_interleave": False}),
 ]
 
 
@@ -126,8 +133,9 @@ def test_each_feature_changes_the_reference(family, name, override):
     with GPT-NeoX's layers sequential instead of parallel, with GPT-NeoX's or Phi's
     rotary over whole heads, with GPTBigCode's scores unscaled, without Cohere's
     logit_scale or Command-R+'s q/k norms, or with Cohere 2's window wider than the prompts
-    or its biases dropped, transformers' own logits for the prompts change, so matching
-    them checks each."""
+    or its biases dropped, DeepSeek-V2 routed greedily or unscaled, DeepSeek-V3 unscaled,
+    not renormalised, with every group kept or its rope rotating halves, transformers' own
+    logits for the prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
@@ -273,7 +281,9 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("gpt-bigcode", "LayerNorms: only an RMSNorm folds"),
                                            ("cohere", "LayerNorms: only an RMSNorm folds"),
                                            ("cohere2", "LayerNorms: only an RMSNorm folds"),
-                                           ("gpt-oss", "block is a GptOssMoE, not a gated")])
+                                           ("gpt-oss", "block is a GptOssMoE, not a gated"),
+                                           ("deepseek-v2", "layer 0 is a DeepseekDecoderLayer"),
+                                           ("deepseek-v3", "layer 0 is a DeepseekDecoderLayer")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -359,6 +369,15 @@ REFUSED = [
                                                "[130, 64]", "tp=4", "intermediate size = 130"]),
     ("cohere2", {"num_key_value_heads": 4}, 3, ["'model.layers.0.self_attn.q_proj.weight'",
                                                 "tp=3", "attention heads = 4 is not divisible"]),
+    # MLA splits by heads: q_proj / q_b_proj rows are 4 heads of 24 (96 rows, divisible by 8
+    # and 3 row-wise; a row split would cut heads).
+    ("deepseek-v2", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[96, 64]", "tp=3",
+                            "attention heads = 4 is not divisible by 3"]),
+    ("deepseek-v3", {}, 8, ["'model.layers.0.self_attn.q_b_proj.weight'", "[96, 48]", "tp=8",
+                            "attention heads = 4 is not divisible by 8"]),
+    ("deepseek-v3", {"moe_intermediate_size": 34}, 4,
+     ["'model.layers.1.mlp.experts.0.gate_proj.weight'", "[34, 64]", "tp=4",
+      "expert intermediate size = 34 is not divisible by 4"]),
 ]
 
 

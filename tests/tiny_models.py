@@ -502,6 +502,57 @@ def gpt_oss_config(**kw):
     return cfg
 
 
+def deepseek_v2_config(**kw):
+    """DeepSeek-V2(-Lite): MLA with queries from q_proj (no q_lora_rank), a latent of 32
+    expanded to 4 heads of nope 16 + rope 8 keys and values of 16 (v narrower than the
+    keys); layer 0 dense (first_k_dense_replace 1), then 8 experts of 32 in 2 groups, 2 per
+    token from the group of the best softmax score (group_limited_greedy), times
+    routed_scaling_factor 2.0, beside 2 shared experts (one MLP of 64)."""
+    from transformers import DeepseekV2Config
+
+    args = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+                n_group=2, topk_group=1, topk_method="group_limited_greedy",
+                routed_scaling_factor=2.0, first_k_dense_replace=1, norm_topk_prob=False,
+                max_position_embeddings=512, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = DeepseekV2Config(**args)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    return cfg
+
+
+# DeepSeek-V3's YaRN, scaled down: mscale == mscale_all_dim leaves cos/sin unscaled while
+# the softmax scale gains mscale_all_dim's mscale squared, as the released config does.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                    "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                    "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def deepseek_v3_config(**kw):
+    """DeepSeek-V3 / R1: low-rank queries (q_a_proj 48 -> q_a_layernorm -> q_b_proj), MLA as
+    deepseek_v2_config; layer 0 dense, then 8 experts of 32 in 4 groups: sigmoid scores plus
+    e_score_correction_bias (random in the saved checkpoint) choose 2 experts from the best
+    2 groups (noaux_tc), weighted by the unbiased scores renormalised (norm_topk_prob) times
+    routed_scaling_factor 2.5, beside one shared expert; YaRN rope (DEEPSEEK_V3_YARN)."""
+    from transformers import DeepseekV3Config
+
+    args = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                first_k_dense_replace=1, rope_parameters=dict(DEEPSEEK_V3_YARN),
+                max_position_embeddings=512, tie_word_embeddings=False,
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = DeepseekV3Config(**args)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -514,12 +565,14 @@ def phi3_longrope_config(original: int = 32, max_positions: int = 256,
 
 def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None = None,
                vector_std: float = 0.0, std: float = 0.08, save_dtype: torch.dtype | None = None,
-               max_shard_size: str | None = None) -> Path:
+               max_shard_size: str | None = None, buffer_std: float = 0.0) -> Path:
     """Instantiate transformers' model for config with random weights and save it with a
     tokenizer; returns the directory. vector_std > 0 also perturbs 1-D parameters (biases,
     norm weights), which transformers initialises to constants that would hide bugs.
     save_dtype: the weights (and config.json's dtype) in that dtype; max_shard_size: split
-    into several files with a model.safetensors.index.json, as large checkpoints are."""
+    into several files with a model.safetensors.index.json, as large checkpoints are.
+    buffer_std > 0 also perturbs the saved float buffers (DeepSeek-V3's router bias, zero
+    as transformers initialises it)."""
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     model = auto_class(config.to_dict()).from_config(config, dtype=torch.float32)
@@ -530,6 +583,10 @@ def save_model(config, out: Path, seed: int = 0, vocab_for_tokenizer: int | None
                 p.normal_(0.0, std)
             elif vector_std:
                 p.add_(torch.randn_like(p) * vector_std)
+        params = {n for n, _ in model.named_parameters()}
+        for n, b in model.state_dict().items():
+            if buffer_std and n not in params and b.is_floating_point():
+                b.add_(torch.randn_like(b) * buffer_std)
     if save_dtype is not None:
         model = model.to(save_dtype)
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -598,6 +655,8 @@ FAMILY_CHECKPOINTS = {
     "cohere2": (cohere2_config, {"std": 0.3, "vector_std": 0.1}),
     # vector_std 1.0: sinks (1-D) large enough to take a visible share of each softmax.
     "gpt-oss": (gpt_oss_config, {"std": 0.3, "vector_std": 1.0}),
+    "deepseek-v2": (deepseek_v2_config, {"std": 0.3, "vector_std": 0.1}),
+    "deepseek-v3": (deepseek_v3_config, {"std": 0.3, "vector_std": 0.1, "buffer_std": 0.1}),
 }
 
 

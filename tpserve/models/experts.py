@@ -47,8 +47,9 @@ def refuse_quantized(config, family: str) -> None:
                          f"or fp16 checkpoint")
 
 
-# The tensors of a float linear layer; anything else under a router is a quantized one's.
-FLOAT_TENSORS = ("weight", "bias")
+# The tensors of a float linear layer (and DeepSeek-V3's router bias); anything else under a
+# router is a quantized one's.
+FLOAT_TENSORS = ("weight", "bias", "e_score_correction_bias")
 
 
 class ExpertTensors:

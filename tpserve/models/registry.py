@@ -33,6 +33,8 @@ _MODELS: dict[str, str] = {
     "CohereForCausalLM": "tpserve.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "tpserve.models.cohere:Cohere2ForCausalLM",
     "GptOssForCausalLM": "tpserve.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV2ForCausalLM": "tpserve.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 
@@ -51,6 +53,7 @@ _BY_MODEL_TYPE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
