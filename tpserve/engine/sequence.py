@@ -45,6 +45,9 @@ class Sequence:
     # (re)started, so every token of it is rotated with the long factors; set by the
     # scheduler, which recomputes a sequence that grows past that length (scheduler.py).
     long_rope: bool = False
+    # Speculative decoding: tokens proposed to follow this step's input, verified by the
+    # step that feeds them (the scheduler schedules them after the pending token).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def num_input_tokens(self) -> int:

@@ -48,6 +48,10 @@ class SeqStep:
     # every token of it is rotated with the long factors (the workers read the rotary
     # table's long half for it); its cached keys were computed so too (Sequence.long_rope).
     long_rope: bool = False
+    # Speculative decoding: the last num_draft of token_ids are drafted, not known. The
+    # workers return the sampled token at each of the last num_draft + 1 positions, in
+    # order (StepOutput.tokens holds num_draft + 1 entries for this sequence).
+    num_draft: int = 0
 
     @property
     def num_blocks(self) -> int:
