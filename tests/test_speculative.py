@@ -121,6 +121,18 @@ def test_oracle_guard_accepting_every_draft_changes_the_output(engine, prompts, 
     assert [ids for ids, _ in got] != ref
 
 
+def test_accepted_tokens_report_the_logprobs_of_decoding_one_at_a_time(engines, prompts):
+    """details / logprobs: an accepted token's log-probability comes from the verification
+    row's logits at its position, the same distribution plain decoding samples from."""
+    lps = []
+    for name in ("spec", "base"):
+        got, _ = run(engines[name], prompts, GREEDY)
+        lps.append([lp for s in run.seqs for lp in s.output_logprobs])
+    assert len(lps[0]) == len(lps[1]) == N * len(prompts)
+    assert max(abs(a - b) for a, b in zip(*lps, strict=True)) < 1e-4
+    assert all(lp <= 0 for lp in lps[0]) and len(set(lps[0])) > 1
+
+
 def test_tp2_on_ray_matches_transformers(ray_cluster, llama_dir, prompts, ref):
     e = make_engine(llama_dir, 2, speculative=SPEC)
     try:
