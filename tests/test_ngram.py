@@ -149,3 +149,19 @@ def test_shrink_frees_the_blocks_of_rejected_drafts(cls):
     assert bm.shrink(seq) == 0 and len(seq.block_table) == 2
     bm.free(seq)
     assert bm.num_free == 8
+
+
+def test_launch_flags_out_of_range_are_refused_before_anything_starts():
+    from argparse import Namespace
+
+    from tpserve import preflight
+    from tpserve.cli import build_parser
+
+    args = build_parser().parse_args(["launch", "--speculative", "ngram"])
+    assert (args.speculative, args.num_speculative_tokens, args.ngram_max,
+            args.ngram_min) == ("ngram", 4, 3, 1)
+    for flag, value, rule in (("num_speculative_tokens", 0, ">= 1 and <= 16"),
+                              ("num_speculative_tokens", 17, ">= 1 and <= 16"),
+                              ("ngram_min", 0, ">= 1")):
+        with pytest.raises(ValueError, match=rule):
+            preflight.check_ranges(Namespace(**{flag: value}))
