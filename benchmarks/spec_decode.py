@@ -2,11 +2,14 @@
 requests on two in-process engines, without and with speculation, alternated in one run.
 Prints a table and, with --write, appends it to docs/benchmarks.md.
 
-Two workloads. "repeat": each prompt is random ids followed by the model's own greedy
-continuation of them (a random model's greedy output falls into loops), so the answer
-repeats runs of its prompt, as an edit or a quoting answer does with a real model. "random":
-random prompts, whose answers repeat only where the random model loops on its own output
-(the acceptance rate column says how often the drafts hit).
+No trained model that copies its context is at hand, so two random Llamas stand in:
+"tiny" (hidden 64, 2 layers, vocab 301, the tests' checkpoint), whose greedy output falls
+into loops, and "small" (hidden 256, 4 layers, vocab 512), whose greedy output does not
+repeat. Workloads: "repeat" (tiny): 48 random ids followed by the model's own 96-token
+greedy continuation, so the answer goes on copying runs of its prompt, as an edit or a
+quoting answer does with a real model; "random" (tiny): 48 random ids, repeats only where
+the model loops on its own output; "miss" (small): 48 random ids, where the drafts miss,
+to show what speculation costs when it does not help.
 
     python benchmarks/spec_decode.py [--requests 8] [--new-tokens 64] [--rounds 3] [--write]
 """
@@ -31,12 +34,28 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def workloads(engine, n: int, head: int, rng: random.Random) -> dict[str, list[list[int]]]:
+MODELS = {
+    "tiny": {},
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+}
+
+
+def checkpoint(name: str, root: Path) -> Path:
+    from tiny_models import llama_config, save_model
+
+    return save_model(llama_config(max_position_embeddings=1024, **MODELS[name]), root / name)
+
+
+def workloads(model: str, engine, n: int, rng: random.Random) -> dict[str, list[list[int]]]:
     from engine_utils import greedy_ids
 
-    rand = [[rng.randrange(3, 4000) for _ in range(48)] for _ in range(n)]
-    seeds = [[rng.randrange(3, 4000) for _ in range(48)] for _ in range(n)]
-    heads = greedy_ids(engine, seeds, head)
+    vocab = engine.hf_config.vocab_size
+    rand = [[rng.randrange(3, vocab) for _ in range(48)] for _ in range(n)]
+    if model == "small":
+        return {"miss": rand}
+    seeds = [[rng.randrange(3, vocab) for _ in range(48)] for _ in range(n)]
+    heads = greedy_ids(engine, seeds, 96)
     return {"repeat": [s + h for s, h in zip(seeds, heads, strict=True)], "random": rand}
 
 
@@ -70,7 +89,6 @@ def measure(engines: dict, prompts, new: int, batched: bool, rounds: int) -> dic
 
 
 def main() -> None:
-    from cpu_serving import build_checkpoint
     from engine_utils import make_engine
 
     from tpserve.config import SpeculativeConfig
@@ -85,46 +103,52 @@ def main() -> None:
     args = ap.parse_args()
     k = args.num_speculative_tokens
     rows, same = [], True
+    greedy = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as d:
-        path = build_checkpoint(512, 8, Path(d) / "m")
-        kw = dict(block_size=16, num_blocks=2048, max_model_len=1024, max_batch_tokens=2048,
-                  cpus_per_shard=os.cpu_count() or 1, local=True)
-        engines = {"off": make_engine(path, 1, **kw),
-                   "on": make_engine(path, 1, speculative=SpeculativeConfig("ngram", k), **kw)}
-        for e in engines.values():  # warm
-            e.generate([[5, 6, 7, 8] * 8], SamplingParams(max_new_tokens=8))
-        loads = workloads(engines["off"], args.requests, 96, random.Random(0))
-        for name, prompts in loads.items():
-            outs = [engines[s].generate(prompts, SamplingParams(max_new_tokens=args.new_tokens,
-                                                                ignore_eos=True))
-                    for s in ("off", "on")]
-            same &= [o.generated_text for o in outs[0]] == [o.generated_text for o in outs[1]]
-            for batched in (False, True):
-                m = measure(engines, prompts, args.new_tokens, batched, args.rounds)
-                rows.append((name, batched, m))
-        for e in engines.values():
-            e.shutdown()
+        for model in MODELS:
+            path = checkpoint(model, Path(d))
+            # One core per shard: the machine is shared, and more threads than free cores
+            # make a CPU step many times slower.
+            kw = dict(block_size=16, num_blocks=2048, max_model_len=1024,
+                      max_batch_tokens=2048, cpus_per_shard=1, local=True)
+            engines = {"off": make_engine(path, 1, **kw),
+                       "on": make_engine(path, 1, speculative=SpeculativeConfig("ngram", k),
+                                         **kw)}
+            for e in engines.values():  # warm
+                e.generate([[5, 6, 7, 8] * 8], SamplingParams(max_new_tokens=8))
+            loads = workloads(model, engines["off"], args.requests, random.Random(0))
+            for name, prompts in loads.items():
+                outs = [[o.generated_text for o in engines[s].generate(prompts, greedy)]
+                        for s in ("off", "on")]
+                same &= outs[0] == outs[1]
+                for batched in (False, True):
+                    m = measure(engines, prompts, args.new_tokens, batched, args.rounds)
+                    rows.append((model, name, batched, m))
+            for e in engines.values():
+                e.shutdown()
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     table = (f"### Speculative decoding, n-gram lookup ({when}; {platform.machine()} CPU, "
              f"{os.cpu_count()} cores shared with other jobs, torch {torch.__version__})\n\n"
              f"`python benchmarks/spec_decode.py --requests {args.requests} --new-tokens "
-             f"{args.new_tokens} --rounds {args.rounds}`: random Llama (hidden 512, 8 layers, "
-             f"vocab 4096), float32, tp = 1, in-process engine, `--num-speculative-tokens {k}`"
-             f", n-gram 3 down to 1. {args.requests} greedy requests of {args.new_tokens} new "
-             f"tokens, one after another (one stream) or all at once (batch); median of "
-             f"{args.rounds} alternated rounds. \"repeat\": prompts of 48 random ids plus the "
-             f"model's own 96-token greedy continuation, which loops, so the answer copies "
-             f"runs of the prompt (a random model stands in for a real one asked to repeat "
-             f"or edit a text); \"random\": 48 random ids. Outputs identical with and "
-             f"without: {same}. ms/token: wall time over the tokens made (a batch: all its requests' "
-             f"tokens). CPU times are context only; the ratio is the result.\n\n"
-             "| workload | requests | acceptance | off: ms/token | on: ms/token | off: "
-             "tokens/s | on: tokens/s | speed-up |\n| --- | --- | --- | --- | --- | --- | --- "
-             "| --- |\n")
-    for name, batched, m in rows:
+             f"{args.new_tokens} --rounds {args.rounds}`: in-process engine, tp = 1, float32, "
+             f"one core, `--num-speculative-tokens {k}`, n-gram 3 down to 1; "
+             f"{args.requests} greedy requests of {args.new_tokens} new tokens, one after "
+             f"another (one stream) or all at once (batch); median of {args.rounds} rounds, "
+             f"off and on alternated. Random Llamas stand in for a real model: tiny (hidden "
+             f"64, 2 layers, vocab 301), whose greedy output loops, and small (hidden 256, 4 "
+             f"layers, vocab 512), whose output does not repeat. repeat: 48 random ids plus the "
+             f"tiny model's own 96-token greedy continuation, so the answer copies runs of "
+             f"the prompt; random: 48 random ids (tiny: drafts come from its own loops); "
+             f"miss: 48 random ids on the small model, where drafts are proposed and "
+             f"rejected. Outputs identical with and without: {same}. ms/token: wall time "
+             f"over the tokens made (a batch: all its requests' tokens). CPU times are "
+             f"context only; the ratio is the result.\n\n"
+             "| model | workload | requests | acceptance | off: ms/token | on: ms/token | "
+             "off: tokens/s | on: tokens/s | speed-up |\n"
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    for model, name, batched, m in rows:
         off, on, tok = m["seconds"]["off"], m["seconds"]["on"], m["tokens"]
-        # One stream: ms per token of a request; batch: ms per step-token of the batch.
-        table += (f"| {name} | {'batch' if batched else 'one stream'} | "
+        table += (f"| {model} | {name} | {'batch' if batched else 'one stream'} | "
                   f"{m['acceptance']:.0%} | {1e3 * off / tok:.2f} | {1e3 * on / tok:.2f} | "
                   f"{tok / off:.0f} | {tok / on:.0f} | {off / on:.2f}x |\n")
     print(table)

@@ -44,10 +44,13 @@ def test_no_match_of_ngram_min_tokens_proposes_nothing():
     assert propose([1], 3, 3, 1) == [] and propose([], 3, 3, 1) == []
 
 
-def test_proposal_is_capped_by_k_and_by_the_context():
+def test_proposal_has_k_tokens_and_a_match_near_the_end_repeats_as_a_loop():
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     assert propose(tokens, 3, 2, 1) == [3, 4, 5]
-    assert propose(tokens, 16, 2, 1) == [3, 4, 5, 6, 1, 2]
+    # [1, 2] ends 6 tokens before the end: the text is taken to repeat with period 6.
+    assert propose(tokens, 9, 2, 1) == [3, 4, 5, 6, 1, 2, 3, 4, 5]
+    assert propose([7, 5, 5, 5, 5], 4, 3, 1) == [5, 5, 5, 5]
+    assert propose([9, 1, 2, 1, 2], 5, 3, 1) == [1, 2, 1, 2, 1]
     assert propose(tokens, 0, 2, 1) == []
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 
 def propose(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix
-    of `tokens` of ngram_max down to ngram_min tokens; [] when no such suffix recurs."""
+    """The k tokens that followed the most recent earlier occurrence of the longest suffix
+    of `tokens` of ngram_max down to ngram_min tokens; [] when no such suffix recurs. A
+    match that ends p tokens before the end is a loop of period p: what follows the end of
+    `tokens` is taken to repeat it."""
     n = len(tokens)
     if k < 1 or n < ngram_min + 1:
         return []
@@ -30,4 +32,8 @@ def propose(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[i
                 break
     if best_len < ngram_min:
         return []
-    return tokens[best_end + 1 : best_end + 1 + k]
+    out = tokens[best_end + 1 : best_end + 1 + k]
+    period = n - 1 - best_end
+    for i in range(len(out), k):
+        out.append(out[i - period])
+    return out
