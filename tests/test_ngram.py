@@ -16,7 +16,7 @@ from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import GuidedSpec, SamplingParams
 from tpserve.engine.scheduler import Scheduler
 from tpserve.engine.sequence import Sequence
-from tpserve.engine.speculative import accepted, draft_budget, speculates
+from tpserve.engine.speculative import accepted, draft_budget, skip_after, speculates
 
 
 def test_speculation_imports_no_torch():
@@ -58,6 +58,10 @@ def test_accepted_is_the_agreeing_prefix():
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
     assert accepted([4, 5, 6], [4, 9, 6, 7]) == 1  # a later agreement does not count
     assert accepted([4, 5, 6], [1, 5, 6, 7]) == 0
+
+
+def test_lookups_back_off_after_misses_in_a_row():
+    assert [skip_after(m) for m in range(7)] == [0, 0, 1, 3, 7, 7, 7]
 
 
 def test_which_rows_speculate():

@@ -71,12 +71,15 @@ def ref(llama_dir, prompts):
 
 def run(engine, prompts, params):
     """Every request to the end. Returns each one's (ids, finish reason), and per sequence
-    the tokens each step output for it (a list of runs). run.seqs: the Sequences."""
+    the tokens each step output for it (a list of runs). run.seqs: the Sequences;
+    run.overlapped: steps that returned with a step still in flight."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     seqs = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     done, runs, steps = {}, defaultdict(list), 0
+    run.overlapped = 0
     while len(done) < len(seqs):
         events, _ = engine.step()
+        run.overlapped += engine._inflight is not None
         steps += 1
         assert steps < 2000, "the engine stopped making progress"
         per_step = defaultdict(list)
@@ -133,6 +136,19 @@ def test_accepted_tokens_report_the_logprobs_of_decoding_one_at_a_time(engines, 
     assert all(lp <= 0 for lp in lps[0]) and len(set(lps[0])) > 1
 
 
+def test_rows_that_keep_missing_give_the_overlap_back(engine, prompts, ref, monkeypatch):
+    """After misses in a row a sequence skips lookups for a while (speculative.skip_after),
+    and those steps overlap again; without the back-off every step holding a greedy row
+    would be collected at once."""
+    got, _ = run(engine, prompts, GREEDY)
+    assert [ids for ids, _ in got] == ref
+    assert run.overlapped > 0
+    monkeypatch.setattr(core_module, "skip_after", lambda misses: 0)
+    got, _ = run(engine, prompts, GREEDY)
+    assert [ids for ids, _ in got] == ref
+    assert run.overlapped == 0
+
+
 def test_tp2_on_ray_matches_transformers(ray_cluster, llama_dir, prompts, ref):
     e = make_engine(llama_dir, 2, speculative=SPEC)
     try:
@@ -183,11 +199,13 @@ def test_stop_string_inside_an_accepted_run(engines, engine, prompts, ref):
     def text(i, j):
         return tok.decode(ref[i][:j], skip_special_tokens=True)
 
+    def stable(i, j):  # the text of tokens ..j is final: later tokens only append to it
+        return text(i, j + 2).startswith(text(i, j + 1))
+
     # A stop string that first completes at a token output mid-run.
-    found = next(((i, j, text(i, j + 1)[-n:]) for i in range(len(prompts))
-                  for j in _inside_a_run(runs[i]) for n in (3, 2, 1)
-                  if text(i, j + 1)[-n:].strip() and text(i, j + 1)[-n:] not in text(i, j)),
-                 None)
+    found = next(((i, j, stop) for i in range(len(prompts)) for j in _inside_a_run(runs[i])
+                  if stable(i, j) for n in (3, 2, 1) if (stop := text(i, j + 1)[-n:]).strip()
+                  and "\ufffd" not in stop and stop not in text(i, j)), None)
     assert found is not None, "no stop string completes inside a run"
     i, j, stop = found
     params = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,))

@@ -22,7 +22,7 @@ from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
-from tpserve.engine.speculative import accepted, draft, draft_budget, speculates
+from tpserve.engine.speculative import accepted, draft, draft_budget, skip_after, speculates
 from tpserve.engine.step import PENDING_TOKEN, SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, TPServeError, ValidationError
 
@@ -49,6 +49,9 @@ class CoreRequest:
     unresolved: int = 0
     # Guided requests: where the grammar is, advanced by every collected token.
     matcher: GuidedMatcher | None = None
+    # Speculative decoding: lookups that missed in a row, and steps left without one.
+    spec_misses: int = 0
+    spec_skip: int = 0
 
 
 @dataclass
@@ -379,16 +382,27 @@ class EngineCore:
         return outputs, raw
 
     def _draft(self) -> None:
-        """Propose drafts for the running sequences that speculate. Their steps are
-        collected at once (_launch), so every token of theirs is known here."""
+        """Propose drafts for the running sequences that speculate. A step after which one
+        looks up again is collected at once (_launch), so its tokens are all known here."""
         for seq in self.scheduler.running:
             seq.draft = []
-            if (seq.num_pending != 1 or seq.hold or not speculates(seq.params)
-                    or self.requests[seq.seq_id].unresolved):
+            if not speculates(seq.params):
+                continue
+            state = self.requests[seq.seq_id]
+            if state.spec_skip:  # missed lately: decode plainly (and overlapped) a while
+                state.spec_skip -= 1
+                continue
+            if seq.num_pending != 1 or seq.hold or state.unresolved:
                 continue
             budget = draft_budget(seq, self.spec.num_tokens, self.max_model_len,
                                   self.longrope_original)
             seq.draft = draft(seq, self.spec, budget)
+            if not seq.draft and budget > 0:
+                self._missed(state)
+
+    def _missed(self, state: CoreRequest) -> None:
+        state.spec_misses += 1
+        state.spec_skip = skip_after(state.spec_misses)
 
     def _launch(self, scheduled: list[ScheduledSeq], return_logits: bool) -> _Launched:
         steps = [self._seq_step(s) for s in scheduled]
@@ -410,8 +424,8 @@ class EngineCore:
             seq, p = s.seq, s.seq.params
             sync = sync or st.history is not None or st.allowed is not None
             if self.spec is not None and speculates(p):
-                # Its next drafts need this step's tokens: collect it before scheduling.
-                sync = True
+                # A lookup next step needs this step's tokens: collect it first.
+                sync = sync or st.num_draft > 0 or not self.requests[seq.seq_id].spec_skip
                 if st.num_draft:
                     drafts[seq.seq_id] = st.token_ids[-st.num_draft :]
                     self.spec_draft_tokens += st.num_draft
@@ -453,6 +467,10 @@ class EngineCore:
         for the rest go back (the rejected drafts' entries in them are never read)."""
         n = accepted(drafts, [t.token_id for t in group])
         self.spec_accepted_tokens += n
+        if n:
+            state.spec_misses = 0
+        else:
+            self._missed(state)
         seq, outputs = state.seq, []
         for tok in group[: n + 1]:
             seq.output_ids.append(PENDING_TOKEN)

@@ -43,6 +43,16 @@ def draft(seq: Sequence, cfg: SpeculativeConfig, budget: int) -> list[int]:
     return propose(seq.all_ids, budget, cfg.ngram_max, cfg.ngram_min)
 
 
+# Lookups a sequence skips after its m-th miss in a row (a lookup that found nothing, or a
+# verification that accepted nothing): 0, 1, 3, 7, 7, ... Skipped steps overlap and decode
+# plainly (CUDA decode graphs included), so text that does not repeat costs little.
+MAX_SKIP = 7
+
+
+def skip_after(misses: int) -> int:
+    return min((1 << (misses - 1)) - 1, MAX_SKIP) if misses > 0 else 0
+
+
 def accepted(drafts: list[int], target: list[int]) -> int:
     """How many drafts the target agrees with, in order; target[i] is the target's token
     after the row's i-th position (its last known token, then each draft)."""
