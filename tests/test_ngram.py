@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 from dataclasses import replace
 
 import pytest
@@ -172,3 +173,42 @@ def test_launch_flags_out_of_range_are_refused_before_anything_starts():
                               ("ngram_min", 0, ">= 1")):
         with pytest.raises(ValueError, match=rule):
             preflight.check_ranges(Namespace(**{flag: value}))
+
+
+def _naive(tokens: list[int], k: int, hi: int, lo: int) -> list[int]:
+    """The rule spelled out: for n from hi down to lo, the most recent earlier window equal
+    to the last n tokens; its followers, the loop they close repeated up to k."""
+    size = len(tokens)
+    for n in range(hi, lo - 1, -1):
+        for j in range(size - 2, n - 2, -1):
+            if tokens[j - n + 1 : j + 1] == tokens[size - n :]:
+                out = tokens[j + 1 : j + 1 + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (size - 1 - j)])
+                return out
+    return []
+
+
+def test_proposer_matches_the_rule_on_random_sequences():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice((2, 3, 5, 300, 70000, 1 << 30))  # large ids: bytes across tokens
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        hi = rng.randint(1, 5)
+        lo = rng.randint(1, hi)
+        k = rng.randint(0, 6)
+        assert propose(tokens, k, hi, lo) == (_naive(tokens, k, hi, lo) if k else []), \
+            (tokens, k, hi, lo)
+
+
+def test_a_match_across_token_boundaries_is_not_one():
+    # As int32 bytes, tokens 2..4 hold the bytes of [0, 1] three bytes off: no match.
+    tokens = [256, 0, 65536, 1 << 24, 0, 1]
+    packed = array("i", tokens).tobytes()
+    assert packed.rfind(array("i", [0, 1]).tobytes(), 0, 20) == 11
+    assert propose(tokens, 2, 2, 2) == [] and _naive(tokens, 2, 2, 2) == []
+    # [1] alone: its bytes occur twice off the token boundaries (in 256 and 1 << 24), but
+    # the token 1 never occurs before the last.
+    assert propose(tokens, 2, 2, 1) == [] == _naive(tokens, 2, 2, 1)
