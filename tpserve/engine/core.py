@@ -10,6 +10,7 @@ import json
 import logging
 import random
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,9 +50,11 @@ class CoreRequest:
     unresolved: int = 0
     # Guided requests: where the grammar is, advanced by every collected token.
     matcher: GuidedMatcher | None = None
-    # Speculative decoding: lookups that missed in a row, and steps left without one.
+    # Speculative decoding: lookups that missed in a row, steps left without one, and the
+    # sequence's tokens as the int32 array its lookups search (grown as it is).
     spec_misses: int = 0
     spec_skip: int = 0
+    spec_tokens: array = field(default_factory=lambda: array("i"))
 
 
 @dataclass
@@ -396,7 +399,7 @@ class EngineCore:
                 continue
             budget = draft_budget(seq, self.spec.num_tokens, self.max_model_len,
                                   self.longrope_original)
-            seq.draft = draft(seq, self.spec, budget)
+            seq.draft = draft(seq, self.spec, budget, state.spec_tokens)
             if not seq.draft and budget > 0:
                 self._missed(state)
 

@@ -8,6 +8,8 @@ step yields 1 to num_draft + 1 tokens, exactly those greedy decoding one at a ti
 
 from __future__ import annotations
 
+from array import array
+
 from tpserve.config import SpeculativeConfig
 from tpserve.engine.ngram import propose
 from tpserve.engine.request import SamplingParams
@@ -36,11 +38,18 @@ def draft_budget(seq: Sequence, k: int, max_model_len: int, longrope_original: i
     return max(budget, 0)
 
 
-def draft(seq: Sequence, cfg: SpeculativeConfig, budget: int) -> list[int]:
-    """Up to `budget` proposed next tokens of seq, looked up in its prompt and output."""
+def draft(seq: Sequence, cfg: SpeculativeConfig, budget: int, packed: array) -> list[int]:
+    """Up to `budget` proposed next tokens of seq, looked up in its prompt and output.
+    packed: seq's tokens as int32, kept by the caller between lookups and extended here
+    (every token of seq is known when it drafts; known tokens never change)."""
     if budget < 1:
         return []
-    return propose(seq.all_ids, budget, cfg.ngram_max, cfg.ngram_min)
+    have, p = len(packed), len(seq.prompt_ids)
+    if have < p:
+        packed.extend(seq.prompt_ids[have:])
+        have = p
+    packed.extend(seq.output_ids[have - p :])
+    return propose(packed, budget, cfg.ngram_max, cfg.ngram_min)
 
 
 # Lookups a sequence skips after its m-th miss in a row (a lookup that found nothing, or a
