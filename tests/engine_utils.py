@@ -16,6 +16,7 @@ from tpserve.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 from tpserve.engine.async_engine import AsyncEngine
 from tpserve.engine.engine import Engine
@@ -27,7 +28,8 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                 local: bool = False, cpus_per_shard: int = 1,
                 prefix_caching: bool = False, quantize: str = "auto",
                 async_scheduling: bool = True, kv_cache_dtype: str = "auto",
-                lora: LoraConfig | None = None) -> Engine:
+                lora: LoraConfig | None = None,
+                speculative: SpeculativeConfig | None = None) -> Engine:
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=str(path), max_model_len=max_model_len,
                           quantize=quantize),
@@ -36,7 +38,8 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                           prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_batch_tokens,
                                   async_scheduling=async_scheduling),
-        kernel=kernel, lora=lora or LoraConfig())
+        kernel=kernel, lora=lora or LoraConfig(),
+        speculative=speculative or SpeculativeConfig())
     from tpserve.executor.factory import build_executor
 
     return Engine(cfg, build_executor(cfg, in_process=local))

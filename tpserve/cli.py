@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tpserve import __version__, preflight
+from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
 
@@ -184,6 +185,17 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="run steps one at a time instead of preparing the next step on the host "
                         "while the device runs the current one (same outputs; for debugging "
                         "and comparison)")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: ngram drafts the next tokens of greedy "
+                   "requests by finding their last tokens earlier in the prompt and output, "
+                   "and verifies them in one forward pass (same outputs; faster when the "
+                   "answer quotes its context). Default: off (docs/speculative.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --speculative: most tokens drafted per sequence and step (1-16)")
+    p.add_argument("--ngram-max", type=int, default=3,
+                   help="with --speculative ngram: the longest suffix looked up")
+    p.add_argument("--ngram-min", type=int, default=1,
+                   help="with --speculative ngram: the shortest suffix looked up")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM: seconds to let in-flight requests finish (new ones "
                    "get 503) before stopping")
@@ -400,7 +412,8 @@ def engine_config(args: argparse.Namespace):
                                   async_scheduling=not args.no_async_scheduling),
         kernel=args.kernel, seed=args.seed, cuda_graphs=not args.no_cuda_graphs,
         lora=launch_config(getattr(args, "lora_modules", None), args.max_lora_rank,
-                           args.max_loras, args.model or "tpserve/default-model"))
+                           args.max_loras, args.model or "tpserve/default-model"),
+        speculative=_speculative(args, hf))
     from tpserve.layers.quant.config import resolve_quant
 
     quant = resolve_quant(args.quantize, hf, args.quant_kernel)
@@ -416,6 +429,26 @@ def engine_config(args: argparse.Namespace):
     from dataclasses import replace
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+
+
+def _speculative(args: argparse.Namespace, hf) -> SpeculativeConfig:
+    """--speculative and its knobs (ranges: preflight.check_ranges), refused at start where
+    they cannot apply."""
+    method = getattr(args, "speculative", None)
+    if method not in (None, "ngram"):  # a preset bypasses argparse's choices
+        raise ValueError(f"--speculative takes ngram, not {method!r}")
+    spec = SpeculativeConfig(method=method,
+                             num_tokens=getattr(args, "num_speculative_tokens", 4),
+                             ngram_max=getattr(args, "ngram_max", 3),
+                             ngram_min=getattr(args, "ngram_min", 1))
+    if method and getattr(hf, "is_encoder_decoder", False):
+        raise ValueError(f"--speculative {method} serves decoder-only models; this checkpoint "
+                         f"is an encoder-decoder model ({hf.model_type}): leave it off")
+    if method:
+        log.info("speculative decoding: ngram, up to %d drafted tokens per greedy sequence "
+                 "and step (suffixes of %d down to %d tokens looked up)", spec.num_tokens,
+                 spec.ngram_max, spec.ngram_min)
+    return spec
 
 
 def _device_count(device: str) -> int | None:

@@ -69,6 +69,31 @@ class SchedulerConfig:
     async_scheduling: bool = True
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (tpserve/engine/speculative.py); method None: off."""
+
+    method: str | None = None
+    num_tokens: int = 4  # drafted tokens verified per step and sequence, at most
+    ngram_max: int = 3  # the longest, then shorter, suffix looked up in the context
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative {self.method!r}: the methods are "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens {self.num_tokens}: must be 1 to "
+                             f"{MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"--ngram-min {self.ngram_min} / --ngram-max {self.ngram_max}: "
+                             "need 1 <= --ngram-min <= --ngram-max")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters served next to the base model (docs/lora.md). Adapter i of `adapters`
@@ -94,6 +119,7 @@ class EngineConfig:
     # Capture decode steps as CUDA graphs in warmup (CUDA with a graph-safe backend only).
     cuda_graphs: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 # Default --max-body-bytes-in-flight: this many bodies of --max-body-bytes. 16 MiB at the

@@ -28,6 +28,9 @@ FLAG_RANGES: dict[str, tuple[float, float | None, bool]] = {
     "gpu_memory_utilization": (0, 1, True),
     "shutdown_timeout": (0, None, False),
     "download_timeout": (0, None, True),
+    "num_speculative_tokens": (1, 16, False),
+    "ngram_max": (1, None, False),
+    "ngram_min": (1, None, False),
 }
 
 

@@ -49,8 +49,8 @@ GARBAGE = 1.0e4
 # This check bounds the accuracy trade-off; the tight check against the same fp8 cache is
 # what catches a wrong kernel (a dropped scale, a different rounding, a wrong block).
 FP8_TOLERANCE = 2.0**-2
-STEP_KINDS = ("mixed", "decode", "long decode", "decode-led mixed", "decode, new kv",
-              "long decode, new kv")
+STEP_KINDS = ("mixed", "decode", "long decode", "decode-led mixed", "verification",
+              "decode, new kv", "long decode, new kv")
 
 # Feature configurations: (name, heads, kv_heads, window, alibi, softcap).
 CONFIGS = [
@@ -118,7 +118,8 @@ class _Step:
 
 def _random_steps(rng: random.Random, block_size: int, spec: AttentionSpec) -> list[_Step]:
     """A mixed step (fresh prompts, chunked prefills, decodes), decode-only steps of short
-    and long contexts, a decode-led mixed step, and the two decode steps again through
+    and long contexts, a decode-led mixed step, a step of short rows over cached context
+    (speculative verification), and the two decode steps again through
     decode_new (rotary over all or half of head_dim; none with ALiBi, as Bloom)."""
     mixed_q, mixed_ctx = [], []
     for kind in ["prompt", "chunk", "decode", rng.choice(["prompt", "chunk", "decode"])]:
@@ -143,8 +144,13 @@ def _random_steps(rng: random.Random, block_size: int, spec: AttentionSpec) -> l
     led = _Step([1] * lead + [prompt, rng.randint(2, chunk_ctx), 1],
                 [rng.randint(1, 6 * block_size + 3) for _ in range(lead)]
                 + [prompt, chunk_ctx, rng.randint(1, 4 * block_size)])
+    # Speculative verification: a few rows of 2-17 tokens (a token and its drafts) over
+    # cached context, beside a decode row.
+    n = rng.randint(2, 4)
+    ctxs = [rng.randint(18, 6 * block_size + 3) for _ in range(n)]
+    verify = _Step([rng.randint(2, 17) for _ in range(n)] + [1], ctxs + [rng.randint(1, 40)])
     rot = 0 if spec.alibi else rng.choice((spec.head_dim, spec.head_dim // 2))
-    return [mixed, decode, long, led, replace(decode, new_kv=True, rot_dims=rot),
+    return [mixed, decode, long, led, verify, replace(decode, new_kv=True, rot_dims=rot),
             replace(long, new_kv=True, rot_dims=rot)]
 
 

@@ -66,6 +66,17 @@ class BlockManager:
         seq.block_table = []
         seq.cross_block_table = []
 
+    def shrink(self, seq: Sequence) -> int:
+        """Free the blocks past those seq's cached tokens need (speculative decoding: the
+        blocks grown for drafts the target rejected). Returns how many were freed."""
+        keep = -(-seq.num_computed // self.block_size)
+        extra = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        for b in reversed(extra):
+            if b >= 0:
+                self._release(b)
+        return len(extra)
+
     def reuse_prefix(self, seq: Sequence) -> None:
         """Hook for prefix caching (prefix_cache.py); plain blocks share nothing."""
 

@@ -10,6 +10,7 @@ import json
 import logging
 import random
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from tpserve.engine.prefix_cache import PrefixCachingBlockManager
 from tpserve.engine.request import SamplingParams
 from tpserve.engine.scheduler import ScheduledSeq, Scheduler
 from tpserve.engine.sequence import Sequence
+from tpserve.engine.speculative import accepted, draft, draft_budget, skip_after, speculates
 from tpserve.engine.step import PENDING_TOKEN, SeqStep, StepBatch, StepOutput
 from tpserve.errors import CheckpointError, TPServeError, ValidationError
 from tpserve.lora_config import unknown_adapter
@@ -49,6 +51,11 @@ class CoreRequest:
     unresolved: int = 0
     # Guided requests: where the grammar is, advanced by every collected token.
     matcher: GuidedMatcher | None = None
+    # Speculative decoding: lookups that missed in a row, steps left without one, and the
+    # sequence's tokens as the int32 array its lookups search (grown as it is).
+    spec_misses: int = 0
+    spec_skip: int = 0
+    spec_tokens: array = field(default_factory=lambda: array("i"))
 
 
 @dataclass
@@ -59,6 +66,8 @@ class _Launched:
     sync: bool  # must be collected before the next step is scheduled
     # seq id -> the prompt position of the first log-probability its chunk reports
     scored: dict[int, int] = field(default_factory=dict)
+    # seq id -> the drafts its row verifies (speculative decoding)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _longrope_original(hf_config) -> int | None:
@@ -107,6 +116,9 @@ class EngineCore:
         self.device_wait_seconds = 0.0
         self.prefill_steps = 0
         self.step_tokens = 0
+        # Speculative decoding: drafted tokens sent for verification, and those accepted.
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
         self._released: list[int] = []  # finished since the last step: workers drop tables
         # Overlapped steps: step n+1 is scheduled and launched before step n is collected.
         self.overlap = cfg.scheduler.async_scheduling
@@ -127,6 +139,12 @@ class EngineCore:
         self.decoder_start = (decoder_start_token_id(cfg.model.path, self.hf_config)
                               if self.encoder_decoder else None)
         self.longrope_original = _longrope_original(hf_config)
+        self.spec = cfg.speculative if cfg.speculative.method else None
+        if self.spec is not None and self.encoder_decoder:
+            raise ValueError(
+                f"--speculative {self.spec.method} serves decoder-only models; "
+                f"{cfg.model.path} is an encoder-decoder model "
+                f"({getattr(hf_config, 'model_type', '?')}): leave --speculative off")
         if self.longrope_original is not None and self.max_model_len > self.longrope_original:
             log.info("rope_type longrope: a sequence longer than %d tokens (the model's "
                      "original_max_position_embeddings) is rotated with long_factor "
@@ -285,7 +303,9 @@ class EngineCore:
         return {"steps": float(self.steps_run), "step_busy_seconds": self.busy_seconds,
                 "step_device_wait_seconds": self.device_wait_seconds,
                 "prefill_steps": float(self.prefill_steps),
-                "step_tokens": float(self.step_tokens)}
+                "step_tokens": float(self.step_tokens),
+                "spec_draft_tokens": float(self.spec_draft_tokens),
+                "spec_accepted_tokens": float(self.spec_accepted_tokens)}
 
     # --- one step -----------------------------------------------------------------------
     def _seq_step(self, s: ScheduledSeq) -> SeqStep:
@@ -304,8 +324,12 @@ class EngineCore:
         # of a prompt being scored so starts one token early (that token's K/V is written
         # again, with the same values).
         back = 1 if wants_lp and start > 0 else 0
+        known = s.num_new - s.num_draft
+        tokens = _tokens(seq, start - back, known + back)
+        if s.num_draft:
+            tokens += seq.draft[: s.num_draft]
         step = SeqStep(
-            seq_id=seq.seq_id, token_ids=_tokens(seq, start - back, s.num_new + back),
+            seq_id=seq.seq_id, token_ids=tokens, num_draft=s.num_draft,
             start_pos=start - back, block_table=seq.block_table[blocks_from:],
             blocks_from=blocks_from, sample=s.completes_prompt,
             params=p, history=seq.all_ids if p.needs_history else None,
@@ -349,6 +373,8 @@ class EngineCore:
         if prev is not None and (prev.sync or return_logits or not self.overlap):
             outputs, raw = self._collect(prev)
             prev = None
+        if self.spec is not None:
+            self._draft()
         scheduled = self.scheduler.schedule()
         cur = self._launch(scheduled, return_logits) if scheduled else None
         if prev is not None:
@@ -363,6 +389,29 @@ class EngineCore:
         self.busy_seconds += time.perf_counter() - t0
         return outputs, raw
 
+    def _draft(self) -> None:
+        """Propose drafts for the running sequences that speculate. A step after which one
+        looks up again is collected at once (_launch), so its tokens are all known here."""
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if not speculates(seq.params):
+                continue
+            state = self.requests[seq.seq_id]
+            if state.spec_skip:  # missed lately: decode plainly (and overlapped) a while
+                state.spec_skip -= 1
+                continue
+            if seq.num_pending != 1 or seq.hold or state.unresolved:
+                continue
+            budget = draft_budget(seq, self.spec.num_tokens, self.max_model_len,
+                                  self.longrope_original)
+            seq.draft = draft(seq, self.spec, budget, state.spec_tokens)
+            if not seq.draft and budget > 0:
+                self._missed(state)
+
+    def _missed(self, state: CoreRequest) -> None:
+        state.spec_misses += 1
+        state.spec_skip = skip_after(state.spec_misses)
+
     def _launch(self, scheduled: list[ScheduledSeq], return_logits: bool) -> _Launched:
         steps = [self._seq_step(s) for s in scheduled]
         batch = StepBatch(next(self._steps), steps, return_logits, released=self._released)
@@ -372,22 +421,30 @@ class EngineCore:
         scored = {st.seq_id: st.start_pos + 1 for st in steps if st.prompt_logprobs}
         self.steps_run += 1
         self.step_tokens += sum(s.num_new for s in scheduled)
-        if any(not st.sample or len(st.token_ids) > 1 for st in steps):
+        if any(not st.sample or len(st.token_ids) - st.num_draft > 1 for st in steps):
             self.prefill_steps += 1
         self.scheduler.after_step(scheduled)
         sync = False
+        drafts: dict[int, list[int]] = {}
         for s, st in zip(scheduled, steps, strict=True):
             if not st.sample:
                 continue
             seq, p = s.seq, s.seq.params
             sync = sync or st.history is not None or st.allowed is not None
+            if self.spec is not None and speculates(p):
+                # A lookup next step needs this step's tokens: collect it first.
+                sync = sync or st.num_draft > 0 or not self.requests[seq.seq_id].spec_skip
+                if st.num_draft:
+                    drafts[seq.seq_id] = st.token_ids[-st.num_draft :]
+                    self.spec_draft_tokens += st.num_draft
+                    continue  # its 1..num_draft + 1 tokens are appended on collect
             seq.output_ids.append(PENDING_TOKEN)
             seq.output_logprobs.append(0.0)
             self.requests[seq.seq_id].unresolved += 1
             n = len(seq.output_ids)
             if n >= p.max_new_tokens or seq.num_input_tokens + n >= self.max_model_len:
                 seq.hold = True  # this token is its last: schedule it no more
-        return _Launched(handle, sync, scored)
+        return _Launched(handle, sync, scored, drafts)
 
     def _collect(self, launched: _Launched) -> tuple[list[TokenOutput], StepOutput]:
         t0 = time.perf_counter()
@@ -397,11 +454,45 @@ class EngineCore:
             self._record_prefill(seq_id, lps, out.prompt_top.get(seq_id),
                                  launched.scored.get(seq_id, 1))
         outputs = []
-        for tok in out.tokens:
+        tokens, i = out.tokens, 0
+        while i < len(tokens):
+            tok = tokens[i]
+            drafts = launched.drafts.get(tok.seq_id)
             state = self.requests.get(tok.seq_id)
+            if drafts is not None:
+                group, i = tokens[i : i + len(drafts) + 1], i + len(drafts) + 1
+                if state is not None:
+                    outputs += self._verify(state, drafts, group)
+                continue
+            i += 1
             if state is not None:  # else finished or aborted meanwhile: the token is dropped
                 outputs.append(self._append(state, tok))
         return outputs, out
+
+    def _verify(self, state: CoreRequest, drafts: list[int], group: list) -> list[TokenOutput]:
+        """Output the target's tokens of a drafted row up to its first disagreement with the
+        drafts; the cache keeps the accepted drafts' keys and values, and the blocks grown
+        for the rest go back (the rejected drafts' entries in them are never read)."""
+        n = accepted(drafts, [t.token_id for t in group])
+        self.spec_accepted_tokens += n
+        if n:
+            state.spec_misses = 0
+        else:
+            self._missed(state)
+        seq, outputs = state.seq, []
+        for tok in group[: n + 1]:
+            seq.output_ids.append(PENDING_TOKEN)
+            seq.output_logprobs.append(0.0)
+            state.unresolved += 1
+            out = self._append(state, tok)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                return outputs  # EOS or length inside the run: the rest never leaves
+        seq.num_computed += n
+        self.scheduler.blocks.after_compute(seq)
+        self.scheduler.blocks.shrink(seq)
+        state.sent_blocks = min(state.sent_blocks, len(seq.block_table))
+        return outputs
 
     def _record_prefill(self, seq_id: int, lps: list[float],
                         tops: list[list[tuple[int, float]]] | None, first: int) -> None:

@@ -20,12 +20,13 @@ from tpserve.engine.sequence import SeqStatus, Sequence
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new: int  # tokens fed this step, starting at seq.num_computed
+    num_new: int  # tokens fed this step, starting at seq.num_computed (drafts included)
+    num_draft: int = 0  # the last num_draft of them are seq.draft[:num_draft]
 
     @property
     def completes_prompt(self) -> bool:
         """After this chunk every known token is in the cache, so a next token is sampled."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new - self.num_draft == self.seq.num_tokens
 
 
 class Scheduler:
@@ -62,6 +63,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        seq.draft = []
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -98,6 +100,11 @@ class Scheduler:
             n = seq.num_pending
             if n > budget:
                 n = budget
+            # Drafts follow a sequence's one pending token, as far as the budget goes.
+            k = min(len(seq.draft), budget - n) if n == 1 and seq.draft else 0
+            if k and not can_grow(seq, seq.num_computed + n + k):
+                k = 0  # its drafts alone never make a sequence preempt another
+            n += k
             upto = seq.num_computed + n
             while not can_grow(seq, upto):
                 victim = self.running[-1]
@@ -107,7 +114,7 @@ class Scheduler:
             if seq.status is not running_status:
                 continue
             grow(seq, upto)
-            out.append(ScheduledSeq(seq, n))
+            out.append(ScheduledSeq(seq, n, k))
             budget -= n
         # Then admit waiting sequences in arrival order, without skipping ahead.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -147,7 +154,8 @@ class Scheduler:
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Record what the step computed; release blocks that left the sliding window."""
         for s in scheduled:
-            s.seq.num_computed += s.num_new
+            # Drafts count once verified: EngineCore adds the accepted ones on collect.
+            s.seq.num_computed += s.num_new - s.num_draft
             self.blocks.after_compute(s.seq)
             if self.sliding_window and not s.seq.finished:
                 # A prompt being scored starts each chunk at the last token computed

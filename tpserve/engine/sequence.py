@@ -47,6 +47,9 @@ class Sequence:
     long_rope: bool = False
     # LoRA: 0 for the base model, else adapter i + 1 of --lora-modules (SeqStep.adapter).
     adapter: int = 0
+    # Speculative decoding: tokens proposed to follow this step's input, verified by the
+    # step that feeds them (the scheduler schedules them after the pending token).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def num_input_tokens(self) -> int:

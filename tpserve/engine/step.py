@@ -50,6 +50,10 @@ class SeqStep:
     long_rope: bool = False
     # LoRA: 0 for the base model, else adapter i + 1 of --lora-modules (LoraConfig.adapters).
     adapter: int = 0
+    # Speculative decoding: the last num_draft of token_ids are drafted, not known. The
+    # workers return the sampled token at each of the last num_draft + 1 positions, in
+    # order (StepOutput.tokens holds num_draft + 1 entries for this sequence).
+    num_draft: int = 0
 
     @property
     def num_blocks(self) -> int:

@@ -138,8 +138,12 @@ class TorchAttentionBackend(AttentionBackend):
                 max_seq_len=max(seq_lens[i] for i in decode_rows))
             out[tok] = self.decode(q[tok], k_cache, v_cache, sub, spec, alibi_slopes, rel_bias,
                                    sinks)
+        short = [i for i, n in enumerate(q_lens) if 1 < n <= _SHORT_ROW]
+        for rows in _budgeted(short, q_lens, seq_lens, q.shape[1]):
+            self._short_rows(q, k_cache, v_cache, meta, spec, alibi_slopes, rel_bias, out,
+                             rows, starts, q_lens, seq_lens, sinks)
         for i, n in enumerate(q_lens):
-            if n == 1:
+            if n <= _SHORT_ROW:
                 continue
             s, ctx = starts[i], seq_lens[i]
             k = gather_context(k_cache, meta.block_tables[i : i + 1], ctx, spec.k_scale, q.dtype)
@@ -163,3 +167,52 @@ class TorchAttentionBackend(AttentionBackend):
                                            rel_bias)[0]
             s += n
         return out
+
+    def _short_rows(self, q, k_cache, v_cache, meta, spec, alibi_slopes, rel_bias, out, rows,
+                    starts, q_lens, seq_lens, sinks=None) -> None:
+        """Rows of a few tokens (speculative verification, small prompt chunks) in one
+        padded call, as decode batches its rows: queries padded to the longest row by
+        repeating each row's last one, whose outputs are dropped."""
+        width = max(q_lens[i] for i in rows)
+        pad = [[min(j, q_lens[i] - 1) for j in range(width)] for i in rows]
+        dev = q.device
+        tok = torch.tensor([[starts[i] + j for j in js] for i, js in zip(rows, pad, strict=True)],
+                           device=dev)
+        q_pos = torch.tensor([[seq_lens[i] - q_lens[i] + j for j in js]
+                              for i, js in zip(rows, pad, strict=True)], device=dev)
+        ctx = torch.tensor([seq_lens[i] for i in rows], device=dev)
+        tables = meta.block_tables[torch.tensor(rows, device=dev)]
+        longest = max(seq_lens[i] for i in rows)
+        k = gather_context(k_cache, tables, longest, spec.k_scale, q.dtype)
+        v = gather_context(v_cache, tables, longest, spec.v_scale, q.dtype)
+        res = attend_padded(q[tok], k, v, q_pos, ctx, spec, alibi_slopes, rel_bias,
+                            sinks=sinks)
+        b_idx = torch.tensor([b for b, i in enumerate(rows) for _ in range(q_lens[i])],
+                             device=dev)
+        j_idx = torch.tensor([j for i in rows for j in range(q_lens[i])], device=dev)
+        dst = torch.tensor([starts[i] + j for i in rows for j in range(q_lens[i])], device=dev)
+        out[dst] = res[b_idx, j_idx]
+
+
+# Rows of at most this many tokens are attended together in one padded call; longer ones
+# one by one (their scores alone are [heads, q_len, context]).
+_SHORT_ROW = 32
+# Most score elements (rows x padded queries x context x query heads) of one padded call.
+_SHORT_BUDGET = 1 << 24
+
+
+def _budgeted(rows: list[int], q_lens, seq_lens, heads: int) -> list[list[int]]:
+    """rows split into groups whose padded scores stay within _SHORT_BUDGET elements."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    width = ctx = 0
+    for i in rows:
+        w, c = max(width, q_lens[i]), max(ctx, seq_lens[i])
+        if cur and (len(cur) + 1) * w * c * heads > _SHORT_BUDGET:
+            groups.append(cur)
+            cur, w, c = [], q_lens[i], seq_lens[i]
+        cur.append(i)
+        width, ctx = w, c
+    if cur:
+        groups.append(cur)
+    return groups

@@ -23,8 +23,8 @@ from tpserve.engine.step import SeqStep, StepBatch
 
 STEP, STOP = 1, 2
 # seq_id, start_pos, n_tokens, blocks_from, n_blocks, sample, prompt_logprobs, n_encoder,
-# encoder_len, n_cross, prev_at, long_rope, adapter
-FIELDS = 13
+# encoder_len, n_cross, prev_at, long_rope, adapter, num_draft
+FIELDS = 14
 
 
 def encode_step(batch: StepBatch) -> np.ndarray:
@@ -34,7 +34,8 @@ def encode_step(batch: StepBatch) -> np.ndarray:
         enc = s.encoder_ids or []
         rows[i] = (s.seq_id, s.start_pos, len(s.token_ids), s.blocks_from,
                    len(s.block_table), s.sample, s.prompt_logprobs, len(enc), s.encoder_len,
-                   len(s.cross_block_table), s.prev_at, s.long_rope, s.adapter)
+                   len(s.cross_block_table), s.prev_at, s.long_rope, s.adapter,
+                   s.num_draft)
         tail += [s.token_ids, s.block_table, enc, s.cross_block_table]
     tail.append(batch.released)
     flat = np.fromiter((x for part in tail for x in part), dtype=np.int64)
@@ -55,13 +56,14 @@ def decode_step(msg: np.ndarray) -> StepBatch:
         return flat[at - k : at]
 
     for seq_id, start, n_tok, blocks_from, n_blocks, sample, plp, n_enc, enc_len, n_cross, \
-            prev_at, long_rope, adapter in rows:
+            prev_at, long_rope, adapter, num_draft in rows:
         token_ids, table, enc, cross = take(n_tok), take(n_blocks), take(n_enc), take(n_cross)
         seqs.append(SeqStep(seq_id=seq_id, token_ids=token_ids, start_pos=start,
                             block_table=table, sample=bool(sample), prompt_logprobs=bool(plp),
                             encoder_ids=enc if n_enc else None, encoder_len=enc_len,
                             cross_block_table=cross, blocks_from=blocks_from,
-                            prev_at=prev_at, long_rope=bool(long_rope), adapter=adapter))
+                            prev_at=prev_at, long_rope=bool(long_rope), adapter=adapter,
+                            num_draft=num_draft))
     return StepBatch(step_id, seqs, released=take(n_released))
 
 

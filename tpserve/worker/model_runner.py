@@ -10,6 +10,8 @@ them: rank 0 samples, the others receive them by a broadcast on the tensor-paral
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -87,7 +89,8 @@ class ModelRunner:
         # synchronously, waiting for the forward pass just queued.
         ends = list(_cumsum(q_lens))
         sampled = [i for i, s in enumerate(seqs) if s.sample]
-        picks = [ends[i] - 1 for i in sampled]
+        # A drafted row samples at its last num_draft + 1 positions (speculative decoding).
+        picks = [p for i in sampled for p in range(ends[i] - 1 - seqs[i].num_draft, ends[i])]
         lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
         for i in lp_seqs:
             picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
@@ -113,7 +116,7 @@ class ModelRunner:
             return PendingStep(StepOutput(batch.step_id, []), None) if self.rank == 0 else None
         logits = self.model.compute_logits(hidden.index_select(0, d_picks))
         # compute_logits may gather to rank 0 only (None elsewhere).
-        return self._sample(batch, logits, [seqs[i] for i in sampled], lp_seqs)
+        return self._sample(batch, logits, _sample_rows([seqs[i] for i in sampled]), lp_seqs)
 
     def _prev_fill(self, seqs: list[SeqStep]) -> tuple[np.ndarray, np.ndarray]:
         """Token offsets in this step's inputs to fill from the previous step's sampled ids,
@@ -145,7 +148,8 @@ class ModelRunner:
                 ids = torch.empty(n, dtype=torch.int64, device=self.device)
             broadcast_from_first(ids)
         self._prev_ids = ids
-        self._prev_row = {s.seq_id: i for i, s in enumerate(picked)} if ids is not None else {}
+        self._prev_row = ({s.seq_id: i for i, s in enumerate(picked) if not s.num_draft}
+                          if ids is not None else {})
         if self.rank != 0 or logits is None:
             return None
         out = StepOutput(batch.step_id, [])
@@ -185,6 +189,15 @@ class ModelRunner:
         lens_d, tab_d = self.staging.to_device([np.asarray(enc_lens, dtype=np.int64), tables])
         return make_metadata(meta.query_start_loc, lens_d.int(), tab_d.view(tables.shape).int(),
                              meta.slot_mapping[:0], meta.query_lens_host, tuple(enc_lens))
+
+
+def _sample_rows(seqs: list[SeqStep]) -> list[SeqStep]:
+    """One entry per sampled row: a drafted sequence's once per verified position, each
+    keyed as the token it would be when decoded one at a time (num_generated)."""
+    if not any(s.num_draft for s in seqs):
+        return seqs
+    return [s if j == 0 else replace(s, num_generated=s.num_generated + j)
+            for s in seqs for j in range(s.num_draft + 1)]
 
 
 def _cumsum(xs):
