@@ -33,6 +33,7 @@ _MODELS: dict[str, str] = {
     "CohereForCausalLM": "tpserve.models.cohere:CohereForCausalLM",
     "Cohere2ForCausalLM": "tpserve.models.cohere:Cohere2ForCausalLM",
     "GptOssForCausalLM": "tpserve.models.gpt_oss:GptOssForCausalLM",
+    "Llama4ForCausalLM": "tpserve.models.llama4:Llama4ForCausalLM",
 }
 
 
@@ -51,6 +52,7 @@ _BY_MODEL_TYPE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 
