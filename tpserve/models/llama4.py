@@ -56,7 +56,7 @@ _VISION = VISION_TENSORS + ("vision_model.",)
 def l2_heads(x: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor:
     """Each head's x / rms(x) in float32, back in x's dtype (transformers'
     Llama4TextL2Norm)."""
-    h = x.view(-1, head_dim).float()
+    h = x.reshape(-1, head_dim).float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).view(x.shape)
 
 
@@ -83,7 +83,8 @@ class Llama4Attention(LlamaAttention):
         if self.qk_norm_eps is not None:
             q, k = l2_heads(q, d, self.qk_norm_eps), l2_heads(k, d, self.qk_norm_eps)
         if self.temperature and temperature is not None:
-            q = (q.view(q.shape[0], -1, d) * temperature.view(-1, 1, 1)).to(q.dtype).view(q.shape)
+            scaled = q.reshape(q.shape[0], -1, d) * temperature.view(-1, 1, 1)
+            q = scaled.to(q.dtype).view(q.shape)
         return self.o_proj(self.attn(q, k, v, rope=rope if self.rotary else None))
 
 
