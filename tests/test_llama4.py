@@ -264,3 +264,39 @@ def test_a_rope_type_that_rescales_is_refused():
             "original_max_position_embeddings": 64}
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         check_shardable(_engine_cfg(1), llama4_config(rope_parameters=yarn))
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+def test_the_vision_tower_is_never_read(models_dir):
+    from engine_utils import load_rank
+
+    path = family_checkpoint(models_dir, "llama4-vlm")
+    _, stats = load_rank(path, 0, 2)
+    vision = [n for n in stats.full_bytes if n.startswith(("vision_model.",
+                                                           "multi_modal_projector."))]
+    assert vision and not any(stats.read_bytes.get(n) for n in vision)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_reads_its_slice_of_the_fused_experts(models_dir, tp):
+    """gate_up_proj [experts, hidden, (gate; up)] and down_proj [experts, intermediate,
+    hidden]: rank r holds gate columns [r n, (r + 1) n) and the same up columns, transposed
+    into [gate rows; up rows], and those rows of down_proj, transposed."""
+    from engine_utils import load_rank
+    from safetensors.torch import load_file
+
+    path = family_checkpoint(models_dir, "llama4")
+    full = load_file(str(path / "model.safetensors"))
+    gate_up = full["model.layers.1.feed_forward.experts.gate_up_proj"]  # [4, 64, 128]
+    down = full["model.layers.1.feed_forward.experts.down_proj"]  # [4, 64, 64]
+    n = 64 // tp
+    for rank in range(tp):
+        model, _ = load_rank(path, rank, tp)
+        moe = model.model.layers[1].mlp
+        cols = slice(rank * n, (rank + 1) * n)
+        want = torch.cat([gate_up[:, :, cols], gate_up[:, :, 64:][:, :, cols]], -1)
+        torch.testing.assert_close(moe.w13, want.transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(moe.w2, down[:, cols].transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(moe.gate.weight,
+                                   full["model.layers.1.feed_forward.router.weight"])
