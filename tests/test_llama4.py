@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import engine_matches_reference
+from engine_utils import engine_matches_reference, make_engine
 from tiny_models import PROMPTS, family_checkpoint, hf_greedy, hf_last_logits, llama4_config
 
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
@@ -140,6 +140,9 @@ def test_triton_and_ipex_decline_chunks_and_auto_takes_torch():
 
     spec = AttentionSpec(4, 2, 16, 0.25, block_size=4, attention_chunk=8)
     assert "chunked" in spec.features
+    from tpserve.kernels.capabilities import unknown_feature_reason
+
+    assert "chunked" in unknown_feature_reason(spec)  # a plugin backend declines it too
     backend, passed_over = select_backend("auto", CPU, torch.float32, [spec])
     assert backend.name == "torch"
     assert passed_over == {"ipex": CHUNKED_REASON, "triton": CHUNKED_REASON}
@@ -300,3 +303,31 @@ def test_rank_reads_its_slice_of_the_fused_experts(models_dir, tp):
         torch.testing.assert_close(moe.w2, down[:, cols].transpose(1, 2), rtol=0, atol=0)
         torch.testing.assert_close(moe.gate.weight,
                                    full["model.layers.1.feed_forward.router.weight"])
+
+
+def test_mixed_steps_in_pieces_match_transformers(models_dir, monkeypatch):
+    """Llama 4 in captured pieces (worker/piecewise.py, replayed on the CPU as OpGraphs):
+    the temperature read from the step's positions, the unrotated layer's staging, chunked
+    attention between the pieces, prompts prefilled beside decode rows. The experts take
+    their capture path (every expert on every token) throughout, as inside a CUDA graph:
+    on the CPU nothing else says a capture is on."""
+    from test_piecewise_graphs import _pieces_on_cpu, staggered_greedy
+
+    from tpserve.models import llama4_moe
+
+    monkeypatch.setattr(llama4_moe, "stream_capturing", lambda device: True)
+    path = family_checkpoint(models_dir, "llama4")
+    engine = make_engine(path, 1, local=True, num_blocks=64)
+    pieces = _pieces_on_cpu(engine, monkeypatch)
+    runs, run = [0], pieces.run
+
+    def counting_run(ids, positions, meta):
+        runs[0] += 1
+        return run(ids, positions, meta)
+
+    monkeypatch.setattr(pieces, "run", counting_run)
+    try:
+        assert staggered_greedy(engine, PROMPTS, 12) == hf_greedy(path, PROMPTS, 12)
+    finally:
+        engine.shutdown()
+    assert runs[0] > 0
