@@ -343,3 +343,13 @@ def test_mixed_steps_in_pieces_match_transformers(models_dir, monkeypatch):
     finally:
         engine.shutdown()
     assert runs[0] > 0
+
+
+def test_the_norm_fold_is_declined_with_a_reason(models_dir):
+    from engine_utils import load_rank
+
+    model, _ = load_rank(family_checkpoint(models_dir, "llama4"), 0, 1)
+    before = model.model.layers[0].input_layernorm.weight.clone()
+    assert "not Llama's" in model.fold_norms()
+    torch.testing.assert_close(model.model.layers[0].input_layernorm.weight, before,
+                               rtol=0, atol=0)
