@@ -353,3 +353,28 @@ def test_the_norm_fold_is_declined_with_a_reason(models_dir):
     assert "not Llama's" in model.fold_norms()
     torch.testing.assert_close(model.model.layers[0].input_layernorm.weight, before,
                                rtol=0, atol=0)
+
+
+def test_prefix_caching_serves_chunked_layers(models_dir):
+    """A cached block's keys and values do not depend on the chunk mask (each token's come
+    from its own prefix), so prefix caching stays on: a request extending a 22-token prompt
+    reuses its first 5 blocks of 4 (positions 0-19, across two chunk boundaries) and
+    prefills from position 20, inside the chunk [16, 24); both continuations are
+    transformers'."""
+    from engine_utils import greedy_ids
+    from tiny_models import hf_greedy_ids
+
+    path = family_checkpoint(models_dir, "llama4")
+    prefix = [(7 * i + 3) % 290 + 3 for i in range(22)]
+    runs = [(prefix, 8), (prefix + [11, 12, 13], 8)]
+    want = hf_greedy_ids(path, [p for p, _ in runs], [n for _, n in runs])
+    engine = make_engine(path, 1, local=True, prefix_caching=True)
+    hits = []
+    try:
+        for (prompt, n), ref in zip(runs, want, strict=True):
+            before = engine.scheduler.blocks.hits
+            assert greedy_ids(engine, [prompt], n) == [ref]
+            hits.append(engine.scheduler.blocks.hits - before)
+    finally:
+        engine.shutdown()
+    assert hits == [0, 5], hits
