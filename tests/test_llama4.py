@@ -378,3 +378,35 @@ def test_prefix_caching_serves_chunked_layers(models_dir):
     finally:
         engine.shutdown()
     assert hits == [0, 5], hits
+
+
+def test_two_all_reduces_per_layer(family, monkeypatch):
+    """One after attention, one after the feed-forward block: an expert layer reduces its
+    experts' and its shared expert's partial sums together. Counted in-process at tp = 1
+    (all_reduce is called there too), the served output still transformers'."""
+    from engine_utils import assert_matches_reference
+
+    import tpserve.layers.linear as linear
+    import tpserve.layers.moe as moe
+
+    path, ref_tokens, ref_logits = family("llama4")
+    engine = make_engine(path, 1, local=True)
+    calls, layers = [0], [0]
+
+    def counted(x):
+        calls[0] += 1
+        return x
+
+    def count_layer(module, args):
+        layers[0] += type(module).__name__ == "Llama4DecoderLayer"
+
+    monkeypatch.setattr(linear, "all_reduce", counted)
+    monkeypatch.setattr(moe, "all_reduce", counted)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_layer)
+    try:
+        assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
+    finally:
+        hook.remove()
+        engine.shutdown()
+    assert layers[0] > 0
+    assert calls[0] == 2 * layers[0], (calls[0], layers[0])
