@@ -18,11 +18,7 @@ from functools import cache
 import torch
 
 from tpserve.kernels.base import AttentionBackend, AttentionSpec
-from tpserve.kernels.capabilities import (
-    CHUNKED_REASON,
-    SINKS_REASON,
-    unknown_feature_reason,
-)
+from tpserve.kernels.capabilities import CHUNKED_REASON, SINKS_REASON, unknown_feature_reason
 from tpserve.kernels.kv_quant import fp8_refusal
 
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "xpu": (torch.float16, torch.bfloat16,
