@@ -7,7 +7,10 @@ tuning that bites at the test's positions. Also: chunked attention in the torch 
 against transformers' chunked mask (prefill, a mixed step, decode across a chunk boundary),
 the Triton and IPEX backends declining it, oracle guards (each feature moves transformers'
 logits, and so do the plausible wrong readings: sigmoid on the experts' output, gate and up
-swapped, rotate-half instead of interleaved pairs), sharding and config refusals."""
+swapped, rotate-half instead of interleaved pairs), sharding, config and quantization
+refusals, each rank's slice of the fused experts, the vision tower never read, mixed steps in
+captured pieces (CPU replay), prefix caching across chunks, two all-reduces a layer and the
+norm fold declined."""
 
 from __future__ import annotations
 
