@@ -1,7 +1,7 @@
 """`tpserve launch --tp 2` per added family (Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral,
 Granite, StarCoder2, Qwen3-MoE, Qwen2-MoE, GPTBigCode, Cohere, Cohere 2, GPT-OSS, DeepSeek-V2 and
--V3; vision-language Gemma 3, Mistral 3, LLaVA-NeXT and Qwen2-VL served as text) in a
-subprocess, asked over HTTP through
+-V3, Llama 4; vision-language Gemma 3, Mistral 3, LLaVA-NeXT, Qwen2-VL and Llama 4 served as
+text) in a subprocess, asked over HTTP through
 tpserve.Client: the served text is transformers' greedy text.
 
 The server joins the session's Ray cluster (--address) rather than starting a second one.
@@ -49,7 +49,7 @@ def _wait_driver_gone(ray, timeout_s: float = 30.0) -> None:
 FAMILIES = ["gemma", "gemma2", "gemma3", "gemma3-vlm", "bloom", "qwen2", "qwen3", "phi3",
             "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe", "mistral3",
             "llava-next-mistral", "qwen2-vl", "gpt-bigcode", "cohere", "cohere-qk-norm",
-            "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3"]
+            "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3", "llama4", "llama4-vlm"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -98,7 +98,7 @@ def test_kernels_command_lists_backends_and_features(capsys):
     assert {"ipex", "triton", "torch"} <= set(blocks)
     assert "supports: prefill+decode, sliding_window, alibi, softcap" in blocks["torch"]
     assert "KV cache layout: [num_blocks, block_size, kv_heads, head_dim]" in blocks["torch"]
-    assert "dense, fp8_kv_cache, sinks" in blocks["torch"]
+    assert "dense, fp8_kv_cache, sinks, chunked" in blocks["torch"]
     if triton_reason():
         assert f"unavailable: {triton_reason()}" in blocks["triton"]
 

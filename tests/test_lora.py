@@ -236,13 +236,14 @@ def test_control_message_and_row_groups_carry_the_adapter():
     assert [(slot, rows.tolist()) for slot, rows in groups] == [(0, [4, 5]), (1, [0, 1, 2, 6])]
 
 
-def test_cohere_interleaved_rotary_rows(models_dir, tmp_path):
-    """Cohere's q_proj / k_proj rows are held in each head's rotate-half order (its
-    interleaved rotary, layers/interleaved_rotary.py), so an adapter's B rows for them are
-    reordered alike; one adapter and the base model in one batch at tp 1."""
+@pytest.mark.parametrize("name", ["cohere-qk-norm", "llama4"])
+def test_interleaved_rotary_rows(models_dir, tmp_path, name):
+    """Cohere's and Llama 4's q_proj / k_proj rows are held in each head's rotate-half order
+    (their interleaved rotary, layers/interleaved_rotary.py), so an adapter's B rows for
+    them are reordered alike; one adapter and the base model in one batch at tp 1."""
     from tiny_models import family_checkpoint
 
-    path = family_checkpoint(models_dir, "cohere-qk-norm")
+    path = family_checkpoint(models_dir, name)
     adapter = save_adapter(path, tmp_path / "c", seed=11, r=4, alpha=8)
     want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
                 oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "c")}

@@ -291,3 +291,47 @@ def test_gpt_oss_shapes_add_up_with_the_row_biases_and_router_replicated(layers,
     for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[4096, 2880]", "tp=3",
                    "attention heads = 64 is not divisible by 3"):
         assert needle in str(err.value), str(err.value)
+
+
+# Typed in from the published config.json files' text_config (meta-llama/Llama-4-Scout-17B-16E
+# and Llama-4-Maverick-17B-128E, -Instruct alike): 48 layers, hidden 5120, 40 heads / 8 KV
+# heads of 128, experts of intermediate 8192 (one per token, a shared expert of the same
+# size), vocabulary 202048, untied head. Scout: 16 experts on every layer, L2 qk norm;
+# Maverick: 128 experts on every other layer (interleave_moe_layer_step 2, the others dense
+# of intermediate_size_mlp 16384), no qk norm. Neither norm has weights to count.
+LLAMA4_SIZES = {
+    "scout": dict(num_local_experts=16, interleave_moe_layer_step=1, use_qk_norm=True),
+    "maverick": dict(num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", sorted(LLAMA4_SIZES))
+def test_llama4_text_shapes_add_up_with_norms_and_router_replicated(name, tp):
+    """Every rank holds the norms and each expert layer's router whole; heads, the experts'
+    and the shared expert's intermediate units, the dense layers' and the vocabulary split,
+    so the rest adds up to transformers' count of the text model (Scout's about 107.8e9,
+    Maverick's about 400.7e9 parameters). tp = 3 is refused naming q_proj."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    hf = Llama4TextConfig(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                          num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                          head_dim=128, vocab_size=202048, num_experts_per_tok=1,
+                          tie_word_embeddings=False, architectures=["Llama4ForCausalLM"],
+                          **LLAMA4_SIZES[name])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    # The published totals (109e9 and 400e9) include Scout's vision tower of about 1e9.
+    assert round(numel(model) / 1e8) == (1078 if name == "scout" else 4007)
+    whole = ("norm", "feed_forward.router.")
+    replicated = sum(p.numel() for n, p in model.named_parameters() if any(w in n for w in whole))
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == numel(model) + (tp - 1) * replicated
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(3), hf)
+    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[5120, 5120]", "tp=3",
+                   "attention heads = 40 is not divisible by 3"):
+        assert needle in str(err.value), str(err.value)

@@ -20,7 +20,7 @@ SPEC = SpeculativeConfig("ngram", num_tokens=4, ngram_max=3, ngram_min=1)
 N = 24
 
 
-@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["gpt-oss", "deepseek-v3", "llama4"])
 def test_verification_rows_match_transformers(models_dir, monkeypatch, name):
     path = family_checkpoint(models_dir, name)
     engine = make_engine(path, 1, local=True, speculative=SPEC)

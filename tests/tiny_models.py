@@ -553,6 +553,45 @@ def deepseek_v3_config(**kw):
     return cfg
 
 
+def llama4_config(**kw):
+    """Llama 4 text: 4 layers, RoPE / RoPE / NoPE / RoPE (no_rope_layer_interval 3) and dense /
+    experts / dense / experts (interleave_moe_layer_step 2, as Maverick); 4 heads of 16, 2 KV
+    heads (replicated at tp = 4); the RoPE layers' L2 qk norm and chunks of 8 positions (the
+    longer prompts and the continuations cross chunks); on the NoPE layer the temperature
+    tuning with floor_scale 4 and attn_scale 0.3 so the query scales grow within the test's
+    positions; llama3 rope; 4 experts of 64 (16 a rank at tp = 4), one per token, a shared
+    expert, dense layers of intermediate_size_mlp 128."""
+    from transformers import Llama4TextConfig
+
+    args = dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=3,
+                interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4,
+                attn_scale=0.3, max_position_embeddings=512, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64},
+                **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = Llama4TextConfig(**args)
+    cfg.architectures = ["Llama4ForCausalLM"]
+    return cfg
+
+
+def llama4_vlm_config(**kw):
+    """Llama4ForConditionalGeneration around llama4_config(**kw), a one-layer vision tower."""
+    from transformers import Llama4Config, Llama4VisionConfig
+
+    vision = Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64, image_size=28, patch_size=14,
+                                vision_output_dim=32, projector_input_dim=32,
+                                projector_output_dim=32)
+    cfg = Llama4Config(text_config=llama4_config(**kw).to_dict(),
+                       vision_config=vision.to_dict())
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -657,6 +696,8 @@ FAMILY_CHECKPOINTS = {
     "gpt-oss": (gpt_oss_config, {"std": 0.3, "vector_std": 1.0}),
     "deepseek-v2": (deepseek_v2_config, {"std": 0.3, "vector_std": 0.1}),
     "deepseek-v3": (deepseek_v3_config, {"std": 0.3, "vector_std": 0.1, "buffer_std": 0.1}),
+    "llama4": (llama4_config, {"std": 0.3, "vector_std": 0.1}),
+    "llama4-vlm": (llama4_vlm_config, {"std": 0.3, "vector_std": 0.1}),
 }
 
 
@@ -673,7 +714,10 @@ def auto_class(config: dict):
 
     if config.get("is_encoder_decoder"):
         return AutoModelForSeq2SeqLM
-    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # Llama 4's model_type maps to the text-only causal LM too: a checkpoint with a vision
+    # config is the whole vision-language model.
+    if config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
+            and "vision_config" not in config:
         return AutoModelForCausalLM
     return AutoModelForImageTextToText
 

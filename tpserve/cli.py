@@ -837,7 +837,7 @@ def kernels(args: argparse.Namespace) -> int:
                 # Encoder-decoder features, probed only where AttentionSpec has them.
                 "non_causal": {"causal": False}, "relative_bias": {"relative_bias": True},
                 "dense": {"paged": False}, "fp8_kv_cache": {"kv_cache_dtype": "fp8"},
-                "sinks": {"sinks": True}}
+                "sinks": {"sinks": True}, "chunked": {"attention_chunk": 8192}}
     probes = {k: dataclasses.replace(base, **v) for k, v in variants.items() if set(v) <= fields}
     try:
         chosen = registry.select_backend("auto", dev, dtype, [base])[0].name

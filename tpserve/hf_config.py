@@ -68,6 +68,7 @@ TEXT_ONLY: dict[str, dict[str, str]] = {
     # transformers), and the layers are Qwen2's.
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"},
 }
 
 

@@ -17,6 +17,11 @@ joins each softmax denominator and attends to nothing, so a query's weights over
 to less than one. The float32 [num_heads on this rank] logits are passed as sinks= (a
 keyword, only for such specs) to forward/prefill/decode/decode_new.
 
+Chunked attention (Llama 4's RoPE layers; spec.attention_chunk, feature "chunked"): positions
+fall in chunks of attention_chunk (0..c-1, c..2c-1, ...), and a query sees only the keys of
+its own chunk (causal within it). The cache keeps every block: the same model's full-attention
+layers read the whole context anyway.
+
 An fp8 KV cache (spec.kv_cache_dtype == "fp8", feature "fp8_kv_cache") stores e4m3fn values
 with the per-tensor scales spec.k_scale / spec.v_scale (kernels/kv_quant.py); write_kv and
 rotary_write_kv then receive the spec as a keyword. Only backends that set fp8_kv_cache =
@@ -61,6 +66,8 @@ class AttentionSpec:
     k_scale: float = 1.0  # per-tensor scales of an fp8 cache (1.0 until a checkpoint has one)
     v_scale: float = 1.0
     sinks: bool = False  # a sinks= logit per head joins the softmax denominator
+    # A query at position p sees only keys k with k // chunk == p // chunk (Llama 4).
+    attention_chunk: int | None = None
 
     @property
     def features(self) -> frozenset[str]:
@@ -79,6 +86,8 @@ class AttentionSpec:
             f.add(kv_quant.FP8_FEATURE)
         if self.sinks:
             f.add("sinks")
+        if self.attention_chunk:
+            f.add("chunked")
         return frozenset(f)
 
 

@@ -25,6 +25,9 @@ CORE_FEATURES = frozenset({"prefill", "decode", "sliding_window", "alibi", "soft
 # Why the Triton and IPEX backends decline a spec with attention sinks (gpt-oss).
 SINKS_REASON = ("attention sinks (gpt-oss) are implemented in the torch backend only; "
                 "use --kernel torch or auto")
+# Why they decline chunked attention (Llama 4's RoPE layers).
+CHUNKED_REASON = ("chunked attention (Llama 4's attention_chunk_size) is implemented in the "
+                  "torch backend only; use --kernel torch or auto")
 
 
 def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = CORE_FIELDS,

@@ -18,7 +18,7 @@ from functools import cache
 import torch
 
 from tpserve.kernels.base import AttentionBackend, AttentionSpec
-from tpserve.kernels.capabilities import SINKS_REASON, unknown_feature_reason
+from tpserve.kernels.capabilities import CHUNKED_REASON, SINKS_REASON, unknown_feature_reason
 from tpserve.kernels.kv_quant import fp8_refusal
 
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "xpu": (torch.float16, torch.bfloat16,
@@ -54,6 +54,8 @@ class IpexAttentionBackend(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
         if spec.sinks:
             return SINKS_REASON
+        if spec.attention_chunk:
+            return CHUNKED_REASON
         if spec.kv_cache_dtype != "auto":  # reshape_and_cache / its kernels take float caches
             return fp8_refusal(cls.name)
         ipex, reason = _ipex()

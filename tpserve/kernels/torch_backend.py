@@ -3,8 +3,9 @@
 Decode is one vectorised gather over the block tables for the whole batch. Prefill goes
 sequence by sequence (bounded memory: scores are [heads, q_len, context] for one sequence)
 and batches any decode rows of a mixed step together. Dense (encoder) attention goes
-sequence by sequence too. Every base.py feature is supported (attention sinks in paged
-attention; dense attention has no use for them yet), so this is the reference.
+sequence by sequence too. Every base.py feature is supported (attention sinks and chunked
+attention in paged attention; dense attention has no use for them yet), so this is the
+reference.
 An fp8 cache is read back to the query's dtype and scaled right after the gather
 (kv_quant.dequantize), so the arithmetic after it is the full-precision path's.
 """
@@ -60,6 +61,9 @@ def attend_padded(
         visible = visible & (rel <= 0)  # [B, Q, L]
     if spec.sliding_window:
         visible = visible & (rel > -spec.sliding_window)
+    if spec.attention_chunk:
+        c = spec.attention_chunk
+        visible = visible & (k_pos // c == q_pos.unsqueeze(-1) // c)
     scores = scores.masked_fill(~visible.unsqueeze(1).unsqueeze(1), float("-inf"))
     if sinks is not None:
         # The sink is one more column of the softmax whose value is never read.
@@ -83,6 +87,20 @@ def gather_context(
     return kv_quant.dequantize(out, scale, dtype) if kv_quant.is_fp8(cache) else out
 
 
+def _visible_span(seq_lens: torch.Tensor, spec: AttentionSpec
+                  ) -> tuple[torch.Tensor, int] | None:
+    """For a decode row at position seq_len - 1: the first position it may see ([B]) and
+    how many positions from there at most; None when it may see the whole context."""
+    if not spec.causal:
+        return None
+    if spec.sliding_window:
+        return (seq_lens - spec.sliding_window).clamp(min=0), spec.sliding_window
+    if spec.attention_chunk:
+        c = spec.attention_chunk
+        return (seq_lens - 1) // c * c, c
+    return None
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     fp8_kv_cache = True
@@ -95,6 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
             return kv_quant.fp8_unavailable(torch.device(device))
         if spec.sinks and not spec.paged:
             return "attention sinks in dense (encoder) attention are not implemented"
+        if spec.attention_chunk and not spec.paged:
+            return "chunked attention in dense (encoder) attention is not implemented"
         return None
 
     def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, rel_bias=None,
@@ -102,12 +122,14 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens.long()
         tables, length, k_start = meta.block_tables, meta.max_seq_len, None
         block = k_cache.shape[1]
-        if spec.sliding_window and spec.causal:
-            # Only the blocks holding the last `window` positions can be seen: gather those
-            # rather than the whole context, so a windowed step costs O(window).
-            span = -(-spec.sliding_window // block) + 1
+        seen = _visible_span(seq_lens, spec)
+        if seen is not None:
+            # Only the blocks holding the last `extent` positions can be seen: gather those
+            # rather than the whole context, so a windowed (or chunked) step costs O(extent).
+            start, extent = seen
+            span = -(-extent // block) + 1
             if span < -(-length // block):
-                first = (seq_lens - spec.sliding_window).clamp(min=0) // block  # [B]
+                first = start // block  # [B]
                 idx = first[:, None] + torch.arange(span, device=q.device)[None]
                 # Past the table's end the positions are >= seq_len, so they are masked.
                 tables = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))

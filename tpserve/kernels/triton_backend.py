@@ -24,6 +24,7 @@ import torch
 from tpserve.kernels import fused_ops, kv_quant, pdl
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import (
+    CHUNKED_REASON,
     CORE_FEATURES,
     CORE_FIELDS,
     SINKS_REASON,
@@ -205,6 +206,8 @@ class TritonAttentionBackend(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
         if spec.sinks:
             return SINKS_REASON
+        if spec.attention_chunk:
+            return CHUNKED_REASON
         on_cpu = device.type == "cpu" and interpreting()
         if device.type not in TRITON_TARGETS and not on_cpu:
             if importlib.util.find_spec("triton") is None:

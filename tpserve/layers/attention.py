@@ -30,16 +30,18 @@ class PagedAttention(AttentionLayer):
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, sliding_window: int | None = None, softcap: float | None = None,
                  alibi_slopes: torch.Tensor | None = None, relative_bias: bool = False,
-                 sinks: bool = False) -> None:
+                 sinks: bool = False, attention_chunk: int | None = None) -> None:
         """sinks: a learned logit per query head joins the softmax denominator (gpt-oss);
         the parameter `sinks` holds this rank's heads' (float32), loaded from the
-        checkpoint's [all heads] tensor."""
+        checkpoint's [all heads] tensor. attention_chunk: a query sees only the keys of its
+        own chunk of that many positions (Llama 4, kernels/base.py)."""
         super().__init__()
         self.layer_index = layer_index
         self.spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, scale=scale, sliding_window=sliding_window,
                                   alibi=alibi_slopes is not None, softcap=softcap,
-                                  relative_bias=relative_bias, sinks=sinks)
+                                  relative_bias=relative_bias, sinks=sinks,
+                                  attention_chunk=attention_chunk)
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
         else:

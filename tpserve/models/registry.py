@@ -35,6 +35,7 @@ _MODELS: dict[str, str] = {
     "GptOssForCausalLM": "tpserve.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV2ForCausalLM": "tpserve.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM": "tpserve.models.llama4:Llama4ForCausalLM",
 }
 
 
@@ -54,6 +55,7 @@ _BY_MODEL_TYPE = {
     "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 
