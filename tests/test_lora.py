@@ -199,26 +199,32 @@ def test_sharded_slices_sum_to_the_whole(llama_dir, adapters):
     torch.testing.assert_close(torch.cat(rows_q, 0), want_q * scale)
 
 
-@pytest.mark.slow
-def test_qwen2_biased_qkv_tp2(ray_cluster, models_dir, tmp_path):
-    """Another Llama-shaped family: Qwen2's q/k/v carry biases (perturbed), which the LoRA
-    delta adds to; one adapter and the base model in one batch at tp 2."""
-    from tiny_models import family_checkpoint
-
-    path = family_checkpoint(models_dir, "qwen2")
-    adapter = save_adapter(path, tmp_path / "q", seed=7, r=4, alpha=8)
+def one_adapter_beside_the_base(path, adapter_dir, tp: int) -> None:
+    """One adapter and the base model in one batch at tp: prefill logits and greedy tokens
+    of both equal transformers (+ peft), and the adapter changes the tokens (oracle guard)."""
+    adapter = save_adapter(path, adapter_dir, seed=7, r=4, alpha=8)
     want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
-                oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "q")}
-    assert want["q"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
-    engine = make_engine(path, 2, lora=LoraConfig(adapters=(("q", str(adapter)),)))
+                oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "x")}
+    assert want["x"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
+    engine = make_engine(path, tp, local=tp == 1,
+                         lora=LoraConfig(adapters=(("x", str(adapter)),)))
     try:
-        reqs = [(p, n) for p in PROMPTS for n in (None, "q")]
+        reqs = [(p, n) for p in PROMPTS for n in (None, "x")]
         for (p, n), got in zip(reqs, engine_logits(engine, reqs), strict=True):
             assert_close_rel(got, want[n][0][PROMPTS.index(p)], REL)
         assert engine_greedy(engine, reqs, NEW) == [want[n][1][PROMPTS.index(p)]
                                                    for p, n in reqs]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_qwen2_biased_qkv_tp2(ray_cluster, models_dir, tmp_path):
+    """Another Llama-shaped family: Qwen2's q/k/v carry biases (perturbed), which the LoRA
+    delta adds to; one adapter and the base model in one batch at tp 2."""
+    from tiny_models import family_checkpoint
+
+    one_adapter_beside_the_base(family_checkpoint(models_dir, "qwen2"), tmp_path / "q", 2)
 
 
 def test_control_message_and_row_groups_carry_the_adapter():
@@ -243,17 +249,4 @@ def test_interleaved_rotary_rows(models_dir, tmp_path, name):
     them are reordered alike; one adapter and the base model in one batch at tp 1."""
     from tiny_models import family_checkpoint
 
-    path = family_checkpoint(models_dir, name)
-    adapter = save_adapter(path, tmp_path / "c", seed=11, r=4, alpha=8)
-    want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
-                oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "c")}
-    assert want["c"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
-    engine = make_engine(path, 1, local=True, lora=LoraConfig(adapters=(("c", str(adapter)),)))
-    try:
-        reqs = [(p, n) for p in PROMPTS for n in (None, "c")]
-        for (p, n), got in zip(reqs, engine_logits(engine, reqs), strict=True):
-            assert_close_rel(got, want[n][0][PROMPTS.index(p)], REL)
-        assert engine_greedy(engine, reqs, NEW) == [want[n][1][PROMPTS.index(p)]
-                                                   for p, n in reqs]
-    finally:
-        engine.shutdown()
+    one_adapter_beside_the_base(family_checkpoint(models_dir, name), tmp_path / "c", 1)
