@@ -261,3 +261,23 @@ def test_fused_quantized_experts_are_refused_at_load(models_dir):
     with pytest.raises(CheckpointError, match="experts stored fused in a quantized Llama 4"):
         load_rank(out, 0, 1)
     assert json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_vision_language_ignore_names_match_the_text_models():
+    """Llama4ForConditionalGeneration's compressed-tensors ignore lists may name modules as
+    the checkpoint does (language_model.model.layers..., language_model.lm_head): they
+    match the text model's names too."""
+    from tpserve.layers.quant.compressed_tensors import parse_config
+    from tpserve.layers.quant.methods import _skipped
+
+    q = ct_quantization_config("ct-fp8-dynamic", ignore=(
+        "language_model.lm_head", "language_model.model.layers.0.self_attn.q_proj",
+        "language_model.model.layers.0.self_attn.k_proj",
+        "language_model.model.layers.0.self_attn.v_proj", ROUTER))
+    cfg = parse_config(q, "auto")
+    assert _skipped(cfg, "model.layers.0.self_attn.qkv_proj",
+                    [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+    assert not _skipped(cfg, "model.layers.1.self_attn.o_proj",
+                        ["model.layers.1.self_attn.o_proj"])
+    assert _skipped(cfg, "model.layers.1.feed_forward.router",
+                    ["model.layers.1.feed_forward.router"])
