@@ -2,7 +2,9 @@
 (layers/mla.py) and, from layer first_k_dense_replace on, a sparse block of routed and shared
 experts (models/deepseek_moe.py); the first layers keep a gated MLP of intermediate_size.
 Llama's residual stream, RMSNorms and head otherwise. The multi-token-prediction layers a
-V3 checkpoint may carry (layers num_hidden_layers onwards) are not read."""
+V3 checkpoint may carry (layers num_hidden_layers onwards) are not read. Quantized
+checkpoints (GPTQ, AWQ, compressed-tensors, fp8) load through the layers' methods, the
+routed experts one by one (layers/moe.py QuantizedExpert), the routers float."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Each layer is Llama's pre-norm layer with:
 - attention on RoPE or NoPE layers (no_rope_layers: 1 rotates, 0 does not; by default every
   fourth layer is NoPE). RoPE layers rotate interleaved pairs (transformers multiplies
   complex numbers), served as rotate-half by reordering q_proj / k_proj rows at load
-  (layers/interleaved_rotary.py); with use_qk_norm an L2 norm without weight over each head's
+  (layers/interleaved_rotary.py; an fp8 checkpoint's per-channel scales with them); with use_qk_norm an L2 norm without weight over each head's
   query and key follows the rotary, applied here before it: a rotation keeps each pair's
   length, so the norm is the same either side of it (the rope types that do not rescale cos
   and sin only, checked at start); and they attend in chunks of attention_chunk_size
