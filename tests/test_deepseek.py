@@ -168,33 +168,6 @@ def test_options_transformers_does_not_run_are_refused_at_start(name, overrides,
         assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("quant", [
-    {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
-    {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}],
-    ids=["gptq", "awq"])
-def test_unchecked_quantized_checkpoints_are_refused_at_start(quant):
-    from tpserve.layers.quant.spec import QuantizationError
-
-    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
-                       parallel=ParallelConfig(tp_size=2))
-    hf = deepseek_v3_config()
-    hf.quantization_config = quant
-    with pytest.raises(QuantizationError) as err:
-        check_shardable(cfg, hf)
-    assert f"quantized with {quant['quant_method']}" in str(err.value)
-    assert "fp8" in str(err.value)
-
-
-def test_a_cast_to_fp8_at_load_is_refused_at_start():
-    from tpserve.layers.quant.spec import QuantizationError
-
-    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64,
-                                         quantize="fp8"),
-                       parallel=ParallelConfig(tp_size=2))
-    with pytest.raises(QuantizationError, match="--quantize fp8"):
-        check_shardable(cfg, deepseek_v2_config())
-
-
 def test_the_real_head_sizes_fall_back_to_the_torch_backend():
     """V3's keys are 128 + 64 = 192 wide (values padded to them): not a power of two, so
     the Triton kernels refuse the spec and automatic selection takes the torch backend."""

@@ -272,15 +272,15 @@ def test_a_rope_type_that_rescales_is_refused():
         check_shardable(_engine_cfg(1), llama4_config(rope_parameters=yarn))
 
 
-def test_a_quantized_checkpoint_is_refused_at_start():
-    """q/k rows are reordered and the experts read from fused float tensors at load."""
+def test_an_int4_checkpoint_is_refused_at_start():
+    """q/k rows are reordered per head at load, which int4's packed output columns do not
+    take (fp8 is served: tests/test_quant_llama4.py)."""
     from tpserve.layers.quant.config import QuantizationError
 
     cfg = llama4_config()
-    cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
-                               "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    with pytest.raises(QuantizationError, match="Llama4ForCausalLM checkpoints quantized with "
-                                                "fp8 are not supported"):
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                               "desc_act": False}
+    with pytest.raises(QuantizationError, match="Llama 4 checkpoints quantized with gptq"):
         check_shardable(_engine_cfg(2), cfg)
 
 

@@ -93,10 +93,11 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  act: str, prefix: str, renormalize: bool = True,
                  names: tuple[str, str, str] = ("w1", "w3", "w2"),
-                 fused_names: tuple[str, str] | None = None) -> None:
+                 fused_names: tuple[str, str] | None = None, router: str = "gate") -> None:
         """fused_names: where the checkpoint holds the experts only fused, the names of the
         [experts, (gate; up), hidden] and [experts, hidden, intermediate] tensors under
-        prefix (GraniteMoE's input_linear.weight, output_linear.weight), which errors name."""
+        prefix (GraniteMoE's input_linear.weight, output_linear.weight), which errors name.
+        router: the router's checkpoint module under prefix (Llama 4's "router")."""
         super().__init__()
         tp = get_tp()
         if act not in _ACTS:
@@ -116,7 +117,7 @@ class SparseMoE(nn.Module):
         self.gate.weight.weight_loader = copy_full
         self.experts: nn.ModuleList | None = None
         if quantized_experts() and fused_names is None:
-            refuse_quantized_router(f"{prefix}.gate")
+            refuse_quantized_router(f"{prefix}.{router}")
             self.experts = nn.ModuleList(
                 QuantizedExpert(hidden, intermediate, act, f"{prefix}.experts.{e}", names)
                 for e in range(num_experts))

@@ -2,7 +2,9 @@
 (layers/mla.py) and, from layer first_k_dense_replace on, a sparse block of routed and shared
 experts (models/deepseek_moe.py); the first layers keep a gated MLP of intermediate_size.
 Llama's residual stream, RMSNorms and head otherwise. The multi-token-prediction layers a
-V3 checkpoint may carry (layers num_hidden_layers onwards) are not read."""
+V3 checkpoint may carry (layers num_hidden_layers onwards) are not read. Quantized
+checkpoints (GPTQ, AWQ, compressed-tensors, fp8) load through the layers' methods, the
+routed experts one by one (layers/moe.py QuantizedExpert), the routers float."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ import re
 from torch import nn
 
 from tpserve.layers.mla import MLAttention
-from tpserve.layers.quant.config import current_quant
-from tpserve.layers.quant.spec import QuantizationError
 from tpserve.models.deepseek_moe import DeepseekMoE
 from tpserve.models.experts import ExpertTensors
 from tpserve.models.llama import (
@@ -56,14 +56,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def check_config(cls, config) -> None:
-        q = current_quant()
-        if q is not None and (q.method != "fp8" or q.cast_at_load):
-            what = "--quantize fp8 (a cast at load)" if q.cast_at_load else \
-                f"checkpoints quantized with {q.method}"
-            raise QuantizationError(
-                f"{cls.family}: {what} are not supported yet (not checked against "
-                f"transformers); tpserve serves DeepSeek's float checkpoints and its fp8 ones "
-                f"(e4m3 weights with weight_scale_inv blocks, as the V3 / R1 releases)")
         if head_dim_of(config) != config.qk_rope_head_dim:
             _refuse(cls.family, "head_dim", head_dim_of(config),
                     f"transformers rotates qk_rope_head_dim = {config.qk_rope_head_dim} "

@@ -6,7 +6,7 @@ Each layer is Llama's pre-norm layer with:
 - attention on RoPE or NoPE layers (no_rope_layers: 1 rotates, 0 does not; by default every
   fourth layer is NoPE). RoPE layers rotate interleaved pairs (transformers multiplies
   complex numbers), served as rotate-half by reordering q_proj / k_proj rows at load
-  (layers/interleaved_rotary.py); with use_qk_norm an L2 norm without weight over each head's
+  (layers/interleaved_rotary.py; an fp8 checkpoint's per-channel scales with them); with use_qk_norm an L2 norm without weight over each head's
   query and key follows the rotary, applied here before it: a rotation keeps each pair's
   length, so the norm is the same either side of it (the rope types that do not rescale cos
   and sin only, checked at start); and they attend in chunks of attention_chunk_size
@@ -23,17 +23,19 @@ down_proj, and half of these layers' blocks are experts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from tpserve.errors import CheckpointError
 from tpserve.hf_config import rope_parameters
 from tpserve.kernels.fused_ops import plan_unrotated
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead
 from tpserve.layers.interleaved_rotary import HalfOrderRows
-from tpserve.layers.quant.config import refuse_checkpoint_quant
+from tpserve.layers.quant.config import QuantizationError, current_quant
 from tpserve.models.llama import (
     GatedMLP,
     LlamaAttention,
@@ -150,13 +152,68 @@ def _rename(name: str) -> str:
         ".mlp.experts.down_proj", ".mlp.w2")
 
 
+# q_proj / k_proj tensors whose rows are the projection's output features: reordered per
+# head. A per-tensor scale (one number) and fp8 block scales whose block rows hold whole
+# heads (checked at start) are the same in either order.
+_ROW_TENSORS = ("weight", "bias", "weight_scale")
+_SAME_TENSORS = ("input_scale", "weight_scale_inv")
+
+
 def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int) -> Iterator:
-    """q_proj's and k_proj's rows (weights and biases) in each head's rotate-half order."""
+    """q_proj's and k_proj's rows (weights, biases and fp8 per-channel weight_scale alike)
+    in each head's rotate-half order."""
     for w in tensors:
-        if ".self_attn.q_proj." in w.name or ".self_attn.k_proj." in w.name:
+        if ".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name:
+            yield w
+            continue
+        tensor = w.name.rpartition(".")[2]
+        if tensor in _SAME_TENSORS or (tensor in _ROW_TENSORS and math.prod(w.shape) == 1):
+            yield w
+        elif tensor in _ROW_TENSORS:
             yield HalfOrderRows(w, head_dim)
         else:
-            yield w
+            raise CheckpointError(
+                f"checkpoint tensor {w.name!r}: Llama 4 reorders q_proj / k_proj rows within "
+                f"each head at load (interleaved rotary), which tpserve does for float and fp8 "
+                f"tensors ({', '.join(_ROW_TENSORS + _SAME_TENSORS)}), not {tensor!r}")
+
+
+def _fused_experts_refused(tensors: Iterable[TensorSlice]) -> Iterator:
+    """A quantized checkpoint's experts stored fused (experts.gate_up_proj with a per-expert
+    channel scale, as transformers' fbgemm_fp8 holds them) are refused naming the tensor."""
+    for w in tensors:
+        if ".feed_forward.experts.gate_up_proj" in w.name or \
+                ".feed_forward.experts.down_proj" in w.name:
+            raise CheckpointError(
+                f"checkpoint tensor {w.name!r}: experts stored fused in a quantized Llama 4 "
+                f"checkpoint; tpserve reads quantized experts stored one by one "
+                f"(feed_forward.experts.{{e}}.gate_proj / up_proj / down_proj), as Meta's and "
+                f"llm-compressor's fp8 releases store them")
+        yield w
+
+
+def check_quant(config) -> None:
+    """Refuse (QuantizationError) the quantized checkpoints this family does not serve: fp8
+    (per channel or per tensor, a checkpoint's or --quantize fp8's) is served; int4 (GPTQ,
+    AWQ, compressed-tensors pack-quantized) is not, nor fp8 blocks that cut a head."""
+    q = current_quant()
+    if q is None or q.cast_at_load:
+        return
+    if q.method != "fp8":
+        raise QuantizationError(
+            f"Llama 4 checkpoints quantized with {q.method} (int4) are not supported: Llama 4 "
+            f"reorders q_proj / k_proj output rows within each head at load (its interleaved "
+            f"rotary), and int4 packs 8 output columns per qzeros word (AWQ: per qweight "
+            f"word too), which would need repacking. tpserve serves Llama 4's fp8 checkpoints "
+            f"(fp8, compressed-tensors float-quantized), or the float checkpoint with "
+            f"--quantize fp8")
+    d = head_dim_of(config)
+    if q.block is not None and q.block[0] % d:
+        raise QuantizationError(
+            f"Llama 4 fp8 checkpoint with weight_block_size {list(q.block)}: the q_proj / k_proj "
+            f"weight_scale_inv blocks of {q.block[0]} rows cut heads of {d}, whose rows tpserve "
+            f"reorders within each head at load; it serves blocks whose rows are a multiple of "
+            f"head_dim ({d})")
 
 
 def check_config(config) -> None:
@@ -186,9 +243,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     half_order_modules = ("q_proj", "k_proj")
 
     def __init__(self, config, max_positions: int) -> None:
-        # q/k rows are reordered at load (float rows; a cast to fp8 after it is fine), and
-        # the experts load from the fused float tensors only.
-        refuse_checkpoint_quant(type(self).__name__)
+        check_quant(config)
         check_config(config)
         nn.Module.__init__(self)
         self.config = config
@@ -207,5 +262,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, tensors) -> None:
         skip = self.skip_tensors + _VISION + (("lm_head.",) if self.tied(self.config) else ())
+        if any(getattr(layer.mlp, "experts", None) is not None for layer in self.model.layers):
+            tensors = _fused_experts_refused(tensors)  # the experts are quantized, one by one
         load_into(self, _with_half_order(tensors, head_dim_of(self.config)),
                   self.stacked_params, skip, rename=_rename)

@@ -12,6 +12,11 @@ changes:
   experts.gate_up_proj [experts, hidden, 2 * intermediate] (gate columns first, then up,
   as transformers' chunk(2) reads them) and experts.down_proj [experts, intermediate,
   hidden]; the router is router.weight [experts, hidden].
+
+A quantized checkpoint (fp8: Meta's Maverick FP8, llm-compressor's releases) stores the
+experts one by one instead, experts.{e}.gate_proj / up_proj / down_proj with the tensors a
+dense linear has in that format: those become one QuantizedExpert each (layers/moe.py), as
+the other mixture-of-experts families' quantized experts; the router stays float.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 
 from tpserve.distributed import get_tp
 from tpserve.kernels.capabilities import stream_capturing
-from tpserve.layers.moe import SparseMoE
+from tpserve.layers.moe import SparseMoE, quantized_experts
 from tpserve.layers.sharding import expect_shape, shard_size
 from tpserve.models.llama import GatedMLP
 from tpserve.weights import TensorSlice
@@ -31,16 +36,21 @@ class Llama4MoE(SparseMoE):
     def __init__(self, config, prefix: str) -> None:
         """prefix: the block's checkpoint name ("model.layers.{i}.feed_forward"), for errors."""
         h, i, e = config.hidden_size, config.intermediate_size, config.num_local_experts
+        quantized = quantized_experts()
         # Checked first, so the refusal names the tensor as Llama 4 stores it.
-        shard_size(i, get_tp().size, tensor=f"{prefix}.experts.gate_up_proj",
-                   what="expert intermediate size", shape=(e, h, 2 * i))
+        shard_size(i, get_tp().size, tensor=f"{prefix}.experts.0.gate_proj.weight" if quantized
+                   else f"{prefix}.experts.gate_up_proj", what="expert intermediate size",
+                   shape=(i, h) if quantized else (e, h, 2 * i))
+        names = ("gate_proj", "up_proj", "down_proj") if quantized else \
+            ("gate_up_proj", "gate_up_proj", "down_proj")
+        fused = None if quantized else ("experts.gate_up_proj", "experts.down_proj")
         super().__init__(h, i, e, config.num_experts_per_tok, config.hidden_act, prefix,
-                         renormalize=False, names=("gate_up_proj", "gate_up_proj", "down_proj"),
-                         fused_names=("experts.gate_up_proj", "experts.down_proj"))
+                         renormalize=False, names=names, fused_names=fused, router="router")
         self.shared_expert = GatedMLP(h, i, config.hidden_act, f"{prefix}.shared_expert")
-        # Loaded by name through load_into (the family's rename), required like any weight.
-        self.w13.weight_loader, self.w2.weight_loader = self._load_gate_up, self._load_down
-        self.w13.optional = self.w2.optional = False
+        if self.experts is None:
+            # Loaded by name through load_into (the family's rename), required like any weight.
+            self.w13.weight_loader, self.w2.weight_loader = self._load_gate_up, self._load_down
+            self.w13.optional = self.w2.optional = False
 
     def _load_gate_up(self, param: torch.Tensor, w: TensorSlice) -> None:
         expect_shape(w, (self.num_experts, self.hidden, 2 * self.intermediate))

@@ -95,6 +95,12 @@ def _refuse_extras(q: dict, name: str, scheme: dict) -> None:
 def _ignore_patterns(ignore: list[str]) -> tuple[str, ...]:
     """compressed-tensors' ignore (exact module names, or "re:" regexes matched at the start
     of the name) as skip_modules "re:" entries: a name becomes an anchored regex."""
+    from tpserve.models.loader import text_model_name
+
+    # A vision-language checkpoint served as text names its language model's modules
+    # "language_model.model.layers.0..." where tpserve's are "model.layers.0...": both match.
+    given, ignore = ignore, [*ignore, *(n for s in ignore if not s.startswith("re:")
+                         and (n := text_model_name(s + ".")[:-1]) != s)]
     out = tuple(s if s.startswith("re:") else "re:" + re.escape(s) + "$" for s in ignore)
     for s, raw in zip(out, ignore, strict=True):
         try:
@@ -105,7 +111,7 @@ def _ignore_patterns(ignore: list[str]) -> tuple[str, ...]:
     if not any(re.match(s[3:], "lm_head") for s in out):
         raise QuantizationError(
             f"this compressed-tensors checkpoint quantizes lm_head too (its ignore list "
-            f"{ignore} does not name it); tpserve keeps the LM head in float: use a "
+            f"{given} does not name it); tpserve keeps the LM head in float: use a "
             "checkpoint with a float head")
     return out
 

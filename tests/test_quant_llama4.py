@@ -1,0 +1,283 @@
+"""fp8 Llama 4 checkpoints served by Ray shard actors against transformers (float32, CPU)
+running the same model with the dequantized weights: prefill logits within 1e-4 relative,
+32 greedy tokens identical. The checkpoints are written in the test from tests/tiny_models.py's
+Llama 4 (4 heads of 16, 2 KV heads, 4 experts of 64) as the fp8 releases store them: every
+linear fp8 with a per-channel weight_scale ([N, 1]) or one per tensor, the experts one by one
+(feed_forward.experts.{e}.gate_proj / up_proj / down_proj), the router float. q_proj and
+k_proj rows are reordered within each head at load (the interleaved rotary), so their
+weight_scale rows must be too: the writer spreads those scales by powers of two so that a
+loader reordering the weight rows but not the scales is far off (the oracle guard below).
+The reference re-fuses the dequantized experts into transformers' experts.gate_up_proj /
+down_proj."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import assert_matches_reference, engine_matches_reference, load_rank, make_engine
+from quant_checkpoints import ct_quantization_config, write_fp8_cast_reference, write_quantized
+from safetensors.torch import load_file, save_file
+from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, hf_last_logits, save_model
+
+from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+from tpserve.errors import CheckpointError
+from tpserve.layers.interleaved_rotary import half_order
+from tpserve.layers.moe import QuantizedExpert
+from tpserve.layers.quant.config import QuantizationError
+from tpserve.layers.quant.methods import Fp8Method, UnquantizedMethod
+from tpserve.worker.build import check_shardable
+
+HEAD_DIM = 16
+ROUTER = r"re:.*feed_forward\.router$"
+CHECKPOINTS = {
+    # the fp8 method: weight_scale per channel [N, 1], input_scale per tensor (not applied)
+    "llama4-fp8": dict(fmt="fp8"),
+    "llama4-fp8-per-tensor": dict(fmt="fp8", fp8_per_tensor=True),
+    # compressed-tensors fp8 per channel, dynamic per-token activations (Maverick FP8's
+    # scheme), the router ignored
+    "llama4-ct-fp8-dynamic": dict(fmt="ct-fp8-dynamic", ignore=("lm_head", ROUTER)),
+    # as above with attention kept float (llm-compressor's Llama 4 recipes ignore self_attn)
+    "llama4-ct-fp8-float-attn": dict(fmt="ct-fp8-dynamic",
+                                     ignore=("lm_head", ROUTER, r"re:.*self_attn.*")),
+}
+FAST = {("llama4-fp8", 2), ("llama4-ct-fp8-dynamic", 2)}
+CASES = [pytest.param(name, tp, id=f"{name}-tp{tp}",
+                      marks=() if (name, tp) in FAST else pytest.mark.slow)
+         for name in CHECKPOINTS for tp in (1, 2, 4)]
+
+
+def float_llama4(models_dir: Path) -> Path:
+    out = models_dir / "quant-float-llama4"
+    if not (out / "config.json").exists():
+        config, kwargs = FAMILY_CHECKPOINTS["llama4"]
+        save_model(config(), out, **kwargs)
+    return out
+
+
+def _unfuse(src: Path, out: Path) -> Path:
+    """src with each layer's fused experts stored one by one (as the fp8 releases do)."""
+    weights = load_file(src / "model.safetensors")
+    for name in [n for n in weights if n.endswith(".experts.gate_up_proj")]:
+        base = name[: -len("gate_up_proj")]
+        gate_up, down = weights.pop(name), weights.pop(base + "down_proj")
+        i = gate_up.shape[2] // 2
+        for e in range(gate_up.shape[0]):
+            weights[f"{base}{e}.gate_proj.weight"] = gate_up[e, :, :i].t().contiguous()
+            weights[f"{base}{e}.up_proj.weight"] = gate_up[e, :, i:].t().contiguous()
+            weights[f"{base}{e}.down_proj.weight"] = down[e].t().contiguous()
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _refuse(weights: dict) -> dict:
+    """The per-expert float tensors fused back into transformers' layout."""
+    experts = sorted({n.rpartition(".experts.")[0] for n in weights if ".experts." in n})
+    for block in experts:
+        e = 0
+        gates, ups, downs = [], [], []
+        while f"{block}.experts.{e}.gate_proj.weight" in weights:
+            p = f"{block}.experts.{e}"
+            gates.append(weights.pop(f"{p}.gate_proj.weight").t())
+            ups.append(weights.pop(f"{p}.up_proj.weight").t())
+            downs.append(weights.pop(f"{p}.down_proj.weight").t())
+            e += 1
+        weights[f"{block}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat((g, u), dim=1) for g, u in zip(gates, ups, strict=True)]).contiguous()
+        weights[f"{block}.experts.down_proj"] = torch.stack(downs).contiguous()
+    return weights
+
+
+def _spread_qk_scales(qdir: Path, ref: Path, misread: Path | None = None) -> None:
+    """Multiply q_proj / k_proj per-channel scales by 2^0..2^4 (seeded by the name) in the
+    checkpoint and its dequantized twin, so neighbouring rows' scales differ by up to 16x.
+    misread: also write the twin a loader would serve that reordered the weight rows but
+    not the scales (held row j, checkpoint row order[j], scaled by checkpoint row j's)."""
+    quant, deq = load_file(qdir / "model.safetensors"), load_file(ref / "model.safetensors")
+    wrong = dict(deq)
+    order = half_order(HEAD_DIM)
+    inverse = torch.argsort(order)
+    for name in [n for n in quant if n.endswith(("q_proj.weight_scale", "k_proj.weight_scale"))]:
+        scale = quant[name]
+        if scale.numel() == 1:
+            continue
+        g = torch.Generator().manual_seed(sum(map(ord, name)))
+        scale = scale * 2.0 ** torch.randint(0, 5, scale.shape, generator=g)
+        quant[name] = scale
+        base = name[: -len("_scale")]
+        q = quant[base].float()
+        deq[base] = q * scale
+        per_head = scale.view(-1, HEAD_DIM, 1)[:, inverse].reshape(scale.shape)
+        wrong[base] = q * per_head
+    save_file(quant, qdir / "model.safetensors", metadata={"format": "pt"})
+    save_file(deq, ref / "model.safetensors", metadata={"format": "pt"})
+    if misread is not None:
+        shutil.copytree(ref, misread, dirs_exist_ok=True)
+        save_file(wrong, misread / "model.safetensors", metadata={"format": "pt"})
+
+
+_REFS: dict[str, tuple] = {}
+
+
+def quantized_llama4(models_dir: Path, name: str) -> tuple:
+    """(quantized dir, reference tokens, reference logits, misread twin dir), built once."""
+    if name not in _REFS:
+        src = _unfuse(float_llama4(models_dir), models_dir / "quant-float-llama4-unfused")
+        qdir, ref = write_quantized(src, models_dir / name, models_dir / f"{name}-ref",
+                                    **CHECKPOINTS[name])
+        misread = models_dir / f"{name}-misread"
+        _spread_qk_scales(qdir, ref, misread)
+        for d in (ref, misread):
+            save_file(_refuse(load_file(d / "model.safetensors")), d / "model.safetensors",
+                      metadata={"format": "pt"})
+        _REFS[name] = (qdir, hf_greedy(ref, PROMPTS, 32), hf_last_logits(ref, PROMPTS), misread)
+    return _REFS[name]
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_fp8_llama4_matches_transformers(ray_cluster, models_dir, name, tp):
+    path, ref_tokens, ref_logits, _ = quantized_llama4(models_dir, name)
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
+
+
+def _worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() / y.abs().max().item()
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", ["llama4-fp8", "llama4-ct-fp8-dynamic"])
+def test_the_oracle_sees_the_quantization_and_the_scale_order(models_dir, name):
+    """Oracle guards: the dequantized model is not the float model; and the model a loader
+    would serve that reordered q/k weight rows but not their per-channel scales is 100x the
+    tolerance away from the reference, so the comparison above checks the reordering."""
+    _, ref_tokens, ref_logits, misread = quantized_llama4(models_dir, name)
+    assert _worst(ref_logits, hf_last_logits(float_llama4(models_dir), PROMPTS)) > 1e-2
+    assert _worst(hf_last_logits(misread, PROMPTS), ref_logits) > 100 * 1e-4
+    assert all(len(set(t)) > 3 for t in ref_tokens)
+
+
+def test_held_qk_rows_and_scales_are_reordered_together(models_dir):
+    """A tp = 2 rank holds q/k's fp8 rows and their scales in each head's rotate-half order:
+    weight x scale is the reordered dequantized weight, row for row; v is untouched."""
+    path = quantized_llama4(models_dir, "llama4-fp8")[0]
+    model, _ = load_rank(path, 1, 2)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.method, Fp8Method)
+    quant = load_file(path / "model.safetensors")
+    held = qkv.weight.float() * qkv.weight_scale[:, None]
+    order = half_order(HEAD_DIM)
+
+    def reordered(proj: str, rows: slice) -> torch.Tensor:
+        w = quant[f"model.layers.0.self_attn.{proj}.weight"].float() * \
+            quant[f"model.layers.0.self_attn.{proj}.weight_scale"]
+        return w[rows].view(-1, HEAD_DIM, w.shape[1])[:, order].reshape(-1, w.shape[1])
+
+    q_rows, kv_rows = qkv.q_size, qkv.kv_size  # rank 1: heads 2-3, KV head 1
+    assert torch.equal(held[:q_rows], reordered("q_proj", slice(32, 64)))
+    assert torch.equal(held[q_rows:q_rows + kv_rows], reordered("k_proj", slice(16, 32)))
+    v = quant["model.layers.0.self_attn.v_proj.weight"].float() * \
+        quant["model.layers.0.self_attn.v_proj.weight_scale"]
+    assert torch.equal(held[q_rows + kv_rows:], v[16:32])
+    assert not torch.equal(held[:q_rows], quant["model.layers.0.self_attn.q_proj.weight"]
+                           .float()[32:64] * quant["model.layers.0.self_attn.q_proj.weight_scale"][32:64])
+
+
+def test_experts_stay_fp8_one_by_one_and_the_router_float(models_dir):
+    path = quantized_llama4(models_dir, "llama4-ct-fp8-float-attn")[0]
+    model, stats = load_rank(path, 1, 2)
+    moe = model.model.layers[1].mlp
+    assert moe.w13 is None and all(isinstance(e, QuantizedExpert) for e in moe.experts)
+    assert isinstance(moe.experts[3].down_proj.method, Fp8Method)
+    assert isinstance(moe.shared_expert.gate_up_proj.method, Fp8Method)
+    assert isinstance(model.model.layers[0].mlp.down_proj.method, Fp8Method)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.method, UnquantizedMethod)
+    assert moe.gate.weight.dtype != torch.float8_e4m3fn
+    pre = "model.layers.1.feed_forward"
+    assert stats.fraction(f"{pre}.experts.3.down_proj.weight") == pytest.approx(0.5)
+    assert stats.fraction(f"{pre}.router.weight") == 1
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow),
+                                pytest.param(4, marks=pytest.mark.slow)])
+def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, tp):
+    """--quantize fp8 on the float checkpoint: attention and dense MLPs cast per channel of
+    each rank's slice (after q/k's rows are reordered: the same scales, reordered); the
+    experts stay float and stacked."""
+    src = float_llama4(models_dir)
+    ref = write_fp8_cast_reference(src, models_dir / f"llama4-fp8-cast-ref-tp{tp}", tp)
+    weights = load_file(ref / "model.safetensors")
+    assert any(".experts." in n for n in weights)  # fused experts: not cast by the writer
+    ref_logits = hf_last_logits(ref, PROMPTS)
+    assert _worst(ref_logits, hf_last_logits(src, PROMPTS)) > 1e-3
+    engine = make_engine(src, tp, quantize="fp8")
+    try:
+        assert_matches_reference(engine, PROMPTS, hf_greedy(ref, PROMPTS, 32), ref_logits)
+    finally:
+        engine.shutdown()
+
+
+def _cfg(tp: int) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path="unused", model_id="m", max_model_len=64),
+                        parallel=ParallelConfig(tp_size=tp))
+
+
+@pytest.mark.parametrize(("quant", "needle"), [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
+     "quantized with gptq (int4) are not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+      "version": "gemm"}, "quantized with awq (int4) are not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [8, 32]},
+     "blocks of 8 rows cut heads of 16"),
+    (ct_quantization_config("ct-w4a16", 32, True, ("lm_head", ROUTER)),
+     "quantized with compressed-tensors (int4) are not supported"),
+])
+def test_what_llama4_does_not_serve_is_refused_at_start(quant, needle):
+    hf = FAMILY_CHECKPOINTS["llama4"][0]()
+    hf.quantization_config = quant
+    with pytest.raises(QuantizationError, match=re.escape(needle)):
+        check_shardable(_cfg(2), hf)
+
+
+def test_fp8_blocks_of_whole_heads_build():
+    hf = FAMILY_CHECKPOINTS["llama4"][0]()
+    hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    check_shardable(_cfg(2), hf)
+
+
+def test_fused_quantized_experts_are_refused_at_load(models_dir):
+    """The fbgemm layout (experts.gate_up_proj fp8 with gate_up_proj_scale) is not read."""
+    src = quantized_llama4(models_dir, "llama4-fp8")[0]
+    out = models_dir / "llama4-fp8-fused-experts"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.1.feed_forward.experts.gate_up_proj"] = torch.zeros(
+        4, 64, 128).to(torch.float8_e4m3fn)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts stored fused in a quantized Llama 4"):
+        load_rank(out, 0, 1)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_vision_language_ignore_names_match_the_text_models():
+    """Llama4ForConditionalGeneration's compressed-tensors ignore lists may name modules as
+    the checkpoint does (language_model.model.layers..., language_model.lm_head): they
+    match the text model's names too."""
+    from tpserve.layers.quant.compressed_tensors import parse_config
+    from tpserve.layers.quant.methods import _skipped
+
+    q = ct_quantization_config("ct-fp8-dynamic", ignore=(
+        "language_model.lm_head", "language_model.model.layers.0.self_attn.q_proj",
+        "language_model.model.layers.0.self_attn.k_proj",
+        "language_model.model.layers.0.self_attn.v_proj", ROUTER))
+    cfg = parse_config(q, "auto")
+    assert _skipped(cfg, "model.layers.0.self_attn.qkv_proj",
+                    [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+    assert not _skipped(cfg, "model.layers.1.self_attn.o_proj",
+                        ["model.layers.1.self_attn.o_proj"])
+    assert _skipped(cfg, "model.layers.1.feed_forward.router",
+                    ["model.layers.1.feed_forward.router"])
