@@ -59,7 +59,8 @@ class ScriptedEngine:
         self.cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
                                    parallel=SimpleNamespace(device="cpu", tp_size=2,
                                                             placement="pack"),
-                                   cache=SimpleNamespace(block_size=16))
+                                   cache=SimpleNamespace(block_size=16),
+                                   lora=SimpleNamespace(names=()))
         self.max_input_tokens, self.max_model_len, self.num_blocks = 8, 16, 4
         self.load_reports = [SimpleNamespace(backend="scripted")]
         self.hf_config = None
