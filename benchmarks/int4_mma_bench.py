@@ -12,6 +12,9 @@ path first (relative error printed). Times: quant_sweep.graph_ms, a CUDA graph c
 through >= 256 MB of weight copies so that none is served from L2, as in a decode step; us
 per call and the weight bytes read per second.
 
+--frag: also the kernel reading the weight in fragment order (tpserve/kernels/quant/frag.py),
+its output required to equal the row-major kernel's bit for bit.
+
 --over-16 24 32 48 64: also rows above the kernel's 16, where the 17-64 tiles run, against
 the kernel launched once per 16 rows and bf16 (us summed over the four layers).
 """
@@ -32,6 +35,7 @@ from quant_sweep import COPY_BYTES, GROUP, LAYERS, graph_ms, tensors, weight_byt
 from report import emit  # noqa: E402
 
 from tpserve.kernels.quant import triton_kernel as tk  # noqa: E402
+from tpserve.kernels.quant.frag import frag_pack  # noqa: E402
 
 VARIANTS = ((0, 0, 0), (0, 0, 2), (2, 0, 1), (2, 0, 2), (8, 0, 1), (4, 1, 1), (4, 1, 2),
             (4, 4, 2), (4, 8, 2), (8, 4, 2), (16, 2, 2), (4, 8, 1))
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time VARIANTS")
+    ap.add_argument("--frag", action="store_true", help="also the fragment-order weight")
     ap.add_argument("--over-16", type=int, nargs="*", default=[], metavar="M")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="activations (and the F.linear comparison)")
@@ -56,12 +61,14 @@ def main() -> int:
     lines = [f"### int4 GEMV on the tensor cores, {args.dtype} activations, {name}, "
              f"torch {torch.__version__}, {when}",
              "", "| layer | M | previous us | mma us (default) | best mma us "
-             "(warps, split, ahead) | bf16 us | previous GB/s | mma GB/s | mma / previous | max rel. err |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(warps, split, ahead) | bf16 us | previous GB/s | mma GB/s | mma / previous | max rel. err "
+             "| fragment-order us | fragment-order GB/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     totals: dict[int, list[float]] = {}
     for lname, k, n in LAYERS:
         copies = max(1, COPY_BYTES // weight_bytes("int4", k, n))
         sets = tensors(k, n, dev, copies)
+        frags = [frag_pack(t[0]) for t in sets] if args.frag else []
         wbf = [torch.randn(n, k, device=dev, dtype=dt)
                for _ in range(max(1, COPY_BYTES // (2 * k * n)))]
         for m in args.batches:
@@ -91,6 +98,13 @@ def main() -> int:
                     us = graph_ms([lambda t=t, w=w, s=s, a=a: mma(t, w, s, a) for t in sets]) * 1e3
                     if us < best:
                         best, best_v = us, f"{w}, {s}, {a}"
+            t_frag = float("nan")
+            if args.frag:
+                yf = tk.int4_mma_matmul(x, *sets[0][:3], GROUP, frag=frags[0])
+                assert torch.equal(yf, mma(sets[0])), f"{lname} M={m}: fragment order differs"
+                t_frag = graph_ms([lambda t=t, f=f, x=x: tk.int4_mma_matmul(x, *t[:3], GROUP, frag=f)
+                                   for t, f in zip(sets, frags)]) * 1e3
+                totals.setdefault(-m, [0.0])[0] += t_frag
             t_bf = graph_ms([lambda wb=wb, x=x: torch.nn.functional.linear(x, wb) for wb in wbf]) * 1e3
             gb = weight_bytes("int4", k, n) / 1e3
             tot = totals.setdefault(m, [0.0, 0.0, 0.0])
@@ -99,14 +113,16 @@ def main() -> int:
             tot[2] += t_bf
             lines.append(f"| {lname} | {m} | {t_prev:.1f} | {t_mma:.1f} | {best:.1f} ({best_v}) "
                          f"| {t_bf:.1f} | {gb / t_prev:.0f} | {gb / t_mma:.0f} "
-                         f"| {t_mma / t_prev:.2f} | {err:.2e} |")
+                         f"| {t_mma / t_prev:.2f} | {err:.2e} | {t_frag:.1f} | {gb / t_frag:.0f} |")
             print(lines[-1], flush=True)
-        del sets, wbf
+        del sets, wbf, frags
         torch.cuda.empty_cache()
     lines += ["", "| M | four layers: previous us | mma us | bf16 us | x 32 layers: previous ms "
               "| mma ms |", "| --- | --- | --- | --- | --- | --- |"]
-    for m, (p, q, b) in totals.items():
-        lines.append(f"| {m} | {p:.1f} | {q:.1f} | {b:.1f} | {32 * p / 1e3:.3f} "
+    for m, (p, q, b) in ((m, v) for m, v in totals.items() if m > 0):
+        if -m in totals:
+            b = f"{b:.1f}; fragment order {totals[-m][0]:.1f}"
+        lines.append(f"| {m} | {p:.1f} | {q:.1f} | {b} | {32 * p / 1e3:.3f} "
                      f"| {32 * q / 1e3:.3f} |")
     if args.over_16:
         lines += ["", "| rows | four layers: previous us | 16 rows a launch us | bf16 us |",

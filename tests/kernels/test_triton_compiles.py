@@ -226,17 +226,19 @@ def test_quant_kernels_compile(pdl):
 def test_int4_mma_gemv_compiles(rows, split_pad, f16):
     """The tensor-core int4 GEMV of 1-16 rows (triton_mma.py: mma.sync in inline PTX), one
     row under PDL, several rows and a split K summed by the last program, weights loaded
-    one and two steps ahead; bfloat16 and float16 activations."""
+    one and two steps ahead; bfloat16 and float16 activations; bfloat16 also with the
+    weight in fragment order (quant/frag.py)."""
     from tpserve.kernels.quant import triton_mma as tm
 
     act = "*fp16" if f16 else "*bf16"
     _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "qw_ptr": "*i32",
                                        "s_ptr": "*fp16", "z_ptr": "*fp16", "*": act},
              dict(GROUP=128, W=4, ODD=rows > 1, ROWS16=rows > 8, AHEAD=1 + (rows == 8),
-                  SPLIT_PAD=split_pad, PDL=rows == 1, GATED=0, **tm.asm_for(rows > 8, f16)))
+                  SPLIT_PAD=split_pad, PDL=rows == 1, GATED=0, FRAG=not f16,
+                  **tm.asm_for(rows > 8, f16)))
     if rows == 1:  # a gated MLP's projection and activation in one launch (one row)
         _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32",
                                            "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
                                            "*": act},
                  dict(GROUP=128, W=4, ODD=False, ROWS16=False, AHEAD=1, SPLIT_PAD=split_pad,
-                      PDL=True, GATED=1 + f16, **tm.asm_for(False, f16)))
+                      PDL=True, GATED=1 + f16, FRAG=not f16, **tm.asm_for(False, f16)))

@@ -78,6 +78,11 @@ INT4_GATED = os.environ.get("TPSERVE_INT4_GATED", "1") != "0"
 # residual add inside down_proj's (quant_matmul's `rms` and `residual`, LlamaModel's
 # fold_norms); TPSERVE_INT4_FOLD=0 keeps both as launches of their own.
 INT4_FOLD = os.environ.get("TPSERVE_INT4_FOLD", "1") != "0"
+# Experiment switch (A/B on a GPU, docs/quantization.md): the tensor-core GEMV reads a
+# fragment-order copy of each weight (quant/frag.py), made on first use and kept beside the
+# row-major one. Not for serving: it holds both layouts.
+INT4_FRAG = os.environ.get("TPSERVE_INT4_FRAG", "0") == "1"
+_FRAGS: dict[tuple[int, int], torch.Tensor] = {}
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -322,19 +327,22 @@ def _rows(dtype: torch.dtype) -> str:
 
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                     group_size: int, warps: int = 0, split: int = 0,
-                    ahead: int = 0, gated: int = 0) -> torch.Tensor | None:
+                    ahead: int = 0, gated: int = 0,
+                    frag: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
     that kernel does not apply (mma_refusal says why). warps / split / ahead: fixed choices
     (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD). gated:
-    as quant_matmul's."""
+    as quant_matmul's. frag: w in fragment order (quant/frag.py, packed for the same
+    gated), read instead of w."""
     warps = warps or MMA_WARPS[x.shape[0] > 8]
     if mma_refusal(x, w, s, z, group_size, warps):
         return None
-    return _mma_launch(x, w, s, z, group_size, warps, split, ahead, gated=gated)
+    return _mma_launch(x, w, s, z, group_size, warps, split, ahead, gated=gated, frag=frag)
 
 
 def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
-                out: torch.Tensor | None = None, gated: int = 0) -> torch.Tensor | None:
+                out: torch.Tensor | None = None, gated: int = 0,
+                frag: torch.Tensor | None = None) -> torch.Tensor | None:
     """int4_mma_matmul once mma_refusal has passed, into out (contiguous [M, N]) or a new
     tensor (None only where the split-K counters cannot be made: during a capture that comes
     first). gated: as quant_matmul's; y is then [M, N / 2] (a program takes 32 gate columns
@@ -359,11 +367,18 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
             return None
         ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         split_pad = max(2, 1 << (split - 1).bit_length())
+    if frag is None and INT4_FRAG:
+        key = (w.data_ptr(), gated)
+        if key not in _FRAGS:
+            from tpserve.kernels.quant.frag import frag_pack
+            _FRAGS[key] = frag_pack(w, n // 2 if gated else 0)
+        frag = _FRAGS[key]
     chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
-        x, y, ws, counters, w, s, z, m, n, k, x.stride(0), w.stride(0), s.stride(0), n // 2,
-        GROUP=group_size, W=warps, ODD=m > 1, ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD,
-        SPLIT_PAD=split_pad, GATED=gated, num_warps=warps, **chain,
+        x, y, ws, counters, w if frag is None else frag, s, z, m, n, k, x.stride(0),
+        w.stride(0), s.stride(0), n // 2, GROUP=group_size, W=warps, ODD=m > 1,
+        ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD, SPLIT_PAD=split_pad, GATED=gated,
+        FRAG=frag is not None, num_warps=warps, **chain,
         **triton_mma.asm_for(m > 8, x.dtype == torch.float16))
     return y
 

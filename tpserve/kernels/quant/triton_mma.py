@@ -219,13 +219,23 @@ def _products(w, p, q, p2, q2, acc, acc2, u, ROWS16: tl.constexpr, COLUMN: tl.co
 
 @triton.jit
 def _words_at(qw_ptr, j, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP: tl.constexpr,
-              W: tl.constexpr):
+              W: tl.constexpr, FRAG: tl.constexpr = False, lane=0, cb=0, steps=0):
     """The lane's 16 words of its j-th step of 64 inputs: packed rows t and t + 4 of
     columns col..col + 3, then of col + hoff..col + hoff + 3 (hoff: 32, or a gated
     projection's up offset; a step past the split's last group reads that group again; its
-    x is masked to 0)."""
+    x is masked to 0). FRAG: the weight is in fragment order (frag_pack), where those 16
+    words are four 16-byte runs of lane-ordered 512-byte blocks, so each load of a warp
+    reads 512 contiguous bytes and a program's steps follow one another in memory
+    (cb: the program's column block, steps: K / 64)."""
     IT: tl.constexpr = GROUP // 64
     gi = tl.minimum(g_lo + warp + W * (j // IT), g_hi - 1)
+    if FRAG:
+        fp = qw_ptr + (cb * steps + gi * IT + j % IT) * 512 + lane * 4
+        a0, a1, a2, a3 = _words4(fp)
+        b0, b1, b2, b3 = _words4(fp + 128)
+        c0, c1, c2, c3 = _words4(fp + 256)
+        d0, d1, d2, d3 = _words4(fp + 384)
+        return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
     rp = qw_ptr + ((gi * GROUP + 64 * (j % IT)) // 8 + t) * sqk + col
     a0, a1, a2, a3 = _words4(rp)
     b0, b1, b2, b3 = _words4(rp + 4 * sqk)
@@ -287,7 +297,8 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
                          sqk, ssg, up, GROUP: tl.constexpr, W: tl.constexpr, ODD: tl.constexpr,
                          ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
                          PDL: tl.constexpr, COLUMN: tl.constexpr, ONES: tl.constexpr,
-                         BIAS: tl.constexpr, GATED: tl.constexpr = 0):
+                         BIAS: tl.constexpr, GATED: tl.constexpr = 0,
+                         FRAG: tl.constexpr = False):
     """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16 or float16, even row stride) @ int4 qweight
     [K / 8, N] (row-major, N % 64 == 0) with float16 scales and zeros [K / GROUP, N],
     GROUP % 64 == 0. Program (n, s): columns 64n.., the s-th of the K splits (more than one:
@@ -298,7 +309,7 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     `up` of each; program n takes gate columns 32n.. as the first half of its 64 and their up
     columns, `up` further, as the second, so each lane holds a gate column and its up
     column, and y [M, up] gets act(g) * u (triton_jit._gated_store). See the module
-    docstring."""
+    docstring. FRAG: qw_ptr holds the weight in fragment order (frag_pack; sqk unused)."""
     if PDL:
         gdc_launch_dependents()
     IT: tl.constexpr = GROUP // 64  # 64-input steps per group
@@ -310,6 +321,7 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     c = tl.program_id(0) * (32 if GATED else 64)
     hoff = _second_half(up, GATED)
     pid_k = tl.program_id(1)
+    cb, steps = tl.program_id(0), K // 64  # FRAG's column block and steps per column block
     splits = tl.num_programs(1)
     groups = K // GROUP
     per_split = tl.cdiv(groups, splits)
@@ -325,18 +337,21 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     o, o2 = z16, z16
     acc, acc2, u = z16, z16, (zero, zero, zero, zero)
     # Weights never change while serving: the first words load before the PDL wait.
-    n1 = _words_at(qw_ptr, 0, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
+    n1 = _words_at(qw_ptr, 0, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W, FRAG, lane, cb, steps)
     if AHEAD == 2:
-        n2 = _words_at(qw_ptr, 1, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
+        n2 = _words_at(qw_ptr, 1, g_lo, g_hi, warp, t, col, sqk,
+                       hoff, GROUP, W, FRAG, lane, cb, steps)
     if PDL:
         gdc_wait()
     for j in range(0, tl.cdiv(per_split, W) * IT):
         w = n1
         if AHEAD == 2:
             n1 = n2
-            n2 = _words_at(qw_ptr, j + 2, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
+            n2 = _words_at(qw_ptr, j + 2, g_lo, g_hi, warp, t, col, sqk,
+                           hoff, GROUP, W, FRAG, lane, cb, steps)
         else:
-            n1 = _words_at(qw_ptr, j + 1, g_lo, g_hi, warp, t, col, sqk, hoff, GROUP, W)
+            n1 = _words_at(qw_ptr, j + 1, g_lo, g_hi, warp, t, col, sqk,
+                           hoff, GROUP, W, FRAG, lane, cb, steps)
         gi = g_lo + warp + W * (j // IT)
         gl = tl.minimum(gi, g_hi - 1)
         live = gi < g_hi
