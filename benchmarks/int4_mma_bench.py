@@ -13,7 +13,9 @@ through >= 256 MB of weight copies so that none is served from L2, as in a decod
 per call and the weight bytes read per second.
 
 --frag: also the kernel reading the weight in fragment order (tpserve/kernels/quant/frag.py),
-its output required to equal the row-major kernel's bit for bit.
+its output required to equal the row-major kernel's bit for bit; at one row also the one-row
+GEMV reading a column-blocked weight (frag.blocked_pack), required to equal the previous
+path's output.
 
 --over-16 24 32 48 64: also rows above the kernel's 16, where the 17-64 tiles run, against
 the kernel launched once per 16 rows and bf16 (us summed over the four layers).
@@ -35,7 +37,7 @@ from quant_sweep import COPY_BYTES, GROUP, LAYERS, graph_ms, tensors, weight_byt
 from report import emit  # noqa: E402
 
 from tpserve.kernels.quant import triton_kernel as tk  # noqa: E402
-from tpserve.kernels.quant.frag import frag_pack  # noqa: E402
+from tpserve.kernels.quant.frag import blocked_pack, frag_pack  # noqa: E402
 
 VARIANTS = ((0, 0, 0), (0, 0, 2), (2, 0, 1), (2, 0, 2), (8, 0, 1), (4, 1, 1), (4, 1, 2),
             (4, 4, 2), (4, 8, 2), (8, 4, 2), (16, 2, 2), (4, 8, 1))
@@ -62,8 +64,8 @@ def main() -> int:
              f"torch {torch.__version__}, {when}",
              "", "| layer | M | previous us | mma us (default) | best mma us "
              "(warps, split, ahead) | bf16 us | previous GB/s | mma GB/s | mma / previous | max rel. err "
-             "| fragment-order us | fragment-order GB/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| fragment-order us | fragment-order GB/s | blocked GEMV us |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     totals: dict[int, list[float]] = {}
     for lname, k, n in LAYERS:
         copies = max(1, COPY_BYTES // weight_bytes("int4", k, n))
@@ -105,6 +107,15 @@ def main() -> int:
                 t_frag = graph_ms([lambda t=t, f=f, x=x: tk.int4_mma_matmul(x, *t[:3], GROUP, frag=f)
                                    for t, f in zip(sets, frags)]) * 1e3
                 totals.setdefault(-m, [0.0])[0] += t_frag
+            t_blk = float("nan")
+            if args.frag and m == 1:
+                tile = tk.pick_tile("int4", 1, n, k, tk._num_sms(dev))
+                bws = [blocked_pack(t[0], tile.block_n) for t in sets]
+                yb = tk.quant_matmul(x, *sets[0][:3], None, GROUP, False, blocked_w=bws[0])
+                assert torch.equal(yb, prev(sets[0])), f"{lname}: the blocked GEMV differs"
+                t_blk = graph_ms([lambda t=t, b=b, x=x: tk.quant_matmul(
+                    x, *t[:3], None, GROUP, False, blocked_w=b) for t, b in zip(sets, bws)]) * 1e3
+                del bws
             t_bf = graph_ms([lambda wb=wb, x=x: torch.nn.functional.linear(x, wb) for wb in wbf]) * 1e3
             gb = weight_bytes("int4", k, n) / 1e3
             tot = totals.setdefault(m, [0.0, 0.0, 0.0])
@@ -113,7 +124,8 @@ def main() -> int:
             tot[2] += t_bf
             lines.append(f"| {lname} | {m} | {t_prev:.1f} | {t_mma:.1f} | {best:.1f} ({best_v}) "
                          f"| {t_bf:.1f} | {gb / t_prev:.0f} | {gb / t_mma:.0f} "
-                         f"| {t_mma / t_prev:.2f} | {err:.2e} | {t_frag:.1f} | {gb / t_frag:.0f} |")
+                         f"| {t_mma / t_prev:.2f} | {err:.2e} | {t_frag:.1f} | {gb / t_frag:.0f} "
+                         f"| {t_blk:.1f} |")
             print(lines[-1], flush=True)
         del sets, wbf, frags
         torch.cuda.empty_cache()

@@ -41,3 +41,34 @@ def test_refuses_unblockable_shapes():
         frag_pack(torch.zeros(8, 96, dtype=torch.int32))
     with pytest.raises(ValueError, match="K % 64"):
         frag_pack(torch.zeros(4, 64, dtype=torch.int32))
+
+
+def test_blocked_one_row_gemv_equals_row_major_under_the_interpreter():
+    """The one-row GEMV reading a column-blocked weight (frag.blocked_pack, BLOCKED) gives
+    the row-major GEMV's output exactly: plain and gated, whole K and split, in float32 and
+    bfloat16 (the interpreter runs the float32 arithmetic; the packed bfloat16x2 path is PTX,
+    checked on a GPU by benchmarks/int4_mma_bench.py --frag)."""
+    from test_quant_kernels import _interpret
+
+    _interpret("""
+        from quant_conformance import int4_case
+        from tpserve.kernels.quant import triton_kernel as tk
+        from tpserve.kernels.quant.frag import blocked_pack
+        from tpserve.kernels.quant.triton_tiles import Tile
+
+        for k, n, group in ((256, 64, 32), (512, 128, 128)):
+            qw, s, z, _, _ = int4_case(k, n, group, False, False, k + n)
+            for dt in (torch.float32, torch.bfloat16):
+                x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(dt)
+                for split in (1, 2):
+                    tile = Tile(block_m=0, block_n=16, block_k=64, split=split)
+                    for gated in (0, 1):
+                        b = blocked_pack(qw, 16, n // 2 if gated else 0)
+                        want = tk.quant_matmul(x, qw, s, z, None, group, False, tile=tile,
+                                               gated=gated)
+                        got = tk.quant_matmul(x, qw, s, z, None, group, False, tile=tile,
+                                              gated=gated, blocked_w=b)
+                        assert want is not None and torch.equal(got, want), (k, dt, split,
+                                                                             gated)
+        print("ok")
+    """)

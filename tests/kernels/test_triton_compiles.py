@@ -169,14 +169,14 @@ def test_int4_gemv_compiles(dtype):
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
                       PACKED=packed, PDL=even, SPLIT_PAD=4 if prefetch else 0,
                       GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                      GATED=0, RMS=False, RESIDUAL=False))
+                      GATED=0, RMS=False, RESIDUAL=False, BLOCKED=even and not gidx))
         if not gidx and prefetch:  # the gated MLP's launch: silu, then the tanh GELU
             _compile(jit.int4_gemv_n_kernel, ptrs,
                      dict(HAS_GIDX=False, ROW_SCALES=row_scales, PREFETCH=prefetch,
                           K_SPAN=1024, BLOCK_K=128, BLOCK_N=16, EVEN=even, ASM=True,
                           XPAIRS=dtype == "bf16", PACKED=packed, PDL=even, SPLIT_PAD=4,
                           GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                          GATED=1 + even, RMS=False, RESIDUAL=False))
+                          GATED=1 + even, RMS=False, RESIDUAL=False, BLOCKED=even))
             # A decoder layer's input norm (x * gamma as read, 1 / rms(x) as stored) and
             # the residual add, whole K and split.
             for rms in (True, False):

@@ -65,3 +65,24 @@ def lane_words(qweight: torch.Tensor, block: int, step: int, lane: int,
     for row, off in ((r, 0), (r + 4, 0), (r, hoff), (r + 4, hoff)):
         out += [int(v) for v in qweight[row, col + off:col + off + 4]]
     return out
+
+
+def blocked_pack(qweight: torch.Tensor, block_n: int, gated_up: int = 0) -> torch.Tensor:
+    """qweight [K / 8, N] column-blocked for the one-row GEMV (triton_jit.int4_gemv_n_kernel,
+    BLOCKED): [N / block_n][K / 8][block_n], block b's columns those of its program: b *
+    block_n.., or for a gated projection block_n / 2 gate columns b * block_n / 2.. then
+    their up columns."""
+    kw, n = qweight.shape
+    if n % block_n:
+        raise ValueError(f"column blocks need N % {block_n} == 0 "
+                         f"(qweight {tuple(qweight.shape)})")
+    blocks = n // block_n
+    if gated_up:
+        h = block_n // 2
+        cols = (torch.arange(2)[None, :, None] * gated_up
+                + torch.arange(blocks)[:, None, None] * h + torch.arange(h)[None, None, :])
+        cols = cols.reshape(-1)
+    else:
+        cols = torch.arange(n)
+    q = qweight[:, cols.to(qweight.device)].reshape(kw, blocks, block_n).permute(1, 0, 2)
+    return q.contiguous()

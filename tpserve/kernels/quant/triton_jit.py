@@ -170,7 +170,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                        PDL: tl.constexpr, SPLIT_PAD: tl.constexpr,
                        GROUP_LOG2: tl.constexpr = -1, ZF16: tl.constexpr = False,
                        LOOP_STAGES: tl.constexpr = 1, GATED: tl.constexpr = 0,
-                       RMS: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                       RMS: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                       BLOCKED: tl.constexpr = False):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -207,7 +208,10 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     bfloat16x2 multiply per pair, so rounded to bfloat16 where the norm rounds x / rms(x)),
     and the program that writes the output scales it by 1 / rms(x) (_finish).
     RESIDUAL: y = res + the product (rounded to y's dtype first, as a separate add would see
-    it): the residual stream's add done by the layer that feeds it."""
+    it): the residual stream's add done by the layer that feeds it. BLOCKED (EVEN): qw_ptr
+    holds the weight column-blocked (quant/frag.py blocked_pack: [programs][K / 8][BLOCK_N],
+    a program's columns in its own order), so each program streams one contiguous region;
+    sqk is then BLOCK_N."""
     tl.static_assert(not (PACKED and HAS_GIDX), "act-order takes the float32 path")
     tl.static_assert(not ZF16 or PACKED, "ZF16 is for the packed path")
     if PDL:
@@ -227,7 +231,11 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
     xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if XPAIRS else x_ptr
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_SPAN
-    ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
+    if BLOCKED:
+        ptrs = (qw_ptr + pid_n * ((K // 8) * BLOCK_N) + (k_lo // 8 + rr)[:, None] * BLOCK_N
+                + tl.arange(0, BLOCK_N)[None, :])
+    else:
+        ptrs = qw_ptr + (k_lo // 8 + rr)[:, None] * sqk + offs_n[None, :]
     if PREFETCH:
         nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN)
     if PREFETCH == 2:

@@ -82,7 +82,9 @@ INT4_FOLD = os.environ.get("TPSERVE_INT4_FOLD", "1") != "0"
 # fragment-order copy of each weight (quant/frag.py), made on first use and kept beside the
 # row-major one. Not for serving: it holds both layouts.
 INT4_FRAG = os.environ.get("TPSERVE_INT4_FRAG", "0") == "1"
-_FRAGS: dict[tuple[int, int], torch.Tensor] = {}
+# The same for the one-row GEMV: a column-blocked copy (frag.blocked_pack).
+INT4_BLOCKED = os.environ.get("TPSERVE_INT4_BLOCKED", "0") == "1"
+_FRAGS: dict[tuple, torch.Tensor] = {}
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -138,8 +140,11 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                  tile: Tile | None = None, gated: int = 0,
                  rms: tuple[torch.Tensor, float] | None = None,
                  residual: torch.Tensor | None = None,
-                 block: tuple[int, int] | None = None) -> torch.Tensor | None:
+                 block: tuple[int, int] | None = None,
+                 blocked_w: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, K] @ the dequantized weight (layouts of base.py) -> [M, N] in x's dtype.
+    blocked_w (benchmarks, tests): w column-blocked for the one-row GEMV's tile
+    (frag.blocked_pack with the tile's block_n), read instead of w where that GEMV runs.
     block (fp8): s holds one scale per block of block[0] rows and block[1] columns.
     gated (int4, one row; 1: silu, 2: the tanh GELU): w's columns are a gated MLP's
     [gate; up], and the result is act(x W_gate) * (x W_up), [1, N / 2], from one launch; or
@@ -239,24 +244,32 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             if rms is not None and (gamma.stride(-1) != 1 or packed and (
                     gamma.dtype != x.dtype or gamma.data_ptr() % 4)):
                 return None
-            jit.int4_gemv_n_kernel[grid](x, out, w, s, z, g, y, counters, gamma, res, n, k,
+            even = k % k_span == 0 and (up % (tile.block_n // 2) == 0 if gated
+                                        else n % tile.block_n == 0)
+            wq, sqk, blocked = w, w.stride(0), False
+            if (blocked_w is not None or INT4_BLOCKED) and even and not has_gidx:
+                if blocked_w is None:
+                    key = ("blocked", w.data_ptr(), gated, tile.block_n)
+                    if key not in _FRAGS:
+                        from tpserve.kernels.quant.frag import blocked_pack
+                        _FRAGS[key] = blocked_pack(w, tile.block_n, up)
+                    blocked_w = _FRAGS[key]
+                wq, sqk, blocked = blocked_w, tile.block_n, True
+            jit.int4_gemv_n_kernel[grid](x, out, wq, s, z, g, y, counters, gamma, res, n, k,
                                          group_size, x.stride(1), sos, out.stride(-1),
-                                         w.stride(0), s.stride(0), up,
+                                         sqk, s.stride(0), up,
                                          rms[1] if rms is not None else 0.0,
                                          HAS_GIDX=has_gidx,
                                          ROW_SCALES=row_scales,
                                          PREFETCH=0 if tile.pipeline else int(tile.prefetch),
                                          K_SPAN=k_span, BLOCK_K=bk, BLOCK_N=tile.block_n,
-                                         EVEN=k % k_span == 0 and (
-                                             up % (tile.block_n // 2) == 0 if gated
-                                             else n % tile.block_n == 0),
-                                         ASM=_ptx(x.device), XPAIRS=pairs,
+                                         EVEN=even, ASM=_ptx(x.device), XPAIRS=pairs,
                                          PACKED=packed, SPLIT_PAD=split_pad,
                                          GROUP_LOG2=_log2(group_size),
                                          ZF16=packed and z.dtype == torch.float16,
                                          LOOP_STAGES=max(1, tile.pipeline), GATED=gated,
                                          RMS=rms is not None, RESIDUAL=residual is not None,
-                                         **launch, **chain)
+                                         BLOCKED=blocked, **launch, **chain)
             if summed or fused:
                 return y
     else:
