@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.kernels.quant.frag import block_columns, frag_pack, lane_words
+from tpserve.kernels.quant.frag import block_columns, frag_pack, frag_unpack, lane_words
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
@@ -72,3 +72,10 @@ def test_blocked_one_row_gemv_equals_row_major_under_the_interpreter():
                                                                              gated)
         print("ok")
     """)
+
+
+@pytest.mark.parametrize("up", [0, 128])
+def test_unpack_inverts_pack(up):
+    q = torch.randint(-2**31, 2**31 - 1, (24, 256), dtype=torch.int32,
+                      generator=torch.Generator().manual_seed(up))
+    assert torch.equal(frag_unpack(frag_pack(q, up), 192, 256, up), q)

@@ -86,3 +86,16 @@ def blocked_pack(qweight: torch.Tensor, block_n: int, gated_up: int = 0) -> torc
         cols = torch.arange(n)
     q = qweight[:, cols.to(qweight.device)].reshape(kw, blocks, block_n).permute(1, 0, 2)
     return q.contiguous()
+
+
+def frag_unpack(frag: torch.Tensor, k: int, n: int, gated_up: int = 0) -> torch.Tensor:
+    """frag_pack's inverse: the row-major qweight [K / 8, N] (a temporary, for the paths
+    that read row-major words, such as the dense dequantization of large batches)."""
+    steps, blocks = k // STEP, n // COLS
+    q = frag.reshape(blocks, steps, 2, 2, 8, 4, 4).permute(1, 3, 5, 0, 2, 4, 6)
+    q = q.reshape(k // 8, n)  # columns in block order
+    if gated_up:
+        inverse = torch.empty(n, dtype=torch.long)
+        inverse[block_columns(n, gated_up)] = torch.arange(n)
+        return q[:, inverse.to(q.device)]
+    return q.contiguous()
