@@ -121,7 +121,8 @@ def test_gated_mlp_one_row(dtype):
 def test_fragment_order_equals_row_major_bit_for_bit(m):
     """The weight in fragment order (quant/frag.py) puts the same words in the same
     registers, so the output equals the row-major kernel's exactly: plain and gated, whole
-    K and split, bfloat16 and float16."""
+    K and split, bfloat16 and float16; and the gated launch's column order without the
+    activation (paired, row-major or fragment order) equals the plain launch."""
     from tpserve.kernels.quant.frag import frag_pack
     from tpserve.kernels.quant.triton_kernel import int4_mma_matmul
 
@@ -139,6 +140,11 @@ def test_fragment_order_equals_row_major_bit_for_bit(m):
                     got = int4_mma_matmul(*args, split=split, gated=gated, frag=f)
                     assert want is not None and torch.equal(got, want), (dtype, k, n, gated,
                                                                          split)
+                    if not gated:  # the gated launch's columns, stored whole (paired)
+                        fg = frag_pack(args[1], n // 2)
+                        for frag in (None, fg):
+                            got = int4_mma_matmul(*args, split=split, paired=True, frag=frag)
+                            assert torch.equal(got, want), (dtype, k, n, split, frag is None)
 
 
 def test_refuses_what_it_cannot_take():

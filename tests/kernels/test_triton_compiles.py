@@ -235,7 +235,7 @@ def test_int4_mma_gemv_compiles(rows, split_pad, f16):
                                        "s_ptr": "*fp16", "z_ptr": "*fp16", "*": act},
              dict(GROUP=128, W=4, ODD=rows > 1, ROWS16=rows > 8, AHEAD=1 + (rows == 8),
                   SPLIT_PAD=split_pad, PDL=rows == 1, GATED=0, FRAG=not f16,
-                  **tm.asm_for(rows > 8, f16)))
+                  PAIRED=rows > 1, **tm.asm_for(rows > 8, f16)))
     if rows == 1:  # a gated MLP's projection and activation in one launch (one row)
         _compile(tm.int4_mma_gemv_kernel, {"ws_ptr": "*fp32", "cnt_ptr": "*i32",
                                            "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",

@@ -341,21 +341,23 @@ def _rows(dtype: torch.dtype) -> str:
 def int4_mma_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                     group_size: int, warps: int = 0, split: int = 0,
                     ahead: int = 0, gated: int = 0,
-                    frag: torch.Tensor | None = None) -> torch.Tensor | None:
+                    frag: torch.Tensor | None = None, paired: bool = False) -> torch.Tensor | None:
     """x [M <= 16, K] @ the int4 weight on the tensor cores (triton_mma.py), or None where
     that kernel does not apply (mma_refusal says why). warps / split / ahead: fixed choices
     (tests, benchmarks); 0 picks them (MMA_WARPS, MMA_PROGRAMS_PER_SM, MMA_AHEAD). gated:
-    as quant_matmul's. frag: w in fragment order (quant/frag.py, packed for the same
-    gated), read instead of w."""
+    as quant_matmul's. frag: w in fragment order (quant/frag.py, packed gated when gated or
+    paired), read instead of w. paired: the gated launch's columns without the activation
+    (y [M, N])."""
     warps = warps or MMA_WARPS[x.shape[0] > 8]
     if mma_refusal(x, w, s, z, group_size, warps):
         return None
-    return _mma_launch(x, w, s, z, group_size, warps, split, ahead, gated=gated, frag=frag)
+    return _mma_launch(x, w, s, z, group_size, warps, split, ahead, gated=gated, frag=frag,
+                       paired=paired)
 
 
 def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
                 out: torch.Tensor | None = None, gated: int = 0,
-                frag: torch.Tensor | None = None) -> torch.Tensor | None:
+                frag: torch.Tensor | None = None, paired: bool = False) -> torch.Tensor | None:
     """int4_mma_matmul once mma_refusal has passed, into out (contiguous [M, N]) or a new
     tensor (None only where the split-K counters cannot be made: during a capture that comes
     first). gated: as quant_matmul's; y is then [M, N / 2] (a program takes 32 gate columns
@@ -381,17 +383,17 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
         ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         split_pad = max(2, 1 << (split - 1).bit_length())
     if frag is None and INT4_FRAG:
-        key = (w.data_ptr(), gated)
+        key = (w.data_ptr(), bool(gated or paired))
         if key not in _FRAGS:
             from tpserve.kernels.quant.frag import frag_pack
-            _FRAGS[key] = frag_pack(w, n // 2 if gated else 0)
+            _FRAGS[key] = frag_pack(w, n // 2 if gated or paired else 0)
         frag = _FRAGS[key]
     chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
         x, y, ws, counters, w if frag is None else frag, s, z, m, n, k, x.stride(0),
         w.stride(0), s.stride(0), n // 2, GROUP=group_size, W=warps, ODD=m > 1,
         ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD, SPLIT_PAD=split_pad, GATED=gated,
-        FRAG=frag is not None, num_warps=warps, **chain,
+        FRAG=frag is not None, PAIRED=paired and not gated, num_warps=warps, **chain,
         **triton_mma.asm_for(m > 8, x.dtype == torch.float16))
     return y
 

@@ -298,7 +298,7 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
                          ROWS16: tl.constexpr, AHEAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
                          PDL: tl.constexpr, COLUMN: tl.constexpr, ONES: tl.constexpr,
                          BIAS: tl.constexpr, GATED: tl.constexpr = 0,
-                         FRAG: tl.constexpr = False):
+                         FRAG: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """y [M, N] (contiguous) = x [M, K] (M <= 16, bfloat16 or float16, even row stride) @ int4 qweight
     [K / 8, N] (row-major, N % 64 == 0) with float16 scales and zeros [K / GROUP, N],
     GROUP % 64 == 0. Program (n, s): columns 64n.., the s-th of the K splits (more than one:
@@ -309,7 +309,10 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     `up` of each; program n takes gate columns 32n.. as the first half of its 64 and their up
     columns, `up` further, as the second, so each lane holds a gate column and its up
     column, and y [M, up] gets act(g) * u (triton_jit._gated_store). See the module
-    docstring. FRAG: qw_ptr holds the weight in fragment order (frag_pack; sqk unused)."""
+    docstring. FRAG: qw_ptr holds the weight in fragment order (frag_pack; sqk unused).
+    PAIRED: the programs take GATED's columns (32 gate columns and their up columns) but store
+    both halves of y [M, N] without the activation: a [gate; up] weight packed in the gated
+    launch's fragment order then also serves rows the activation does not fuse into."""
     if PDL:
         gdc_launch_dependents()
     IT: tl.constexpr = GROUP // 64  # 64-input steps per group
@@ -318,8 +321,8 @@ def int4_mma_gemv_kernel(x_ptr, y_ptr, ws_ptr, cnt_ptr, qw_ptr, s_ptr, z_ptr, M,
     warp = e // 32
     g = lane // 4
     t = lane % 4
-    c = tl.program_id(0) * (32 if GATED else 64)
-    hoff = _second_half(up, GATED)
+    c = tl.program_id(0) * (32 if GATED or PAIRED else 64)
+    hoff = _second_half(up, GATED or PAIRED)
     pid_k = tl.program_id(1)
     cb, steps = tl.program_id(0), K // 64  # FRAG's column block and steps per column block
     splits = tl.num_programs(1)
