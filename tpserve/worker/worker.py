@@ -278,6 +278,12 @@ class Worker:
             sizes = tuple(sorted(set(sizes) | set(graph_buckets(max(sizes)))))
         for spec in dict.fromkeys(m.spec for m in self._attention_layers()):
             self.backend.warmup(self.device, self.dtype, spec, sizes)
+        # Quantized weights in their kernel's own layout (int4: the tensor-core GEMV's
+        # fragment order where TPSERVE_INT4_LAYOUT=fragment), before anything captures them.
+        packed = sum(m.method.pack(m, self.dtype) for m in self.model.modules()
+                     if callable(getattr(getattr(m, "method", None), "pack", None)))
+        if packed:
+            log.info("%d quantized layers repacked for their kernel", packed)
         # Before the graphs: each captures whichever path (GEMV or F.linear) was chosen.
         self.gemv_choices = gemv.assign(self.model.modules())
         self._fold_norms()

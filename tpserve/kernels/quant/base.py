@@ -12,8 +12,9 @@ Stored layouts (what the linear layers hand a kernel, whatever the checkpoint fo
   or, with block = (bn, bk), one scale per block of bn rows and bk columns, scale
   [ceil(N / bn), ceil(K / bk)] float32: w[n, k] = weight[n, k] * scale[n // bn, k // bk] (the
   last blocks may be cut by N and K).
-Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts and
-never keeps a dequantized copy between calls.
+Both return x @ w for x [M, K] in x's dtype. A kernel reads the weights in these layouts (or,
+for int4, in the private form its int4_pack returned for the layer) and never keeps a
+dequantized copy between calls.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ class QuantKernel(ABC):
                    block: tuple[int, int] | None = None) -> torch.Tensor:
         """x [M, K] @ (weight [N, K] * scale[:, None]).T -> [M, N]; with block = (bn, bk),
         scale holds one value per block of the weight (the module docstring)."""
+
+    def int4_pack(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, g_idx: torch.Tensor | None, dtype: torch.dtype,
+                  paired: bool) -> torch.Tensor | None:
+        """A private form of a layer's qweight that this kernel's int4 calls read faster, made
+        once per layer in warmup (the layer then holds it instead of the stored layout), or
+        None to keep the stored layout. dtype: the activations'. paired: qweight's columns
+        are two halves [a; b] (a gated MLP's [gate; up]) that a gated launch pairs up.
+        Optional: the default keeps the stored layout."""
+        return None
 
     def int4_normed_matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            zeros: torch.Tensor, group_size: int, gamma: torch.Tensor,

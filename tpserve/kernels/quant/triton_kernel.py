@@ -78,6 +78,11 @@ INT4_GATED = os.environ.get("TPSERVE_INT4_GATED", "1") != "0"
 # residual add inside down_proj's (quant_matmul's `rms` and `residual`, LlamaModel's
 # fold_norms); TPSERVE_INT4_FOLD=0 keeps both as launches of their own.
 INT4_FOLD = os.environ.get("TPSERVE_INT4_FOLD", "1") != "0"
+# How int4 layers hold qweight on CUDA for these kernels (int4_pack): "rows", the stored
+# row-major order, or "fragment", the tensor-core GEMV's fragment order (quant/frag.py), read
+# by that GEMV at every row count it takes and unpacked for the dense path of large batches.
+INT4_LAYOUT = os.environ.get("TPSERVE_INT4_LAYOUT", "rows")
+FRAG_MAX_ROWS = 64  # above: the dense path (a fragment-order weight has no GEMM tiles)
 # Experiment switch (A/B on a GPU, docs/quantization.md): the tensor-core GEMV reads a
 # fragment-order copy of each weight (quant/frag.py), made on first use and kept beside the
 # row-major one. Not for serving: it holds both layouts.
@@ -152,6 +157,9 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
     activation). rms = (gamma, eps) and residual (int4, one row; the same None where they
     cannot be done in the launch): x is the residual stream, multiplied as an RMSNorm's
     output x / rms(x) * gamma; residual + the product."""
+    if not fp8 and is_fragment(w):
+        return _fragment_matmul(x, w, s, z, group_size, gated, rms is not None or
+                                residual is not None)
     m, k = x.shape
     n = w.shape[0] if fp8 else w.shape[1]
     s = s if s.stride(-1) == 1 else s.contiguous()
@@ -333,6 +341,39 @@ def _int4_rows_on_tensor_cores(x, w, s, z, g, group_size: int,
     return y
 
 
+def is_fragment(qweight: torch.Tensor) -> bool:
+    """qweight is int4_pack's fragment-order form: [N / 64, K / 64, 4, 32, 4] int32."""
+    return qweight.dim() == 5
+
+
+def _fragment_matmul(x, f, s, z, group_size: int, gated: int,
+                     fused_norm_or_add: bool) -> torch.Tensor | None:
+    """quant_matmul of a fragment-order weight: the tensor-core GEMV 16 rows a launch up to
+    FRAG_MAX_ROWS rows, else the weight unpacked and dequantized for the vendor matmul. None
+    where the caller runs the unfused launches instead (a norm or residual add to fuse: the
+    tensor-core GEMV has neither; a gated launch of more than one row)."""
+    from tpserve.kernels.quant.frag import frag_unpack
+
+    m, k = x.shape
+    n = s.shape[1]
+    paired = bool(getattr(f, "paired", False))
+    if fused_norm_or_add or (gated and (m != 1 or not paired)):
+        return None
+    if m > FRAG_MAX_ROWS:
+        rows = frag_unpack(f.reshape(-1), k, n, n // 2 if paired else 0)
+        return x @ int4_dequantize(rows, s, z, group_size, None, x.dtype)
+    if m <= 16:
+        return _mma_launch(x, f, s, z, group_size, MMA_WARPS[m > 8], 0, 0, gated=gated,
+                           frag=f, paired=paired)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    for i in range(0, m, 16):
+        rows = min(16, m - i)
+        if _mma_launch(x[i:i + rows], f, s, z, group_size, MMA_WARPS[rows > 8], 0, 0,
+                       out=y[i:i + rows], frag=f, paired=paired) is None:
+            return None
+    return y
+
+
 def _rows(dtype: torch.dtype) -> str:
     lo = MMA_MIN_ROWS.get(dtype, 2)
     return f"{lo}-{max(16, MMA_CHUNK_ROWS)}"
@@ -363,7 +404,7 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
     first). gated: as quant_matmul's; y is then [M, N / 2] (a program takes 32 gate columns
     and their 32 up columns, so the grid is the same)."""
     m, k = x.shape
-    n = w.shape[1]
+    n = s.shape[1]  # w's columns (w may be in fragment order)
     programs = n // MMA_COLS
     groups = k // group_size
     if not split:
@@ -382,7 +423,7 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
             return None
         ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         split_pad = max(2, 1 << (split - 1).bit_length())
-    if frag is None and INT4_FRAG:
+    if frag is None and INT4_FRAG and not is_fragment(w):
         key = (w.data_ptr(), bool(gated or paired))
         if key not in _FRAGS:
             from tpserve.kernels.quant.frag import frag_pack
@@ -391,7 +432,8 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
     chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
         x, y, ws, counters, w if frag is None else frag, s, z, m, n, k, x.stride(0),
-        w.stride(0), s.stride(0), n // 2, GROUP=group_size, W=warps, ODD=m > 1,
+        w.stride(0) if frag is None else 0, s.stride(0), n // 2, GROUP=group_size, W=warps,
+        ODD=m > 1,
         ROWS16=m > 8, AHEAD=ahead or MMA_AHEAD, SPLIT_PAD=split_pad, GATED=gated,
         FRAG=frag is not None, PAIRED=paired and not gated, num_warps=warps, **chain,
         **triton_mma.asm_for(m > 8, x.dtype == torch.float16))
@@ -551,6 +593,27 @@ class TritonQuantKernel(QuantKernel):
 
     def _tile(self, method: str, x: torch.Tensor, n: int) -> Tile | None:
         return self.tile_for(method, x.shape[0], n, x.shape[1]) if self.tile_for else None
+
+    def int4_pack(self, qweight, scales, zeros, group_size, g_idx, dtype, paired):
+        """Fragment order (quant/frag.py) where INT4_LAYOUT asks for it and the tensor-core
+        GEMV takes the layer (mma_refusal with one row of dtype), else None."""
+        if INT4_LAYOUT != "fragment" or not INT4_MMA or qweight.device.type != "cuda":
+            return None
+        if g_idx is not None or (dtype == torch.float16 and not MMA_F16):
+            return None
+        kw, n = qweight.shape
+        x = torch.empty(1, kw * 8, dtype=dtype, device=qweight.device)
+        why = mma_refusal(x, qweight, scales, zeros, group_size)
+        if why:
+            _log_once(f"int4 weights stay row-major where the tensor-core GEMV cannot take "
+                      f"them: {why}")
+            return None
+        from tpserve.kernels.quant.frag import frag_pack
+
+        f = frag_pack(qweight, n // 2 if paired else 0)
+        f = f.view(n // MMA_COLS, kw // 8, 4, 32, 4)
+        f.paired = paired
+        return f
 
     def int4_matmul(self, x, qweight, scales, zeros, group_size, g_idx=None):
         tile = self._tile("int4", x, qweight.shape[1])

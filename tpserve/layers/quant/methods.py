@@ -59,6 +59,11 @@ class LinearMethod:
         layer and the activation)."""
         return None
 
+    def pack(self, layer: nn.Module, dtype: torch.dtype) -> bool:
+        """Warmup: hold the weight in the layout its kernel reads fastest, where that differs
+        from the stored one; True when repacked. Default: keep it."""
+        return False
+
     def fold_norm(self, layer: nn.Module, norm: nn.Module) -> None:
         """Take the RMSNorm in front of `layer`, so that apply_normed applies it (the norm's
         own launch then only runs for steps of several rows)."""
@@ -150,6 +155,10 @@ class Int4Method(LinearMethod):
                 f"{in_total // group} groups.")
         groups = in_per_rank // group if split_groups else math.ceil(in_total / group)
         self.group = group
+        # Two equal fused parts ([gate; up]): a kernel's private layout may pair them up for
+        # its gated launch (QuantKernel.int4_pack).
+        self.paired = len(part_sizes) == 2 and part_sizes[0] == part_sizes[1]
+        self.in_features = in_per_rank
         awq = cfg.method == "awq"
         # Scales keep float16's 11-bit mantissa (what GPTQ and AWQ store) under a bfloat16
         # model; the kernels compute in float32 either way. Zeros are small integers.
@@ -192,6 +201,24 @@ class Int4Method(LinearMethod):
             seen[:] = [t.clone()]
             return t
         return check
+
+    def pack(self, layer, dtype: torch.dtype) -> bool:
+        """Warmup: the layer's qweight in the private layout of the int4 kernel that will run
+        it for activations of dtype, where that kernel has one (QuantKernel.int4_pack); the
+        stored qweight is freed. True when repacked."""
+        qw = layer.qweight
+        if qw.device.type == "meta" or getattr(qw, "paired", None) is not None:
+            return False  # no weights, or already in a kernel's layout
+        g_idx = layer.g_idx if self.cfg.desc_act else None
+        x = torch.empty(0, device=qw.device, dtype=dtype)
+        packed = _kernel(self.cfg, x, "int4").int4_pack(qw, layer.scales, layer.qzeros,
+                                                        self.group, g_idx, dtype, self.paired)
+        if packed is None:
+            return False
+        param = nn.Parameter(packed, requires_grad=False)
+        param.paired = getattr(packed, "paired", False)  # a new object: carry the mark over
+        layer.qweight = param
+        return True
 
     def apply(self, layer, x):
         shape = x.shape
@@ -236,8 +263,7 @@ class Int4Method(LinearMethod):
     def why_not_fused_one_row(self, layer, dtype, normed):
         """Asks the kernel with a row of zeros (warmup time: this also compiles the launch
         the decode graphs will capture)."""
-        k = layer.qweight.shape[0] * 8
-        n = layer.qweight.shape[1]
+        k, n = self.in_features, layer.scales.shape[1]  # qweight may be a kernel's own layout
         x = torch.zeros(1, k, dtype=dtype, device=layer.qweight.device)
         kernel = _kernel(self.cfg, x, "int4")
         g_idx = layer.g_idx if self.cfg.desc_act else None
