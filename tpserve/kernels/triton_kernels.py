@@ -172,7 +172,6 @@ def paged_decode_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
-    chunk_lo = 0
     if HAS_CHUNK:
         chunk_lo = tl.maximum(ctx - 1, 0) // chunk * chunk  # the first key of q's chunk
         lo = tl.maximum(lo, chunk_lo)
