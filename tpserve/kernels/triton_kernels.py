@@ -268,7 +268,7 @@ def paged_decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ot",
-                               "stride_oh"])
+                               "stride_oh"], do_not_specialize_on_alignment=["sinks_ptr"])
 def paged_decode_reduce_kernel(out_ptr, part_ptr, ml_ptr, sinks_ptr, num_splits, stride_pt,
                                stride_ph, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
                                HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
