@@ -29,7 +29,11 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                 prefix_caching: bool = False, quantize: str = "auto",
                 async_scheduling: bool = True, kv_cache_dtype: str = "auto",
                 lora: LoraConfig | None = None,
-                speculative: SpeculativeConfig | None = None) -> Engine:
+                speculative: SpeculativeConfig | None = None,
+                max_num_seqs: int | None = None) -> Engine:
+    """max_num_seqs: the scheduler's (its default when None); fewer sequences warm up fewer
+    decode batch sizes, which counts under Triton's interpreter."""
+    seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=str(path), max_model_len=max_model_len,
                           quantize=quantize),
@@ -37,7 +41,7 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_batch_tokens,
-                                  async_scheduling=async_scheduling),
+                                  async_scheduling=async_scheduling, **seqs),
         kernel=kernel, lora=lora or LoraConfig(),
         speculative=speculative or SpeculativeConfig())
     from tpserve.executor.factory import build_executor

@@ -176,3 +176,23 @@ def test_captured_graphs_serve_cohere_on_cuda(models_dir, name):
         assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["gpt-oss", "llama4", "deepseek-v3"])
+def test_captured_graphs_serve_sinks_chunks_and_padded_heads_on_cuda(models_dir, name):
+    """The Triton kernels' sinks (GPT-OSS), chunks of 8 (Llama 4) and 24-wide heads padded
+    to 32 (DeepSeek-V3) inside captured decode graphs, nothing compiled after warmup. Run
+    under the CPU interpreter only so far (tests/kernels/test_conformance.py)."""
+    from tiny_models import family_checkpoint
+
+    path = family_checkpoint(models_dir, name)
+    engine = cuda_engine(path, True)
+    try:
+        health = engine.executor.health()[0]
+        assert health["decode_graphs"], health
+        assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
+        assert engine.executor.health()[0]["compiles_since_warmup"] == 0
+    finally:
+        engine.shutdown()

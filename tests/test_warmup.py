@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,7 +112,8 @@ def test_triton_warmup_plan_covers_every_bucket_and_live_key():
     buckets = warmup_batch_sizes(64)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for kw in ({}, {"sliding_window": 7}, {"alibi": True}, {"softcap": 30.0},
-                   {"num_kv_heads": 1}):
+                   {"num_kv_heads": 1}, {"sinks": True, "sliding_window": 128},
+                   {"attention_chunk": 8192}, {"head_dim": 192}, {"head_dim": 80}):
             spec = AttentionSpec(**{"num_heads": 8, "num_kv_heads": 2, "head_dim": 128,
                                     "scale": 128**-0.5, "block_size": 16, **kw})
             plan = warmup_plan(dtype, spec, buckets)
@@ -126,6 +128,11 @@ def test_triton_warmup_plan_covers_every_bucket_and_live_key():
             assert keys == {compile_key("decode", dtype, spec), compile_key("prefill", dtype, spec)}
     assert compile_key("decode", torch.float16, spec) != compile_key("decode", torch.bfloat16,
                                                                      spec)
+    # Sinks and chunks are compile-time flags: a model's layers with and without them
+    # (gpt-oss's windows, Llama 4's full-attention layers) are separate warmup keys.
+    for kw in ({"sinks": True}, {"attention_chunk": 16}):
+        assert compile_key("decode", torch.float16, replace(spec, **kw)) != compile_key(
+            "decode", torch.float16, spec)
 
 
 def test_triton_cache_dir_defaults_under_the_user_cache(monkeypatch, tmp_path):

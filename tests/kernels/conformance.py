@@ -5,7 +5,8 @@ Random shapes, random block tables with holes (unused and non-contiguous block i
 entries pointing at garbage), mixed prefill + decode steps (in any order, and with the decode
 rows first as the scheduler orders them), decode-only steps and decode steps
 of a few long contexts (160-700 keys: several split-K programs per sequence), sliding
-windows, ALiBi, GQA/MQA and softcap. The backend under test fills its own cache layout
+windows, ALiBi, GQA/MQA and softcap; FEATURE_CONFIGS adds attention sinks and chunked
+attention (chunks shorter than the contexts, so every kind of step crosses them). The backend under test fills its own cache layout
 through its own write_kv; its output is compared with the torch reference backend run in
 float64 on the CPU over the same (dtype-rounded) inputs, so only the kernel's arithmetic
 error is measured. Cache slots no sequence owns hold large finite garbage: a kernel that
@@ -62,6 +63,16 @@ CONFIGS = [
     ("alibi_gqa", 8, 2, None, True, None),
     ("softcap", 4, 2, None, False, 2.0),
     ("all", 8, 2, 7, True, 2.0),
+]
+# Features only some backends have, each with the AttentionSpec fields it sets: gpt-oss's
+# sinks (with its sliding window too), Llama 4's chunks (12 and 20: not multiples of either
+# block size, shorter than one key tile), and everything at once.
+FEATURE_CONFIGS = [
+    ("sinks", 8, 2, None, False, None, {"sinks": True}),
+    ("sinks_window", 4, 1, 11, False, None, {"sinks": True}),
+    ("chunked", 8, 2, None, False, None, {"attention_chunk": 12}),
+    ("chunked_window", 4, 4, 7, False, None, {"attention_chunk": 20}),
+    ("sinks_chunked_all", 8, 2, 11, True, 2.0, {"sinks": True, "attention_chunk": 16}),
 ]
 
 
@@ -171,9 +182,10 @@ def _layout(rng: random.Random, step: _Step, block_size: int):
 
 
 def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: torch.Generator,
-              rng: random.Random, slopes: torch.Tensor | None):
+              rng: random.Random, slopes: torch.Tensor | None, sinks: torch.Tensor | None = None):
     """(output, float64 reference, fp8: reference over the unquantized cache, new-kv steps:
-    the error of a plain decode over the cache decode_new left)."""
+    the error of a plain decode over the cache decode_new left). sinks: float32 [heads]
+    for a spec with sinks, passed to both sides as they are."""
     bs = spec.block_size
     num_blocks, tables = _layout(rng, step, bs)
     hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -224,16 +236,19 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
     cache_dtype = kv_quant.cache_dtype(spec.kv_cache_dtype, torch.float64)
     full_spec = replace(spec, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
     ref_slopes = None if slopes is None else slopes.double()
+    ref_sinks = {} if sinks is None else {"sinks": sinks}
+    dev_sinks = {} if sinks is None else {"sinks": sinks.to(device)}
     shape = ref_backend.kv_cache_shape(num_blocks, spec)
     kc, vc = _garbage(shape, cache_dtype, "cpu")
     ref_backend.write_kv(k_ref.double(), v_all.double(), kc, vc, slot_mapping, **extra)
-    ref = ref_backend.forward(q_ref.double(), kc, vc, meta_on("cpu"), spec, ref_slopes)
+    ref = ref_backend.forward(q_ref.double(), kc, vc, meta_on("cpu"), spec, ref_slopes,
+                              **ref_sinks)
     full = None
     if fp8:  # the same step over the unquantized cache
         kc, vc = _garbage(shape, torch.float64, "cpu")
         ref_backend.write_kv(k_ref.double(), v_all.double(), kc, vc, slot_mapping)
         full = ref_backend.forward(q_ref.double(), kc, vc, meta_on("cpu"), full_spec,
-                                   ref_slopes)
+                                   ref_slopes, **ref_sinks)
 
     # The backend under test: its own layout and write_kv, on its device.
     shape = backend.kv_cache_shape(num_blocks, spec)
@@ -243,7 +258,7 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
         meta = meta_on(device)
         backend.write_kv(k_all.to(device), v_all.to(device), kc, vc, meta.slot_mapping,
                          **extra)
-        out = backend.forward(q.to(device), kc, vc, meta, spec, dev_slopes)
+        out = backend.forward(q.to(device), kc, vc, meta, spec, dev_slopes, **dev_sinks)
         return out.detach().cpu(), ref, full, None
     # Every key but the newest in the cache (theirs stay garbage until decode_new), and the
     # newest handed over as views of one projection row, as a model's qkv output.
@@ -258,10 +273,10 @@ def _one_step(backend, spec: AttentionSpec, step: _Step, device, dtype, gen: tor
     out = backend.decode_new(q_in.view(-1, hq, d), k_in.view(-1, hkv, d),
                              v_in.view(-1, hkv, d),
                              None if rope is None else tuple(x.to(device) for x in rope),
-                             kc, vc, meta, spec, dev_slopes)
+                             kc, vc, meta, spec, dev_slopes, **dev_sinks)
     # What decode_new stored, read back through the backend's own layout: the same step
     # again, the plain way, with the reference's rotated q over the cache it left.
-    again = backend.forward(q_ref.to(device), kc, vc, meta, spec, dev_slopes)
+    again = backend.forward(q_ref.to(device), kc, vc, meta, spec, dev_slopes, **dev_sinks)
     return out.detach().cpu(), ref, full, _rel_err(again.detach().cpu(), ref)
 
 
@@ -278,10 +293,11 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
                     block_sizes: tuple[int, ...] = (4, 16), seed: int = 0,
                     required: tuple[str, ...] = ("mha", "gqa", "mqa"),
                     raise_on_failure: bool = True, kv_cache_dtype: str = "auto",
-                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> ConformanceResult:
-    """Run every configuration x head_dim x block_size through `backend_name` (a registry
-    name, or an AttentionBackend class) and compare
-    with the float64 reference. A configuration the backend declines through supports() is
+                    kv_scales: tuple[float, float] = (1.0, 1.0),
+                    configs: list[tuple] = CONFIGS) -> ConformanceResult:
+    """Run every configuration (of `configs`: CONFIGS, FEATURE_CONFIGS or a selection) x
+    head_dim x block_size through `backend_name` (a registry name, or an AttentionBackend
+    class) and compare with the float64 reference. A configuration the backend declines through supports() is
     recorded with its reason; declining one named in `required` is a failure.
     kv_cache_dtype="fp8": an e4m3 cache with (k_scale, v_scale) = kv_scales, checked as the
     module docstring says."""
@@ -295,14 +311,15 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
     tol = TOLERANCE[dtype]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    for name, hq, hkv, window, alibi, softcap in CONFIGS:
+    for name, hq, hkv, window, alibi, softcap, *more in configs:
+        fields = more[0] if more else {}
         for d in head_dims:
             for bs in block_sizes:
                 spec = AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                      scale=1.0 / math.sqrt(d), sliding_window=window,
                                      alibi=alibi, softcap=softcap, block_size=bs,
                                      kv_cache_dtype=kv_cache_dtype, k_scale=kv_scales[0],
-                                     v_scale=kv_scales[1])
+                                     v_scale=kv_scales[1], **fields)
                 label = f"{name} d={d} block={bs}"
                 reason = _why_not(cls, device, dtype, spec)
                 if reason:
@@ -312,9 +329,12 @@ def run_conformance(backend_name: str | type, device: str | torch.device = "cpu"
                                                        f"declined: {reason}"))
                     continue
                 slopes = alibi_slopes(hq) if alibi else None
+                # Sinks of the size of a few scores: each takes a visible share of the
+                # denominator without drowning the keys.
+                sinks = (torch.randn(hq, generator=gen) * 2.0).float() if spec.sinks else None
                 for step, kind in zip(_random_steps(rng, bs, spec), STEP_KINDS, strict=True):
                     result.cases.append(_check(backend, spec, step, kind, label, device, dtype,
-                                               gen, rng, slopes, tol))
+                                               gen, rng, slopes, tol, sinks))
     if raise_on_failure:
         bad = result.failures
         assert not bad, result.summary() + "\n" + "\n".join(
@@ -335,10 +355,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _check(backend, spec, step, kind, label, device, dtype, gen, rng, slopes,
-           tol) -> CaseResult:
+           tol, sinks=None) -> CaseResult:
     try:
         out, ref, full, cache_err = _one_step(backend, spec, step, device, dtype, gen, rng,
-                                              slopes)
+                                              slopes, sinks)
     except Exception as exc:  # noqa: BLE001 - a crash is a failed case, reported with the rest
         return CaseResult(label, kind, math.inf, False, f"{type(exc).__name__}: {exc}")
     if out.shape != ref.shape:
@@ -377,7 +397,7 @@ def as_markdown(results: list[ConformanceResult]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-__all__ = ["CONFIGS", "ConformanceResult", "as_markdown", "run_conformance"]
+__all__ = ["CONFIGS", "FEATURE_CONFIGS", "ConformanceResult", "as_markdown", "run_conformance"]
 
 
 def main() -> int:
@@ -393,8 +413,12 @@ def main() -> int:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--block-sizes", default="4,16")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="auto, fp8 or auto,fp8")
+    ap.add_argument("--configs", default="base", choices=["base", "features", "all"],
+                    help="CONFIGS, FEATURE_CONFIGS (sinks, chunked) or both")
     ap.add_argument("--out")
     args = ap.parse_args()
+    configs = {"base": CONFIGS, "features": FEATURE_CONFIGS,
+               "all": CONFIGS + FEATURE_CONFIGS}[args.configs]
     results = []
     for name in args.backends.split(","):
         for dt in args.dtypes.split(","):
@@ -403,14 +427,15 @@ def main() -> int:
                                     head_dims=tuple(int(x) for x in args.head_dims.split(",")),
                                     block_sizes=tuple(int(x) for x in
                                                       args.block_sizes.split(",")),
-                                    raise_on_failure=False, kv_cache_dtype=kv)
+                                    raise_on_failure=False, kv_cache_dtype=kv,
+                                    configs=configs)
                 print(r.summary(), flush=True)
                 results.append(r)
     dev = torch.device(args.device)
     machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                else platform.processor() or platform.machine())
     header = (f"{datetime.date.today()}, {machine}, torch {torch.__version__}; head_dims "
-              f"{args.head_dims}, block sizes {args.block_sizes}\n\n")
+              f"{args.head_dims}, block sizes {args.block_sizes}, configs {args.configs}\n\n")
     text = header + as_markdown(results) + "\n"
     if args.out:
         with open(args.out, "w") as f:

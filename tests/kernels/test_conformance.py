@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conformance import CONFIGS, FP8_TOLERANCE, STEP_KINDS, run_conformance
+from conformance import CONFIGS, FEATURE_CONFIGS, FP8_TOLERANCE, STEP_KINDS, run_conformance
 
 from tpserve.kernels.base import AttentionSpec
 from tpserve.kernels.registry import why_not
@@ -31,6 +31,15 @@ def test_torch_backend_on_cpu(dtype):
     result = run_conformance("torch", "cpu", dtype)
     assert not result.declined  # the reference supports every configuration
     assert len(result.cases) == len(STEP_KINDS) * len(CONFIGS) * 2 * 2
+
+
+def test_torch_backend_sinks_and_chunks_on_cpu():
+    """FEATURE_CONFIGS (sinks, chunks, both with windows and everything else) against the
+    float64 reference: what the Triton runs below are held to."""
+    result = run_conformance("torch", "cpu", torch.float32, head_dims=(16,),
+                             configs=FEATURE_CONFIGS)
+    assert not result.declined
+    assert len(result.cases) == len(STEP_KINDS) * len(FEATURE_CONFIGS) * 2
 
 
 # --- fp8 (e4m3) KV cache ---------------------------------------------------------------
@@ -197,6 +206,50 @@ def test_triton_split_k_decode_under_the_interpreter():
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.slow  # Triton's interpreter: about 15 s on two cores
+def test_triton_sinks_and_chunks_under_the_interpreter():
+    """gpt-oss's sinks and Llama 4's chunks (FEATURE_CONFIGS: alone, with windows, with
+    ALiBi and softcap) in every kind of step: prefill and mixed steps, decode-led steps
+    (the decode kernel, then the prefill kernel from an offset), verification rows, decode
+    and long decode (split-K: the reduction adds each head's sink once) and decode_new.
+    Chunks of 12, 16 and 20 positions against contexts of up to 700: every step crosses
+    them. Blocks of 16 only (the chunk bounds are positions; block size 4 runs in the
+    torch backend's case above)."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conformance import FEATURE_CONFIGS, run_conformance
+        r = run_conformance("triton", "cpu", torch.float32, head_dims=(16,),
+                            block_sizes=(16,), configs=FEATURE_CONFIGS)
+        assert not r.declined, r.declined
+        print(r.summary())
+    """)
+    proc = _interpret(script)
+    assert f"{7 * len(FEATURE_CONFIGS)} steps, 0 failed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow  # Triton's interpreter: about 15 s on two cores
+def test_triton_padded_head_dims_under_the_interpreter():
+    """Head dims that are not powers of two, padded to one inside the tiles (the cache rows
+    stay as wide as the head): Phi's 80 and DeepSeek-V3's 192 with half or all of them
+    rotated, and 96 under a window, ALiBi, softcap and GQA at once."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conformance import CONFIGS, run_conformance
+        pick = {{c[0]: c for c in CONFIGS}}
+        for dims, names in (((80, 192), ["mha"]), ((96,), ["all"])):
+            r = run_conformance("triton", "cpu", torch.float32, head_dims=dims,
+                                block_sizes=(16,), configs=[pick[n] for n in names])
+            assert not r.declined, r.declined
+            print(r.summary())
+    """)
+    proc = _interpret(script)
+    assert proc.stdout.count(" steps, 0 failed") == 2, proc.stdout
+
+
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
 def test_an_engine_on_the_triton_kernels_matches_transformers_under_the_interpreter():
     """A tiny Llama served in-process by the Triton backend on the CPU (interpreter): its
@@ -282,6 +335,40 @@ def test_a_partial_rotary_model_compiles_nothing_after_warmup_under_the_interpre
     assert "nothing compiled after warmup" in _interpret(script).stdout
 
 
+@pytest.mark.slow  # Triton's interpreter: about a minute on two cores, the three
+@pytest.mark.parametrize("family", ["gpt-oss", "llama4", "deepseek-v3"])
+def test_sinks_chunks_and_mla_engines_on_the_triton_kernels_match_transformers(family):
+    """The families the Triton backend used to decline, served by it on the CPU
+    (interpreter): GPT-OSS (sinks on every layer, a window of 8 on two), Llama 4 (chunks of
+    8, shorter than every prompt with its continuation, so prefill, mixed and decode steps
+    cross them) and DeepSeek-V3 (MLA expanded to 24-wide heads, padded to 32 in the tiles,
+    8 rope dims). Warmup covered every launch; the greedy tokens equal transformers'."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, tempfile
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from engine_utils import greedy, make_engine
+        from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, save_model
+        config, kwargs = FAMILY_CHECKPOINTS[{family!r}]
+        d = save_model(config(), Path(tempfile.mkdtemp()) / "m", **kwargs)
+        # Four sequences at most: the prompts fit, and warmup runs 3 decode batch sizes.
+        engine = make_engine(d, 1, kernel="triton", local=True, max_num_seqs=4)
+        got = greedy(engine, PROMPTS, 10)
+        backend = engine.executor.worker.backend
+        health = engine.executor.health()[0]
+        engine.shutdown()
+        assert backend.name == "triton", backend.name
+        assert any("new_kv" in k for k in backend.launched), backend.launched
+        assert backend.unplanned_launches == 0, backend.launched
+        assert health["compiles_since_warmup"] == 0, health
+        want = hf_greedy(d, PROMPTS, 10)
+        assert got == want, (got, want)
+        print("tokens match")
+    """)
+    assert "tokens match" in _interpret(script).stdout
+
+
 def test_the_decode_rows_split_off_a_mixed_step_are_the_leading_ones():
     """triton_backend.leading_decode_rows: only a prefix of one-token rows goes to the decode
     kernel (the prefill kernel takes the rest from a query_start offset); none without the
@@ -328,6 +415,38 @@ class ForgetsTheNewKeys(TorchAttentionBackend):
     def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None):
         return super().decode_new(q, k, v, rope, k_cache.clone(), v_cache.clone(), meta, spec,
                                   alibi_slopes)
+
+
+class IgnoresSinks(TorchAttentionBackend):
+    """Attends as if there were no sinks (the softmax over the keys alone)."""
+
+    name = "ignores-sinks"
+
+    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, **kw):
+        kw.pop("sinks", None)
+        return super().forward(q, k_cache, v_cache, meta, spec, alibi_slopes, **kw)
+
+
+class IgnoresChunks(TorchAttentionBackend):
+    name = "ignores-chunks"
+
+    def forward(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, **kw):
+        from dataclasses import replace
+
+        return super().forward(q, k_cache, v_cache, meta, replace(spec, attention_chunk=None),
+                               alibi_slopes, **kw)
+
+
+@pytest.mark.parametrize("backend,feature", [(IgnoresSinks, "sinks"),
+                                             (IgnoresChunks, "chunked")])
+def test_suite_fails_a_backend_that_ignores_sinks_or_chunks(backend, feature):
+    """Every configuration with the feature fails, in every kind of plain step; none
+    without it."""
+    result = run_conformance(backend, "cpu", torch.float32, head_dims=(16,), block_sizes=(16,),
+                             raise_on_failure=False, configs=FEATURE_CONFIGS)
+    have = {c[0] for c in FEATURE_CONFIGS if feature in c[0]}
+    assert {c.name.split()[0] for c in result.failures} == have
+    assert {"mixed", "long decode"} <= {c.step for c in result.failures}
 
 
 class IgnoresRotaryInDecode(TorchAttentionBackend):

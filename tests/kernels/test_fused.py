@@ -109,3 +109,21 @@ def test_layers_plan_their_fused_variants_for_warmup():
     GatedActivation("gelu_pytorch_tanh")
     assert (96, 1.0, False) in fo._PLANNED_NORMS and True in fo._PLANNED_ACTS
     assert fo.warmup(torch.device("cpu"), torch.float32) == 0  # the CPU serves on torch
+
+
+@pytest.mark.slow  # Triton's interpreter: about 5 s on two cores
+def test_fused_rotary_write_of_a_padded_head_under_the_interpreter():
+    """DeepSeek-V3's 192-wide heads, padded to 256 inside the kernel: q rotated and the
+    keys and values stored (float and fp8 caches) match the torch path, and no neighbouring
+    head's cache row is touched (the comparison covers the whole cache)."""
+    out = run_interpreted("""
+        import torch
+        from fused_conformance import FP8_TOLERANCE, TOLERANCE, _rotary_cases
+        gen = torch.Generator().manual_seed(0)
+        cases = list(_rotary_cases(torch.device("cpu"), torch.float32, gen, (192,)))
+        limit = {True: FP8_TOLERANCE, False: TOLERANCE[torch.float32]}
+        assert len(cases) == 12, cases
+        assert all(err <= limit["[fp8]" in name] for name, _, err in cases), cases
+        print("match")
+    """)
+    assert "match" in out

@@ -38,10 +38,11 @@ def _have_nvidia_backend() -> bool:
 pytestmark = [pytest.mark.slow,  # ~1-2 s per variant on a busy CPU
               pytest.mark.skipif(not _have_nvidia_backend(), reason="no nvidia backend")]
 
+# The flags the launchers always pass (a constexpr left out would compile as an int here).
 ALL = dict(HAS_WINDOW=True, HAS_ALIBI=True, HAS_SOFTCAP=True, DOT_PRECISION="tf32",
-           KV_FP8=False, KV_F16=False)
+           KV_FP8=False, KV_F16=False, HAS_SINKS=False, HAS_CHUNK=False)
 NONE = dict(HAS_WINDOW=False, HAS_ALIBI=False, HAS_SOFTCAP=False, DOT_PRECISION="tf32",
-            KV_FP8=False, KV_F16=False)
+            KV_FP8=False, KV_F16=False, HAS_SINKS=False, HAS_CHUNK=False)
 FP8 = dict(NONE, KV_FP8=True, KV_F16=True)  # a bfloat16 model's fp8 cache: float16 dots
 FLAGS = [ALL, NONE, FP8]
 FLAG_IDS = ["all-features", "plain", "fp8-cache"]
@@ -49,16 +50,42 @@ PDL = [False, True]  # programmatic dependent launch (kernels/pdl.py): sm_90's g
 
 
 DECODE_TABLES = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "alibi_ptr": "*fp32",
-                 "part_ptr": "*fp32", "ml_ptr": "*fp32", "slot_ptr": "*i64", "*": "*bf16"}
+                 "sinks_ptr": "*fp32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+                 "slot_ptr": "*i64", "*": "*bf16"}
 
 
-def _compile_decode(flags: dict, **constexprs) -> None:
+def _compile_decode(flags: dict, head_dim: int = 128, **constexprs) -> None:
     from tpserve.kernels import triton_kernels as tk
+    from tpserve.kernels.fused_ops import head_pad
 
     tables = dict(DECODE_TABLES, **(FP8_CACHE if flags["KV_FP8"] else {}))
     _compile(tk.paged_decode_kernel, tables,
-             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16,
-                  BLOCK_N=128 if flags["KV_FP8"] else 64, **flags, **constexprs))
+             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim),
+                  BLOCK_SIZE=16, BLOCK_N=128 if flags["KV_FP8"] else 64, **flags,
+                  **constexprs))
+
+
+def _compile_reduce(head_dim: int, pdl: bool, sinks: bool = False) -> None:
+    from tpserve.kernels import triton_kernels as tk
+    from tpserve.kernels.fused_ops import head_pad
+
+    _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
+                                             "sinks_ptr": "*fp32", "*": "*bf16"},
+             dict(HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), SPLITS_PAD=64, PDL=pdl,
+                  HAS_SINKS=sinks))
+
+
+def _compile_prefill(flags: dict, head_dim: int = 128, **constexprs) -> None:
+    from tpserve.kernels import triton_kernels as tk
+    from tpserve.kernels.fused_ops import head_pad
+
+    tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
+              "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "*": "*bf16"}
+    if flags["KV_FP8"]:
+        tables.update(FP8_CACHE)
+    _compile(tk.paged_prefill_kernel, tables,
+             dict(GROUP=4, HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), BLOCK_SIZE=16,
+                  BLOCK_M=64, TOKENS=16, BLOCK_N=64, **flags, **constexprs))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
@@ -68,12 +95,9 @@ def _compile_decode(flags: dict, **constexprs) -> None:
 def test_decode_kernels_compile(split, new_kv, flags, pdl):
     """new-kv: the decode that rotates, stores and attends to the step's own keys
     (decode_new), with full-width rotary."""
-    from tpserve.kernels import triton_kernels as tk
 
     _compile_decode(flags, SPLIT=split, PDL=pdl, NEW_KV=new_kv, ROT=128 if new_kv else 0)
-    _compile(tk.paged_decode_reduce_kernel, {"part_ptr": "*fp32", "ml_ptr": "*fp32",
-                                             "*": "*bf16"},
-             dict(HEAD_DIM=128, SPLITS_PAD=64, PDL=pdl))
+    _compile_reduce(128, pdl)
 
 
 @pytest.mark.parametrize("rot", [0, 64], ids=["no-rotary", "partial-rotary"])
@@ -83,15 +107,25 @@ def test_decode_with_new_keys_compiles_without_or_with_partial_rotary(rot):
 
 @pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 def test_prefill_kernel_compiles(flags):
-    from tpserve.kernels import triton_kernels as tk
+    _compile_prefill(flags)
 
-    tables = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
-              "alibi_ptr": "*fp32", "*": "*bf16"}
-    if flags["KV_FP8"]:
-        tables.update(FP8_CACHE)
-    _compile(tk.paged_prefill_kernel, tables,
-             dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, TOKENS=16, BLOCK_N=64,
-                  **flags))
+
+# gpt-oss (sinks, a window, head_dim 64), Llama 4 (chunks, 128), DeepSeek-V3 (192 padded to
+# 256, 64 rope dims) and Phi (80 padded to 128, all at once here): decode split and whole,
+# with new keys, the reduction with sinks, and the prefill.
+FEATURES = [(dict(NONE, HAS_WINDOW=True, HAS_SINKS=True), 64, 64),
+            (dict(NONE, HAS_CHUNK=True), 128, 128),
+            (NONE, 192, 64),
+            (dict(ALL, HAS_SINKS=True, HAS_CHUNK=True), 80, 32)]
+
+
+@pytest.mark.parametrize("flags,head_dim,rot", FEATURES, ids=["sinks", "chunked", "d192",
+                                                               "d80-everything"])
+def test_sinks_chunks_and_padded_heads_compile(flags, head_dim, rot):
+    for split in (False, True):
+        _compile_decode(flags, head_dim, SPLIT=split, PDL=True, NEW_KV=True, ROT=rot)
+    _compile_reduce(head_dim, True, flags.get("HAS_SINKS", False))
+    _compile_prefill(flags, head_dim)
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])
@@ -108,10 +142,13 @@ def test_fused_kernels_compile(dtype, pdl):
         _compile(tf.gated_act_kernel, {"*": ptr}, dict(GELU_TANH=gelu, BLOCK=1024, PDL=pdl))
     for fp8 in (False, True):
         caches = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}
-        _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr, "sin_ptr": ptr,
-                                             "*": ptr, **caches},
-                 dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, ROT=128, HB=1 if pdl else 8,
-                      KV_FP8=fp8, PDL=pdl))
+        # 192: DeepSeek-V3's padded head (masked dims), 64 of them rotated
+        for d, rot in ((128, 128),) + (((192, 64),) if fp8 else ()):
+            _compile(tf.rotary_write_kv_kernel, {"slot_ptr": "*i64", "cos_ptr": ptr,
+                                                 "sin_ptr": ptr, "*": ptr, **caches},
+                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=d, ROT=rot,
+                          HB=1 if pdl else 8, KV_FP8=fp8, PDL=pdl,
+                          HEAD_PAD=1 << (d - 1).bit_length()))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

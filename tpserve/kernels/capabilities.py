@@ -22,12 +22,12 @@ CORE_FIELDS = frozenset({"num_heads", "num_kv_heads", "head_dim", "scale", "slid
 CORE_FEATURES = frozenset({"prefill", "decode", "sliding_window", "alibi", "softcap"})
 
 
-# Why the Triton and IPEX backends decline a spec with attention sinks (gpt-oss).
-SINKS_REASON = ("attention sinks (gpt-oss) are implemented in the torch backend only; "
-                "use --kernel torch or auto")
-# Why they decline chunked attention (Llama 4's RoPE layers).
+# Why the IPEX backend declines a spec with attention sinks (gpt-oss).
+SINKS_REASON = ("attention sinks (gpt-oss) are implemented in the torch and triton backends "
+                "only; use --kernel torch, triton or auto")
+# Why it declines chunked attention (Llama 4's RoPE layers).
 CHUNKED_REASON = ("chunked attention (Llama 4's attention_chunk_size) is implemented in the "
-                  "torch backend only; use --kernel torch or auto")
+                  "torch and triton backends only; use --kernel torch, triton or auto")
 
 
 def unknown_feature_reason(spec: AttentionSpec, known_fields: frozenset[str] = CORE_FIELDS,

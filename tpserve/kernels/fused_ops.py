@@ -242,6 +242,11 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
+def head_pad(head_dim: int) -> int:
+    """The power of two that Triton tiles pad a head's dims to (tl.arange needs one)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
 def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
                            k_scale: float = 1.0, v_scale: float = 1.0,
                            heads_per_program: int | None = None) -> torch.Tensor:
@@ -273,6 +278,7 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             cos.stride(0), q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1),
             1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d,
             ROT=cos.shape[-1], HB=hb, KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
+            HEAD_PAD=head_pad(d),
             num_warps=min(4, max(1, hb * d // 256)) if hb > 1 else (1 if d <= 64 else 2),
             **pdl.launch(q.device, t))
     return q_out

@@ -23,32 +23,29 @@ import torch
 
 from tpserve.kernels import fused_ops, kv_quant, pdl
 from tpserve.kernels.base import AttentionBackend, AttentionMetadata, AttentionSpec
-from tpserve.kernels.capabilities import (
-    CHUNKED_REASON,
-    CORE_FEATURES,
-    CORE_FIELDS,
-    SINKS_REASON,
-    unknown_feature_reason,
-)
+from tpserve.kernels.capabilities import CORE_FEATURES, CORE_FIELDS, unknown_feature_reason
 from tpserve.kernels.compile_cache import (
     TRITON_TARGETS,
     cached_kernel_count,
     configure_triton_cache,
     triton_missing,
 )
-from tpserve.kernels.fused_ops import rotary_write_kv_triton
+from tpserve.kernels.fused_ops import head_pad, rotary_write_kv_triton
 
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HEAD_DIMS = (16, 32, 64, 128, 256)
+# Head dims the tiles take: any in this range, padded to a power of two inside the kernels
+# (masked), so Phi's 80, 96 and DeepSeek's 192 (128 + 64 rope dims) run unpadded in the cache.
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_GROUP = 64  # query heads per KV head held as rows of one decode tile
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
 # TPSERVE_DECODE_BLOCK_N=N fixes the decode tile's keys per iteration (measurements).
 FORCED_DECODE_BLOCK_N = int(os.environ.get("TPSERVE_DECODE_BLOCK_N") or 0)
-# An fp8 cache (kv_quant.py) is one more thing these kernels know.
-KNOWN_FIELDS = CORE_FIELDS | {"kv_cache_dtype", "k_scale", "v_scale"}
-KNOWN_FEATURES = CORE_FEATURES | {kv_quant.FP8_FEATURE}
+# An fp8 cache (kv_quant.py), attention sinks (gpt-oss) and chunked attention (Llama 4) are
+# more things these kernels know.
+KNOWN_FIELDS = CORE_FIELDS | {"kv_cache_dtype", "k_scale", "v_scale", "sinks", "attention_chunk"}
+KNOWN_FEATURES = CORE_FEATURES | {kv_quant.FP8_FEATURE, "sinks", "chunked"}
 
 
 def reduce_pad(splits: int) -> int:
@@ -103,10 +100,11 @@ def launch_config(dtype: torch.dtype, spec: AttentionSpec) -> LaunchConfig:
     group = spec.num_heads // spec.num_kv_heads
     # tl.dot needs every dimension >= 16: a decode tile pads its group of heads to 16 rows.
     group_pad = max(16, 1 << (group - 1).bit_length())
-    wide = spec.head_dim * (4 if dtype == torch.float32 else 2)  # bytes per key row
+    dims = head_pad(spec.head_dim)  # the tile's width: registers follow it, not head_dim
+    wide = dims * (4 if dtype == torch.float32 else 2)  # bytes per key row
     block_n = 64 if wide <= 256 else 32
     # Prefill rows are tokens x the query heads of one KV head: at least one whole group.
-    block_m = max(64 if spec.head_dim <= 128 else 32, 1 << (group - 1).bit_length())
+    block_m = max(64 if dims <= 128 else 32, 1 << (group - 1).bit_length())
     # Decode (benchmarks/decode_kv_bench.py on an H200; docs/benchmarks.md, "a one-row GEMV,
     # decode tiles by cache dtype"): an fp8 cache takes twice the keys per iteration, so an iteration
     # moves as many bytes as a bfloat16 one (6-31% faster than 64 keys); a float cache gains
@@ -123,7 +121,7 @@ def compile_key(kind: str, dtype: torch.dtype, spec: AttentionSpec) -> tuple:
     (contiguous 16-byte-aligned tensors, runtime ints not specialised)."""
     cfg = launch_config(dtype, spec)
     flags = (bool(spec.sliding_window), spec.alibi, bool(spec.softcap),
-             spec.kv_cache_dtype == "fp8")
+             spec.kv_cache_dtype == "fp8", bool(spec.sinks), bool(spec.attention_chunk))
     tiles = (cfg.group_pad, cfg.decode_block_n) if kind == "decode" else (cfg.block_m,
                                                                            cfg.block_n)
     return (kind, str(dtype), spec.num_heads // spec.num_kv_heads, spec.head_dim,
@@ -204,10 +202,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, spec: AttentionSpec) -> str | None:
-        if spec.sinks:
-            return SINKS_REASON
-        if spec.attention_chunk:
-            return CHUNKED_REASON
         on_cpu = device.type == "cpu" and interpreting()
         if device.type not in TRITON_TARGETS and not on_cpu:
             if importlib.util.find_spec("triton") is None:
@@ -218,8 +212,9 @@ class TritonAttentionBackend(AttentionBackend):
             return missing
         if dtype not in DTYPES:
             return f"dtype {dtype} is not supported (float16, bfloat16, float32)"
-        if spec.head_dim not in HEAD_DIMS:
-            return f"head_dim {spec.head_dim} is not supported (powers of two 16..256)"
+        if not MIN_HEAD_DIM <= spec.head_dim <= MAX_HEAD_DIM:
+            return (f"head_dim {spec.head_dim} is not supported ({MIN_HEAD_DIM}..{MAX_HEAD_DIM}; "
+                    "the torch backend takes any)")
         if spec.num_heads % spec.num_kv_heads:
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         if spec.num_heads // spec.num_kv_heads > MAX_GROUP:
@@ -246,32 +241,36 @@ class TritonAttentionBackend(AttentionBackend):
                 log.warning("triton: launch %s was not covered by warmup and compiles now", key)
             self.launched.add(key)
 
-    def _common(self, q, k_cache, meta, spec, alibi_slopes):
+    def _common(self, q, k_cache, meta, spec, alibi_slopes, sinks=None):
         if q.stride(-1) != 1 or q.data_ptr() % 16:
             q = q.contiguous() if q.stride(-1) != 1 else q.clone()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if spec.alibi:
-            slopes = alibi_slopes
-        else:  # never read; a float32 tensor keeps the kernel signature the same
-            slopes = self._dummy.get(q.device)
-            if slopes is None:
-                slopes = self._dummy[q.device] = torch.zeros(1, device=q.device)
+        # Never read where the spec has none; a float32 tensor keeps the signature the same.
+        dummy = self._dummy.get(q.device)
+        if dummy is None:
+            dummy = self._dummy[q.device] = torch.zeros(1, device=q.device)
+        slopes = alibi_slopes if spec.alibi else dummy
+        if spec.sinks and sinks is None:
+            raise ValueError("triton: a spec with sinks needs the sinks= logits")
+        # A float32 parameter passes as it is (no copy), so a captured graph reads the layer's.
+        sinks = sinks.float().contiguous() if spec.sinks else dummy
         cfg = launch_config(q.dtype, spec)
         fp8 = spec.kv_cache_dtype == "fp8"
         if fp8 != kv_quant.is_fp8(k_cache):
             raise ValueError(f"triton: the spec's kv_cache_dtype {spec.kv_cache_dtype!r} does "
                              f"not match a {k_cache.dtype} cache")
         flags = dict(HAS_WINDOW=bool(spec.sliding_window), HAS_ALIBI=bool(spec.alibi),
-                     HAS_SOFTCAP=bool(spec.softcap), KV_FP8=fp8,
+                     HAS_SOFTCAP=bool(spec.softcap), HAS_SINKS=bool(spec.sinks),
+                     HAS_CHUNK=bool(spec.attention_chunk), KV_FP8=fp8,
                      KV_F16=fp8 and q.dtype == torch.bfloat16 and self.fp8_dots_in_f16,
                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
         # An fp8 cache's K scale folds into the score scale; V's scales the output.
         scale = float(spec.scale) * (float(spec.k_scale) if fp8 else 1.0)
         scalars = (scale, float(spec.softcap or 0.0), float(spec.v_scale) if fp8 else 1.0,
-                   int(spec.sliding_window or 0),
+                   int(spec.sliding_window or 0), int(spec.attention_chunk or 0),
                    meta.block_tables.stride(0), q.stride(0), q.stride(1), out.stride(0),
                    out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-        return q, out, slopes.float().contiguous(), cfg, flags, scalars
+        return q, out, (slopes.float().contiguous(), sinks), cfg, flags, scalars
 
     def num_splits(self, device: torch.device, batch: int, spec: AttentionSpec) -> int:
         """Context splits of a decode step (flash-decoding): enough (sequence, KV head, split)
@@ -285,23 +284,28 @@ class TritonAttentionBackend(AttentionBackend):
             cores = self._cores[device] = compute_units(device)
         return max(1, min(MAX_SPLITS, -(-2 * cores // (batch * spec.num_kv_heads))))
 
-    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
-        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+    def decode(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, sinks=None):
+        q, out, tabs, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes,
+                                                         sinks)
         self._decode(out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
-                     slopes, cfg, flags, scalars, spec)
+                     tabs, cfg, flags, scalars, spec)
         return out
 
-    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None):
+    def decode_new(self, q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes=None,
+                   sinks=None):
         """One launch (plus the split reduction) for a decode step from its raw projections:
         the decode kernel rotates q and the new keys, stores the new keys and values and
         attends (NEW_KV in paged_decode_kernel), where the base class launches the rotary +
         cache write first. TPSERVE_DECODE_NEW_KV=0 keeps the two launches (A/B runs)."""
         layout_ok = all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 for x in (q, k, v))
         if not self.decode_new_kv or not layout_ok or q.shape[0] == 0:
-            return super().decode_new(q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes)
-        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+            extra = {} if sinks is None else {"sinks": sinks}
+            return super().decode_new(q, k, v, rope, k_cache, v_cache, meta, spec, alibi_slopes,
+                                      **extra)
+        q, out, tabs, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes,
+                                                         sinks)
         if rope is None:
-            cos = sin = slopes  # never read with ROT = 0
+            cos = sin = tabs[0]  # never read with ROT = 0
             rot = 0
         else:
             cos, sin = (x.contiguous() for x in rope)
@@ -311,13 +315,15 @@ class TritonAttentionBackend(AttentionBackend):
                v.stride(1), cos.stride(0), 1.0 / spec.k_scale if fp8 else 1.0,
                1.0 / spec.v_scale if fp8 else 1.0)
         self._decode(out, q, k_cache, v_cache, _i32(meta.block_tables), _i32(meta.seq_lens),
-                     slopes, cfg, flags, scalars, spec, new=new, rot=rot)
+                     tabs, cfg, flags, scalars, spec, new=new, rot=rot)
         return out
 
-    def _decode(self, out, q, k_cache, v_cache, tables, seq_lens, slopes, cfg, flags, scalars,
+    def _decode(self, out, q, k_cache, v_cache, tables, seq_lens, tabs, cfg, flags, scalars,
                 spec, new: tuple | None = None, rot: int = 0) -> None:
         """The decode launch (and split reduction) for q's rows, one token per sequence.
-        new: the NEW_KV arguments of paged_decode_kernel (decode_new), rot its ROT."""
+        tabs: (ALiBi slopes, sinks) as _common gives them. new: the NEW_KV arguments of
+        paged_decode_kernel (decode_new), rot its ROT."""
+        slopes, sinks = tabs
         self._record(compile_key("decode", q.dtype, spec)
                      + (("new_kv", rot) if new is not None else ()))
         b, heads, d = q.shape
@@ -334,13 +340,13 @@ class TritonAttentionBackend(AttentionBackend):
         grid = (spec.num_kv_heads, b, splits) if heads_first else (b, spec.num_kv_heads, splits)
         self._kernels().paged_decode_kernel[grid](
             out, part, ml, q, k_cache, v_cache, tables, seq_lens,
-            slopes, *scalars, splits, heads * splits * d, splits * d, *new,
+            slopes, sinks, *scalars, splits, heads * splits * d, splits * d, *new,
             GROUP=spec.num_heads // spec.num_kv_heads, GROUP_PAD=cfg.group_pad,
-            HEAD_DIM=d, BLOCK_SIZE=spec.block_size,
+            HEAD_DIM=d, HEAD_PAD=head_pad(d), BLOCK_SIZE=spec.block_size,
             **self._decode_launch(cfg), SPLIT=splits > 1, **flags, **pdl.launch(q.device, b),
             HEADS_FIRST=heads_first, NEW_KV=new_kv, ROT=rot)
         if splits > 1:
-            self._reduce(out, part, ml)
+            self._reduce(out, part, ml, sinks if spec.sinks else None)
 
     def _decode_launch(self, cfg: LaunchConfig) -> dict:
         if self.decode_tile is None:
@@ -349,17 +355,21 @@ class TritonAttentionBackend(AttentionBackend):
         block_n, warps, stages = self.decode_tile
         return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
-    def _reduce(self, out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor) -> None:
+    def _reduce(self, out: torch.Tensor, part: torch.Tensor, ml: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> None:
         """out [b, heads, d] from the splits' partial outputs part [b, heads, splits, d]
-        and their (max, sum) ml [b, heads, splits, 2]."""
+        and their (max, sum) ml [b, heads, splits, 2]; sinks (float32 [heads]) join the
+        denominator here, once."""
         b, heads, splits, d = part.shape
         self._kernels().paged_decode_reduce_kernel[(b, heads)](
-            out, part, ml, splits, heads * splits * d, splits * d, out.stride(0),
-            out.stride(1), HEAD_DIM=d, SPLITS_PAD=reduce_pad(splits),
+            out, part, ml, ml if sinks is None else sinks, splits, heads * splits * d,
+            splits * d, out.stride(0), out.stride(1), HEAD_DIM=d, HEAD_PAD=head_pad(d),
+            SPLITS_PAD=reduce_pad(splits), HAS_SINKS=sinks is not None,
             num_warps=4 if splits > 8 else 2, **pdl.launch(out.device, b))
 
-    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None):
-        q, out, slopes, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes)
+    def prefill(self, q, k_cache, v_cache, meta, spec, alibi_slopes=None, sinks=None):
+        q, out, tabs, cfg, flags, scalars = self._common(q, k_cache, meta, spec, alibi_slopes,
+                                                         sinks)
         tables, seq_lens = _i32(meta.block_tables), _i32(meta.seq_lens)
         starts = _i32(meta.query_start_loc)
         # The decode rows at the head of a mixed step (the scheduler lists running sequences
@@ -368,7 +378,7 @@ class TritonAttentionBackend(AttentionBackend):
         # rows spent more of its attention time on those rows than on the prompts.
         nd = leading_decode_rows(meta.query_lens_host)
         if nd:
-            self._decode(out[:nd], q[:nd], k_cache, v_cache, tables[:nd], seq_lens[:nd], slopes,
+            self._decode(out[:nd], q[:nd], k_cache, v_cache, tables[:nd], seq_lens[:nd], tabs,
                          cfg, flags, scalars, spec)
         n = meta.num_seqs - nd
         if n == 0:
@@ -380,9 +390,9 @@ class TritonAttentionBackend(AttentionBackend):
         # The tile numbering of the kernel's docstring: nd decode rows hold one token each.
         programs = q.shape[0] // tokens + n - nd // tokens
         self._kernels().paged_prefill_kernel[(programs, spec.num_kv_heads)](
-            out, q, k_cache, v_cache, tables[nd:], seq_lens[nd:], starts[nd:], slopes, *scalars,
-            n, GROUP=group, HEAD_DIM=spec.head_dim, BLOCK_SIZE=spec.block_size, BLOCK_M=rows,
-            TOKENS=tokens, BLOCK_N=cfg.block_n, num_warps=warps, num_stages=stages, **flags)
+            out, q, k_cache, v_cache, tables[nd:], seq_lens[nd:], starts[nd:], *tabs, *scalars,
+            n, GROUP=group, HEAD_DIM=spec.head_dim, HEAD_PAD=head_pad(spec.head_dim),
+            BLOCK_SIZE=spec.block_size, BLOCK_M=rows, TOKENS=tokens, BLOCK_N=cfg.block_n, num_warps=warps, num_stages=stages, **flags)
         return out
 
     def rotary_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, spec=None):
@@ -452,6 +462,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Every variant of the split reduction a decode step can pick (the split count
         depends on the batch and the device's core count, not only on the buckets)."""
         d, heads = spec.head_dim, spec.num_heads
+        sinks = torch.zeros(heads, device=device) if spec.sinks else None
         for b in (1, pdl.MAX_ROWS + 1):  # a few sequences and many (kernels/pdl.py)
             out = torch.empty(b, heads, d, dtype=dtype, device=device)
             splits = 2
@@ -459,7 +470,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._reduce(out, torch.zeros(b, heads, splits, d, dtype=torch.float32,
                                               device=device),
                              torch.zeros(b, heads, splits, 2, dtype=torch.float32,
-                                         device=device))
+                                         device=device), sinks)
                 splits *= 2
 
     def _run_case(self, case: WarmupCase, device, dtype, spec: AttentionSpec) -> None:
@@ -488,8 +499,10 @@ class TritonAttentionBackend(AttentionBackend):
             query_lens_host=case.query_lens, seq_lens_host=case.seq_lens)
         q = torch.randn(starts[-1], spec.num_heads, spec.head_dim, dtype=dtype, device=device)
         slopes = torch.rand(spec.num_heads, device=device) if spec.alibi else None
+        # The sinks' values are not part of the compile key; passing them is (HAS_SINKS).
+        sinks = {"sinks": torch.randn(spec.num_heads, device=device)} if spec.sinks else {}
         run = self.decode if case.kind == "decode" else self.prefill
-        run(q, k_cache, v_cache, meta, spec, slopes)
+        run(q, k_cache, v_cache, meta, spec, slopes, **sinks)
         # The rotary widths of the models built here (RotaryEmbedding plans them; none for
         # ALiBi models such as Bloom): the rotary launches specialise on the width.
         widths = [] if spec.alibi else fused_ops.planned_rotary_dims(spec.head_dim)
@@ -501,7 +514,7 @@ class TritonAttentionBackend(AttentionBackend):
             for width in widths + unrotated:
                 cs = torch.randn(t, width, dtype=dtype, device=device)
                 self.decode_new(q, kv, kv, (cs, cs) if width else None, k_cache, v_cache,
-                                meta, spec, slopes)
+                                meta, spec, slopes, **sinks)
         if case.kind == "prefill":  # the fused rotary + cache write of prompts
             extra = {"spec": spec} if spec.kv_cache_dtype != "auto" else {}
             for width in widths or [spec.head_dim]:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tpserve.kernels.triton_kernels import _tanh  # one exp-based tanh for every backend
 from tpserve.kernels.triton_pdl import pdl_enter
-from tpserve.kernels.triton_rotary import _fp8_range, _rotate_heads
+from tpserve.kernels.triton_rotary import _dims_ok, _fp8_range, _rotate_heads
 
 
 @triton.jit(do_not_specialize=["n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"])
@@ -81,6 +81,7 @@ def rotary_write_kv_kernel(
     stride_ot, stride_oh, stride_slot, stride_ch, k_inv_scale, v_inv_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT: tl.constexpr, HB: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
     """Program (token, j) over cdiv(num_heads, HB) blocks of HB query heads, then
     cdiv(num_kv_heads, HB) blocks of KV heads: query heads are rotated into q_out; KV heads'
@@ -88,27 +89,30 @@ def rotary_write_kv_kernel(
     nothing). Several heads per program matter for prefill: at one head each, a 4096-token
     step launched 164k programs of 256 bytes, and scheduling them took 4x the time their
     bytes need (docs/benchmarks.md). KV_FP8: the cache is e4m3; the rotated key is rounded
-    to the model dtype first, as the torch path stores it before quantizing."""
+    to the model dtype first, as the torch path stores it before quantizing. HEAD_PAD: the
+    power of two >= HEAD_DIM that a tile's dims are padded to (masked)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_PAD)
     cos_row = cos_ptr + t * stride_cs
     sin_row = sin_ptr + t * stride_cs
     Q_BLOCKS: tl.constexpr = (NUM_HEADS + HB - 1) // HB
     if j < Q_BLOCKS:
         h = j * HB + tl.arange(0, HB)
-        hmask = h < NUM_HEADS
+        hmask = _dims_ok((h < NUM_HEADS)[:, None], d[None, :], HEAD_DIM, HEAD_PAD)
         y = _rotate_heads(q_ptr + t * stride_qt, stride_qh, h, hmask, d, cos_row, sin_row,
                           ROT // 2, ROT)
         tl.store(q_out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
-                 y.to(q_out_ptr.dtype.element_ty), mask=hmask[:, None])
+                 y.to(q_out_ptr.dtype.element_ty), mask=hmask)
     else:
         kh = (j - Q_BLOCKS) * HB + tl.arange(0, HB)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        ok = ((kh < NUM_KV_HEADS) & (slot >= 0))[:, None]
-        y = _rotate_heads(k_ptr + t * stride_kt, stride_kh, kh, kh < NUM_KV_HEADS, d, cos_row,
-                          sin_row, ROT // 2, ROT)
+        ok = _dims_ok(((kh < NUM_KV_HEADS) & (slot >= 0))[:, None], d[None, :], HEAD_DIM,
+                      HEAD_PAD)
+        y = _rotate_heads(k_ptr + t * stride_kt, stride_kh, kh,
+                          _dims_ok((kh < NUM_KV_HEADS)[:, None], d[None, :], HEAD_DIM, HEAD_PAD),
+                          d, cos_row, sin_row, ROT // 2, ROT)
         dst = slot * stride_slot + kh[:, None] * stride_ch + d[None, :]
         v = tl.load(v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :], mask=ok,
                     other=0.0)

@@ -40,15 +40,16 @@ def _rotate(x, xp, c, s, d, dtype: tl.constexpr, HALF: tl.constexpr, ROT: tl.con
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, h, hmask, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
+def _rotate_heads(x_ptr, stride_h, h, mask, d, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
                   ROT: tl.constexpr):
-    """The rotated heads h ([HB, HEAD_DIM] float32, heads past hmask read as zeros) of one
-    token's row x_ptr."""
+    """The rotated heads h ([HB, len(d)] float32, zeros where not mask) of one token's row
+    x_ptr. mask: [HB, 1] (heads), or [HB, len(d)] where d pads the head to a power of two
+    (the padding reads as zeros)."""
     dtype = x_ptr.dtype.element_ty
     partner = tl.where(d < HALF, d + HALF, d - HALF)
     row = x_ptr + h[:, None] * stride_h
-    x = tl.load(row + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(row + partner[None, :], mask=hmask[:, None] & (d < ROT)[None, :],
+    x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=mask & (d < ROT)[None, :],
                  other=0.0).to(tl.float32)
     c = tl.load(cos_row_ptr + d, mask=d < ROT, other=1.0).to(dtype).to(tl.float32)[None, :]
     s = tl.load(sin_row_ptr + d, mask=d < ROT, other=0.0).to(dtype).to(tl.float32)[None, :]
@@ -58,7 +59,7 @@ def _rotate_heads(x_ptr, stride_h, h, hmask, d, cos_row_ptr, sin_row_ptr, HALF: 
 @triton.jit
 def _rotate_row(row_ptr, d, ok, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
                 ROT: tl.constexpr):
-    """One head's rotated row ([HEAD_DIM] float32; zeros where not ok, nothing loaded)."""
+    """One head's rotated row ([len(d)] float32; zeros where not ok, nothing loaded)."""
     dtype = row_ptr.dtype.element_ty
     partner = tl.where(d < HALF, d + HALF, d - HALF)
     x = tl.load(row_ptr + d, mask=ok, other=0.0).to(tl.float32)
@@ -66,3 +67,13 @@ def _rotate_row(row_ptr, d, ok, cos_row_ptr, sin_row_ptr, HALF: tl.constexpr,
     c = tl.load(cos_row_ptr + d, mask=ok & (d < ROT), other=1.0).to(dtype).to(tl.float32)
     s = tl.load(sin_row_ptr + d, mask=ok & (d < ROT), other=0.0).to(dtype).to(tl.float32)
     return _rotate(x, xp, c, s, d, dtype, HALF, ROT)
+
+
+@triton.jit
+def _dims_ok(ok, d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """ok, and d < HEAD_DIM where a tile pads a head's dims to HEAD_PAD (tl.arange and
+    tl.dot take powers of two only: heads of 80, 96 or 192 dims). A power-of-two head gets
+    ok unchanged, so its loads and stores compile as they did before padding existed."""
+    if HEAD_PAD != HEAD_DIM:
+        ok = ok & (d < HEAD_DIM)
+    return ok
