@@ -12,8 +12,8 @@ base model's eager steps, warmup) a layer adds nothing. Two forms of the same de
 - groups (eager steps): per adapter in the step, gather its rows, two matmuls, index_add.
   Each row's delta is computed once, whatever the number of adapters, which is what a long
   prefill wants; the gathers have data-dependent shapes, so no graph can hold them.
-- mask (captured steps): every row against every slot, x A_all^T masked to the row's own
-  slot, then B_all: three launches of static shapes, no host sync. The work grows with the
+- mask (captured steps): every row against every slot, x A_all^T with the columns of the
+  other slots zeroed, then B_all: three launches of static shapes, no host sync. The work grows with the
   number of loaded adapters, negligible at the few hundred rows a graph holds."""
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from torch import nn
 @dataclass
 class LoraRows:
     """groups: (slot, token rows of that adapter on the device) per adapter in the step; or
-    mask: bool [rows, slots], True at each row's adapter slot (none for the base model)."""
+    unused: bool [rows, slots], False at each row's adapter slot only (all True for the
+    base model): the mask, stored inverted for masked_fill."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    mask: torch.Tensor | None = None
+    unused: torch.Tensor | None = None
 
 
 _CURRENT: LoraRows | None = None
@@ -84,19 +85,20 @@ class LoraWeights(nn.Module):
         if rows is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        if rows.mask is not None:
-            return self._masked(y2, x2, rows.mask).view(y.shape)
+        if rows.unused is not None:
+            return self._masked(y2, x2, rows.unused).view(y.shape)
         for slot, idx in rows.groups:
             xs = x2.index_select(0, idx)
             y2 = y2.index_add(0, idx, (xs @ self.a[slot].T) @ self.b[slot].T)
         return y2.view(y.shape)
 
-    def _masked(self, y2: torch.Tensor, x2: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _masked(self, y2: torch.Tensor, x2: torch.Tensor, unused: torch.Tensor
+                ) -> torch.Tensor:
         n = x2.shape[0]
         h = x2 @ self.a.view(-1, self.a.shape[-1]).T  # [rows, slots * parts * r]
-        # where, not a multiply by 0/1: a masked-out term is an exact zero even where another
+        # A fill, not a multiply by 0/1: a masked-out term is an exact zero even where another
         # slot's x A^T overflowed, so base rows and padded rows keep y bit for bit.
-        h = h.view(n, self.slots, self.width).where(mask[:, :, None], 0.0)
+        h = h.view(n, self.slots, self.width).masked_fill(unused[:, :, None], 0.0)
         return torch.addmm(y2, h.view(n, -1), self.b_all.T)
 
 
@@ -110,12 +112,12 @@ class StaticLoraRows:
     row the step does not fill) in a static buffer that every replay refills, like the other
     graph inputs. scope() builds the row mask from it with one comparison into another
     static buffer, inside the graph, so the graph holds every slot's delta and the buffer
-    picks each row's."""
+    picks each row's. -1 matches no slot: the row's mask is all zeros."""
 
     def __init__(self, rows: int, slots: int, device: torch.device) -> None:
         self.slot = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.cols = torch.arange(slots, device=device)
-        self.mask = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+        self.unused = torch.ones(rows, slots, dtype=torch.bool, device=device)
 
     @classmethod
     def of(cls, model: nn.Module, rows: int, device: torch.device) -> StaticLoraRows | None:
@@ -125,9 +127,9 @@ class StaticLoraRows:
 
     @contextmanager
     def scope(self, n: int) -> Iterator[None]:
-        mask = self.mask[:n]
-        torch.eq(self.slot[:n, None], self.cols, out=mask)
-        with lora_rows(LoraRows(mask=mask)):
+        unused = self.unused[:n]
+        torch.ne(self.slot[:n, None], self.cols, out=unused)
+        with lora_rows(LoraRows(unused=unused)):
             yield
 
 
