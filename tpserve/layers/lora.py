@@ -13,8 +13,8 @@ base model's eager steps, warmup) a layer adds nothing. Two forms of the same de
   Each row's delta is computed once, whatever the number of adapters, which is what a long
   prefill wants; the gathers have data-dependent shapes, so no graph can hold them.
 - mask (captured steps): every row against every slot, x A_all^T with the columns of the
-  other slots zeroed, then B_all: three launches of static shapes, no host sync. The work grows with the
-  number of loaded adapters, negligible at the few hundred rows a graph holds."""
+  other slots zeroed, then B_all: three launches of static shapes, no host sync. The work
+  grows with the number of loaded adapters, small at the few hundred rows a graph holds."""
 
 from __future__ import annotations
 

@@ -96,9 +96,10 @@ class ModelRunner:
             picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
         adapters = [s.adapter for s in seqs] if self.lora else []
         pieces = (self.pieces is not None and not self.encoder_decoder
-                  and self.pieces.fits(ends[-1]) and (self.pieces.lora is not None
-                                                      or not any(adapters)))
-        # Pieces read each token's adapter slot; an eager step groups its rows by adapter.
+                  and self.pieces.fits(ends[-1])
+                  and (self.pieces.lora is not None or not any(adapters)))
+        # Pieces read each token's adapter slot (all of them, base rows too, where adapters
+        # are loaded); an eager step groups its adapter rows by adapter.
         groups = [] if pieces or not any(adapters) else step_groups(adapters, q_lens)
         lora_in = [row_slots(adapters, q_lens)] if pieces and adapters else \
             [rows for _, rows in groups]
