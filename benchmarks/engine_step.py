@@ -6,6 +6,9 @@ On the GPU machine (Llama-3-8B shape, random bf16 weights, nothing downloaded):
     python benchmarks/engine_step.py --out docs/engine_step.md
 On the CPU with a tiny model directory (checks the script itself):
     python benchmarks/engine_step.py --device cpu --model DIR --batches 1 4 --context 40
+With LoRA adapters loaded (random, rank 16), every sequence using one, round robin; against
+--no-cuda-graphs (the eager adapter step) and --lora-requests none (base rows only):
+    python benchmarks/engine_step.py --kernel triton --lora 4 --out docs/engine_step.md
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_engine import make_model_dir  # noqa: E402 - after the path set-up
+from lora_adapters import random_adapters  # noqa: E402
 
 
-def build_engine(args, model: Path):
+def build_engine(args, model: Path, adapters: list[tuple[str, str]] = ()):
     from tpserve.config import (
         CacheConfig,
         EngineConfig,
+        LoraConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
@@ -49,7 +54,9 @@ def build_engine(args, model: Path):
         scheduler=SchedulerConfig(max_num_seqs=max_batch,
                                   max_num_batched_tokens=max(8192, args.context * 4),
                                   async_scheduling=not args.no_async_scheduling),
-        kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs)
+        kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs,
+        lora=LoraConfig(adapters=tuple(adapters), max_rank=max(args.lora_rank, 1),
+                        max_loras=max(len(adapters), 1)))
     return Engine(cfg, InProcessExecutor(cfg))
 
 
@@ -58,13 +65,16 @@ def new_tokens(args) -> int:
     return 3 * args.steps + 10
 
 
-def fill(engine, batch: int, context: int, new_tokens: int) -> list:
-    """`batch` sequences prefilled to `context` tokens; returns them, ready to decode."""
+def fill(engine, batch: int, context: int, new_tokens: int,
+         adapters: list[str | None] = (None,)) -> list:
+    """`batch` sequences prefilled to `context` tokens, sequence i under adapters[i % len]
+    (None: the base model); returns them, ready to decode."""
     from tpserve.engine.request import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     vocab = min(engine.tokenizer.vocab_size, 250)
-    seqs = [engine.add_request([(7 * i + j) % vocab + 3 for j in range(context)], params)
+    seqs = [engine.add_request([(7 * i + j) % vocab + 3 for j in range(context)],
+                               SamplingParams(max_new_tokens=new_tokens, ignore_eos=True,
+                                              adapter=adapters[i % len(adapters)]))
             for i in range(batch)]
     while any(s.num_computed < len(s.prompt_ids) for s in seqs):
         engine.step()
@@ -205,6 +215,12 @@ def main() -> None:
                     "(their kernels are not launched), to see what each costs on the "
                     "step's critical path, where PDL overlaps kernels and a profiler's "
                     "per-kernel times do not add up")
+    ap.add_argument("--lora", type=int, default=0, metavar="N",
+                    help="load N random LoRA adapters (benchmarks/lora_adapters.py)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-requests", default="all", choices=["all", "half", "none"],
+                    help="with --lora: which sequences use an adapter (round robin over "
+                    "them): all, every other one (the rest the base model), or none")
     args = ap.parse_args()
     ablate(args.ablate)
     if args.tiles:
@@ -215,7 +231,11 @@ def main() -> None:
     args.dummy = args.model is None or not any(args.model.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model_dir(Path(tmp) / "llama3-8b")
-        engine = build_engine(args, model)
+        adapters = random_adapters(model, args.lora, args.lora_rank, Path(tmp) / "lora")
+        names = [n for n, _ in adapters]
+        uses = {"all": names, "half": [x for n in names for x in (n, None)],
+                "none": []}[args.lora_requests] or [None]
+        engine = build_engine(args, model, adapters)
         # As the server does once a replica is built: the start-up objects leave the
         # garbage collector's generations, so full collections do not walk them mid-step.
         from tpserve.engine.heap import freeze_startup_objects
@@ -230,7 +250,7 @@ def main() -> None:
         rows = []
         try:
             for b in args.batches:
-                seqs = fill(engine, b, args.context, new_tokens(args))
+                seqs = fill(engine, b, args.context, new_tokens(args), uses)
                 timed_steps(engine, 5)  # warm
                 t = timed_steps(engine, args.steps)
                 ms = t["ms"]
@@ -249,7 +269,9 @@ def main() -> None:
              f"{model if args.model else 'Llama-3-8B shape, random weights'}, {args.device}, "
              f"{args.dtype}, kernel {args.kernel}, context ~{args.context}, graphs "
              f"{'off' if args.no_cuda_graphs else 'on'}, overlapped steps "
-             f"{'off' if args.no_async_scheduling else 'on'}", "",
+             f"{'off' if args.no_async_scheduling else 'on'}"
+             + (f", {args.lora} LoRA adapters of rank {args.lora_rank} loaded, used by "
+                f"{args.lora_requests} sequences" if args.lora else ""), "",
              "| batch | ms/step | median / slowest ms | device wait ms/step | tokens/s | "
              "profiled wall ms | GPU kernel ms | host share | D2H syncs/step |",
              "|" + " --- |" * 9]

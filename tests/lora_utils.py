@@ -10,6 +10,11 @@ import torch
 from tpserve.engine.request import SamplingParams
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The mixed batch of tests/test_lora.py and tests/test_lora_graphs.py: every prompt with the
+# base model (None) and adapters a and b (two_adapters).
+PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [7, 8, 9], [100, 200, 150, 33, 60, 71, 88, 120, 140, 12]]
+NEW = 8
+NAMES = (None, "a", "b")
 
 
 def save_adapter(base: Path, out: Path, seed: int, r: int = 4, alpha: int = 8,
@@ -84,3 +89,27 @@ def engine_greedy(engine, requests: list[tuple[list[int], str | None]], n: int
     while engine.has_work():
         engine.step()
     return [s.output_ids for s in seqs]
+
+
+def two_adapters(base: Path, out: Path) -> dict[str, Path]:
+    """a: r = 4 on every projection; b: r = 8, rsLoRA, q, v, up and down only (the fused
+    layers hold a zero part)."""
+    return {"a": save_adapter(base, out / "a", seed=1, r=4, alpha=8),
+            "b": save_adapter(base, out / "b", seed=2, r=8, alpha=16, rslora=True,
+                              targets=("q_proj", "v_proj", "up_proj", "down_proj"))}
+
+
+def mixed_oracle(base: Path, adapters: dict[str, Path]) -> dict:
+    """name -> (last-position logits, greedy tokens) of every prompt."""
+    return {n: (oracle_logits(base, adapters.get(n), PROMPTS),
+                oracle_greedy(base, adapters.get(n), PROMPTS, NEW)) for n in NAMES}
+
+
+def lora_config(adapters: dict[str, Path], **kw):
+    from tpserve.config import LoraConfig
+
+    return LoraConfig(adapters=tuple((n, str(p)) for n, p in adapters.items()), **kw)
+
+
+def mixed() -> list[tuple[list[int], str | None]]:
+    return [(p, n) for p in PROMPTS for n in NAMES]

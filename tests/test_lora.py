@@ -12,42 +12,34 @@ import pytest
 import torch
 from engine_utils import assert_close_rel, make_engine
 from lora_utils import (
+    NAMES,
+    NEW,
+    PROMPTS,
     engine_greedy,
     engine_logits,
+    lora_config,
+    mixed,
+    mixed_oracle,
     oracle_greedy,
     oracle_logits,
     save_adapter,
+    two_adapters,
 )
 
 from tpserve.config import LoraConfig
 
-PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [7, 8, 9], [100, 200, 150, 33, 60, 71, 88, 120, 140, 12]]
-NEW = 8
 REL = 1e-4
-NAMES = (None, "a", "b")
 
 
 @pytest.fixture(scope="module")
 def adapters(llama_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("lora")
-    return {"a": save_adapter(llama_dir, d / "a", seed=1, r=4, alpha=8),
-            "b": save_adapter(llama_dir, d / "b", seed=2, r=8, alpha=16, rslora=True,
-                              targets=("q_proj", "v_proj", "up_proj", "down_proj"))}
+    return two_adapters(llama_dir, tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")
 def oracle(llama_dir, adapters):
     """name -> (last-position logits, greedy tokens) of every prompt."""
-    return {n: (oracle_logits(llama_dir, adapters.get(n), PROMPTS),
-                oracle_greedy(llama_dir, adapters.get(n), PROMPTS, NEW)) for n in NAMES}
-
-
-def lora_config(adapters, **kw) -> LoraConfig:
-    return LoraConfig(adapters=tuple((n, str(p)) for n, p in adapters.items()), **kw)
-
-
-def mixed() -> list[tuple[list[int], str | None]]:
-    return [(p, n) for p in PROMPTS for n in NAMES]
+    return mixed_oracle(llama_dir, adapters)
 
 
 def check_mixed_batch(engine, oracle) -> None:

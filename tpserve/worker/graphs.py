@@ -5,6 +5,10 @@ launches them in one call, which is what makes small batches approach the memory
 Only decode-only steps are captured (prefill shapes vary too much); the model, the
 all-reduces and the LM head run inside the graph, sampling outside it. Rows of a bucket that
 the step does not fill point at a scratch KV block that no sequence owns.
+
+With LoRA adapters loaded, each graph also holds every adapter's delta in its masked form
+(layers/lora.py), and each row's adapter slot is one more static input: a step of adapter
+rows, base rows or both replays the same graph. Without adapters nothing of LoRA is captured.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tpserve.engine.step import SeqStep
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.kernels.gemm_tuning import GemmTuning
 from tpserve.layers.context import ForwardContext, forward_context
+from tpserve.layers.lora import StaticLoraRows, static_scope
 from tpserve.worker.metadata import HostStaging, make_metadata, rope_offsets
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,8 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.starts = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Each row's adapter slot (-1: base model or padding); None without adapters.
+        self.lora = StaticLoraRows.of(model, n, device)
         self.device = device
         self.staging = HostStaging(device)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
@@ -75,7 +82,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         ctx = ForwardContext(self._meta(b), self.kv_caches, self.backend)
-        with forward_context(ctx):
+        with forward_context(ctx), static_scope(self.lora, b):
             hidden = self.model(self.ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden)
 
@@ -85,6 +92,8 @@ class DecodeGraphs:
         self.slots.fill_(self.scratch * self.block_size)
         self.tables.fill_(self.scratch)
         self.seq_lens.fill_(1)
+        if self.lora is not None:
+            self.lora.slot.fill_(-1)
 
     def capture(self, tuning: GemmTuning | None = None) -> float:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool.
@@ -111,7 +120,8 @@ class DecodeGraphs:
     def fits(self, seqs: list[SeqStep]) -> bool:
         return (len(seqs) <= self.buckets[-1]
                 and all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs
-                        and s.num_blocks <= self.max_blocks for s in seqs))
+                        and s.num_blocks <= self.max_blocks
+                        and (self.lora is not None or not s.adapter) for s in seqs))
 
     def run(self, seqs: list[SeqStep], seq_tables: np.ndarray,
             prev: tuple[np.ndarray, np.ndarray, torch.Tensor | None] | None = None
@@ -138,8 +148,13 @@ class DecodeGraphs:
             rope = pos.copy()
             rope[:b] += offsets
         dst, src, prev_ids = prev if prev is not None else (np.zeros(0, np.int64),) * 2 + (None,)
-        ids_d, pos_d, slots_d, lens_d, tab_d, dst_d, src_d = self.staging.to_device(
-            [ids, rope, slots, pos + 1, tables, dst, src])
+        arrays = [ids, rope, slots, pos + 1, tables, dst, src]
+        if self.lora is not None:  # padded rows: -1, no adapter's delta
+            adapter = np.zeros(bucket, dtype=np.int64)
+            adapter[:b] = [s.adapter for s in seqs]
+            arrays.append(adapter - 1)
+        ids_d, pos_d, slots_d, lens_d, tab_d, dst_d, src_d, *lora_d = self.staging.to_device(
+            arrays)
         self.ids[:bucket].copy_(ids_d)
         if len(dst):
             self.ids.index_copy_(0, dst_d, prev_ids.index_select(0, src_d))
@@ -147,6 +162,8 @@ class DecodeGraphs:
         self.slots[:bucket].copy_(slots_d)
         self.seq_lens[:bucket].copy_(lens_d)
         self.tables[:bucket].copy_(tab_d.view(bucket, self.max_blocks))
+        if lora_d:
+            self.lora.slot[:bucket].copy_(lora_d[0])
         graph, out = self.graphs[bucket]
         graph.replay()
         return None if out is None else out[:b]  # None: logits gathered to rank 0 only

@@ -19,7 +19,7 @@ from tpserve.distributed import broadcast_from_first, get_tp
 from tpserve.engine.step import SeqStep, StepBatch, StepOutput
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
-from tpserve.layers.lora import LoraRows, lora_rows, step_groups
+from tpserve.layers.lora import LoraRows, lora_rows, row_slots, step_groups
 from tpserve.worker.block_tables import BlockTables
 from tpserve.worker.metadata import (
     HostStaging,
@@ -76,9 +76,9 @@ class ModelRunner:
         rows = self.block_tables.update(seqs)
         dst, src = self._prev_fill(seqs)
         q_lens = [len(s.token_ids) for s in seqs]
-        # Steps with LoRA rows run eagerly: the graphs hold the base model's matmuls only.
-        groups = step_groups([s.adapter for s in seqs], q_lens) if self.lora else []
-        if self.graphs is not None and not groups and self.graphs.fits(seqs):
+        # The graphs hold every adapter's delta where adapters are loaded (layers/lora.py):
+        # adapter rows replay them as base rows do.
+        if self.graphs is not None and self.graphs.fits(seqs):
             tables = self.block_tables.gather(rows, self.graphs.max_blocks)
             logits = self.graphs.run(seqs, tables, (dst, src, self._prev_ids))
             return self._sample(batch, logits, seqs, [])
@@ -94,19 +94,26 @@ class ModelRunner:
         lp_seqs = [i for i, s in enumerate(seqs) if s.prompt_logprobs and q_lens[i] > 1]
         for i in lp_seqs:
             picks.extend(range(ends[i] - q_lens[i], ends[i] - 1))
+        adapters = [s.adapter for s in seqs] if self.lora else []
+        pieces = (self.pieces is not None and not self.encoder_decoder
+                  and self.pieces.fits(ends[-1])
+                  and (self.pieces.lora is not None or not any(adapters)))
+        # Pieces read each token's adapter slot (all of them, base rows too, where adapters
+        # are loaded); an eager step groups its adapter rows by adapter.
+        groups = [] if pieces or not any(adapters) else step_groups(adapters, q_lens)
+        lora_in = [row_slots(adapters, q_lens)] if pieces and adapters else \
+            [rows for _, rows in groups]
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
                                  tables, self.block_size, self.staging,
-                                 extra=[dst, src, np.asarray(picks, dtype=np.int64),
-                                        *(rows for _, rows in groups)],
+                                 extra=[dst, src, np.asarray(picks, dtype=np.int64), *lora_in],
                                  rope_offsets=rope_offsets(seqs, self.long_rope_offset))
         d_dst, d_src, d_picks, *d_lora = inp.extra
         lora = LoraRows([(g[0], d) for g, d in zip(groups, d_lora)]) if groups else None
         if len(dst):
             inp.ids.index_copy_(0, d_dst, self._prev_ids.index_select(0, d_src))
         cross = self._encode(seqs, inp.meta) if self.encoder_decoder else None
-        if cross is None and self.pieces is not None and lora is None \
-                and self.pieces.fits(inp.ids.shape[0]):
-            hidden = self.pieces.run(inp.ids, inp.rope_positions, inp.meta)
+        if pieces:
+            hidden = self.pieces.run(inp.ids, inp.rope_positions, inp.meta, *d_lora)
         else:
             with forward_context(ForwardContext(inp.meta, self.kv_caches, self.backend,
                                                 cross)), lora_rows(lora):

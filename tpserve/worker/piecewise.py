@@ -17,6 +17,10 @@ it copies q, k, v into a staging buffer shared by every layer and bucket (inside
 being captured, so each replay refreshes it), ends that piece's graph and starts the next,
 and returns a shared output buffer the next piece reads. The copies keep the memory held
 between pieces to one buffer, instead of every layer's projections for every bucket.
+
+With LoRA adapters loaded, the pieces hold every adapter's delta in its masked form
+(layers/lora.py): each token row's adapter slot is a static input like the token ids, and
+the first piece turns it into the row mask the later pieces read (a static buffer too).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from tpserve.cluster.device import piece_capture_api, synchronize
 from tpserve.kernels.base import AttentionMetadata
 from tpserve.layers.context import ForwardContext, forward_context
+from tpserve.layers.lora import StaticLoraRows, static_scope
 from tpserve.worker.metadata import make_metadata
 
 ENV = "TPSERVE_PIECEWISE_GRAPHS"  # 0: mixed steps run eagerly (A/B runs)
@@ -106,6 +111,7 @@ class PiecewiseGraphs:
         n = self.buckets[-1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.lora = StaticLoraRows.of(model, n, device)  # None without adapters
         self.captured: dict[int, _Bucket] = {}
         self._staging: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -163,7 +169,7 @@ class PiecewiseGraphs:
 
         meta = self._warm_meta(tokens)
         with forward_context(ForwardContext(meta, self.kv_caches, self.backend,
-                                            pieces=_Probe())):
+                                            pieces=_Probe())), static_scope(self.lora, tokens):
             self.model(self.ids[:tokens], self.positions[:tokens])
         staged = max(w[0] for w in widths)
         out = max(w[1] for w in widths)
@@ -181,7 +187,8 @@ class PiecewiseGraphs:
         for tokens in reversed(self.buckets):
             meta = self._warm_meta(tokens)
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
-            with forward_context(ctx):  # lazy initialisations outside the capture
+            # Lazy initialisations outside the capture.
+            with forward_context(ctx), static_scope(self.lora, tokens):
                 self.model(self.ids[:tokens], self.positions[:tokens])
             synchronize(self.device)
             bucket = _Bucket()
@@ -190,7 +197,7 @@ class PiecewiseGraphs:
                                      pieces=Recorder(self, bucket, tokens))
                 self._begin(bucket)
                 try:
-                    with forward_context(ctx):
+                    with forward_context(ctx), static_scope(self.lora, tokens):
                         bucket.hidden = self.model(self.ids[:tokens], self.positions[:tokens])
                 finally:
                     bucket.graphs[-1].capture_end()
@@ -204,16 +211,19 @@ class PiecewiseGraphs:
     def fits(self, tokens: int) -> bool:
         return 0 < tokens <= self.buckets[-1]
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """The model's hidden states [n, hidden] for n = len(ids) tokens: the bucket's
         pieces replayed in order, each layer's attention run eagerly in between on the
-        step's own metadata."""
+        step's own metadata. lora_slots: each token's adapter slot (-1: the base model),
+        where adapters are loaded."""
         n = ids.shape[0]
         tokens = next(b for b in self.buckets if b >= n)
         bucket = self.captured[tokens]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
+        if self.lora is not None:  # rows past n keep stale slots, as they keep stale ids
+            self.lora.slot[:n].copy_(lora_slots)
         with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
             for graph, call in zip(bucket.graphs, bucket.calls + [None], strict=True):
                 graph.replay()
