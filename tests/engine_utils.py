@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from tpserve.config import (
@@ -169,3 +170,21 @@ def load_rank(path: Path, rank: int, tp: int):
         model = build_model(cfg, load_hf_config(path), torch.device("cpu"))
         model.load_weights(iter_checkpoint(path, stats, show_progress=False))
     return model, stats
+
+
+def assert_ipex_declines_and_triton_takes(spec, plain, reason: str) -> None:
+    """auto passes IPEX over for `spec` naming `reason`, an explicit --kernel ipex is refused
+    with it, and Triton answers for spec as for `plain` (the same spec without the feature):
+    it declines on this machine for the device only, never for the feature."""
+    from tpserve.errors import KernelUnavailableError
+    from tpserve.kernels.registry import select_backend
+    from tpserve.kernels.triton_backend import TritonAttentionBackend
+
+    cpu = torch.device("cpu")
+    _, passed_over = select_backend("auto", cpu, torch.float32, [spec])
+    assert passed_over["ipex"] == reason
+    with pytest.raises(KernelUnavailableError) as err:
+        select_backend("ipex", cpu, torch.float32, [spec])
+    assert f"attention backend 'ipex' cannot run here: {reason}" == str(err.value)
+    assert (TritonAttentionBackend.supports(cpu, torch.float32, spec)
+            == TritonAttentionBackend.supports(cpu, torch.float32, plain))

@@ -13,12 +13,11 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import engine_matches_reference, load_rank
+from engine_utils import assert_ipex_declines_and_triton_takes, engine_matches_reference, load_rank
 from tiny_models import PROMPTS, family_checkpoint
 
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import SINKS_REASON
-from tpserve.kernels.registry import select_backend
 from tpserve.kernels.torch_backend import TorchAttentionBackend
 from tpserve.layers.quant.mxfp4 import FP4_VALUES, GROUP
 
@@ -96,18 +95,8 @@ def test_ipex_declines_sinks_and_triton_has_them():
     as it would without them."""
     from dataclasses import replace
 
-    from tpserve.errors import KernelUnavailableError
-    from tpserve.kernels.triton_backend import TritonAttentionBackend
-
     spec = AttentionSpec(4, 2, 16, 0.25, block_size=4, sliding_window=8, sinks=True)
-    _, passed_over = select_backend("auto", CPU, torch.float32, [spec])
-    assert passed_over["ipex"] == SINKS_REASON
-    with pytest.raises(KernelUnavailableError) as err:
-        select_backend("ipex", CPU, torch.float32, [spec])
-    assert f"attention backend 'ipex' cannot run here: {SINKS_REASON}" == str(err.value)
-    plain = replace(spec, sinks=False)
-    assert (TritonAttentionBackend.supports(CPU, torch.float32, spec)
-            == TritonAttentionBackend.supports(CPU, torch.float32, plain))
+    assert_ipex_declines_and_triton_takes(spec, replace(spec, sinks=False), SINKS_REASON)
 
 
 @pytest.fixture(scope="module")

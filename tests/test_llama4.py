@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import engine_matches_reference, make_engine
+from engine_utils import (
+    assert_ipex_declines_and_triton_takes,
+    engine_matches_reference,
+    make_engine,
+)
 from tiny_models import PROMPTS, family_checkpoint, hf_greedy, hf_last_logits, llama4_config
 
 from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
 from tpserve.errors import ShardingError
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import CHUNKED_REASON
-from tpserve.kernels.registry import select_backend
 from tpserve.kernels.torch_backend import TorchAttentionBackend
 from tpserve.worker.build import check_shardable
 
@@ -144,21 +147,13 @@ def test_ipex_declines_chunks_and_triton_has_them():
     the interpreter in tests/kernels/): here it declines for the device only."""
     from dataclasses import replace
 
-    from tpserve.errors import KernelUnavailableError
     from tpserve.kernels.capabilities import unknown_feature_reason
-    from tpserve.kernels.triton_backend import TritonAttentionBackend
 
     spec = AttentionSpec(4, 2, 16, 0.25, block_size=4, attention_chunk=8)
     assert "chunked" in spec.features
     assert "chunked" in unknown_feature_reason(spec)  # a plugin backend declines it too
-    _, passed_over = select_backend("auto", CPU, torch.float32, [spec])
-    assert passed_over["ipex"] == CHUNKED_REASON
-    with pytest.raises(KernelUnavailableError) as err:
-        select_backend("ipex", CPU, torch.float32, [spec])
-    assert f"attention backend 'ipex' cannot run here: {CHUNKED_REASON}" == str(err.value)
-    plain = replace(spec, attention_chunk=None)
-    assert (TritonAttentionBackend.supports(CPU, torch.float32, spec)
-            == TritonAttentionBackend.supports(CPU, torch.float32, plain))
+    assert_ipex_declines_and_triton_takes(spec, replace(spec, attention_chunk=None),
+                                          CHUNKED_REASON)
 
 
 # --- oracle guards ----------------------------------------------------------------------------
