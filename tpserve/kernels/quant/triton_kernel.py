@@ -359,19 +359,23 @@ def _fragment_matmul(x, f, s, z, group_size: int, gated: int,
     paired = bool(getattr(f, "paired", False))
     if fused_norm_or_add or (gated and (m != 1 or not paired)):
         return None
-    if m > FRAG_MAX_ROWS:
-        rows = frag_unpack(f.reshape(-1), k, n, n // 2 if paired else 0)
-        return x @ int4_dequantize(rows, s, z, group_size, None, x.dtype)
+    y = None
     if m <= 16:
-        return _mma_launch(x, f, s, z, group_size, MMA_WARPS[m > 8], 0, 0, gated=gated,
-                           frag=f, paired=paired)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    for i in range(0, m, 16):
-        rows = min(16, m - i)
-        if _mma_launch(x[i:i + rows], f, s, z, group_size, MMA_WARPS[rows > 8], 0, 0,
-                       out=y[i:i + rows], frag=f, paired=paired) is None:
-            return None
-    return y
+        y = _mma_launch(x, f, s, z, group_size, MMA_WARPS[m > 8], 0, 0, gated=gated,
+                        frag=f, paired=paired)
+    elif m <= FRAG_MAX_ROWS:
+        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        for i in range(0, m, 16):
+            rows = min(16, m - i)
+            if _mma_launch(x[i:i + rows], f, s, z, group_size, MMA_WARPS[rows > 8], 0, 0,
+                           out=y[i:i + rows], frag=f, paired=paired) is None:
+                y = None
+                break
+    if y is not None or gated:
+        return y
+    # Large batches, or no split-K counters yet (a capture that comes first): dense.
+    rows = frag_unpack(f.reshape(-1), k, n, n // 2 if paired else 0)
+    return x @ int4_dequantize(rows, s, z, group_size, None, x.dtype)
 
 
 def _rows(dtype: torch.dtype) -> str:
