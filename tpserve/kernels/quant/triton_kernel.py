@@ -83,13 +83,11 @@ INT4_FOLD = os.environ.get("TPSERVE_INT4_FOLD", "1") != "0"
 # by that GEMV at every row count it takes and unpacked for the dense path of large batches.
 INT4_LAYOUT = os.environ.get("TPSERVE_INT4_LAYOUT", "rows")
 FRAG_MAX_ROWS = 64  # above: the dense path (a fragment-order weight has no GEMM tiles)
-# Experiment switch (A/B on a GPU, docs/quantization.md): the tensor-core GEMV reads a
-# fragment-order copy of each weight (quant/frag.py), made on first use and kept beside the
-# row-major one. Not for serving: it holds both layouts.
-INT4_FRAG = os.environ.get("TPSERVE_INT4_FRAG", "0") == "1"
-# The same for the one-row GEMV: a column-blocked copy (frag.blocked_pack).
+# Experiment switch (A/B on a GPU, docs/quantization.md): the one-row GEMV reads a
+# column-blocked copy of each weight (frag.blocked_pack), made on first use and kept beside
+# the row-major one. Not for serving: it holds both layouts.
 INT4_BLOCKED = os.environ.get("TPSERVE_INT4_BLOCKED", "0") == "1"
-_FRAGS: dict[tuple, torch.Tensor] = {}
+_BLOCKED: dict[tuple, torch.Tensor] = {}
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -258,10 +256,10 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
             if (blocked_w is not None or INT4_BLOCKED) and even and not has_gidx:
                 if blocked_w is None:
                     key = ("blocked", w.data_ptr(), gated, tile.block_n)
-                    if key not in _FRAGS:
+                    if key not in _BLOCKED:
                         from tpserve.kernels.quant.frag import blocked_pack
-                        _FRAGS[key] = blocked_pack(w, tile.block_n, up)
-                    blocked_w = _FRAGS[key]
+                        _BLOCKED[key] = blocked_pack(w, tile.block_n, up)
+                    blocked_w = _BLOCKED[key]
                 wq, sqk, blocked = blocked_w, tile.block_n, True
             jit.int4_gemv_n_kernel[grid](x, out, wq, s, z, g, y, counters, gamma, res, n, k,
                                          group_size, x.stride(1), sos, out.stride(-1),
@@ -427,12 +425,6 @@ def _mma_launch(x, w, s, z, group_size: int, warps: int, split: int, ahead: int,
             return None
         ws = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
         split_pad = max(2, 1 << (split - 1).bit_length())
-    if frag is None and INT4_FRAG and not is_fragment(w):
-        key = (w.data_ptr(), bool(gated or paired))
-        if key not in _FRAGS:
-            from tpserve.kernels.quant.frag import frag_pack
-            _FRAGS[key] = frag_pack(w, n // 2 if gated or paired else 0)
-        frag = _FRAGS[key]
     chain = pdl.launch(x.device, m) if m <= MMA_PDL_ROWS else {"PDL": False}
     triton_mma.int4_mma_gemv_kernel[(programs, split)](
         x, y, ws, counters, w if frag is None else frag, s, z, m, n, k, x.stride(0),
