@@ -147,6 +147,30 @@ def test_fragment_order_equals_row_major_bit_for_bit(m):
                             assert torch.equal(got, want), (dtype, k, n, split, frag is None)
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_fragment_weight_of_many_rows_is_captured_in_a_graph(paired):
+    """Above FRAG_MAX_ROWS rows a fragment-order weight is unpacked and dequantized for the
+    vendor matmul; the mixed-step pieces capture that path, so it must not copy from the host
+    (2026-12-05, H100: "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+    from the gated weight's column permutation)."""
+    from tpserve.kernels.quant.frag import frag_pack
+    from tpserve.kernels.quant.triton_kernel import FRAG_MAX_ROWS, _fragment_matmul
+
+    dev = _cuda()
+    k, n, group, m = 1024, 512, 128, FRAG_MAX_ROWS + 16
+    (x, qw, s, z), ref = _case(k, n, group, False, m, 11)
+    f = frag_pack(qw, n // 2 if paired else 0).view(n // 64, k // 64, 4, 32, 4)
+    f.paired = paired
+    eager = _fragment_matmul(x, f, s, z, group, 0, False)
+    assert _rel(eager, ref) < TOL[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = _fragment_matmul(x, f, s, z, group, 0, False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
+
+
 def test_refuses_what_it_cannot_take():
     from tpserve.kernels.quant.triton_kernel import int4_mma_matmul
 

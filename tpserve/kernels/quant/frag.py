@@ -23,16 +23,19 @@ COLS = 64  # columns per block (triton_mma.COLS)
 STEP = 64  # inputs per step (8 packed rows)
 
 
-def block_columns(n: int, gated_up: int = 0) -> torch.Tensor:
-    """The original column of each fragment-order column, [N]: block b's 64 columns."""
+def block_columns(n: int, gated_up: int = 0, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor:
+    """The original column of each fragment-order column, [N]: block b's 64 columns. Built
+    on `device` itself: a host-to-device copy is not allowed inside a CUDA graph capture,
+    where frag_unpack may run."""
     blocks = n // COLS
-    x = torch.arange(32)
+    x = torch.arange(32, device=device)
     if gated_up:
-        b = torch.arange(blocks)[:, None, None]
-        h = torch.arange(2)[None, :, None]
+        b = torch.arange(blocks, device=device)[:, None, None]
+        h = torch.arange(2, device=device)[None, :, None]
         cols = h * gated_up + b * 32 + x[None, None, :]
     else:
-        cols = torch.arange(n).view(blocks, 2, 32)
+        cols = torch.arange(n, device=device).view(blocks, 2, 32)
     return cols.reshape(-1)
 
 
@@ -44,7 +47,7 @@ def frag_pack(qweight: torch.Tensor, gated_up: int = 0) -> torch.Tensor:
         raise ValueError(f"fragment order needs N % {COLS} == 0 and K % {STEP} == 0 "
                          f"(qweight {tuple(qweight.shape)})")
     steps, blocks = kw // 8, n // COLS
-    q = qweight[:, block_columns(n, gated_up).to(qweight.device)]
+    q = qweight[:, block_columns(n, gated_up, qweight.device)]
     # [steps, row-half ri, t, block, h, g, w] -> [block, steps, h, ri, g, t, w]
     q = q.reshape(steps, 2, 4, blocks, 2, 8, 4).permute(3, 0, 4, 1, 5, 2, 6)
     return q.contiguous().reshape(-1)
@@ -95,7 +98,7 @@ def frag_unpack(frag: torch.Tensor, k: int, n: int, gated_up: int = 0) -> torch.
     q = frag.reshape(blocks, steps, 2, 2, 8, 4, 4).permute(1, 3, 5, 0, 2, 4, 6)
     q = q.reshape(k // 8, n)  # columns in block order
     if gated_up:
-        inverse = torch.empty(n, dtype=torch.long)
-        inverse[block_columns(n, gated_up)] = torch.arange(n)
-        return q[:, inverse.to(q.device)]
+        inverse = torch.empty(n, dtype=torch.long, device=q.device)
+        inverse[block_columns(n, gated_up, q.device)] = torch.arange(n, device=q.device)
+        return q[:, inverse]
     return q.contiguous()
