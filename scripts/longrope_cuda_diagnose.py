@@ -100,7 +100,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="longrope-"))
     save_model(phi3_longrope_config(32), work / "model")
-    ref = hf_greedy_ids(work / "model", prompts(), [NEW_TOKENS] * len(PROMPT_LENGTHS))
+    ref = hf_greedy_ids(work / "model", prompts(), [NEW_TOKENS] * len(PROMPT_LENGTHS),
+                        use_cache=False)
     (work / "ref.json").write_text(json.dumps(ref))
     for name in args.variants:
         _, _, env = VARIANTS[name]

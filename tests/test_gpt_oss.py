@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from engine_utils import assert_ipex_declines_and_triton_takes, engine_matches_reference, load_rank
-from tiny_models import PROMPTS, family_checkpoint
+from tiny_models import PROMPTS, family_checkpoint, hf_reads_swiglu_config
 
 from tpserve.kernels.base import AttentionMetadata, AttentionSpec
 from tpserve.kernels.capabilities import SINKS_REASON
@@ -150,7 +150,8 @@ def test_each_gpt_oss_feature_changes_the_reference(gpt_oss):
         with torch.no_grad():
             change(model)
         assert gap(model) > 0.05, what
-    assert gap(load(swiglu_limit=1e9)) > 0.05, "unclamped SwiGLU"
+    if hf_reads_swiglu_config():  # else transformers clamps at 7.0 whatever the config says
+        assert gap(load(swiglu_limit=1e9)) > 0.05, "unclamped SwiGLU"
     assert gap(load(sliding_window=4096)) > 0.05, "no window"
     assert max(len(tok(p).input_ids) for p in PROMPTS) > 8  # longer than the window
 

@@ -484,13 +484,15 @@ def gpt_oss_config(**kw):
     sinks, three layers windowed / full / windowed (layer_types) with a window of 8 (the
     prompts are longer), YaRN rotary; 8 experts of 64 (16 a rank at tp = 4), 2 per token,
     with a biased router and the clamped SwiGLU at a limit of 1.5, low enough that the
-    random weights reach it."""
+    random weights reach it (where transformers reads the limit from the config; before
+    that it used 7.0 and 1.702 whatever the config said, so the model keeps those there)."""
     from transformers import GptOssConfig
 
+    limit = 1.5 if hf_reads_swiglu_config() else 7.0
     args = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, head_dim=16,
                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                 num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
-                swiglu_limit=1.5, tie_word_embeddings=False,
+                swiglu_limit=limit, tie_word_embeddings=False,
                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -500,6 +502,18 @@ def gpt_oss_config(**kw):
     cfg = GptOssConfig(**args)
     cfg.architectures = ["GptOssForCausalLM"]
     return cfg
+
+
+def hf_reads_swiglu_config() -> bool:
+    """Whether the installed transformers' GPT-OSS experts take swiglu_limit and
+    swiglu_alpha from the config (transformers 5.17 hard-codes 7.0 and 1.702)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = GptOssConfig(hidden_size=8, intermediate_size=8, num_local_experts=2,
+                       swiglu_limit=1.5, swiglu_alpha=1.25)
+    experts = GptOssExperts(cfg)
+    return experts.limit == 1.5 and experts.alpha == 1.25
 
 
 def deepseek_v2_config(**kw):
@@ -753,9 +767,12 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
     return outs
 
 
-def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int]) -> list[list[int]]:
+def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int],
+                  use_cache: bool = True) -> list[list[int]]:
     """hf_greedy of token-id prompts (a decoder-only model), news[i] new tokens for prompt i:
-    each run alone, as generate() runs one prompt."""
+    each run alone, as generate() runs one prompt. use_cache=False: every step recomputes
+    the whole sequence (for longrope, the rule without generate's cache drop at the crossing:
+    transformers 5.17's drop recomputed only the last token there)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -763,7 +780,8 @@ def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int]) -> list
     for ids, n in zip(prompts, news, strict=True):
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, eos_token_id=None, pad_token_id=2)
+                                 do_sample=False, eos_token_id=None, pad_token_id=2,
+                                 use_cache=use_cache)
         outs.append(gen[0, len(ids):].tolist())
     return outs
 
