@@ -125,9 +125,23 @@ class Server:
         self.log.close()
 
 
-async def stream_once(client: aiohttp.ClientSession, url: str, text: str, new: int):
+def with_adapter(params: dict, adapter: str | None) -> dict:
+    """A request's parameters, naming a LoRA adapter where one is given (--lora)."""
+    return params if adapter is None else {**params, "adapter_id": adapter}
+
+
+def adapter_of(i: int, names: list[str], mode: str) -> str | None:
+    """The adapter request i names (round robin over the loaded ones): every request
+    (`all`), every other one (`half`, so steps mix adapter and base rows) or none."""
+    if not names or mode == "none" or (mode == "half" and i % 2):
+        return None
+    return names[(i // (2 if mode == "half" else 1)) % len(names)]
+
+
+async def stream_once(client: aiohttp.ClientSession, url: str, text: str, new: int,
+                      adapter: str | None = None):
     """(time to first token, [gaps between later tokens]) of one /generate_stream call."""
-    body = {"inputs": text, "parameters": {"max_new_tokens": new}}
+    body = {"inputs": text, "parameters": with_adapter({"max_new_tokens": new}, adapter)}
     t0 = time.perf_counter()
     stamps = []
     async with client.post(url + "/generate_stream", json=body) as r:
@@ -217,10 +231,11 @@ def session(connections: int) -> aiohttp.ClientSession:
 
 
 async def generate_once(client: aiohttp.ClientSession, url: str, text: str, new: int,
-                        done: list[float], clock) -> int:
+                        done: list[float], clock, adapter: str | None = None) -> int:
     """One /generate of a burst (details on, as TGI's client asks): the tokens it got; the
     response's arrival (on `clock`) goes to `done`."""
-    body = {"inputs": text, "parameters": {"max_new_tokens": new, "details": True}}
+    body = {"inputs": text,
+            "parameters": with_adapter({"max_new_tokens": new, "details": True}, adapter)}
     async with client.post(url + "/generate", json=body) as r:
         r.raise_for_status()
         got = (await r.json())["details"]["generated_tokens"]
@@ -237,9 +252,12 @@ def watch_s(trace: Path | None) -> float:
 
 
 async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler=None,
-                     trace: Path | None = None) -> tuple[float, int, dict]:
+                     trace: Path | None = None, adapters: list[str | None] | None = None
+                     ) -> tuple[float, int, dict]:
+    """adapters: the adapter each request names (None: the base model), cycled."""
     rng = random.Random(n)
     texts = [prompt(plen + rng.randrange(-16, 17), rng, vocab) for _ in range(n)]
+    adapters = adapters or [None]
     # aiohttp, as TGI's own client uses: httpx's connection pool costs seconds at this
     # concurrency (measured: 256 responses released at once reach an httpx client over
     # 5 s, an aiohttp one over 0.2 s), which would be charged to the server.
@@ -247,8 +265,9 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
 
         done: list[float] = []
 
-        def one(t: str):
-            return generate_once(client, url, t, new, done, time.perf_counter)
+        def one(i: int, t: str):
+            return generate_once(client, url, t, new, done, time.perf_counter,
+                                 adapters[i % len(adapters)])
 
         async def watch(samples: list) -> None:
             """The engine's step count every watch_s(trace): when the core started and
@@ -265,7 +284,7 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
         with profiler or contextlib.nullcontext():
             watcher = asyncio.create_task(watch(samples))
             t0_wall, t0 = time.time(), time.perf_counter()
-            counts = await asyncio.gather(*(one(t) for t in texts))
+            counts = await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
             wall = time.perf_counter() - t0
             watcher.cancel()
         after = engine_stats(url)
@@ -277,7 +296,8 @@ async def throughput(url: str, n: int, plen: int, new: int, vocab: int, profiler
     return sum(counts) / wall, sum(counts), where
 
 
-def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int, list[float]]:
+def burst_part(url: str, texts: list[str], new: int, start: float,
+               adapters: list[str | None] | None = None) -> tuple[int, list[float]]:
     """One client process's share of a burst (--client-procs): wait for the wall-clock
     `start` the parent set for every process, send these requests at once, and return the
     tokens received and each response's wall-clock arrival."""
@@ -286,8 +306,10 @@ def burst_part(url: str, texts: list[str], new: int, start: float) -> tuple[int,
         async with session(len(texts)) as client:
             done: list[float] = []
             await asyncio.sleep(max(0.0, start - time.time()))
+            names = adapters or [None] * len(texts)
             counts = await asyncio.gather(
-                *(generate_once(client, url, t, new, done, time.time) for t in texts))
+                *(generate_once(client, url, t, new, done, time.time, a)
+                  for t, a in zip(texts, names, strict=True)))
             return sum(counts), done
 
     return asyncio.run(run())
@@ -328,7 +350,8 @@ class TailProfiler:
 
 def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
                       vocab: int, trace: Path | None = None,
-                      tail: TailProfiler | None = None) -> tuple[float, int, dict]:
+                      tail: TailProfiler | None = None,
+                      adapters: list[str | None] | None = None) -> tuple[float, int, dict]:
     """The burst of `throughput` (same prompts) sent by `procs` client processes at once:
     one Python process sends 256 requests one after another through its event loop, so the
     server sees its first request only after the client's own work for many of them
@@ -339,7 +362,10 @@ def spread_throughput(pool, procs: int, url: str, n: int, plen: int, new: int,
     start = time.time() + 1.0  # every process is waiting on the clock by then
     if tail is not None:
         tail.arm(start)
-    futs = [pool.submit(burst_part, url, texts[i::procs], new, start) for i in range(procs)]
+    adapters = adapters or [None]
+    names = [adapters[i % len(adapters)] for i in range(n)]  # as throughput() names them
+    futs = [pool.submit(burst_part, url, texts[i::procs], new, start, names[i::procs])
+            for i in range(procs)]
     parts = [f.result() for f in futs]
     if tail is not None:
         tail.join()
@@ -405,13 +431,16 @@ async def measure(url: str, args, vocab: int, label: str = "this",
                   trace: Path | None = None, pool=None) -> dict:
     rng = random.Random(0)
     res: dict = {}
+    names = getattr(args, "lora_names", [])
+    adapters = [adapter_of(i, names, args.lora_requests) for i in range(max(1, 2 * len(names)))]
     async with session(8) as client:
         for _ in range(2):  # warm the path (first requests pay lazy initialisation)
-            await stream_once(client, url, prompt(args.prompt_len, rng, vocab), 16)
+            await stream_once(client, url, prompt(args.prompt_len, rng, vocab), 16,
+                              adapters[0])
         ttfts, gaps = [], []
         for _ in range(3):
             t, g = await stream_once(client, url, prompt(args.prompt_len, rng, vocab),
-                                     args.new_tokens)
+                                     args.new_tokens, adapters[0])
             ttfts.append(t)
             gaps.extend(g)
         res["ttft_ms"] = statistics.median(ttfts) * 1e3
@@ -431,7 +460,7 @@ async def measure(url: str, args, vocab: int, label: str = "this",
         profiler = (Profiler(args.py_spy, args.logs, f"{label}_{c}")
                     if args.py_spy and c == max(args.concurrency) else None)
         tps, toks, where = await throughput(url, c, args.prompt_len, args.new_tokens, vocab,
-                                            profiler, trace)
+                                            profiler, trace, adapters)
         res[f"tps_{c}"] = tps
         res[f"toks_{c}"] = toks
         res[f"split_{c}"] = where
@@ -442,7 +471,7 @@ async def measure(url: str, args, vocab: int, label: str = "this",
                     else None)
             res[f"spread_{c}"], _, res[f"spread_trace_{c}"] = await asyncio.to_thread(
                 spread_throughput, pool, args.client_procs, url, c, args.prompt_len,
-                args.new_tokens, vocab, trace, tail)
+                args.new_tokens, vocab, trace, tail, adapters)
     return res
 
 
@@ -570,6 +599,21 @@ def table(rows: list[tuple[str, str, float, dict]], args) -> str:
     return "\n".join(lines)
 
 
+def lora_launch_flags(args, model: Path) -> list[str]:
+    """--lora N: write N random adapters beside the model, note their names in
+    args.lora_names (the requests name them) and return the launch flags that load them."""
+    args.lora_names = []
+    if not args.lora:
+        return []
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from lora_adapters import random_adapters
+
+    pairs = random_adapters(model, args.lora, args.lora_rank, model.parent / "lora")
+    args.lora_names = [name for name, _ in pairs]
+    return ["--lora-modules", *(f"{n}={p}" for n, p in pairs),
+            "--max-lora-rank", str(args.lora_rank), "--max-loras", str(args.lora)]
+
+
 def launch_options(ap: argparse.ArgumentParser) -> None:
     """The options every benchmark that launches `tpserve launch` takes last."""
     ap.add_argument("--ready-timeout", type=float, default=300)
@@ -608,6 +652,13 @@ def main() -> None:
                     help="with --py-spy and --client-procs: also profile the GIL holders of "
                          "the driver and core for 1 s from SECONDS after the start of the "
                          "largest burst from several processes (its last steps)")
+    ap.add_argument("--lora", type=int, default=0, metavar="N",
+                    help="launch with N random LoRA adapters (benchmarks/lora_adapters.py; "
+                         "Llama-shaped configs) and name them in the requests")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-requests", default="all", choices=["all", "half", "none"],
+                    help="with --lora: which requests name an adapter, round robin over them "
+                         "(half: every other one, so steps mix adapter and base rows)")
     launch_options(ap)
     args = ap.parse_args()
     if args.py_spy_tail and not (args.py_spy and args.client_procs > 1):
@@ -616,6 +667,7 @@ def main() -> None:
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(ROOT)]]
     vocab = json.loads(args.model_config.read_text())["vocab_size"]
     model = make_model_dir(args.model_config, Path(tempfile.mkdtemp()) / "model")
+    lora_flags = lora_launch_flags(args, model)
     args.logs.mkdir(parents=True, exist_ok=True)
     rows = []
     pool = None
@@ -634,7 +686,8 @@ def main() -> None:
         tree = Path(path).resolve()
         env = dict(f.split("=", 1) for f in flags.split() if not f.startswith("-") and "=" in f)
         flags = " ".join(f for f in flags.split() if f.startswith("-") or "=" not in f)
-        srv = Server(tree, model, args, args.logs / f"serve_{label}.log", flags.split(), env)
+        srv = Server(tree, model, args, args.logs / f"serve_{label}.log",
+                     flags.split() + lora_flags, env)
         try:
             ready = srv.wait_ready(args.ready_timeout)
             print(f"[{label}] ready in {ready:.1f}s", flush=True)
@@ -653,7 +706,9 @@ def main() -> None:
         head = (f"\nMachine: {machine()}; {datetime.date.today().isoformat()}; "
                 f"tp {args.tp}, {args.dtype}, model {args.model_config.stem} (random weights), "
                 f"prompt ~{args.prompt_len}, {args.new_tokens} new tokens, "
-                f"--max-batch-size {args.max_batch_size}, launch flags {args.launch_args}\n\n")
+                f"--max-batch-size {args.max_batch_size}, launch flags {args.launch_args}"
+                + (f", {args.lora} random LoRA adapters of rank {args.lora_rank} named by "
+                   f"{args.lora_requests} requests" if args.lora else "") + "\n\n")
         with open(args.out, "a") as f:
             f.write(head + text + "\n")
 
