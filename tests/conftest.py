@@ -18,6 +18,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
 
 
+def pytest_report_header(config) -> str:
+    """The oracle's version heads every run: the tests compare against transformers, and
+    a GPU machine may hold another version than CI (2026-12-05: 5.17.0 there, whose GPT-OSS
+    and longrope generate differ from 5.25's; docs/kernels-gpu-conformance.md)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"oracle: transformers {of('transformers')}, torch {of('torch')}"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the session: 4 logical CPUs so tp = 4 can be placed on a
