@@ -63,7 +63,8 @@ def test_static_buffer_decode_path_serves_longrope_past_the_original_context(mod
         graphs.graphs[b] = (EagerReplay(graphs, b, out), out)
     worker.graphs = worker.runner.graphs = graphs
     try:
-        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30], use_cache=False)
+        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30],
+                                                                use_cache=False)
     finally:
         engine.shutdown()
     assert graphs.graphs[2][0].replays > 0
@@ -115,7 +116,8 @@ def test_captured_graphs_serve_longrope_past_the_original_context_on_cuda(models
     engine = cuda_engine(path, overlap)
     try:
         assert engine.executor.health()[0]["decode_graphs"]
-        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30], use_cache=False)
+        assert greedy_ids(engine, prompts, 30) == hf_greedy_ids(path, prompts, [30, 30],
+                                                                use_cache=False)
     finally:
         engine.shutdown()
 

@@ -156,7 +156,6 @@ def test_fragment_weight_of_many_rows_is_captured_in_a_graph(paired):
     from tpserve.kernels.quant.frag import frag_pack
     from tpserve.kernels.quant.triton_kernel import FRAG_MAX_ROWS, _fragment_matmul
 
-    dev = _cuda()
     k, n, group, m = 1024, 512, 128, FRAG_MAX_ROWS + 16
     (x, qw, s, z), ref = _case(k, n, group, False, m, 11)
     f = frag_pack(qw, n // 2 if paired else 0).view(n // 64, k // 64, 4, 32, 4)
