@@ -166,3 +166,28 @@ def test_a_text_only_config_is_left_as_it_is():
 
     cfg = qwen3_config()
     assert text_only(cfg) is cfg
+
+
+def test_an_outer_config_that_answers_from_its_text_config_keeps_its_own_values():
+    """transformers 4.5x's Qwen2-VL config answers every name its text config holds from the
+    text config (architectures None, the text config's tie flag): tpserve reads the outer
+    config's own architectures and tied-head flag."""
+    from types import SimpleNamespace
+
+    from tpserve.hf_config import text_only
+
+    class Delegating:  # as Qwen2VLConfig.__getattribute__ in transformers 4.57
+        def __getattribute__(self, key):
+            text = object.__getattribute__(self, "__dict__").get("text_config")
+            if text is not None and key in vars(text):
+                return getattr(text, key)
+            return object.__getattribute__(self, key)
+
+    outer = Delegating()
+    outer.__dict__.update(architectures=["Qwen2VLForConditionalGeneration"],
+                          tie_word_embeddings=True, dtype="bfloat16", text_config=SimpleNamespace(
+                              model_type="qwen2_vl_text", architectures=None,
+                              tie_word_embeddings=False, dtype=None))
+    text = text_only(outer)
+    assert text.architectures == ["Qwen2ForCausalLM"]
+    assert text.tie_word_embeddings is True

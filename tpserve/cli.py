@@ -345,6 +345,7 @@ def _load_config(path: Path):
 
 def engine_config(args: argparse.Namespace):
     """Resolve model, device, dtype and limits; log each choice and why."""
+    preflight.check_transformers()
     preflight.check_ranges(args)
     if args.model and Path(args.model).expanduser().is_file():
         raise CheckpointError(

@@ -72,6 +72,14 @@ TEXT_ONLY: dict[str, dict[str, str]] = {
 }
 
 
+def _own(config, name: str, default: Any = None) -> Any:
+    """The config's own value of name. transformers 4.5x's Qwen2-VL and Qwen2.5-VL configs
+    answer every name their text config also holds from the text config (whose
+    architectures is None and whose tie_word_embeddings is its own default)."""
+    own = vars(config)
+    return own[name] if name in own else getattr(config, name, default)
+
+
 def text_only(hf_config):
     """The config to build and serve: the config itself, or for a TEXT_ONLY vision-language
     checkpoint its text config, named as the text-only architecture, with the composite
@@ -79,7 +87,7 @@ def text_only(hf_config):
     text config has none, its dtype and quantization_config. A TEXT_ONLY architecture
     whose language model is of a family tpserve does not serve inside it is refused
     (ValueError naming both)."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
+    archs = list(_own(hf_config, "architectures") or [])
     arch = next((a for a in archs if a in TEXT_ONLY), None)
     text = getattr(hf_config, "text_config", None)
     if arch is None or text is None:
@@ -92,11 +100,11 @@ def text_only(hf_config):
             f"is {' or '.join(map(repr, families))}; this checkpoint's is {kind!r}, which "
             "tpserve does not serve inside it (docs/models.md lists what is served)")
     text.architectures = [families[kind]]
-    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+    text.tie_word_embeddings = bool(_own(hf_config, "tie_word_embeddings", True))
     if getattr(text, "dtype", None) is None:  # published configs give it on the outer one
         text.dtype = getattr(hf_config, "dtype", None)
     # A quantized checkpoint's quantization_config is the outer config's too.
-    quant = getattr(hf_config, "quantization_config", None)
+    quant = _own(hf_config, "quantization_config")
     if quant is not None and getattr(text, "quantization_config", None) is None:
         text.quantization_config = quant
     return text

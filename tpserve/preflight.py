@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import socket
+from importlib import metadata
+
+# The oldest transformers tpserve is checked against (docs/troubleshooting.md says what was
+# run); pyproject.toml declares the same floor (tests/test_preflight_transformers.py).
+TRANSFORMERS_MIN = (4, 57)
 
 # Launch flags and the range each must be in: (lowest, highest, lowest excluded). Checked
 # after a --config preset is merged too, which argparse's own types would not see.
@@ -32,6 +38,22 @@ FLAG_RANGES: dict[str, tuple[float, float | None, bool]] = {
     "ngram_max": (1, None, False),
     "ngram_min": (1, None, False),
 }
+
+
+def check_transformers(installed: str | None = None) -> None:
+    """transformers reads each checkpoint's config and tokenizer; one older than
+    TRANSFORMERS_MIN misreads or refuses the configs of newer families."""
+    if installed is None:
+        try:
+            installed = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            installed = "none"
+    found = re.match(r"(\d+)\.(\d+)", installed)
+    if found is None or tuple(map(int, found.groups())) < TRANSFORMERS_MIN:
+        want = ".".join(map(str, TRANSFORMERS_MIN))
+        raise ValueError(
+            f"tpserve needs transformers >= {want}; this environment has {installed}: "
+            f"pip install -U 'transformers>={want}'")
 
 
 def check_ranges(args: argparse.Namespace) -> None:
