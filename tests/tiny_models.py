@@ -4,6 +4,7 @@ Nothing is downloaded."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -504,6 +505,7 @@ def gpt_oss_config(**kw):
     return cfg
 
 
+@functools.cache
 def hf_reads_swiglu_config() -> bool:
     """Whether the installed transformers' GPT-OSS experts take swiglu_limit and
     swiglu_alpha from the config (transformers 5.17 hard-codes 7.0 and 1.702)."""

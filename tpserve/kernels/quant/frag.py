@@ -79,15 +79,16 @@ def blocked_pack(qweight: torch.Tensor, block_n: int, gated_up: int = 0) -> torc
     if n % block_n:
         raise ValueError(f"column blocks need N % {block_n} == 0 "
                          f"(qweight {tuple(qweight.shape)})")
-    blocks = n // block_n
+    blocks, dev = n // block_n, qweight.device  # built on the device, as block_columns
     if gated_up:
         h = block_n // 2
-        cols = (torch.arange(2)[None, :, None] * gated_up
-                + torch.arange(blocks)[:, None, None] * h + torch.arange(h)[None, None, :])
+        cols = (torch.arange(2, device=dev)[None, :, None] * gated_up
+                + torch.arange(blocks, device=dev)[:, None, None] * h
+                + torch.arange(h, device=dev)[None, None, :])
         cols = cols.reshape(-1)
     else:
-        cols = torch.arange(n)
-    q = qweight[:, cols.to(qweight.device)].reshape(kw, blocks, block_n).permute(1, 0, 2)
+        cols = torch.arange(n, device=dev)
+    q = qweight[:, cols].reshape(kw, blocks, block_n).permute(1, 0, 2)
     return q.contiguous()
 
 
