@@ -51,7 +51,8 @@ class SimCore:
         self.output = OutputProcessor(tokenizer, frozenset(tokenizer.all_special_ids))
         self.cfg = SimpleNamespace(model=SimpleNamespace(dtype="bfloat16"),
                                    parallel=SimpleNamespace(device="cuda", tp_size=1, placement="pack"),
-                                   cache=SimpleNamespace(block_size=16))
+                                   cache=SimpleNamespace(block_size=16),
+                                   lora=SimpleNamespace(names=()))
         self.num_blocks, self.max_input_tokens, self.max_model_len = 100_000, 8000, 8192
         self.load_reports = [SimpleNamespace(backend="simulated")]
         self.hf_config = SimpleNamespace(architectures=["LlamaForCausalLM"])
@@ -262,13 +263,14 @@ def main() -> None:
     lines = [head, "", "| burst | client wall s | core s (first step - last) | start s | "
              "requests reach the engine s (first - last) | first submission to the core s | "
              "tail s (last response - last step) | driver overhead % | most steps in one poll | "
-             "driver CPU s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "driver CPU s | tokens answered |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(rows, 1):
         lines.append(f"| {i} | {r['wall']:.3f} | {r['core']:.3f} | {r['start']:.3f} | "
                      f"{r['arrive'][0]:.3f} - {r['arrive'][1]:.3f} | {r['submit']:.3f} | "
                      f"{r['tail']:.3f} | {100 * (r['wall'] / r['core'] - 1):.1f} | "
-                     f"{r['merged']} | {r['cpu']:.2f} |")
+                     f"{r['merged']} | {r['cpu']:.2f} | {r['tokens']} of "
+                     f"{args.requests * args.new} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -55,7 +55,10 @@ def build_engine(args, model: Path, adapters: list[tuple[str, str]] = ()):
                                   max_num_batched_tokens=max(8192, args.context * 4),
                                   async_scheduling=not args.no_async_scheduling),
         kernel=args.kernel, cuda_graphs=not args.no_cuda_graphs,
-        lora=LoraConfig(adapters=tuple(adapters), max_rank=max(args.lora_rank, 1),
+        # Scripts that reuse build_engine without LoRA flags (guided_step, mixed_step) have
+        # no lora_rank; without adapters the rank is not read.
+        lora=LoraConfig(adapters=tuple(adapters),
+                        max_rank=max(getattr(args, "lora_rank", 16), 1),
                         max_loras=max(len(adapters), 1)))
     return Engine(cfg, InProcessExecutor(cfg))
 

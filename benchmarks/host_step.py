@@ -93,9 +93,10 @@ def _fake_executor(token_stream: list[int]):
         """Every sampled row gets the next token of a fixed stream, at once."""
 
         def start(self):
-            from types import SimpleNamespace
+            # The shards' real report type, so fields the engine reads later exist.
+            from tpserve.worker.worker import LoadReport
 
-            return [SimpleNamespace(param_bytes=0, backend="fake", passed_over={})]
+            return [LoadReport(rank=0, seconds=0.0, param_bytes=0, backend="fake")]
 
         def available_blocks(self) -> int:
             return 1 << 15
@@ -296,7 +297,10 @@ def _run_tree(tree: Path, args) -> dict:
            "--steps", str(args.steps), "--prompt-len", str(args.prompt_len),
            "--batches", *map(str, args.batches)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:  # say why, not only that it failed
+        raise SystemExit(f"measuring {tree} failed (exit {out.returncode}):\n"
+                         f"{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
