@@ -23,11 +23,14 @@ def model(tmp_path_factory) -> Path:
     return save_model(llama_config(), tmp_path_factory.mktemp("bench") / "llama")
 
 
-def _run(args: list[str], out: Path) -> str:
-    proc = subprocess.run([sys.executable, "-W", "ignore", *args, "--out", str(out)],
+def _run(args: list[str], out: Path | None) -> str:
+    """The script's table: what it wrote to `out`, or (None: scripts that write the docs
+    only when asked) what it printed."""
+    extra = ["--out", str(out)] if out is not None else []
+    proc = subprocess.run([sys.executable, "-W", "ignore", *args, *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out.read_text()
+    return out.read_text() if out is not None else proc.stdout
 
 
 SCRIPTS = {
@@ -60,3 +63,13 @@ def test_driver_burst_runs(tmp_path):
                  "4", "--admit", "4", "--prefill-s", "0.002", "--decode-s", "0.002",
                  "--repeat", "1"], tmp_path / "out.md")
     assert "| 32 of 32 |" in text, text  # 8 requests x 4 new tokens, all answered
+
+
+@pytest.mark.parametrize("args", [
+    ["benchmarks/prefix_cache.py", "--requests", "4", "--system-tokens", "32",
+     "--new-tokens", "4"],
+    ["benchmarks/spec_decode.py", "--requests", "2", "--new-tokens", "8", "--rounds", "1"],
+], ids=["prefix_cache", "spec_decode"])
+def test_in_process_benchmark_prints_its_table(args):
+    """Without --write, so the committed docs stay as they are."""
+    assert "| --- |" in _run(args, None)
