@@ -6,7 +6,6 @@ started to log); the GPU scripts are checked on a GPU when they are run."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -81,11 +80,7 @@ def test_serve_bench_launches_and_measures_on_the_cpu(tmp_path):
     (its own local Ray cluster, stopped with it), one stream and a burst of 4 requests
     measured and tabled."""
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-        "vocab_size": 600, "bos_token_id": 1, "eos_token_id": 2}))
+    cfg.write_text(llama_config(vocab_size=600).to_json_string())  # the tests' tiny Llama
     text = _run(["benchmarks/serve_bench.py", "--model-config", str(cfg), "--device", "cpu",
                  "--dtype", "float32", "--prompt-len", "16", "--new-tokens", "8",
                  "--concurrency", "4", "--logs", str(tmp_path / "logs")], tmp_path / "out.md")
