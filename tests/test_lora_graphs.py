@@ -48,15 +48,17 @@ def want_tokens(oracle) -> list[list[int]]:
 
 class EagerReplay:
     """Stands in for a CUDA graph: replay() recomputes the bucket from the static buffers
-    (as tests/test_cuda_graphs.py's); records each replay's row slots."""
+    (as tests/test_cuda_graphs.py's), with or without LoRA as the graph was captured;
+    records each replay's row slots."""
 
-    def __init__(self, graphs: DecodeGraphs, bucket: int, out: torch.Tensor) -> None:
-        self.graphs, self.bucket, self.out = graphs, bucket, out
+    def __init__(self, graphs: DecodeGraphs, bucket: int, out: torch.Tensor,
+                 lora: bool = True) -> None:
+        self.graphs, self.bucket, self.out, self.lora = graphs, bucket, out, lora
         self.slots: list[list[int]] = []
 
     def replay(self) -> None:
         self.slots.append(self.graphs.lora.slot[: self.bucket].tolist())
-        self.out.copy_(self.graphs._forward(self.bucket))
+        self.out.copy_(self.graphs._forward(self.bucket, self.lora))
 
 
 class SwappedReplay(EagerReplay):
@@ -76,8 +78,9 @@ def lora_engine(llama_dir, adapters, replay=EagerReplay):
     graphs = DecodeGraphs(worker.model, worker.kv_caches, worker.backend, worker.device,
                           BUCKETS, max_blocks=64, block_size=4, scratch_block=worker.num_blocks)
     for b in graphs.buckets:
-        out = graphs._forward(b)
-        graphs.graphs[b] = (replay(graphs, b, out), out)
+        for lora, into in ((True, graphs.graphs), (False, graphs.base_graphs)):
+            out = graphs._forward(b, lora)
+            into[b] = (replay(graphs, b, out, lora), out)
     worker.graphs = worker.runner.graphs = graphs
     return engine, graphs
 
@@ -148,6 +151,30 @@ def test_static_buffer_decode_path_serves_adapters(llama_dir, adapters, oracle):
     assert len(replays) >= 2 * (NEW - 1)
     # Rows of adapter a (0), b (1) and the base model (-1), then the padding (-1).
     assert replays[0] == [-1, 0, 1] * 3 + [-1] * 7
+    # Every step held adapter rows: none replayed the graphs without LoRA.
+    assert not any(g.slots for g, _ in graphs.base_graphs.values())
+
+
+def test_steps_of_base_rows_replay_the_graphs_without_lora(llama_dir, adapters, oracle):
+    """A server with adapters loaded: decode steps in which no row names an adapter replay
+    the graphs captured without LoRA (bucket 8 and 16 here), and give transformers' base
+    tokens and logits; a step with one adapter row among base rows replays the LoRA graph
+    and gives that row its adapter's tokens."""
+    engine, graphs = lora_engine(llama_dir, adapters)
+    base = [(p, None) for p in PROMPTS] * 3  # 9 rows: bucket 16
+    try:
+        got = last_logits(engine, base, NEW)
+        for (prompt, _), logits, tokens in zip(base, got, oracle[None][1] * 3, strict=True):
+            want = oracle_logits(llama_dir, None, [prompt + tokens[:-1]])[0]
+            assert_close_rel(logits, want, REL)
+        assert engine_greedy(engine, base, NEW) == oracle[None][1] * 3
+        assert len(graphs.base_graphs[16][0].slots) >= 2 * (NEW - 1)
+        assert not graphs.graphs[16][0].slots
+        one = [(p, None) for p in PROMPTS] + [(PROMPTS[0], "b")]  # 4 rows: bucket 8
+        assert engine_greedy(engine, one, NEW) == oracle[None][1] + [oracle["b"][1][0]]
+    finally:
+        engine.shutdown()
+    assert len(graphs.graphs[8][0].slots) >= NEW - 1 and not graphs.base_graphs[8][0].slots
 
 
 def test_swapping_two_rows_slots_changes_their_tokens(llama_dir, adapters, oracle):
@@ -249,8 +276,10 @@ def decode_ops(llama_dir, lora):
 
     try:
         decode, reference = recorded(lambda: graphs._forward(4)), recorded(plain)
+        without = recorded(lambda: graphs._forward(4, lora=False))
     finally:
         engine.shutdown()
+    assert without == reference  # the graphs without LoRA: the model's own ops only
     return graphs, decode, reference, sum(isinstance(m, LoraWeights)
                                           for m in worker.model.modules())
 
@@ -307,6 +336,23 @@ def test_captured_graphs_serve_adapters_on_cuda(llama_dir, adapters, oracle, ove
         assert staggered(engine, mixed(), NEW) == want_tokens(oracle)
         assert any(len(set(a)) == 3 for a in decode), decode
         assert any(len(set(s)) == 3 for s in pieces), pieces
+        # Steps of base rows only replay the graphs captured without LoRA.
+        graphs, base_replays = runner.graphs, []
+        graphs.base_graphs = {b: (_Counted(g, base_replays), out)
+                              for b, (g, out) in graphs.base_graphs.items()}
+        assert engine_greedy(engine, [(p, None) for p in PROMPTS], NEW) == oracle[None][1]
+        assert len(base_replays) >= NEW - 1
         assert engine.executor.health()[0]["compiles_since_warmup"] == 0
     finally:
         engine.shutdown()
+
+
+class _Counted:
+    """A captured graph whose replays are counted."""
+
+    def __init__(self, graph, count: list) -> None:
+        self.graph, self.count = graph, count
+
+    def replay(self) -> None:
+        self.count.append(1)
+        self.graph.replay()

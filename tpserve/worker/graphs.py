@@ -8,7 +8,14 @@ the step does not fill point at a scratch KV block that no sequence owns.
 
 With LoRA adapters loaded, each graph also holds every adapter's delta in its masked form
 (layers/lora.py), and each row's adapter slot is one more static input: a step of adapter
-rows, base rows or both replays the same graph. Without adapters nothing of LoRA is captured.
+rows, or of adapter and base rows, replays that graph. Every bucket is also captured a second
+time without any LoRA op, and a step in which no row names an adapter replays that one: the
+masked form computes every loaded adapter for every row (three launches per LoRA layer, 384 a
+Llama-3-8B step), which made a server with adapters loaded 1.2-1.4x slower per decode step for
+base-model requests too (docs/lora.md, "Speed"). The price is one more logits buffer per
+bucket (bucket x vocab x dtype bytes; ~0.37 GB summed over the buckets up to 256 for a 128k
+vocabulary in bf16) and the capture time of a second set. Without adapters nothing of LoRA is
+captured.
 """
 
 from __future__ import annotations
@@ -75,14 +82,17 @@ class DecodeGraphs:
         self.device = device
         self.staging = HostStaging(device)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        # With adapters: the same buckets without LoRA, for steps of base-model rows only.
+        self.base_graphs: dict[int, tuple[object, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         return make_metadata(self.starts[: b + 1], self.seq_lens[:b], self.tables[:b],
                              self.slots[:b], (1,) * b, (), self.max_blocks * self.block_size)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, lora: bool = True) -> torch.Tensor:
+        """lora=False: the base model alone (no LoRA op), whatever adapters are loaded."""
         ctx = ForwardContext(self._meta(b), self.kv_caches, self.backend)
-        with forward_context(ctx), static_scope(self.lora, b):
+        with forward_context(ctx), static_scope(self.lora if lora else None, b):
             hidden = self.model(self.ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden)
 
@@ -109,11 +119,17 @@ class DecodeGraphs:
             with tuning.tune(b) if tuning is not None else contextlib.nullcontext():
                 self._forward(b)
             synchronize(self.device)
-            graph = graph_cls()
-            with capturing(graph, pool=pool):
-                out = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = (graph, out)
+            for lora, graphs in ((True, self.graphs), (False, self.base_graphs)):
+                if not lora and self.lora is None:
+                    break  # without adapters the first graph is already the base model's
+                if not lora:
+                    self._forward(b, lora=False)  # the fast paths LoRA turned off, warmed
+                    synchronize(self.device)
+                graph = graph_cls()
+                with capturing(graph, pool=pool):
+                    out = self._forward(b, lora)
+                pool = graph.pool()
+                graphs[b] = (graph, out)
         synchronize(self.device)
         return time.perf_counter() - t0
 
@@ -149,7 +165,8 @@ class DecodeGraphs:
             rope[:b] += offsets
         dst, src, prev_ids = prev if prev is not None else (np.zeros(0, np.int64),) * 2 + (None,)
         arrays = [ids, rope, slots, pos + 1, tables, dst, src]
-        if self.lora is not None:  # padded rows: -1, no adapter's delta
+        base = self.base_graphs and not any(s.adapter for s in seqs)
+        if self.lora is not None and not base:  # padded rows: -1, no adapter's delta
             adapter = np.zeros(bucket, dtype=np.int64)
             adapter[:b] = [s.adapter for s in seqs]
             arrays.append(adapter - 1)
@@ -164,6 +181,6 @@ class DecodeGraphs:
         self.tables[:bucket].copy_(tab_d.view(bucket, self.max_blocks))
         if lora_d:
             self.lora.slot[:bucket].copy_(lora_d[0])
-        graph, out = self.graphs[bucket]
+        graph, out = (self.base_graphs if base else self.graphs)[bucket]
         graph.replay()
         return None if out is None else out[:b]  # None: logits gathered to rank 0 only

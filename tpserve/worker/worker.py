@@ -326,8 +326,10 @@ class Worker:
         seconds = self.graphs.capture(tuning)
         tuning.finish()
         self.runner.graphs = self.graphs
-        log.info("captured decode graphs for batch sizes %s in %.2fs",
-                 ",".join(map(str, self.graphs.buckets)), seconds)
+        log.info("captured decode graphs for batch sizes %s in %.2fs%s",
+                 ",".join(map(str, self.graphs.buckets)), seconds,
+                 " (twice: with LoRA adapters, and without for steps that use none)"
+                 if self.graphs.base_graphs else "")
         self._capture_pieces()
 
     def _capture_pieces(self) -> None:
