@@ -224,7 +224,10 @@ def test_mixed_steps_in_pieces_serve_adapters(llama_dir, adapters, oracle, monke
     engine, pieces = pieces_engine(llama_dir, lora_config(adapters), monkeypatch)
     seen, run = [], pieces.run
 
-    def spy(ids, positions, meta, lora_slots):
+    def spy(ids, positions, meta, lora_slots=None):
+        if lora_slots is None:  # no row names an adapter: the pieces without LoRA
+            seen.append((len(meta.query_lens_host), None))
+            return run(ids, positions, meta)
         seen.append((len(meta.query_lens_host), lora_slots.tolist()))
         return run(ids, positions, meta,
                    torch.full_like(lora_slots, -1) if blind else lora_slots)
@@ -239,7 +242,28 @@ def test_mixed_steps_in_pieces_serve_adapters(llama_dir, adapters, oracle, monke
         return
     assert got == want_tokens(oracle)
     # Steps that prefilled one adapter's prompt beside other adapters' decode rows.
-    assert any(len(set(s)) == 3 and len(s) > seqs for seqs, s in seen), seen
+    assert any(s and len(set(s)) == 3 and len(s) > seqs for seqs, s in seen), seen
+    # The first step prefills a base-model prompt alone: the pieces without LoRA.
+    assert seen[0][1] is None
+    assert all(s is None or any(x >= 0 for x in s) for _, s in seen), seen
+
+
+def test_mixed_steps_of_base_rows_replay_the_pieces_without_lora(llama_dir, adapters,
+                                                                 oracle, monkeypatch):
+    """A server with adapters loaded, base-model requests admitted one by one: every step
+    replays the pieces captured without LoRA, and the tokens are transformers' base
+    model's."""
+    engine, pieces = pieces_engine(llama_dir, lora_config(adapters), monkeypatch)
+    counts = {"lora": 0, "base": 0}
+    for name, captured in (("lora", pieces.captured), ("base", pieces.base_captured)):
+        for bucket in captured.values():
+            bucket.graphs = [_Counted(g, counts, name) for g in bucket.graphs]
+    try:
+        got = staggered(engine, [(p, None) for p in PROMPTS], NEW)
+    finally:
+        engine.shutdown()
+    assert got == oracle[None][1]
+    assert counts["base"] > 0 and counts["lora"] == 0, counts
 
 
 LORA_OPS = ("aten.ne.Tensor_out", "aten.masked_fill.Scalar")
@@ -311,6 +335,12 @@ def test_a_server_without_adapters_captures_nothing_of_lora(llama_dir, adapters,
                 counts[what] = got
             else:
                 assert got == [1, counts[what][1] + n_lora], what
+        if lora is None:
+            assert not pieces.base_captured
+        else:  # the pieces without LoRA: the ops of a server without adapters
+            assert set(pieces.base_captured) == set(pieces.captured)
+            for t, b in pieces.base_captured.items():
+                assert [op_names(b.graphs).count(op) for op in LORA_OPS] == counts[t], t
 
 
 @pytest.mark.gpu
@@ -348,11 +378,15 @@ def test_captured_graphs_serve_adapters_on_cuda(llama_dir, adapters, oracle, ove
 
 
 class _Counted:
-    """A captured graph whose replays are counted."""
+    """A captured graph whose replays are counted: appended to a list, or added up in a
+    dict under `key`."""
 
-    def __init__(self, graph, count: list) -> None:
-        self.graph, self.count = graph, count
+    def __init__(self, graph, count, key=None) -> None:
+        self.graph, self.count, self.key = graph, count, key
 
     def replay(self) -> None:
-        self.count.append(1)
+        if self.key is None:
+            self.count.append(1)
+        else:
+            self.count[self.key] += 1
         self.graph.replay()

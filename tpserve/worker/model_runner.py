@@ -98,10 +98,11 @@ class ModelRunner:
         pieces = (self.pieces is not None and not self.encoder_decoder
                   and self.pieces.fits(ends[-1])
                   and (self.pieces.lora is not None or not any(adapters)))
-        # Pieces read each token's adapter slot (all of them, base rows too, where adapters
-        # are loaded); an eager step groups its adapter rows by adapter.
+        # Pieces read each token's adapter slot (all of them, base rows too) where a row
+        # names an adapter, and replay their set without LoRA where none does; an eager
+        # step groups its adapter rows by adapter.
         groups = [] if pieces or not any(adapters) else step_groups(adapters, q_lens)
-        lora_in = [row_slots(adapters, q_lens)] if pieces and adapters else \
+        lora_in = [row_slots(adapters, q_lens)] if pieces and any(adapters) else \
             [rows for _, rows in groups]
         inp = build_paged_inputs([s.token_ids for s in seqs], [s.start_pos for s in seqs],
                                  tables, self.block_size, self.staging,

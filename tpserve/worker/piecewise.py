@@ -21,6 +21,9 @@ between pieces to one buffer, instead of every layer's projections for every buc
 With LoRA adapters loaded, the pieces hold every adapter's delta in its masked form
 (layers/lora.py): each token row's adapter slot is a static input like the token ids, and
 the first piece turns it into the row mask the later pieces read (a static buffer too).
+Every bucket is captured a second time without LoRA, for steps in which no row names an
+adapter (the masked form would compute every loaded adapter's delta for every row); the
+two sets share the staging and output buffers.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.lora = StaticLoraRows.of(model, n, device)  # None without adapters
         self.captured: dict[int, _Bucket] = {}
+        # With adapters: every bucket again without LoRA, for steps no row of which names
+        # an adapter (as DecodeGraphs.base_graphs).
+        self.base_captured: dict[int, _Bucket] = {}
         self._staging: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._pool = None
@@ -184,28 +190,35 @@ class PiecewiseGraphs:
         self._graph_cls, stream_of, use_stream = piece_capture_api(self.device)
         self._size_buffers(self.buckets[-1], dtype)
         stream = stream_of(self.device)
+        sets = [(self.lora, self.captured)]
+        if self.lora is not None:
+            sets.append((None, self.base_captured))
         for tokens in reversed(self.buckets):
-            meta = self._warm_meta(tokens)
-            ctx = ForwardContext(meta, self.kv_caches, self.backend)
-            # Lazy initialisations outside the capture.
-            with forward_context(ctx), static_scope(self.lora, tokens):
-                self.model(self.ids[:tokens], self.positions[:tokens])
-            synchronize(self.device)
-            bucket = _Bucket()
-            with use_stream(stream):
-                ctx = ForwardContext(meta, self.kv_caches, self.backend,
-                                     pieces=Recorder(self, bucket, tokens))
-                self._begin(bucket)
-                try:
-                    with forward_context(ctx), static_scope(self.lora, tokens):
-                        bucket.hidden = self.model(self.ids[:tokens], self.positions[:tokens])
-                finally:
-                    bucket.graphs[-1].capture_end()
-                self._pool = bucket.graphs[-1].pool()
-            self.captured[tokens] = bucket
+            for lora, captured in sets:
+                captured[tokens] = self._capture_bucket(tokens, lora, stream, use_stream)
         synchronize(self.device)
         self.seconds = time.perf_counter() - t0
         return self.seconds
+
+    def _capture_bucket(self, tokens: int, lora, stream, use_stream) -> _Bucket:
+        meta = self._warm_meta(tokens)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        # Lazy initialisations outside the capture.
+        with forward_context(ctx), static_scope(lora, tokens):
+            self.model(self.ids[:tokens], self.positions[:tokens])
+        synchronize(self.device)
+        bucket = _Bucket()
+        with use_stream(stream):
+            ctx = ForwardContext(meta, self.kv_caches, self.backend,
+                                 pieces=Recorder(self, bucket, tokens))
+            self._begin(bucket)
+            try:
+                with forward_context(ctx), static_scope(lora, tokens):
+                    bucket.hidden = self.model(self.ids[:tokens], self.positions[:tokens])
+            finally:
+                bucket.graphs[-1].capture_end()
+            self._pool = bucket.graphs[-1].pool()
+        return bucket
 
     # --- serving ------------------------------------------------------------------------
     def fits(self, tokens: int) -> bool:
@@ -216,13 +229,15 @@ class PiecewiseGraphs:
         """The model's hidden states [n, hidden] for n = len(ids) tokens: the bucket's
         pieces replayed in order, each layer's attention run eagerly in between on the
         step's own metadata. lora_slots: each token's adapter slot (-1: the base model),
-        where adapters are loaded."""
+        where adapters are loaded and a row of the step names one; None: the pieces
+        captured without LoRA."""
         n = ids.shape[0]
         tokens = next(b for b in self.buckets if b >= n)
-        bucket = self.captured[tokens]
+        base = lora_slots is None and self.lora is not None
+        bucket = (self.base_captured if base else self.captured)[tokens]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
-        if self.lora is not None:  # rows past n keep stale slots, as they keep stale ids
+        if lora_slots is not None:  # rows past n keep stale slots, as they keep stale ids
             self.lora.slot[:n].copy_(lora_slots)
         with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
             for graph, call in zip(bucket.graphs, bucket.calls + [None], strict=True):
