@@ -396,9 +396,9 @@ REFUSED = [
     ("deepseek-v3", {"moe_intermediate_size": 34}, 4,
      ["'model.layers.1.mlp.experts.0.gate_proj.weight'", "[34, 64]", "tp=4",
       "expert intermediate size = 34 is not divisible by 4"]),
-    # 4 heads of 32: q_proj is [128, 64] (head_dim 32 != hidden 64 / 4); an up_proj of 96
-    # rows splits three ways, so the heads are what tp = 3 cannot take.
-    ("nemotron", {"intermediate_size": 96}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[128, 64]", "tp=3",
+    # 4 heads of 32: q_proj is [128, 64] (head_dim 32 != hidden 64 / 4). up_proj's 128 rows
+    # do not split three ways either: the heads are named first (the MLP is built after).
+    ("nemotron", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[128, 64]", "tp=3",
                          "attention heads = 4 is not divisible by 3"]),
     ("nemotron", {"num_key_value_heads": 4}, 8, ["'model.layers.0.self_attn.q_proj.weight'",
                                                  "tp=8", "attention heads = 4 is not divisible"]),
@@ -691,3 +691,28 @@ def test_relu2_is_transformers_squared_relu():
 
     x = torch.linspace(-3, 3, 61)
     torch.testing.assert_close(get_activation("relu2")(x), ACT2FN["relu2"](x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_with_a_weight_offset_is_nemotrons_layer_norm_1p(dtype):
+    """The offset is added at load to the weight cast to the model dtype, so the parameter
+    is transformers' `weight + 1.0` rounded the same way and the outputs are equal bit for
+    bit, in bfloat16 too (w near 0, as trained Nemotron norms are, where 1 + w rounds)."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from tpserve.layers.norm import LayerNorm
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48) * 0.05, torch.randn(48) * 0.1
+    ref = NemotronLayerNorm1P(48, eps=1e-5).to(dtype)
+    ours = LayerNorm(48, 1e-5, weight_offset=1.0).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        ref.bias.copy_(b)
+    for param, t, name in ((ours.weight, w, "norm.weight"), (ours.bias, b, "norm.bias")):
+        param.weight_loader(param, SimpleNamespace(name=name, shape=t.shape, all=lambda t=t: t))
+    torch.testing.assert_close(ours.weight, ref.weight + 1.0, rtol=0, atol=0)
+    x = (torch.randn(5, 48) * 3).to(dtype)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    if dtype == torch.bfloat16:  # the guard: (1 + w) rounds, w alone does not give it
+        assert not torch.equal(ours.weight.float(), w + 1.0)

@@ -30,9 +30,13 @@ def _norm_1p(config):
 def _decoder_layer(config, i: int, prefix: str, max_positions: int,
                    window: int | None) -> LlamaDecoderLayer:
     attn_bias = bool(getattr(config, "attention_bias", False))
-    mlp = PlainMLP(config.hidden_size, config.intermediate_size,
-                   getattr(config, "hidden_act", "relu2"), f"{prefix}.mlp",
-                   names=("up_proj", "down_proj"), bias=bool(getattr(config, "mlp_bias", False)))
+
+    def mlp() -> PlainMLP:  # built after the attention: a refused tp names the heads first
+        return PlainMLP(config.hidden_size, config.intermediate_size,
+                        getattr(config, "hidden_act", "relu2"), f"{prefix}.mlp",
+                        names=("up_proj", "down_proj"),
+                        bias=bool(getattr(config, "mlp_bias", False)))
+
     return LlamaDecoderLayer(config, i, prefix, max_positions, window, qkv_bias=attn_bias,
                              o_bias=attn_bias, mlp=mlp, make_norm=_norm_1p(config))
 
