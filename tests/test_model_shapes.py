@@ -265,6 +265,34 @@ def test_cohere_shapes_add_up_with_only_the_layer_norms_replicated(arch, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_nemotron_shapes_add_up_with_the_layer_norms_replicated(tp):
+    """Minitron-8B's dimensions (48 heads of 128 in a hidden of 4096, 8 KV heads, relu2 MLP
+    of 16384, 32 layers, vocabulary 256000, untied), typed in rather than a stored
+    config.json. Every rank holds the LayerNorm1P weights and biases whole; the rest adds up
+    to transformers' count. tp = 5 is refused naming q_proj (the heads are checked before
+    up_proj's 16384 rows, which 5 does not divide either)."""
+    from transformers import AutoModelForCausalLM, NemotronConfig
+
+    hf = NemotronConfig(hidden_size=4096, num_attention_heads=48, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=16384, num_hidden_layers=32,
+                        vocab_size=256000, architectures=["NemotronForCausalLM"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert 8.2e9 < numel(model) < 8.3e9
+    replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == numel(model) + (tp - 1) * replicated
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(5), hf)
+    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[6144, 4096]", "tp=5",
+                   "attention heads = 48 is not divisible by 5"):
+        assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize(("layers", "experts"), [(24, 32), (36, 128)], ids=["20b", "120b"])
 def test_gpt_oss_shapes_add_up_with_the_row_biases_and_router_replicated(layers, experts, tp):
     """gpt-oss-20b's and -120b's dimensions (GptOssConfig's defaults are 120b's: 64 heads of

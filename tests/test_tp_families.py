@@ -31,7 +31,9 @@ SwiGLU, gate and up interleaved (tests/test_gpt_oss.py has its guards and MXFP4)
 and DeepSeek-V2's and -V3's latent attention (values narrower than the keys, interleaved
 rope on part of each head; V3's low-rank queries and YaRN mscale) with a dense layer before
 routed and shared experts (V2: group-limited softmax; V3: sigmoid + correction bias over
-groups, renormalised and scaled)."""
+groups, renormalised and scaled), and Nemotron's (1 + w) LayerNorms with biases, plain
+up_proj -> relu2 -> down_proj MLP and half-rotary heads of 32 (GQA), with and without
+attention and MLP biases."""
 
 from __future__ import annotations
 
@@ -50,10 +52,12 @@ from tpserve.worker.build import check_shardable
 CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3", "phi3",
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
                           "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
-                          "cohere-qk-norm", "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3")
+                          "cohere-qk-norm", "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3",
+                          "nemotron")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
-          ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2)]
+          ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2),
+          ("nemotron-no-bias", 2)]
 # Vision-language checkpoints served as text (tests/test_vlm_text_only.py has the rest):
 # transformers runs the whole vision-language model on the prompts' input_ids alone.
 CASES += [(f, tp) for f in ("mistral3", "llava-llama", "qwen2-vl") for tp in (1, 2, 4)]
@@ -128,6 +132,10 @@ FEATURES = [
     ("deepseek-v2", {"topk_method": "greedy"}), ("deepseek-v2", {"routed_scaling_factor": 1.0}),
     ("deepseek-v3", {"routed_scaling_factor": 1.0}), ("deepseek-v3", {"norm_topk_prob": False}),
     ("deepseek-v3", {"topk_group": 4}), ("deepseek-v3", {"rope_interleave": False}),
+    ("nemotron", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 1.0}}),
+    ("nemotron", {"hidden_act": "relu"}), ("nemotron", {"attention_bias": False}),
+    ("nemotron", {"mlp_bias": False}),
 ]
 
 
@@ -142,8 +150,9 @@ def test_each_feature_changes_the_reference(family, name, override):
     rotary over whole heads, with GPTBigCode's scores unscaled, without Cohere's
     logit_scale or Command-R+'s q/k norms, or with Cohere 2's window wider than the prompts
     or its biases dropped, DeepSeek-V2 routed greedily or unscaled, DeepSeek-V3 unscaled,
-    not renormalised, with every group kept or its rope rotating halves, transformers' own
-    logits for the prompts change, so matching them checks each."""
+    not renormalised, with every group kept or its rope rotating halves, Nemotron's rotary
+    over whole heads, its squared ReLU a plain one or its attention or MLP biases dropped,
+    transformers' own logits for the prompts change, so matching them checks each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
@@ -291,7 +300,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("cohere2", "LayerNorms: only an RMSNorm folds"),
                                            ("gpt-oss", "block is a GptOssMoE, not a gated"),
                                            ("deepseek-v2", "layer 0 is a DeepseekDecoderLayer"),
-                                           ("deepseek-v3", "layer 0 is a DeepseekDecoderLayer")])
+                                           ("deepseek-v3", "layer 0 is a DeepseekDecoderLayer"),
+                                           ("nemotron", "LayerNorms: only an RMSNorm folds")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -386,6 +396,15 @@ REFUSED = [
     ("deepseek-v3", {"moe_intermediate_size": 34}, 4,
      ["'model.layers.1.mlp.experts.0.gate_proj.weight'", "[34, 64]", "tp=4",
       "expert intermediate size = 34 is not divisible by 4"]),
+    # 4 heads of 32: q_proj is [128, 64] (head_dim 32 != hidden 64 / 4). up_proj's 128 rows
+    # do not split three ways either: the heads are named first (the MLP is built after).
+    ("nemotron", {}, 3, ["'model.layers.0.self_attn.q_proj.weight'", "[128, 64]", "tp=3",
+                         "attention heads = 4 is not divisible by 3"]),
+    ("nemotron", {"num_key_value_heads": 4}, 8, ["'model.layers.0.self_attn.q_proj.weight'",
+                                                 "tp=8", "attention heads = 4 is not divisible"]),
+    ("nemotron", {"intermediate_size": 130}, 4, ["'model.layers.0.mlp.up_proj.weight'",
+                                                 "[130, 64]", "tp=4",
+                                                 "output features = 130 is not divisible by 4"]),
 ]
 
 
@@ -615,3 +634,85 @@ def test_gpt_bigcode_past_its_positions_is_refused_at_start(checkpoint):
     for needle in ("transformer.wpe.weight", "n_positions = 512", "--max-total-tokens 512",
                    "asked for 513"):
         assert needle in msg, msg
+
+
+def test_nemotron_layer_norm_1p_is_applied_as_one_plus_w(family):
+    """Guards the oracle: transformers' logits change when Nemotron's LayerNorm1P applies
+    its stored weight w instead of (1 + w), so the tp matches check the offset."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _, ref_logits = family("nemotron")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    norms = [m for m in model.modules() if type(m).__name__ == "NemotronLayerNorm1P"]
+    assert len(norms) == 5  # two a layer and the final one
+    for norm in norms:
+        norm.forward = lambda x, n=norm: F.layer_norm(x, n.normalized_shape, n.weight, n.bias,
+                                                      n.eps)
+    with torch.no_grad():
+        got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+    assert max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True)) > 0.05
+
+
+def test_nemotron_rank_holds_one_plus_w_and_its_slice_of_the_plain_mlp(checkpoint):
+    """Each norm's parameter is the file's w + 1 (added once, at load) and its bias as
+    stored, on every rank; up_proj by rows (weight and bias), down_proj by columns with its
+    bias whole; each rank reads 1/tp of the split tensors."""
+    from safetensors.torch import load_file
+
+    path = checkpoint("nemotron")
+    full = load_file(str(path / "model.safetensors"))
+    pre = "model.layers.1"
+    for rank in range(2):
+        model, stats = load_rank(path, rank, 2)
+        layer = model.model.layers[1]
+        for norm, name in ((layer.input_layernorm, f"{pre}.input_layernorm"),
+                           (layer.post_attention_layernorm, f"{pre}.post_attention_layernorm"),
+                           (model.model.norm, "model.norm")):
+            torch.testing.assert_close(norm.weight, full[f"{name}.weight"] + 1, rtol=0, atol=0)
+            torch.testing.assert_close(norm.bias, full[f"{name}.bias"], rtol=0, atol=0)
+        mlp, rows = layer.mlp, slice(rank * 64, (rank + 1) * 64)
+        for got, name in ((mlp.up_proj.weight, "up_proj.weight"),
+                          (mlp.up_proj.bias, "up_proj.bias")):
+            torch.testing.assert_close(got, full[f"{pre}.mlp.{name}"][rows], rtol=0, atol=0)
+        torch.testing.assert_close(mlp.down_proj.weight,
+                                   full[f"{pre}.mlp.down_proj.weight"][:, rows], rtol=0, atol=0)
+        torch.testing.assert_close(mlp.down_proj.bias, full[f"{pre}.mlp.down_proj.bias"],
+                                   rtol=0, atol=0)
+        for name in ("up_proj.weight", "down_proj.weight"):
+            assert stats.fraction(f"{pre}.mlp.{name}") == pytest.approx(1 / 2), name
+
+
+def test_relu2_is_transformers_squared_relu():
+    from transformers.activations import ACT2FN
+
+    from tpserve.layers.activation import get_activation
+
+    x = torch.linspace(-3, 3, 61)
+    torch.testing.assert_close(get_activation("relu2")(x), ACT2FN["relu2"](x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_with_a_weight_offset_is_nemotrons_layer_norm_1p(dtype):
+    """The offset is added at load to the weight cast to the model dtype, so the parameter
+    is transformers' `weight + 1.0` rounded the same way and the outputs are equal bit for
+    bit, in bfloat16 too (w near 0, as trained Nemotron norms are, where 1 + w rounds)."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from tpserve.layers.norm import LayerNorm
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48) * 0.05, torch.randn(48) * 0.1
+    ref = NemotronLayerNorm1P(48, eps=1e-5).to(dtype)
+    ours = LayerNorm(48, 1e-5, weight_offset=1.0).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        ref.bias.copy_(b)
+    for param, t, name in ((ours.weight, w, "norm.weight"), (ours.bias, b, "norm.bias")):
+        param.weight_loader(param, SimpleNamespace(name=name, shape=t.shape, all=lambda t=t: t))
+    torch.testing.assert_close(ours.weight, ref.weight + 1.0, rtol=0, atol=0)
+    x = (torch.randn(5, 48) * 3).to(dtype)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    if dtype == torch.bfloat16:  # the guard: (1 + w) rounds, w alone does not give it
+        assert not torch.equal(ours.weight.float(), w + 1.0)

@@ -33,7 +33,7 @@ def test_a_config_without_architectures_is_served_by_its_model_type(llama_dir, t
     ("bloom", "BloomForCausalLM"), ("t5", "T5ForConditionalGeneration"),
     ("gpt_bigcode", "GPTBigCodeForCausalLM"), ("cohere", "CohereForCausalLM"),
     ("cohere2", "Cohere2ForCausalLM"), ("deepseek_v2", "DeepseekV2ForCausalLM"),
-    ("deepseek_v3", "DeepseekV3ForCausalLM")])
+    ("deepseek_v3", "DeepseekV3ForCausalLM"), ("nemotron", "NemotronForCausalLM")])
 def test_model_type_picks_the_family(model_type, want):
     from transformers import CONFIG_MAPPING
 

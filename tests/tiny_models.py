@@ -608,6 +608,24 @@ def llama4_vlm_config(**kw):
     return cfg
 
 
+def nemotron_config(**kw):
+    """Nemotron: LayerNorm1P ((1 + w), with a bias), a plain up_proj -> relu2 -> down_proj
+    MLP, GQA (4 heads, 2 KV heads, replicated at tp = 4) with head_dim 32 != 64 / 4 and
+    rotary on half of each head (partial_rotary_factor 0.5), biases on q/k/v/o and the MLP
+    (nemotron-no-bias: none, tied head), untied."""
+    from transformers import NemotronConfig
+
+    args = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=512, norm_eps=1e-5, hidden_act="relu2",
+                partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = NemotronConfig(**args)
+    cfg.architectures = ["NemotronForCausalLM"]
+    return cfg
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -714,6 +732,10 @@ FAMILY_CHECKPOINTS = {
     "deepseek-v3": (deepseek_v3_config, {"std": 0.3, "vector_std": 0.1, "buffer_std": 0.1}),
     "llama4": (llama4_config, {"std": 0.3, "vector_std": 0.1}),
     "llama4-vlm": (llama4_vlm_config, {"std": 0.3, "vector_std": 0.1}),
+    "nemotron": (nemotron_config, {"std": 0.3, "vector_std": 0.1}),
+    "nemotron-no-bias": (lambda: nemotron_config(attention_bias=False, mlp_bias=False,
+                                                 tie_word_embeddings=True),
+                         {"std": 0.3, "vector_std": 0.1}),
 }
 
 

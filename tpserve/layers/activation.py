@@ -24,6 +24,8 @@ _ACTS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    # Squared ReLU (Nemotron's hidden_act), as transformers' ReLUSquaredActivation.
+    "relu2": lambda x: torch.square(F.relu(x)),
     "bloom_gelu": bloom_gelu,
 }
 

@@ -97,13 +97,24 @@ def sharded_rms_norms(pairs: tuple[tuple[ShardedRMSNorm, torch.Tensor], ...]
 
 
 class LayerNorm(nn.LayerNorm):
-    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True) -> None:
+    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True,
+                 weight_offset: float = 0.0) -> None:
+        """weight_offset: the checkpoint stores the weight as an offset from this value
+        (Nemotron's LayerNorm1P applies (1 + w)). It is added once, at load, in the
+        parameter's dtype after the cast, as transformers' `weight + 1.0` on the model-dtype
+        parameter rounds it, so the parameter holds the weight applied and each step runs
+        the plain layer norm (no extra launch per norm)."""
         super().__init__(hidden, eps=eps, bias=bias)
+        self.weight_offset = float(weight_offset)
         self.weight.requires_grad_(False)
-        self.weight.weight_loader = copy_full
+        self.weight.weight_loader = self.load_offset if self.weight_offset else copy_full
         if self.bias is not None:
             self.bias.requires_grad_(False)
             self.bias.weight_loader = copy_full
+
+    def load_offset(self, param: nn.Parameter, w: TensorSlice) -> None:
+        copy_full(param, w)
+        param.data.add_(self.weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """layernorm(x); with a residual, (layernorm(x + residual), x + residual), as

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -104,11 +106,14 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer: int, prefix: str, max_positions: int,
                  sliding_window: int | None = None, norm_offset: float = 0.0,
                  qkv_bias: bool = False, o_bias: bool = False, act: str | None = None,
-                 qk_norm: float | None = None, mlp: nn.Module | None = None,
+                 qk_norm: float | None = None,
+                 mlp: nn.Module | Callable[[], nn.Module] | None = None,
                  attn_scale: float | None = None, residual_scale: float = 1.0,
                  make_norm=None, fused_on_disk: bool = False, attn_sinks: bool = False) -> None:
-        """mlp: the feed-forward block (Mixtral's experts, StarCoder2's plain MLP); the
-        default is a GatedMLP. attn_scale: the attention scores' scale (Granite's
+        """mlp: the feed-forward block (Mixtral's experts, StarCoder2's plain MLP), or a
+        function that builds it after the attention (so a tp the heads cannot take is
+        refused naming q_proj before the MLP's rule: Nemotron); the default is a GatedMLP.
+        attn_scale: the attention scores' scale (Granite's
         attention_multiplier); None: 1 / sqrt(head_dim). residual_scale: each branch's
         output is multiplied by it before it joins the residual stream (Granite's
         residual_multiplier). make_norm: builds the two norms (StarCoder2's LayerNorm); the
@@ -121,6 +126,8 @@ class LlamaDecoderLayer(nn.Module):
                                         scale=attn_scale, qk_norm=qk_norm,
                                         fused_on_disk=fused_on_disk, sinks=attn_sinks)
         act = act or getattr(config, "hidden_activation", None) or config.hidden_act
+        if mlp is not None and not isinstance(mlp, nn.Module):
+            mlp = mlp()
         self.mlp = mlp if mlp is not None else GatedMLP(
             config.hidden_size, config.intermediate_size, act, f"{prefix}.mlp",
             bias=getattr(config, "mlp_bias", False), fused_on_disk=fused_on_disk)

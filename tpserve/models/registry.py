@@ -36,6 +36,7 @@ _MODELS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "tpserve.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "tpserve.models.llama4:Llama4ForCausalLM",
+    "NemotronForCausalLM": "tpserve.models.nemotron:NemotronForCausalLM",
 }
 
 
@@ -55,7 +56,7 @@ _BY_MODEL_TYPE = {
     "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-    "llama4_text": "Llama4ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
 }
 
 
