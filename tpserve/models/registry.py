@@ -36,7 +36,12 @@ _MODELS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "tpserve.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "tpserve.models.llama4:Llama4ForCausalLM",
+    "FalconForCausalLM": "tpserve.models.falcon:FalconForCausalLM",
 }
+
+# Labels older checkpoints carry for a family served under another name: Falcon's first
+# releases (remote code) named it RWForCausalLM, a label later `falcon` configs keep.
+_LEGACY = {"RWForCausalLM": "FalconForCausalLM"}
 
 
 # The family of each model_type (what transformers' Auto classes go by): the architecture
@@ -55,7 +60,7 @@ _BY_MODEL_TYPE = {
     "gpt_bigcode": "GPTBigCodeForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-    "llama4_text": "Llama4ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM", "falcon": "FalconForCausalLM",
 }
 
 
@@ -78,6 +83,7 @@ def model_class(config):
     if not archs and by_type:
         archs = [by_type]
     for arch in archs:
+        arch = arch if arch in _MODELS else _LEGACY.get(arch, arch)
         if arch in _MODELS:
             # Only a built-in family gives way; a class register()ed under its own name is
             # what its checkpoints ask for.
