@@ -16,10 +16,11 @@ post_attention_layernorm -> MLP, one after the other.
 
 Positions: rotary over whole heads (rope_parameters), or with `alibi` (RW) ALiBi whose
 slopes transformers rounds to bfloat16 and divides by sqrt(head_dim) (as the scores are):
-served as those slopes. transformers also rounds each slope x key position to bfloat16,
-which the kernels do not: exact while those products fit bfloat16 (power-of-two slopes,
-any head count of at most 8, at positions below 256), within half a bfloat16 step of the
-bias otherwise.
+served as those slopes. transformers also rounds each key position, and the slope x
+position product, to bfloat16, which the kernels (slope x distance in float32) do not: the
+same bias for at most 8 heads (power-of-two slopes) below position 256, within 2^-7 of it
+(one bfloat16 step) otherwise; past 256 transformers gives runs of neighbouring positions
+one bias (8 positions near 2048), tpserve each its own.
 
 Combinations transformers' Falcon cannot run are refused while the model is built."""
 
@@ -81,6 +82,13 @@ def check_falcon_config(config) -> None:
                      f"a key and value per query head ({config.num_attention_heads})")
 
 
+def falcon_alibi_slopes(heads: int, head_dim: int, tensor: str = "alibi") -> torch.Tensor:
+    """This rank's ALiBi slopes as Falcon scales them: transformers multiplies bfloat16
+    slopes by the key positions and divides the bias by sqrt(head_dim), as the scores are
+    (the kernels add slope x distance after scaling the scores)."""
+    return rank_alibi_slopes(heads, tensor).bfloat16().float() * head_dim**-0.5
+
+
 class FalconAttention(nn.Module):
     def __init__(self, config, layer: int, prefix: str) -> None:
         super().__init__()
@@ -88,11 +96,8 @@ class FalconAttention(nn.Module):
         d = hidden // heads
         self.query_key_value = GroupedQKVLinear(hidden, d, heads, kv_heads(config), bias, prefix)
         self.dense = RowParallelLinear(hidden, hidden, bias=bias, prefix=f"{prefix}.dense")
-        slopes = None
-        if config.alibi:
-            # transformers: bfloat16 slopes x key positions, then / sqrt(head_dim).
-            slopes = rank_alibi_slopes(heads, f"{prefix}.query_key_value.weight")
-            slopes = slopes.bfloat16().float() * d**-0.5
+        slopes = falcon_alibi_slopes(heads, d, f"{prefix}.query_key_value.weight") \
+            if config.alibi else None
         qkv = self.query_key_value
         self.attn = PagedAttention(layer, qkv.num_heads, qkv.num_kv_heads, d, d**-0.5,
                                    alibi_slopes=slopes)
