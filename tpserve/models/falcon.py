@@ -37,6 +37,7 @@ from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import GroupedQKVLinear
 from tpserve.layers.rotary import RotaryEmbedding, rope_parameters
+from tpserve.models.gpt_neox import GPTNeoXAttention
 from tpserve.models.layernorm_lm import LayerNormCausalLM
 from tpserve.models.loader import load_into, with_prefix
 
@@ -89,9 +90,11 @@ def falcon_alibi_slopes(heads: int, head_dim: int, tensor: str = "alibi") -> tor
     return rank_alibi_slopes(heads, tensor).bfloat16().float() * head_dim**-0.5
 
 
-class FalconAttention(nn.Module):
+class FalconAttention(GPTNeoXAttention):
+    """GPT-NeoX's attention (forward, heads) over Falcon's grouped query_key_value."""
+
     def __init__(self, config, layer: int, prefix: str) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # GPTNeoXAttention.__init__ would build its per-head qkv
         hidden, heads, bias = config.hidden_size, config.num_attention_heads, bool(config.bias)
         d = hidden // heads
         self.query_key_value = GroupedQKVLinear(hidden, d, heads, kv_heads(config), bias, prefix)
@@ -101,14 +104,6 @@ class FalconAttention(nn.Module):
         qkv = self.query_key_value
         self.attn = PagedAttention(layer, qkv.num_heads, qkv.num_kv_heads, d, d**-0.5,
                                    alibi_slopes=slopes)
-
-    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(self.heads(rope, x))
-
-    def heads(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        """This rank's heads' attention output, before `dense`."""
-        q, k, v = self.query_key_value.split(self.query_key_value(x))
-        return self.attn(q, k, v, rope=rope)
 
 
 class FalconDecoderLayer(nn.Module):
