@@ -24,7 +24,7 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj", "w1", "w2", "w3",
            # Bloom and GPT-NeoX (query_key_value per head), Phi-1/2 (dense, fc1, fc2),
-           # GPTBigCode (c_attn fused [q; k; v] or per head, c_proj, c_fc)
+           # GPTBigCode (c_attn fused [q; k; v] or per head, c_proj, c_fc), Falcon
            "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2",
            "c_attn", "c_proj", "c_fc",
            # DeepSeek's MLA (q_proj, o_proj above; the routers, mlp.gate, stay float)
@@ -40,6 +40,10 @@ LAYERNORM_SHAPES = {
     "phi": dict(hidden_size=128, intermediate_size=256),
     "gpt-bigcode": dict(n_embd=128, n_inner=256),
     "gpt-bigcode-mha": dict(n_embd=128, n_inner=256, multi_query=False),
+    # Falcon's query_key_value grouped by KV head: 40B's 2 groups of [q, q, k, v], 7B's
+    # multi-query [q; k; v]
+    "falcon-40b": dict(hidden_size=128, ffn_hidden_size=256),
+    "falcon": dict(hidden_size=128, ffn_hidden_size=256),
 }
 
 # Mixture-of-experts models: 128 wide (4 heads of 32, 2 KV heads), experts of 128 (32 a rank

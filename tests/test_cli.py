@@ -166,6 +166,25 @@ def test_remote_code_config_is_refused_without_suggesting_a_missing_flag(tmp_pat
     assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
 
 
+def test_falcon_remote_code_config_is_refused_with_the_rewrite_that_serves_it(tmp_path):
+    """Falcon's first releases (model_type RefinedWebModel, RWForCausalLM, auto_map): refused
+    as any config transformers cannot read, with the rewrite into transformers' Falcon."""
+    model = tmp_path / "falcon-rw"
+    model.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "tpserve" / "default_model" / name, model / name)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "RefinedWebModel", "architectures": ["RWForCausalLM"], "n_head": 4,
+        "auto_map": {"AutoConfig": "configuration_RW.RWConfig"}}))
+    r = _run("launch", "--model", str(model), home=tmp_path)
+    assert r.returncode == 2
+    assert "does not run code shipped with checkpoints" in r.stderr
+    for needle in ("'RefinedWebModel' is Falcon", "model_type falcon", "n_head -> "
+                   "num_attention_heads", "n_head_kv -> num_kv_heads"):
+        assert needle in " ".join(r.stderr.split()), r.stderr
+    assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
+
+
 def test_not_found_hint_names_the_current_hub_command(tmp_path):
     r = _run("launch", "--model", "acme/not-in-cache", home=tmp_path)
     assert "`hf download acme/not-in-cache`" in r.stderr

@@ -363,3 +363,46 @@ def test_llama4_text_shapes_add_up_with_norms_and_router_replicated(name, tp):
     for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[5120, 5120]", "tp=3",
                    "attention heads = 40 is not divisible by 3"):
         assert needle in str(err.value), str(err.value)
+
+
+# Typed in rather than stored config.json files: Falcon-7B (multi-query, 71 heads of 64),
+# Falcon-40B and Falcon-180B (new_decoder_architecture, 8 KV heads), with their counts.
+FALCON_SIZES = {
+    "7b": (dict(hidden_size=4544, num_attention_heads=71, num_hidden_layers=32,
+                multi_query=True, parallel_attn=True), 6.5e9, 7.5e9, [1]),
+    "40b": (dict(hidden_size=8192, num_attention_heads=128, num_kv_heads=8,
+                 num_hidden_layers=60, new_decoder_architecture=True), 40e9, 43e9, [1, 2, 4, 8]),
+    "180b": (dict(hidden_size=14848, num_attention_heads=232, num_kv_heads=8,
+                  num_hidden_layers=80, new_decoder_architecture=True), 175e9, 182e9,
+             [1, 2, 4, 8]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FALCON_SIZES))
+def test_falcon_shapes_add_up_with_only_the_layer_norms_replicated(name):
+    """Vocabulary 65024, tied head, no biases: every rank holds the LayerNorms whole, its
+    query heads and their KV group's k and v (7B's one KV head on its one rank), so the rest
+    adds up to transformers' count at each tp the heads allow; tp = 5 (and for 7B's 71 heads
+    tp = 2) is refused naming query_key_value and the tps that work."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    sizes, low, high, tps = FALCON_SIZES[name]
+    hf = FalconConfig(vocab_size=65024, architectures=["FalconForCausalLM"], **sizes)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    assert low < numel(model) < high
+    replicated = sum(p.numel() for n, p in model.named_parameters() if ".ln_" in n
+                     or "layernorm" in n or n.startswith("transformer.ln_f"))
+    for tp in tps:
+        total = 0
+        for rank in range(tp):
+            with tp_context(rank, tp):
+                total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+        assert total == numel(model) + (tp - 1) * replicated, tp
+    bad, works = (2, "tp = 1 or 71.") if name == "7b" else (5, "tp = 1, 2, 4, 8")
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(bad), hf)
+    heads = sizes["num_attention_heads"]
+    for needle in ("'transformer.h.0.self_attention.query_key_value.weight'", f"tp={bad}",
+                   f"attention heads = {heads} is not divisible by {bad}", works):
+        assert needle in str(err.value), str(err.value)

@@ -3,7 +3,7 @@ match transformers (float32, CPU) running the same model with the dequantized we
 logits within 1e-4 relative, greedy 32-token continuations identical. The checkpoints are
 quantized in the test (tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and
 gate/up fused on disk) models, and from the LayerNorm families (Bloom, GPT-NeoX, Phi-2,
-GPTBigCode) of tests/quant_checkpoints.py's LAYERNORM_SHAPES: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4),
+GPTBigCode, Falcon) of tests/quant_checkpoints.py's LAYERNORM_SHAPES: hidden 128, 4 heads of 32, 2 KV heads (replicated at tp = 4),
 so group size 32 keeps whole groups on each rank at tp = 4."""
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ CHECKPOINTS = {
     "gpt-neox-awq": ("gpt-neox", dict(fmt="awq", group=32)),
     "phi-gptq": ("phi", dict(fmt="gptq", group=32, sym=True)),
     "bloom-fp8": ("bloom", dict(fmt="fp8")),
+    # Falcon's query_key_value grouped by KV head (40B: a rank reads its group's q, k and v
+    # rows; at tp = 4 two ranks read each group's k and v) and multi-query (7B)
+    "falcon-40b-gptq": ("falcon-40b", dict(fmt="gptq", group=32, sym=False)),
+    "falcon-awq": ("falcon", dict(fmt="awq", group=32)),
 }
 # Every format at tp = 2, and the riskiest splits at tp = 4 (act-order rows with every
 # group's scales; AWQ's repacked columns; compressed-tensors' transposed zero points), run in
@@ -47,7 +51,7 @@ CHECKPOINTS = {
 # shared cores).
 FAST = {("llama-awq", 4), ("qwen2-gptq-actorder", 4), ("qwen2-ct-w4a16-asym", 4)}
 # Layouts the Llama cases already cover at tp = 2 (AWQ, fp8, symmetric GPTQ): slow job only.
-SLOW = {"gpt-bigcode-mha-awq", "gpt-neox-awq", "phi-gptq", "bloom-fp8"}
+SLOW = {"gpt-bigcode-mha-awq", "gpt-neox-awq", "phi-gptq", "bloom-fp8", "falcon-awq"}
 
 
 def _case(name: str, tp: int):

@@ -31,9 +31,13 @@ SwiGLU, gate and up interleaved (tests/test_gpt_oss.py has its guards and MXFP4)
 and DeepSeek-V2's and -V3's latent attention (values narrower than the keys, interleaved
 rope on part of each head; V3's low-rank queries and YaRN mscale) with a dense layer before
 routed and shared experts (V2: group-limited softmax; V3: sigmoid + correction bias over
-groups, renormalised and scaled), and Nemotron's (1 + w) LayerNorms with biases, plain
+groups, renormalised and scaled), Nemotron's (1 + w) LayerNorms with biases, plain
 up_proj -> relu2 -> down_proj MLP and half-rotary heads of 32 (GQA), with and without
-attention and MLP biases."""
+attention and MLP biases, and Falcon's fused query_key_value grouped by KV head in
+its three shapes (7B's multi-query [q; k; v] with one input_layernorm feeding a parallel
+layer; 40B's new_decoder_architecture with 2 KV heads, replicated at tp = 4, and ln_attn /
+ln_mlp or one input_layernorm; RW's per-head rows with ALiBi, biases and sequential
+layers)."""
 
 from __future__ import annotations
 
@@ -53,11 +57,11 @@ CASES = [(f, tp) for f in ("gemma", "gemma2", "gemma3", "bloom", "qwen2", "qwen3
                           "mixtral", "granite", "starcoder2", "qwen3-moe", "qwen2-moe",
                           "gpt-neox", "phi", "olmo2", "granite-moe", "gpt-bigcode", "cohere",
                           "cohere-qk-norm", "cohere2", "gpt-oss", "deepseek-v2", "deepseek-v3",
-                          "nemotron")
+                          "nemotron", "falcon", "falcon-40b", "falcon-rw")
          for tp in (1, 2, 4)]
 CASES += [("qwen2-tied", 2), ("gemma3-vlm", 1), ("gemma3-vlm", 2), ("starcoder2-tied", 2),
           ("gpt-neox-sequential", 2), ("phi-qk-norm", 2), ("gpt-bigcode-mha", 2),
-          ("nemotron-no-bias", 2)]
+          ("nemotron-no-bias", 2), ("falcon-40b-one-ln", 1), ("falcon-40b-one-ln", 2)]
 # Vision-language checkpoints served as text (tests/test_vlm_text_only.py has the rest):
 # transformers runs the whole vision-language model on the prompts' input_ids alone.
 CASES += [(f, tp) for f in ("mistral3", "llava-llama", "qwen2-vl") for tp in (1, 2, 4)]
@@ -66,7 +70,7 @@ CASES += [("llava-qwen2", 2), ("llava-next-mistral", 2), ("qwen2.5-vl-tied", 2)]
 # (same attention, MLP or MoE code; ~13 s each on two cores) runs in the slow job, so the
 # default job stays well under 20 minutes; every family still runs at tp 1, 2 and 4 in CI.
 FAST_TP4 = {"gemma", "bloom", "mixtral", "qwen2-moe", "gpt-neox", "cohere", "gpt-oss",
-            "deepseek-v3", "phi3"}
+            "deepseek-v3", "phi3", "falcon-40b"}
 CASES = [pytest.param(f, tp, id=f"{f}-tp{tp}",
                       marks=pytest.mark.slow if tp == 4 and f not in FAST_TP4 else ())
          for f, tp in CASES]
@@ -136,6 +140,8 @@ FEATURES = [
                                       "partial_rotary_factor": 1.0}}),
     ("nemotron", {"hidden_act": "relu"}), ("nemotron", {"attention_bias": False}),
     ("nemotron", {"mlp_bias": False}),
+    ("falcon-40b", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("falcon-rw", {"alibi": False}), ("falcon-rw", {"bias": False}),
 ]
 
 
@@ -152,7 +158,9 @@ def test_each_feature_changes_the_reference(family, name, override):
     or its biases dropped, DeepSeek-V2 routed greedily or unscaled, DeepSeek-V3 unscaled,
     not renormalised, with every group kept or its rope rotating halves, Nemotron's rotary
     over whole heads, its squared ReLU a plain one or its attention or MLP biases dropped,
-    transformers' own logits for the prompts change, so matching them checks each."""
+    Falcon-40B's rope_theta at the default, or Falcon-RW rotary instead of ALiBi or without
+    its biases, transformers' own logits for the prompts change, so matching them checks
+    each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _, ref_logits = family(name)
@@ -301,7 +309,8 @@ def test_bloom_query_key_value_of_the_wrong_shape_is_refused():
                                            ("gpt-oss", "block is a GptOssMoE, not a gated"),
                                            ("deepseek-v2", "layer 0 is a DeepseekDecoderLayer"),
                                            ("deepseek-v3", "layer 0 is a DeepseekDecoderLayer"),
-                                           ("nemotron", "LayerNorms: only an RMSNorm folds")])
+                                           ("nemotron", "LayerNorms: only an RMSNorm folds"),
+                                           ("falcon", "LayerNorms: only an RMSNorm folds")])
 def test_norms_are_not_folded_where_the_fold_would_be_wrong(checkpoint, name, why):
     """The one-row fold adds the MLP's output inside down_proj's launch (it cannot scale it
     by Granite's residual_multiplier) and folds an RMSNorm's weight into qkv_proj (a
@@ -393,6 +402,24 @@ REFUSED = [
                             "attention heads = 4 is not divisible by 3"]),
     ("deepseek-v3", {}, 8, ["'model.layers.0.self_attn.q_b_proj.weight'", "[96, 48]", "tp=8",
                             "attention heads = 4 is not divisible by 8"]),
+    ("falcon", {}, 3, ["'transformer.h.0.self_attention.query_key_value.weight'", "[96, 64]",
+                       "tp=3", "attention heads = 4 is not divisible by 3", "tp = 1, 2 or 4."]),
+    # Falcon-7B's 71 heads (of 2 here): served at tp = 1 only.
+    ("falcon", {"hidden_size": 142, "num_attention_heads": 71}, 2, [
+        "'transformer.h.0.self_attention.query_key_value.weight'", "[146, 142]", "tp=2",
+        "attention heads = 71 is not divisible by 2", "tp = 1 or 71."]),
+    ("falcon-40b", {}, 8, ["'transformer.h.0.self_attention.query_key_value.weight'",
+                           "[128, 64]", "tp=8", "attention heads = 4 is not divisible by 8"]),
+    # 12 heads over 3 ranks, but 2 KV groups neither split nor replicate over 3.
+    ("falcon-40b", {"num_attention_heads": 12, "hidden_size": 192}, 3, [
+        "'transformer.h.0.self_attention.query_key_value.weight'", "[256, 192]", "tp=3",
+        "2 key/value heads can be replicated only when tp is a multiple of them",
+        "tp = 1, 2, 4, 6 or 12."]),
+    ("falcon-rw", {}, 3, ["'transformer.h.0.self_attention.query_key_value.weight'",
+                          "[192, 64]", "tp=3", "attention heads = 4 is not divisible by 3"]),
+    ("falcon", {"ffn_hidden_size": 130}, 4, ["'transformer.h.0.mlp.dense_h_to_4h.weight'",
+                                             "[130, 64]", "tp=4",
+                                             "output features = 130 is not divisible by 4"]),
     ("deepseek-v3", {"moe_intermediate_size": 34}, 4,
      ["'model.layers.1.mlp.experts.0.gate_proj.weight'", "[34, 64]", "tp=4",
       "expert intermediate size = 34 is not divisible by 4"]),
@@ -490,7 +517,9 @@ def test_olmo2_whole_width_qk_norms_change_the_reference(family):
 @pytest.mark.parametrize(("name", "layer_class", "per_layer"), [
     ("gpt-neox", "GPTNeoXLayer", 1), ("gpt-neox-sequential", "GPTNeoXLayer", 2),
     ("phi", "PhiDecoderLayer", 1), ("olmo2", "Olmo2DecoderLayer", 3),
-    ("cohere-qk-norm", "CohereDecoderLayer", 1), ("cohere2", "CohereDecoderLayer", 1)])
+    ("cohere-qk-norm", "CohereDecoderLayer", 1), ("cohere2", "CohereDecoderLayer", 1),
+    ("falcon", "FalconDecoderLayer", 1), ("falcon-40b", "FalconDecoderLayer", 1),
+    ("falcon-rw", "FalconDecoderLayer", 2)])
 def test_collectives_per_layer(family, monkeypatch, name, layer_class, per_layer):
     """A parallel layer (GPT-NeoX, Phi, Cohere) all-reduces its attention and MLP partial sums
     together, once, and OLMo 2's q and k norms share one all-reduce of their sums of
@@ -716,3 +745,118 @@ def test_layer_norm_with_a_weight_offset_is_nemotrons_layer_norm_1p(dtype):
     torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
     if dtype == torch.bfloat16:  # the guard: (1 + w) rounds, w alone does not give it
         assert not torch.equal(ours.weight.float(), w + 1.0)
+
+
+# KV heads of each tiny Falcon's query_key_value: 7B's multi-query one, 40B's 2 groups, and
+# RW's one per head.
+_FALCON_KV = {"falcon": 1, "falcon-40b": 2, "falcon-rw": 4}
+
+
+@pytest.mark.parametrize(("name", "tp"), [("falcon", 2), ("falcon", 4), ("falcon-40b", 2),
+                                          ("falcon-40b", 4), ("falcon-rw", 2)])
+def test_falcon_rank_reads_its_heads_of_query_key_value(checkpoint, name, tp):
+    """query_key_value rows grouped by KV head, [kv, (q heads of the group, k, v), head_dim]
+    (multi-query: one group; RW: one head a group): rank r holds q heads [r n, (r + 1) n)
+    and their KV heads (40B's 2 KV heads replicated at tp = 4), as [q; k; v], weight and
+    bias, reading exactly those rows; ALiBi slopes are transformers' bias at distance 1."""
+    from safetensors.torch import load_file
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    path = checkpoint(name)
+    full = load_file(str(path / "model.safetensors"))
+    pre, heads, kv, d = "transformer.h.1.self_attention", 4, _FALCON_KV[name], 16
+    per = heads // kv
+
+    def grouped(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = t.view(kv, per + 2, d, *t.shape[1:])
+        return g[:, :per].flatten(0, 1), g[:, per], g[:, per + 1]  # q [heads, d, ...], k, v
+
+    names = ["weight"] + (["bias"] if name == "falcon-rw" else [])
+    slopes = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)
+    for rank in range(tp):
+        model, stats = load_rank(path, rank, tp)
+        attn = model.transformer.h[1].self_attention
+        nq, nkv, kv0 = heads // tp, max(1, kv // tp), rank * kv // tp
+        for which in names:
+            q, k, v = grouped(full[f"{pre}.query_key_value.{which}"])
+            want = torch.cat([q[rank * nq:(rank + 1) * nq].flatten(0, 1),
+                              k[kv0:kv0 + nkv].flatten(0, 1), v[kv0:kv0 + nkv].flatten(0, 1)])
+            got = getattr(attn.query_key_value, which)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert stats.fraction(f"{pre}.query_key_value.{which}") == pytest.approx(
+                (nq + 2 * nkv) / (heads + 2 * kv))
+        assert (attn.attn.spec.num_heads, attn.attn.spec.num_kv_heads) == (nq, nkv)
+        if name == "falcon-rw":
+            torch.testing.assert_close(attn.attn.alibi_slopes,
+                                       slopes[rank * nq:(rank + 1) * nq, 0, 1] / d**0.5,
+                                       rtol=0, atol=0)
+        else:
+            assert attn.attn.alibi_slopes is None
+        assert stats.fraction(f"{pre}.dense.weight") == pytest.approx(1 / tp)
+
+
+@pytest.mark.parametrize("heads", [4, 6, 8, 32, 64])
+def test_falcon_alibi_bias_is_transformers_within_a_bfloat16_step(heads):
+    """transformers' Falcon computes the ALiBi bias in bfloat16: the slope and the key
+    position are each rounded to bfloat16 (8 significant bits), then their product, then it
+    is divided by sqrt(head_dim); tpserve's kernels add the rounded slope / sqrt(head_dim) x
+    distance in float32. Equal for at most 8 heads (power-of-two slopes) below position 256;
+    within 2^-7 of the bias everywhere up to 2048 (one bfloat16 step: the position's and the
+    product's roundings); and not equal over 2048 positions for any head count (the bound is
+    what docs/models.md states, not exactness)."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from tpserve.models.falcon import falcon_alibi_slopes
+
+    n, d = 2048, 64
+    theirs = build_alibi_tensor(torch.ones(1, n, dtype=torch.long), heads, torch.float32)
+    theirs = theirs.view(heads, n).double() / d**0.5
+    with tp_context(0, 1):
+        ours = falcon_alibi_slopes(heads, d).double()[:, None] * torch.arange(n).double()
+    gap = (ours - theirs).abs()
+    assert bool((gap <= ours.abs() * 2.0**-7 + 1e-9).all()), float((gap / ours.abs()).max())
+    assert bool(gap[:, :256].max() < 1e-9) == (heads <= 8)
+    assert float(gap.max()) > 0.01
+
+
+@pytest.mark.parametrize(("name", "overrides", "field"), [
+    ("falcon-40b", {"parallel_attn": False}, "parallel_attn = False"),
+    ("falcon", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn = 2"),
+    ("falcon-rw", {"num_kv_heads": 2}, "num_kv_heads = 2")])
+def test_falcon_combinations_transformers_cannot_run_are_refused(name, overrides, field):
+    """new_decoder_architecture with sequential layers, two parallel norms without it, and
+    fewer KV heads than heads in RW's per-head layout: transformers' Falcon fails on each
+    (checked here, so a transformers that learns one makes this test say so), and tpserve
+    refuses each before any shard starts, naming the field."""
+    from transformers import FalconForCausalLM
+
+    config = FAMILY_CHECKPOINTS[name][0](**overrides)
+    # A norm the layer never built (AttributeError), 8 key heads for 4 queries (RuntimeError).
+    with pytest.raises((AttributeError, RuntimeError)):
+        FalconForCausalLM(FAMILY_CHECKPOINTS[name][0](**overrides))(torch.tensor([[5, 6, 7]]))
+    cfg = EngineConfig(model=ModelConfig(path="unused", model_id="unused", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=1))
+    with pytest.raises(ValueError) as err:
+        check_shardable(cfg, config)
+    assert "Falcon config.json sets " + field in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["falcon-40b", "falcon"])
+def test_falcon_matches_depend_on_the_second_norm_and_the_untied_head(family, name):
+    """Guards the oracle: with Falcon-40B's ln_mlp replaced by its ln_attn (one norm feeding
+    both branches), or the 7B-style untied head replaced by the word embeddings (tied),
+    transformers' logits for the prompts change, so the matches check that the MLP reads
+    its own norm and that the stored head is served."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _, ref_logits = family(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        if name == "falcon-40b":
+            for layer in model.transformer.h:
+                layer.ln_mlp.load_state_dict(layer.ln_attn.state_dict())
+        else:
+            model.lm_head.weight.copy_(model.transformer.word_embeddings.weight)
+        got = [model(tok(p, return_tensors="pt").input_ids).logits[0, -1] for p in PROMPTS]
+    assert max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True)) > 0.05

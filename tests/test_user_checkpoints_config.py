@@ -33,11 +33,24 @@ def test_a_config_without_architectures_is_served_by_its_model_type(llama_dir, t
     ("bloom", "BloomForCausalLM"), ("t5", "T5ForConditionalGeneration"),
     ("gpt_bigcode", "GPTBigCodeForCausalLM"), ("cohere", "CohereForCausalLM"),
     ("cohere2", "Cohere2ForCausalLM"), ("deepseek_v2", "DeepseekV2ForCausalLM"),
-    ("deepseek_v3", "DeepseekV3ForCausalLM"), ("nemotron", "NemotronForCausalLM")])
+    ("deepseek_v3", "DeepseekV3ForCausalLM"), ("nemotron", "NemotronForCausalLM"),
+    ("falcon", "FalconForCausalLM")])
 def test_model_type_picks_the_family(model_type, want):
     from transformers import CONFIG_MAPPING
 
     assert model_class(CONFIG_MAPPING[model_type]()).__name__ == want
+
+
+def test_falcons_legacy_label_serves_falcon_and_only_falcon():
+    """RWForCausalLM, the name Falcon's first (remote-code) releases gave the model, on a
+    `falcon` config is Falcon (transformers builds it from model_type alone); on another
+    family's config it gives way to that family, as any built-in label does."""
+    from transformers import FalconConfig, LlamaConfig
+
+    assert model_class(FalconConfig(architectures=["RWForCausalLM"])).__name__ == \
+        "FalconForCausalLM"
+    assert model_class(LlamaConfig(architectures=["RWForCausalLM"])).__name__ == \
+        "LlamaForCausalLM"
 
 
 def test_an_architecture_tpserve_does_not_serve_is_still_refused():

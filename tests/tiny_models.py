@@ -626,6 +626,41 @@ def nemotron_config(**kw):
     return cfg
 
 
+def falcon_config(**kw):
+    """Falcon-7B's layer: multi_query (4 heads of 16, one KV head replicated on every rank;
+    query_key_value rows [q; k; v]), parallel_attn (one input_layernorm feeding attention and
+    MLP), rotary, no biases, GELU MLP of ffn_hidden_size 128, untied head. falcon-40b*:
+    new_decoder_architecture, GQA (2 KV heads: query_key_value rows per KV group [q, q, k,
+    v], a KV head on two ranks at tp = 4), ln_attn / ln_mlp (num_ln_in_parallel_attn 2) or
+    one input_layernorm (1), rope_theta 5e4, tied; falcon-rw: ALiBi, per-head
+    [head, (q, k, v)] rows, sequential (post_attention_layernorm), biases everywhere."""
+    from transformers import FalconConfig
+
+    args = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                ffn_hidden_size=128, multi_query=True, parallel_attn=True, alibi=False,
+                bias=False, new_decoder_architecture=False, max_position_embeddings=512,
+                tie_word_embeddings=False, **_common(kw.pop("vocab_size", 301)))
+    args.update(kw)
+    cfg = FalconConfig(**args)
+    cfg.architectures = ["FalconForCausalLM"]
+    return cfg
+
+
+def falcon_40b_config(**kw):
+    args = dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+                tie_word_embeddings=True)
+    args.update(kw)
+    return falcon_config(**args)
+
+
+def falcon_rw_config(**kw):
+    args = dict(alibi=True, multi_query=False, parallel_attn=False, bias=True,
+                tie_word_embeddings=True)
+    args.update(kw)
+    return falcon_config(**args)
+
+
 def phi3_longrope_config(original: int = 32, max_positions: int = 256,
                          short=(1.0, 2.0, 4.0, 8.0), long=(3.0, 6.0, 12.0, 24.0)):
     """phi3_config with longrope scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) over a small
@@ -731,6 +766,11 @@ FAMILY_CHECKPOINTS = {
     "deepseek-v2": (deepseek_v2_config, {"std": 0.3, "vector_std": 0.1}),
     "deepseek-v3": (deepseek_v3_config, {"std": 0.3, "vector_std": 0.1, "buffer_std": 0.1}),
     "llama4": (llama4_config, {"std": 0.3, "vector_std": 0.1}),
+    "falcon": (falcon_config, {"std": 0.3, "vector_std": 0.1}),
+    "falcon-40b": (falcon_40b_config, {"std": 0.3, "vector_std": 0.1}),
+    "falcon-40b-one-ln": (lambda: falcon_40b_config(num_ln_in_parallel_attn=1),
+                          {"std": 0.3, "vector_std": 0.1}),
+    "falcon-rw": (falcon_rw_config, {"std": 0.3, "vector_std": 0.1}),
     "llama4-vlm": (llama4_vlm_config, {"std": 0.3, "vector_std": 0.1}),
     "nemotron": (nemotron_config, {"std": 0.3, "vector_std": 0.1}),
     "nemotron-no-bias": (lambda: nemotron_config(attention_bias=False, mlp_bias=False,

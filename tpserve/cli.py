@@ -340,7 +340,26 @@ def _load_config(path: Path):
         raise CheckpointError(
             f"{path}: the config needs code that is not part of transformers (auto_map or an "
             "unknown model_type); tpserve does not run code shipped with checkpoints and has "
-            "no --trust-remote-code. It serves the families listed in docs/models.md.") from None
+            "no --trust-remote-code. It serves the families listed in docs/models.md."
+            + _legacy_falcon_hint(path)) from None
+
+
+def _legacy_falcon_hint(path: Path) -> str:
+    """For a Falcon config of the remote-code releases (model_type RefinedWebModel or
+    RefinedWeb, RWForCausalLM): the rewrite that makes it transformers' Falcon."""
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if model_type not in ("RefinedWebModel", "RefinedWeb"):
+        return ""
+    return (f" model_type {model_type!r} is Falcon as first released with its own code; the "
+            "hub's Falcon repositories now hold transformers' Falcon config (model_type "
+            "falcon, FalconForCausalLM): download that revision, or rewrite config.json as "
+            "transformers' Falcon conversion did (model_type falcon, architectures "
+            "FalconForCausalLM, n_head -> num_attention_heads, n_layer -> num_hidden_layers, "
+            "n_head_kv -> num_kv_heads with new_decoder_architecture true, else "
+            "new_decoder_architecture false; auto_map removed)")
 
 
 def engine_config(args: argparse.Namespace):

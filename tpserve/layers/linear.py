@@ -214,12 +214,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.part_modules
 
     def lora_regions(self) -> list[list[tuple[int, int, int]]]:
-        regions = [self._rows(part) for part in "qkv"]
         if len(self.part_modules) == 3:
-            return [[r] for r in regions]
-        d = self.head_dim  # stored fused on disk as [q; k; v]
+            return [[self._rows(part)] for part in "qkv"]
+        return [self.fused_regions()]
+
+    def fused_regions(self) -> list[tuple[int, int, int]]:
+        """(row in the one fused tensor on disk, rows, row in this rank's weight) of each
+        region this rank holds, where the checkpoint stores q, k and v in one tensor: here
+        laid out [q; k; v] (Phi-3's qkv_proj); a subclass with other rows overrides it."""
+        d = self.head_dim
         bases = (0, self.total_heads * d, (self.total_heads + self.total_kv_heads) * d)
-        return [[(base + src, n, dst) for base, (src, n, dst) in zip(bases, regions)]]
+        return [(base + src, n, dst)
+                for base, (src, n, dst) in zip(bases, (self._rows(p) for p in "qkv"))]
 
     def _rows(self, part: str) -> tuple[int, int, int]:
         """(source row in that projection, rows, destination row in the fused weight)."""
@@ -237,13 +243,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             src, n, dst = self._rows(shard_id)
             load_region(param, w, (src, n, dst), (0, k))
             return
-        # Stored fused on disk as [q; k; v] (Phi-3's qkv_proj).
-        offsets = {"q": 0, "k": self.total_heads * d,
-                   "v": (self.total_heads + self.total_kv_heads) * d}
+        # Stored fused on disk (Phi-3's qkv_proj: [q; k; v]; fused_regions says where).
         expect_full(param, w, self.out_features, k)
-        for part, base in offsets.items():
-            src, n, dst = self._rows(part)
-            load_region(param, w, (base + src, n, dst), (0, k))
+        for region in self.fused_regions():
+            load_region(param, w, region, (0, k))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -37,7 +37,12 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "tpserve.models.deepseek:DeepseekV3ForCausalLM",
     "Llama4ForCausalLM": "tpserve.models.llama4:Llama4ForCausalLM",
     "NemotronForCausalLM": "tpserve.models.nemotron:NemotronForCausalLM",
+    "FalconForCausalLM": "tpserve.models.falcon:FalconForCausalLM",
 }
+
+# Labels older checkpoints carry for a family served under another name: Falcon's first
+# releases (remote code) named it RWForCausalLM, a label later `falcon` configs keep.
+_LEGACY = {"RWForCausalLM": "FalconForCausalLM"}
 
 
 # The family of each model_type (what transformers' Auto classes go by): the architecture
@@ -57,6 +62,7 @@ _BY_MODEL_TYPE = {
     "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
+    "falcon": "FalconForCausalLM",
 }
 
 
@@ -79,6 +85,7 @@ def model_class(config):
     if not archs and by_type:
         archs = [by_type]
     for arch in archs:
+        arch = arch if arch in _MODELS else _LEGACY.get(arch, arch)
         if arch in _MODELS:
             # Only a built-in family gives way; a class register()ed under its own name is
             # what its checkpoints ask for.
