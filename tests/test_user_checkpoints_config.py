@@ -161,3 +161,42 @@ def test_phi3_refusals_name_its_fused_tensors(kw, tp, needles):
         check_shardable(cfg, phi3_config(**kw))
     for needle in needles:
         assert needle in str(err.value), str(err.value)
+
+
+def _tied_copy(src, dst, keep_head: bool):
+    """src (an untied checkpoint) with tie_word_embeddings true in config.json; keep_head:
+    its own lm_head.weight stays in the file (it differs from the embeddings), else it is
+    removed (the head is the embeddings)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (dst / "config.json").write_text(json.dumps(config))
+    if not keep_head:
+        tensors = load_file(str(dst / "model.safetensors"))
+        del tensors["lm_head.weight"]
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tied_config_over_a_stored_head_serves_the_stored_head(request, llama_dir, tmp_path,
+                                                                 tp):
+    """config.json ties the head, the file stores one that differs from the embeddings:
+    transformers serves the stored head (it ties only equal or missing tensors), and so
+    does tpserve, at tp = 1 and 2. The same config without the stored head is tied, and
+    its tokens differ (the guard: which head is served shows in the tokens)."""
+    stored = _tied_copy(llama_dir, tmp_path / "tied-stored-head", keep_head=True)
+    tied = _tied_copy(llama_dir, tmp_path / "tied", keep_head=False)
+    if tp > 1:
+        request.getfixturevalue("ray_cluster")
+    want, want_tied = hf_greedy(stored, PROMPTS, 8), hf_greedy(tied, PROMPTS, 8)
+    assert want == hf_greedy(llama_dir, PROMPTS, 8)  # transformers: the stored head
+    assert want != want_tied
+    for path, tokens in ((stored, want), (tied, want_tied)):
+        engine = make_engine(path, tp, local=tp == 1)
+        try:
+            assert greedy(engine, PROMPTS, 8) == tokens, path.name
+        finally:
+            engine.shutdown()

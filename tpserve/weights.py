@@ -86,16 +86,21 @@ def load_hf_config(path: Path | str):
 
     outer = AutoConfig.from_pretrained(str(path))
     config = text_only(outer)
-    if config is not outer:
+    if not getattr(config, "is_encoder_decoder", False):
         _untie_a_stored_head(config, Path(path))
     return adopt_quant_file(config, Path(path))
 
 
 def _untie_a_stored_head(text_config, path: Path) -> None:
-    """A vision-language config may tie the head by default (Mistral3Config does) over a
-    checkpoint that stores a head of its own (language_model.lm_head.weight). transformers
-    ties only where the file lacks one of the two or holds them equal, so a stored head is
-    the one it serves; tpserve loads it too (equal tensors give the same logits either way)."""
+    """A config may tie the head to the embeddings (tie_word_embeddings, or a config class
+    that ties by default, as Mistral3Config does for its text) over a checkpoint that stores
+    a head of its own (lm_head.weight, language_model.lm_head.weight): a fine-tune that
+    trained its head apart from a tied base, or a converter that wrote both. transformers
+    ties only where the file lacks one of the two or holds them equal ("both are present in
+    the checkpoints with different values, so we will NOT tie them"), so a stored head is
+    the one it serves, and tpserve loads it too: equal tensors give the same logits either
+    way, at the cost of holding the head twice. Encoder-decoder models (T5) keep their own
+    rule: their config's tying also scales the decoder's output."""
     if getattr(text_config, "tie_word_embeddings", False) and any(
             name.endswith("lm_head.weight") for name in tensor_names(path)):
         text_config.tie_word_embeddings = False
