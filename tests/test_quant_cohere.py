@@ -30,7 +30,7 @@ HEAD_DIM = 32
 CHECKPOINTS = {
     "cohere-gptq-sym": ("cohere", dict(fmt="gptq", group=32, sym=True)),
     "cohere-gptq-actorder": ("cohere", dict(fmt="gptq", group=32, sym=False, act_order=True)),
-    "cohere-qk-norm-gptq": ("cohere-qk-norm", dict(fmt="gptq", group=32, sym=False)),
+    "cohere-qk-norm-gptq-sym": ("cohere-qk-norm", dict(fmt="gptq", group=32, sym=True)),
     "cohere-awq": ("cohere", dict(fmt="awq", group=32)),
     "cohere-ct-w4a16-asym": ("cohere", dict(fmt="ct-w4a16", group=32, sym=False)),
     "cohere2-gptq-actorder": ("cohere2", dict(fmt="gptq", group=32, sym=False, act_order=True)),
