@@ -199,3 +199,32 @@ def test_rank_holds_its_heads_reordered_and_reads_its_slice(quantized, models_di
     packed = "weight_packed" if "-ct-" in name else "qweight"
     for proj in ("q_proj", "k_proj"):
         assert stats.fraction(f"{pre}.{proj}.{packed}") == pytest.approx(0.5)
+
+
+GPTQ128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+           "sym": True}
+AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+          "version": "gemm"}
+
+
+@pytest.mark.parametrize(("arch", "quant", "tp"), [
+    ("CohereForCausalLM", GPTQ128, 8), ("CohereForCausalLM", AWQ128, 4),
+    ("Cohere2ForCausalLM", AWQ128, 8), ("Cohere2ForCausalLM", GPTQ128, 2)])
+def test_command_r_plus_and_command_a_sizes_build_quantized(arch, quant, tp):
+    """Command R+'s and Command A's dimensions (test_model_shapes.py's: 96 heads / 8 KV heads
+    of 128, hidden 12288) build int4 at tp up to 8 (every rank's groups whole); fp8
+    checkpoints are refused naming the family and --quantize fp8."""
+    from test_model_shapes import COHERE_SIZES, engine_cfg
+    from transformers import Cohere2Config, CohereConfig
+
+    from tpserve.layers.quant.config import QuantizationError
+    from tpserve.worker.build import check_shardable
+
+    kind = CohereConfig if arch == "CohereForCausalLM" else Cohere2Config
+    hf = kind(num_attention_heads=96, num_key_value_heads=8, num_hidden_layers=64,
+              vocab_size=256000, architectures=[arch], **COHERE_SIZES[arch])
+    hf.quantization_config = dict(quant)
+    check_shardable(engine_cfg(tp), hf)
+    hf.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(QuantizationError, match=f"{arch}.*fp8.*--quantize fp8"):
+        check_shardable(engine_cfg(tp), hf)
