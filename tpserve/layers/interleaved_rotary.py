@@ -3,8 +3,8 @@ served by the rotate-half rotary every attention backend applies (pairs (i, i + 
 
 Attention reads queries and keys only through q . k, which a permutation of head_dim applied
 to both leaves unchanged. So the rows of q_proj and k_proj (and their biases, per-head
-norm weights and fp8 per-channel scales) are reordered within each head at load, evens
-first then odds: pair (2i, 2i + 1) lands on (i, i + d / 2) and the backend's rotate-half
+norm weights, fp8 per-channel scales and int4 checkpoints' output columns, packed or not:
+half_order_rows) are reordered within each head at load, evens first then odds: pair (2i, 2i + 1) lands on (i, i + d / 2) and the backend's rotate-half
 rotary, with the same frequencies, rotates it as the interleaved one would. Values and
 o_proj are untouched, so the attention output is the checkpoint's. The KV cache holds keys
 in the reordered layout, which nothing but this model's queries reads."""
