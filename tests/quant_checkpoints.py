@@ -44,6 +44,11 @@ LAYERNORM_SHAPES = {
     # multi-query [q; k; v]
     "falcon-40b": dict(hidden_size=128, ffn_hidden_size=256),
     "falcon": dict(hidden_size=128, ffn_hidden_size=256),
+    # Cohere (q/k rows reordered within each head at load, packed int4 ones too) and Cohere
+    # 2 (its sliding layers, one full layer without positions, q/k/v/o biases).
+    "cohere": dict(hidden_size=128, intermediate_size=256),
+    "cohere-qk-norm": dict(hidden_size=128, intermediate_size=256),
+    "cohere2": dict(hidden_size=128, intermediate_size=256),
 }
 
 # Mixture-of-experts models: 128 wide (4 heads of 32, 2 KV heads), experts of 128 (32 a rank
@@ -129,6 +134,11 @@ def float_checkpoint(models_dir: Path, family: str) -> Path:
             shape = MOE_SHAPES.get(family) or LAYERNORM_SHAPES[family]
             if family == "gpt-bigcode-mha":  # FAMILY_CHECKPOINTS' entry takes no arguments
                 from tiny_models import gpt_bigcode_config as config
+            if family == "cohere-qk-norm":  # likewise
+                from tiny_models import cohere_config
+
+                def config(**kw):
+                    return cohere_config(use_qk_norm=True, **kw)
             save_model(config(**shape), out, **kwargs)
             return out
         config = {"llama": llama_config, "qwen2": qwen2_config, "phi3": phi3_config}[family](

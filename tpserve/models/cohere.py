@@ -22,10 +22,10 @@ from torch import nn
 
 from tpserve.distributed import get_tp
 from tpserve.kernels.fused_ops import plan_unrotated
-from tpserve.layers.interleaved_rotary import HalfOrderRows
+from tpserve.layers.interleaved_rotary import HalfOrderRows, half_order_rows
 from tpserve.layers.linear import row_parallel_sum
 from tpserve.layers.norm import HeadLayerNorm, LayerNorm
-from tpserve.layers.quant.config import refuse_checkpoint_quant
+from tpserve.layers.quant.config import QuantizationError, current_quant
 from tpserve.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM, head_dim_of
 from tpserve.models.loader import VISION_TENSORS, decoder_names, load_into
 from tpserve.weights import TensorSlice
@@ -75,16 +75,36 @@ class CohereDecoderLayer(nn.Module):
             residual
 
 
-def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int) -> Iterator:
+def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int,
+                     method: str | None = None) -> Iterator:
     """The checkpoint's tensors with q_proj's and k_proj's rows (and q_norm's / k_norm's
-    columns) in each head's rotate-half order (layers/interleaved_rotary.py)."""
+    columns) in each head's rotate-half order (layers/interleaved_rotary.py); method: the
+    checkpoint's int4 quantization (gptq, awq, compressed-tensors), whose packed q/k tensors
+    are reordered along their output features, or None."""
     for w in tensors:
         if ".self_attn.q_proj." in w.name or ".self_attn.k_proj." in w.name:
-            yield HalfOrderRows(w, head_dim)
+            yield half_order_rows(w, head_dim, method)
         elif ".self_attn.q_norm." in w.name or ".self_attn.k_norm." in w.name:
             yield HalfOrderRows(w, head_dim, per_head_last=True)
         else:
             yield w
+
+
+def _refuse_unreordered_quant(architecture: str) -> str | None:
+    """The int4 method (gptq, awq, compressed-tensors) whose q/k tensors the load reorders,
+    or None (float, or --quantize fp8: a cast after the reorder). Refuses the rest, before
+    any shard starts: fp8 checkpoints' q/k tensors are not reordered here."""
+    q = current_quant()
+    if q is None or q.cast_at_load:
+        return None
+    if q.method in ("gptq", "awq", "compressed-tensors"):
+        return q.method
+    raise QuantizationError(
+        f"{architecture} checkpoints quantized with {q.method} are not supported: Cohere's "
+        f"q_proj / k_proj rows are reordered within each head at load (interleaved rotary), "
+        f"which tpserve does for float tensors and for GPTQ, AWQ and compressed-tensors int4 "
+        f"ones, not for {q.method} checkpoints. Serve the float checkpoint with --quantize fp8 "
+        f"to cast its weights to e4m3 at load, or an int4 one")
 
 
 class CohereForCausalLM(LlamaForCausalLM):
@@ -94,9 +114,10 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, max_positions: int) -> None:
         # The load-time reordering of q/k rows reads float rows (a cast to fp8 after it is
-        # fine); packed int4 rows are not reordered, so quantized files are refused.
-        refuse_checkpoint_quant(type(self).__name__)
+        # fine) and unpacks int4 ones; fp8 checkpoints are refused.
+        method = _refuse_unreordered_quant(type(self).__name__)
         super().__init__(config, max_positions)
+        self.quant_method = method
         scale = getattr(config, "logit_scale", None)
         self.logit_scale = None if scale is None else float(scale)
 
@@ -134,8 +155,8 @@ class CohereForCausalLM(LlamaForCausalLM):
     def load_weights(self, tensors) -> None:
         skip = self.skip_tensors + VISION_TENSORS + \
             (("lm_head.",) if self.tied(self.config) else ())
-        load_into(self, _with_half_order(tensors, head_dim_of(self.config)),
-                  self.stacked_params, skip, rename=decoder_names("model."))
+        tensors = _with_half_order(tensors, head_dim_of(self.config), self.quant_method)
+        load_into(self, tensors, self.stacked_params, skip, rename=decoder_names("model."))
 
 
 def cohere2_windows(config) -> list[int | None]:

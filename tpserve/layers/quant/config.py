@@ -162,5 +162,5 @@ def refuse_checkpoint_quant(architecture: str) -> None:
             f"{architecture} checkpoints quantized with {q.method} are not supported: tpserve "
             "serves gptq, awq, fp8 and compressed-tensors checkpoints of the families whose "
             "layers load them (Llama, Mistral, Gemma, Qwen, Phi, Bloom, GPT-NeoX, GPTBigCode, "
-            "Falcon, the mixtures of experts; docs/quantization.md). Serve the float checkpoint "
-            "instead, with --quantize fp8 to cast its weights to e4m3 at load")
+            "Falcon, Cohere's int4, the mixtures of experts; docs/quantization.md). Serve the "
+            "float checkpoint instead, with --quantize fp8 to cast its weights to e4m3 at load")

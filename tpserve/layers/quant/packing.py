@@ -20,14 +20,22 @@ def unpack_cols(packed: torch.Tensor, awq: bool = False) -> torch.Tensor:
     return q.reshape(packed.shape[0], -1)
 
 
+def pack_cols(q: torch.Tensor, awq: bool = False) -> torch.Tensor:
+    """int [R, 8 C] values 0..15 -> int32 [R, C], unpack_cols' inverse: column 8c + i in
+    bits 4i.. of column c (GPTQ's qzeros), or AWQ's nibble order (awq)."""
+    r, n = q.shape
+    q = q.to(torch.int32).reshape(r, n // 8, 8)
+    if awq:
+        q = q[..., list(AWQ_ORDER)]  # nibble i holds column 8c + AWQ_ORDER[i]
+    out = torch.zeros(r, n // 8, dtype=torch.int32, device=q.device)
+    for i in range(8):
+        out |= q[..., i] << (4 * i)
+    return out
+
+
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
     """int [K, N] values 0..15 -> int32 [K // 8, N], row 8r + i in bits 4i.. of row r."""
-    k, n = q.shape
-    q = q.to(torch.int32).reshape(k // 8, 8, n)
-    out = torch.zeros(k // 8, n, dtype=torch.int32, device=q.device)
-    for i in range(8):
-        out |= q[:, i] << (4 * i)
-    return out
+    return pack_cols(q.t()).t().contiguous()
 
 
 def awq_qweight_to_rows(packed: torch.Tensor) -> torch.Tensor:
