@@ -188,3 +188,10 @@ def assert_ipex_declines_and_triton_takes(spec, plain, reason: str) -> None:
     assert f"attention backend 'ipex' cannot run here: {reason}" == str(err.value)
     assert (TritonAttentionBackend.supports(cpu, torch.float32, spec)
             == TritonAttentionBackend.supports(cpu, torch.float32, plain))
+
+
+def assert_varied(ref_tokens: list[list[int]]) -> None:
+    """Guards an oracle: continuations that repeat one token, or prompts that all continue
+    alike, would make a match with them easy."""
+    assert all(len(set(t)) > 3 for t in ref_tokens)
+    assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)

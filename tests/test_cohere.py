@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import load_rank, make_engine, prefill_logits
+from tensor_slices import tensor_slice
 from tiny_models import PROMPTS, family_checkpoint, hf_last_logits
 
 from tpserve.layers.interleaved_rotary import HalfOrderRows, half_order
 from tpserve.layers.rotary import RotaryEmbedding
-from tpserve.weights import LoadStats, TensorSlice
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +56,17 @@ def test_rotate_half_over_reordered_dims_is_coheres_interleaved_rotary():
     assert float((wrong - scores).abs().max()) > 0.1
 
 
-class _Raw:
-    """A stand-in for a safetensors slice (TensorSlice reads through it)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def get_shape(self):
-        return list(self.t.shape)
-
-    def get_dtype(self):
-        return "F32"
-
-    def __getitem__(self, index):
-        return self.t[index]
-
-
 def test_half_order_rows_reads_whole_heads_and_refuses_a_split_one():
     d = 8
     w = torch.randn(4 * d, 5)
-    rows = HalfOrderRows(TensorSlice("q_proj.weight", _Raw(w), LoadStats()), d)
+    rows = HalfOrderRows(tensor_slice("q_proj.weight", w), d)
     want = w.view(4, d, 5)[:, half_order(d)].reshape(4 * d, 5)
     torch.testing.assert_close(rows.all(), want, rtol=0, atol=0)
     torch.testing.assert_close(rows.narrow(0, 2 * d, d), want[2 * d:3 * d], rtol=0, atol=0)
     with pytest.raises(ValueError, match="splits a head"):
         rows.narrow(0, d // 2, d)
     norm = torch.randn(4, d)
-    cols = HalfOrderRows(TensorSlice("q_norm.weight", _Raw(norm), LoadStats()), d,
+    cols = HalfOrderRows(tensor_slice("q_norm.weight", norm), d,
                          per_head_last=True)
     torch.testing.assert_close(cols.narrow(0, 1, 2), norm[1:3][:, half_order(d)], rtol=0, atol=0)
 

@@ -41,6 +41,24 @@ def numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied parameters count once
 
 
+def assert_ranks_add_up(hf, tp: int, full: int, replicated: int) -> None:
+    """The tp ranks' models built on the meta device hold `full` parameters between them,
+    plus (tp - 1) more copies of the `replicated` ones every rank holds whole."""
+    total = 0
+    for rank in range(tp):
+        with tp_context(rank, tp):
+            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
+    assert total == full + (tp - 1) * replicated
+
+
+def assert_refused(hf, tp: int, needles) -> None:
+    """check_shardable refuses hf at tp with a message holding every needle."""
+    with pytest.raises(ShardingError) as err:
+        check_shardable(engine_cfg(tp), hf)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
 # Parameters every rank holds whole: norms and the biases of row-parallel layers (added
 # once, after the all-reduce).
 REPLICATED = ("norm", "ln_f", "o_proj.bias", "down_proj.bias", "dense.bias",
@@ -217,11 +235,8 @@ def test_starcoder_shapes_add_up_with_the_kv_head_and_positions_replicated(tp):
         with tp_context(rank, tp):
             total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
     assert total == numel(model) + (tp - 1) * (replicated + kv_rows)
-    with pytest.raises(ShardingError) as err:
-        check_shardable(engine_cfg(5), hf)
-    for needle in ("'transformer.h.0.attn.c_attn.weight'", "[6400, 6144]", "tp=5",
-                   "attention heads = 48 is not divisible by 5", "tp = 1, 2, 3, 4, 6, 8"):
-        assert needle in str(err.value), str(err.value)
+    assert_refused(hf, 5, ("'transformer.h.0.attn.c_attn.weight'", "[6400, 6144]", "tp=5",
+                   "attention heads = 48 is not divisible by 5", "tp = 1, 2, 3, 4, 6, 8"))
 
 
 # Typed in rather than stored config.json files: the sizes of Command R+ (104B, Cohere with
@@ -252,16 +267,9 @@ def test_cohere_shapes_add_up_with_only_the_layer_norms_replicated(arch, tp):
     whole = ("input_layernorm", "model.norm")
     replicated = sum(p.numel() for n, p in model.named_parameters() if n.startswith(whole)
                      or any(f".{w}." in n for w in whole))
-    total = 0
-    for rank in range(tp):
-        with tp_context(rank, tp):
-            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
-    assert total == numel(model) + (tp - 1) * replicated
-    with pytest.raises(ShardingError) as err:
-        check_shardable(engine_cfg(5), hf)
-    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[12288, 12288]", "tp=5",
-                   "attention heads = 96 is not divisible by 5", "tp = 1, 2, 4, 8"):
-        assert needle in str(err.value), str(err.value)
+    assert_ranks_add_up(hf, tp, numel(model), replicated)
+    assert_refused(hf, 5, ("'model.layers.0.self_attn.q_proj.weight'", "[12288, 12288]", "tp=5",
+                   "attention heads = 96 is not divisible by 5", "tp = 1, 2, 4, 8"))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -280,16 +288,9 @@ def test_nemotron_shapes_add_up_with_the_layer_norms_replicated(tp):
         model = AutoModelForCausalLM.from_config(hf)
     assert 8.2e9 < numel(model) < 8.3e9
     replicated = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
-    total = 0
-    for rank in range(tp):
-        with tp_context(rank, tp):
-            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
-    assert total == numel(model) + (tp - 1) * replicated
-    with pytest.raises(ShardingError) as err:
-        check_shardable(engine_cfg(5), hf)
-    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[6144, 4096]", "tp=5",
-                   "attention heads = 48 is not divisible by 5"):
-        assert needle in str(err.value), str(err.value)
+    assert_ranks_add_up(hf, tp, numel(model), replicated)
+    assert_refused(hf, 5, ("'model.layers.0.self_attn.q_proj.weight'", "[6144, 4096]", "tp=5",
+                   "attention heads = 48 is not divisible by 5"))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -309,16 +310,9 @@ def test_gpt_oss_shapes_add_up_with_the_row_biases_and_router_replicated(layers,
         model = AutoModelForCausalLM.from_config(hf)
     whole = ("norm", "o_proj.bias", "mlp.router.", "down_proj_bias")
     replicated = sum(p.numel() for n, p in model.named_parameters() if any(w in n for w in whole))
-    total = 0
-    for rank in range(tp):
-        with tp_context(rank, tp):
-            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
-    assert total == numel(model) + (tp - 1) * replicated
-    with pytest.raises(ShardingError) as err:
-        check_shardable(engine_cfg(3), hf)
-    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[4096, 2880]", "tp=3",
-                   "attention heads = 64 is not divisible by 3"):
-        assert needle in str(err.value), str(err.value)
+    assert_ranks_add_up(hf, tp, numel(model), replicated)
+    assert_refused(hf, 3, ("'model.layers.0.self_attn.q_proj.weight'", "[4096, 2880]", "tp=3",
+                   "attention heads = 64 is not divisible by 3"))
 
 
 # Typed in from the published config.json files' text_config (meta-llama/Llama-4-Scout-17B-16E
@@ -353,16 +347,9 @@ def test_llama4_text_shapes_add_up_with_norms_and_router_replicated(name, tp):
     assert round(numel(model) / 1e8) == (1078 if name == "scout" else 4007)
     whole = ("norm", "feed_forward.router.")
     replicated = sum(p.numel() for n, p in model.named_parameters() if any(w in n for w in whole))
-    total = 0
-    for rank in range(tp):
-        with tp_context(rank, tp):
-            total += numel(build_model(engine_cfg(tp), hf, torch.device("meta")))
-    assert total == numel(model) + (tp - 1) * replicated
-    with pytest.raises(ShardingError) as err:
-        check_shardable(engine_cfg(3), hf)
-    for needle in ("'model.layers.0.self_attn.q_proj.weight'", "[5120, 5120]", "tp=3",
-                   "attention heads = 40 is not divisible by 3"):
-        assert needle in str(err.value), str(err.value)
+    assert_ranks_add_up(hf, tp, numel(model), replicated)
+    assert_refused(hf, 3, ("'model.layers.0.self_attn.q_proj.weight'", "[5120, 5120]", "tp=3",
+                   "attention heads = 40 is not divisible by 3"))
 
 
 # Typed in rather than stored config.json files: Falcon-7B (multi-query, 71 heads of 64),

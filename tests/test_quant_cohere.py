@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_utils import (
+    assert_varied,
     engine_matches_reference,
     greedy,
     load_rank,
@@ -25,11 +26,11 @@ from engine_utils import (
 )
 from quant_checkpoints import AWQ_ORDER, pack_along_cols, pack_along_rows, quantized_with_reference
 from safetensors.torch import load_file
+from tensor_slices import tensor_slice
 from tiny_models import PROMPTS
 
 from tpserve.errors import CheckpointError
 from tpserve.layers.interleaved_rotary import HalfOrderRows, half_order, half_order_rows
-from tpserve.weights import LoadStats, TensorSlice
 
 HEAD_DIM = 32
 # name -> (family, write_quantized kwargs)
@@ -79,8 +80,7 @@ def test_quantized_cohere_matches_transformers(request, quantized, name, tp):
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_continuations_are_not_degenerate(quantized, name):
     _, ref_tokens, _ = quantized(name)
-    assert all(len(set(t)) > 3 for t in ref_tokens)
-    assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
+    assert_varied(ref_tokens)
 
 
 def _unreordered(what: str):
@@ -117,24 +117,8 @@ def test_serving_without_reordering_the_int4_rows_fails(quantized, monkeypatch, 
     assert tokens != ref_tokens
 
 
-class _Raw:
-    """A stand-in for a safetensors slice (TensorSlice reads through it)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def get_shape(self):
-        return list(self.t.shape)
-
-    def get_dtype(self):
-        return "I32"
-
-    def __getitem__(self, index):
-        return self.t[index]
-
-
-def _slice(name: str, t: torch.Tensor) -> TensorSlice:
-    return TensorSlice(name, _Raw(t), LoadStats())
+def _slice(name: str, t: torch.Tensor):
+    return tensor_slice(name, t, "I32")
 
 
 @pytest.mark.parametrize(("fmt", "tensor"), [("gptq", "qzeros"), ("awq", "qweight"),
