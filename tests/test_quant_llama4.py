@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import assert_matches_reference, engine_matches_reference, load_rank, make_engine
+from engine_utils import (
+    assert_matches_reference,
+    engine_matches_reference,
+    greedy,
+    load_rank,
+    make_engine,
+    prefill_logits,
+)
 from quant_checkpoints import ct_quantization_config, write_fp8_cast_reference, write_quantized
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, hf_last_logits, save_model
@@ -227,14 +234,8 @@ def _cfg(tp: int) -> EngineConfig:
 
 
 @pytest.mark.parametrize(("quant", "needle"), [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
-     "quantized with gptq (int4) are not supported"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-      "version": "gemm"}, "quantized with awq (int4) are not supported"),
     ({"quant_method": "fp8", "weight_block_size": [8, 32]},
      "blocks of 8 rows cut heads of 16"),
-    (ct_quantization_config("ct-w4a16", 32, True, ("lm_head", ROUTER)),
-     "quantized with compressed-tensors (int4) are not supported"),
 ])
 def test_what_llama4_does_not_serve_is_refused_at_start(quant, needle):
     hf = FAMILY_CHECKPOINTS["llama4"][0]()
@@ -281,3 +282,141 @@ def test_vision_language_ignore_names_match_the_text_models():
                         ["model.layers.1.self_attn.o_proj"])
     assert _skipped(cfg, "model.layers.1.feed_forward.router",
                     ["model.layers.1.feed_forward.router"])
+
+
+# int4 (GPTQ, AWQ, compressed-tensors pack-quantized) Llama 4 checkpoints, written in the test
+# from a Llama 4 128 wide (4 heads of 32, 2 KV heads replicated at tp = 4; experts of 128 and
+# dense layers of 256, whole groups of 32 on every rank at tp = 4), the experts one by one as
+# the int4 releases store them, the router float. q_proj's and k_proj's int4 output columns
+# (GPTQ's qweight, scales, packed qzeros; AWQ's packed qweight and qzeros; compressed-tensors'
+# weight_packed, weight_scale, packed weight_zero_point) are reordered within each head at
+# load by interleaved_rotary.half_order_rows, as Cohere's are.
+INT4_HEAD_DIM = 32
+INT4 = {
+    "llama4-gptq-actorder": dict(fmt="gptq", group=32, sym=False, act_order=True),
+    "llama4-awq": dict(fmt="awq", group=32),
+    "llama4-ct-w4a16-asym": dict(fmt="ct-w4a16", group=32, sym=False,
+                                 ignore=("lm_head", ROUTER)),
+}
+# Default job: tp = 1 of every checkpoint in process, one Ray case; the rest in the slow job.
+INT4_FAST = {("llama4-gptq-actorder", 2)}
+
+
+def float_llama4_int4(models_dir: Path) -> Path:
+    out = models_dir / "quant-float-llama4-128"
+    if not (out / "config.json").exists():
+        config, kwargs = FAMILY_CHECKPOINTS["llama4"]
+        save_model(config(hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                          head_dim=INT4_HEAD_DIM), out, **kwargs)
+    return out
+
+
+def quantized_llama4_int4(models_dir: Path, name: str) -> tuple:
+    """(quantized dir, reference tokens, reference logits), built once."""
+    if name not in _REFS:
+        src = _unfuse(float_llama4_int4(models_dir), models_dir / "quant-float-llama4-128-unfused")
+        qdir, ref = write_quantized(src, models_dir / name, models_dir / f"{name}-ref",
+                                    **INT4[name])
+        save_file(_refuse(load_file(ref / "model.safetensors")), ref / "model.safetensors",
+                  metadata={"format": "pt"})
+        _REFS[name] = (qdir, hf_greedy(ref, PROMPTS, 32), hf_last_logits(ref, PROMPTS))
+    return _REFS[name]
+
+
+def _int4_case(name: str, tp: int):
+    fast = tp == 1 or (name, tp) in INT4_FAST
+    return pytest.param(name, tp, id=f"{name}-tp{tp}", marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("name", "tp"), [_int4_case(n, tp) for n in INT4 for tp in (1, 2, 4)])
+def test_int4_llama4_matches_transformers(request, models_dir, name, tp):
+    path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
+    assert all(len(set(t)) > 3 for t in ref_tokens)
+    if tp == 1:  # in process: no Ray cluster needed
+        engine = make_engine(path, 1, local=True)
+        try:
+            assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
+        finally:
+            engine.shutdown()
+        return
+    request.getfixturevalue("ray_cluster")
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
+
+
+def _unreordered(what: str):
+    """half_order_rows skipping the reorder of the q/k tensors what names ("quantized":
+    every int4 tensor; "zeros": only the packed zero points), the plausible mistakes."""
+    from tpserve.layers.interleaved_rotary import half_order_rows
+
+    def rows(w, head_dim, method):
+        tensor = w.name.rpartition(".")[2]
+        skip = ("qzeros", "weight_zero_point") if what == "zeros" else \
+            ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point")
+        return w if tensor in skip else half_order_rows(w, head_dim, method)
+    return rows
+
+
+@pytest.mark.parametrize(("name", "what"), [
+    ("llama4-gptq-actorder", "quantized"),
+    pytest.param("llama4-awq", "quantized", marks=pytest.mark.slow),
+    pytest.param("llama4-ct-w4a16-asym", "zeros", marks=pytest.mark.slow)])
+def test_serving_int4_without_reordering_qk_fails(models_dir, monkeypatch, name, what):
+    """Oracle guard: the same checkpoint loaded with its q/k int4 tensors (or only their
+    packed zero points) as stored gives other logits and other greedy tokens, so the matches
+    above check the reorder."""
+    import tpserve.models.llama4 as llama4
+
+    path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
+    monkeypatch.setattr(llama4, "half_order_rows", _unreordered(what))
+    engine = make_engine(path, 1, local=True)
+    try:
+        got = prefill_logits(engine, PROMPTS)
+        tokens = greedy(engine, PROMPTS, len(ref_tokens[0]))
+    finally:
+        engine.shutdown()
+    diff = max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True))
+    assert diff > 0.5  # the match above allows 1e-4 relative
+    assert tokens != ref_tokens
+
+
+def test_int4_experts_load_one_by_one_and_the_router_float(models_dir):
+    """At tp = 2 every expert (and the shared expert, the dense MLPs, attention) is int4 with
+    the checkpoint's method; the router float and whole."""
+    from tpserve.layers.quant.methods import Int4Method
+
+    path = quantized_llama4_int4(models_dir, "llama4-awq")[0]
+    model, stats = load_rank(path, 1, 2)
+    moe = model.model.layers[1].mlp
+    assert moe.w13 is None and all(isinstance(e, QuantizedExpert) for e in moe.experts)
+    for linear in (moe.experts[3].down_proj, moe.shared_expert.gate_up_proj,
+                   model.model.layers[0].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj):
+        assert isinstance(linear.method, Int4Method) and linear.method.cfg.method == "awq"
+    assert moe.gate.weight.is_floating_point()
+    pre = "model.layers.1.feed_forward"
+    assert stats.fraction(f"{pre}.experts.3.down_proj.qweight") == pytest.approx(0.5)
+    assert stats.fraction(f"{pre}.router.weight") == 1
+
+
+GPTQ128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+           "sym": True}
+AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+          "version": "gemm"}
+
+
+@pytest.mark.parametrize("quant", [GPTQ128, AWQ128, ct_quantization_config(
+    "ct-w4a16", 128, True, ("lm_head", ROUTER))], ids=["gptq", "awq", "ct-w4a16"])
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("name", ["scout", "maverick"])
+def test_scout_and_maverick_sizes_build_int4(name, tp, quant):
+    """Scout's and Maverick's text dimensions (test_model_shapes.py's) build int4 with groups
+    of 128 at tp up to 8 (every rank's groups whole)."""
+    from test_model_shapes import LLAMA4_SIZES, engine_cfg
+    from transformers import Llama4TextConfig
+
+    hf = Llama4TextConfig(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                          num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                          head_dim=128, vocab_size=202048, num_experts_per_tok=1,
+                          tie_word_embeddings=False, architectures=["Llama4ForCausalLM"],
+                          **LLAMA4_SIZES[name])
+    hf.quantization_config = dict(quant)
+    check_shardable(engine_cfg(tp), hf)
