@@ -168,9 +168,11 @@ def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int,
     """q_proj's and k_proj's rows (weights, biases and fp8 per-channel weight_scale alike)
     in each head's rotate-half order; method: the checkpoint's int4 quantization (gptq, awq,
     compressed-tensors), whose q/k tensors half_order_rows reorders along their output
-    features (unpacking and repacking the packed ones), or None (float or fp8)."""
+    features (unpacking and repacking the packed ones), or None (float or fp8). The vision
+    tower's q_proj / k_proj (never read) pass as they are, whatever their tensors."""
     for w in tensors:
-        if ".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name:
+        if ".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name or \
+                any(s in w.name for s in _VISION):
             yield w
             continue
         if method in _INT4:
