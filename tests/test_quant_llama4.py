@@ -8,7 +8,9 @@ k_proj rows are reordered within each head at load (the interleaved rotary), so 
 weight_scale rows must be too: the writer spreads those scales by powers of two so that a
 loader reordering the weight rows but not the scales is far off (the oracle guard below).
 The reference re-fuses the dequantized experts into transformers' experts.gate_up_proj /
-down_proj."""
+down_proj. The int4 checkpoints (GPTQ, AWQ, compressed-tensors; below) are written from a
+wider Llama 4 the same way, their q/k int4 tensors reordered at load by
+interleaved_rotary.half_order_rows as Cohere's are."""
 
 from __future__ import annotations
 
@@ -262,6 +264,23 @@ def test_fused_quantized_experts_are_refused_at_load(models_dir):
     with pytest.raises(CheckpointError, match="experts stored fused in a quantized Llama 4"):
         load_rank(out, 0, 1)
     assert json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize(("tensor", "shape", "needle"), [
+    ("experts.down_proj", (4, 128, 128), "experts stored fused in a quantized Llama 4"),
+    ("router.qweight", (16, 4), "the router is stored quantized")])
+def test_int4_fused_experts_and_a_quantized_router_are_refused_at_load(models_dir, tensor,
+                                                                        shape, needle):
+    src = quantized_llama4_int4(models_dir, "llama4-gptq-actorder")[0]
+    out = models_dir / f"llama4-gptq-{tensor.replace('.', '-')}"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    name = f"model.layers.1.feed_forward.{tensor}"
+    weights[name] = torch.zeros(shape, dtype=torch.int32 if "qweight" in tensor else None)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name!r}: {needle}") if "router" in
+                       tensor else needle):
+        load_rank(out, 0, 1)
 
 
 def test_vision_language_ignore_names_match_the_text_models():

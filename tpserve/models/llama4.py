@@ -38,6 +38,7 @@ from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead
 from tpserve.layers.interleaved_rotary import HalfOrderRows, half_order_rows
 from tpserve.layers.quant.config import QuantizationError, current_quant
+from tpserve.models.experts import FLOAT_TENSORS
 from tpserve.models.llama import (
     GatedMLP,
     LlamaAttention,
@@ -192,7 +193,8 @@ def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int,
 
 def _fused_experts_refused(tensors: Iterable[TensorSlice]) -> Iterator:
     """A quantized checkpoint's experts stored fused (experts.gate_up_proj with a per-expert
-    channel scale, as transformers' fbgemm_fp8 holds them) are refused naming the tensor."""
+    channel scale, as transformers' fbgemm_fp8 holds them) and a router stored quantized
+    (GPTQ's router.qweight ...) are refused naming the tensor."""
     for w in tensors:
         if ".feed_forward.experts.gate_up_proj" in w.name or \
                 ".feed_forward.experts.down_proj" in w.name:
@@ -201,6 +203,12 @@ def _fused_experts_refused(tensors: Iterable[TensorSlice]) -> Iterator:
                 f"checkpoint; tpserve reads quantized experts stored one by one "
                 f"(feed_forward.experts.{{e}}.gate_proj / up_proj / down_proj), as Meta's and "
                 f"llm-compressor's fp8 releases store them")
+        if ".feed_forward.router." in w.name and \
+                w.name.rpartition(".")[2] not in FLOAT_TENSORS:
+            raise CheckpointError(
+                f"checkpoint tensor {w.name!r}: the router is stored quantized; tpserve keeps "
+                f"routers float (feed_forward.router.weight), as the released quantized "
+                f"mixture-of-experts checkpoints store them")
         yield w
 
 
