@@ -9,9 +9,8 @@ Each layer is Llama's pre-norm layer with:
   (layers/interleaved_rotary.py; an fp8 checkpoint's per-channel scales with them, an
   int4 checkpoint's output columns, packed or not, by half_order_rows); with use_qk_norm
   an L2 norm without weight over each head's query and key follows the rotary, applied
-  here before it: a rotation keeps each pair's
-  length, so the norm is the same either side of it (the rope types that do not rescale cos
-  and sin only, checked at start); and they attend in chunks of attention_chunk_size
+  here before it: a rotation keeps each pair's length, so the norm is the same either side
+  of it (the rope types that do not rescale cos and sin only, checked at start); and they attend in chunks of attention_chunk_size
   (layer_types "chunked_attention", kernels/base.py). NoPE layers attend to everything, and
   with attn_temperature_tuning scale each query by log1p(floor((p + 1) / floor_scale)) *
   attn_scale + 1 at its position p.
@@ -172,7 +171,7 @@ def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int,
     features (unpacking and repacking the packed ones), or None (float or fp8). The vision
     tower's q_proj / k_proj (never read) pass as they are, whatever their tensors."""
     for w in tensors:
-        if ".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name or \
+        if (".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name) or \
                 any(s in w.name for s in _VISION):
             yield w
             continue
