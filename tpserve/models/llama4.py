@@ -10,8 +10,9 @@ Each layer is Llama's pre-norm layer with:
   int4 checkpoint's output columns, packed or not, by half_order_rows); with use_qk_norm
   an L2 norm without weight over each head's query and key follows the rotary, applied
   here before it: a rotation keeps each pair's length, so the norm is the same either side
-  of it (the rope types that do not rescale cos and sin only, checked at start); and they attend in chunks of attention_chunk_size
-  (layer_types "chunked_attention", kernels/base.py). NoPE layers attend to everything, and
+  of it (the rope types that do not rescale cos and sin only, checked at start); and they
+  attend in chunks of attention_chunk_size (layer_types "chunked_attention",
+  kernels/base.py). NoPE layers attend to everything, and
   with attn_temperature_tuning scale each query by log1p(floor((p + 1) / floor_scale)) *
   attn_scale + 1 at its position p.
 - a feed-forward block that is Llama4MoE (models/llama4_moe.py) on the layers moe_layers
