@@ -8,7 +8,9 @@ k_proj rows are reordered within each head at load (the interleaved rotary), so 
 weight_scale rows must be too: the writer spreads those scales by powers of two so that a
 loader reordering the weight rows but not the scales is far off (the oracle guard below).
 The reference re-fuses the dequantized experts into transformers' experts.gate_up_proj /
-down_proj."""
+down_proj. The int4 checkpoints (GPTQ, AWQ, compressed-tensors; below) are written from a
+wider Llama 4 the same way, their q/k int4 tensors reordered at load by
+interleaved_rotary.half_order_rows as Cohere's are."""
 
 from __future__ import annotations
 
@@ -19,7 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import assert_matches_reference, engine_matches_reference, load_rank, make_engine
+from engine_utils import (
+    assert_matches_reference,
+    engine_matches_reference,
+    greedy,
+    load_rank,
+    make_engine,
+    prefill_logits,
+)
 from quant_checkpoints import ct_quantization_config, write_fp8_cast_reference, write_quantized
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, hf_last_logits, save_model
@@ -227,14 +236,8 @@ def _cfg(tp: int) -> EngineConfig:
 
 
 @pytest.mark.parametrize(("quant", "needle"), [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
-     "quantized with gptq (int4) are not supported"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-      "version": "gemm"}, "quantized with awq (int4) are not supported"),
     ({"quant_method": "fp8", "weight_block_size": [8, 32]},
      "blocks of 8 rows cut heads of 16"),
-    (ct_quantization_config("ct-w4a16", 32, True, ("lm_head", ROUTER)),
-     "quantized with compressed-tensors (int4) are not supported"),
 ])
 def test_what_llama4_does_not_serve_is_refused_at_start(quant, needle):
     hf = FAMILY_CHECKPOINTS["llama4"][0]()
@@ -263,6 +266,23 @@ def test_fused_quantized_experts_are_refused_at_load(models_dir):
     assert json.loads((out / "config.json").read_text())["quantization_config"]
 
 
+@pytest.mark.parametrize(("tensor", "shape", "needle"), [
+    ("experts.down_proj", (4, 128, 128), "experts stored fused in a quantized Llama 4"),
+    ("router.qweight", (16, 4), "the router is stored quantized")])
+def test_int4_fused_experts_and_a_quantized_router_are_refused_at_load(models_dir, tensor,
+                                                                        shape, needle):
+    src = quantized_llama4_int4(models_dir, "llama4-gptq-actorder")[0]
+    out = models_dir / f"llama4-gptq-{tensor.replace('.', '-')}"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    name = f"model.layers.1.feed_forward.{tensor}"
+    weights[name] = torch.zeros(shape, dtype=torch.int32 if "qweight" in tensor else None)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name!r}: {needle}") if "router" in
+                       tensor else needle):
+        load_rank(out, 0, 1)
+
+
 def test_vision_language_ignore_names_match_the_text_models():
     """Llama4ForConditionalGeneration's compressed-tensors ignore lists may name modules as
     the checkpoint does (language_model.model.layers..., language_model.lm_head): they
@@ -281,3 +301,171 @@ def test_vision_language_ignore_names_match_the_text_models():
                         ["model.layers.1.self_attn.o_proj"])
     assert _skipped(cfg, "model.layers.1.feed_forward.router",
                     ["model.layers.1.feed_forward.router"])
+
+
+# int4 (GPTQ, AWQ, compressed-tensors pack-quantized) Llama 4 checkpoints, written in the test
+# from a Llama 4 128 wide (4 heads of 32, 2 KV heads replicated at tp = 4; experts of 128 and
+# dense layers of 256, whole groups of 32 on every rank at tp = 4), the experts one by one as
+# the int4 releases store them, the router float. q_proj's and k_proj's int4 output columns
+# (GPTQ's qweight, scales, packed qzeros; AWQ's packed qweight and qzeros; compressed-tensors'
+# weight_packed, weight_scale, packed weight_zero_point) are reordered within each head at
+# load by interleaved_rotary.half_order_rows, as Cohere's are.
+INT4_HEAD_DIM = 32
+INT4 = {
+    "llama4-gptq-actorder": dict(fmt="gptq", group=32, sym=False, act_order=True),
+    "llama4-awq": dict(fmt="awq", group=32, sym=False),  # zero points vary, as AWQ's do
+    "llama4-ct-w4a16-asym": dict(fmt="ct-w4a16", group=32, sym=False,
+                                 ignore=("lm_head", ROUTER)),
+    # Llama4ForConditionalGeneration served as text (language_model.* names; the vision
+    # tower, quantized here too, never read)
+    "llama4-vlm-gptq": dict(fmt="gptq", group=32, sym=False, act_order=True),
+}
+# Default job: tp = 1 of every checkpoint in process, one Ray case; the rest in the slow job.
+INT4_FAST = {("llama4-gptq-actorder", 2)}
+
+
+def float_llama4_int4(models_dir: Path, family: str = "llama4") -> Path:
+    out = models_dir / f"quant-float-{family}-128"
+    if not (out / "config.json").exists():
+        config, kwargs = FAMILY_CHECKPOINTS[family]
+        save_model(config(hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                          head_dim=INT4_HEAD_DIM), out, **kwargs)
+    return out
+
+
+def quantized_llama4_int4(models_dir: Path, name: str) -> tuple:
+    """(quantized dir, reference tokens, reference logits), built once."""
+    if name not in _REFS:
+        family = "llama4-vlm" if "-vlm-" in name else "llama4"
+        src = _unfuse(float_llama4_int4(models_dir, family),
+                      models_dir / f"quant-float-{family}-128-unfused")
+        qdir, ref = write_quantized(src, models_dir / name, models_dir / f"{name}-ref",
+                                    **INT4[name])
+        save_file(_refuse(load_file(ref / "model.safetensors")), ref / "model.safetensors",
+                  metadata={"format": "pt"})
+        _REFS[name] = (qdir, hf_greedy(ref, PROMPTS, 32), hf_last_logits(ref, PROMPTS))
+    return _REFS[name]
+
+
+def _int4_case(name: str, tp: int):
+    fast = tp == 1 or (name, tp) in INT4_FAST
+    return pytest.param(name, tp, id=f"{name}-tp{tp}", marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("name", "tp"), [_int4_case(n, tp) for n in INT4 for tp in (1, 2, 4)])
+def test_int4_llama4_matches_transformers(request, models_dir, name, tp):
+    path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
+    assert all(len(set(t)) > 3 for t in ref_tokens)
+    if tp == 1:  # in process: no Ray cluster needed
+        engine = make_engine(path, 1, local=True)
+        try:
+            assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
+        finally:
+            engine.shutdown()
+        return
+    request.getfixturevalue("ray_cluster")
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
+
+
+def _unreordered(what: str):
+    """half_order_rows skipping the reorder of the q/k tensors what names ("quantized":
+    every int4 tensor; "zeros": only the packed zero points), the plausible mistakes."""
+    from tpserve.layers.interleaved_rotary import half_order_rows
+
+    def rows(w, head_dim, method):
+        tensor = w.name.rpartition(".")[2]
+        skip = ("qzeros", "weight_zero_point") if what == "zeros" else \
+            ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point")
+        return w if tensor in skip else half_order_rows(w, head_dim, method)
+    return rows
+
+
+@pytest.mark.parametrize(("name", "what"), [
+    ("llama4-gptq-actorder", "quantized"), ("llama4-awq", "quantized"),
+    ("llama4-gptq-actorder", "zeros"), ("llama4-awq", "zeros"),
+    ("llama4-ct-w4a16-asym", "zeros")])
+def test_serving_int4_without_reordering_qk_fails(models_dir, monkeypatch, name, what):
+    """Oracle guard: the same checkpoint loaded with its q/k int4 tensors (or only their
+    packed zero points) as stored gives other logits (10-13 off, measured) and other greedy
+    tokens on every prompt, so the matches above check each reorder."""
+    import tpserve.models.llama4 as llama4
+
+    path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
+    monkeypatch.setattr(llama4, "half_order_rows", _unreordered(what))
+    engine = make_engine(path, 1, local=True)
+    try:
+        got = prefill_logits(engine, PROMPTS)
+        tokens = greedy(engine, PROMPTS, len(ref_tokens[0]))
+    finally:
+        engine.shutdown()
+    diff = max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True))
+    assert diff > 0.5  # the match above allows 1e-4 relative
+    assert tokens != ref_tokens
+
+
+def test_int4_experts_load_one_by_one_and_the_router_float(models_dir):
+    """At tp = 2 every expert (and the shared expert, the dense MLPs, attention) is int4 with
+    the checkpoint's method; the router float and whole."""
+    from tpserve.layers.quant.methods import Int4Method
+
+    path = quantized_llama4_int4(models_dir, "llama4-awq")[0]
+    model, stats = load_rank(path, 1, 2)
+    moe = model.model.layers[1].mlp
+    assert moe.w13 is None and all(isinstance(e, QuantizedExpert) for e in moe.experts)
+    for linear in (moe.experts[3].down_proj, moe.shared_expert.gate_up_proj,
+                   model.model.layers[0].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj):
+        assert isinstance(linear.method, Int4Method) and linear.method.cfg.method == "awq"
+    assert moe.gate.weight.is_floating_point()
+    pre = "model.layers.1.feed_forward"
+    assert stats.fraction(f"{pre}.experts.3.down_proj.qweight") == pytest.approx(0.5)
+    assert stats.fraction(f"{pre}.router.weight") == 1
+
+
+GPTQ128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+           "sym": True}
+AWQ128 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+          "version": "gemm"}
+
+
+CT128 = ct_quantization_config("ct-w4a16", 128, True, ("lm_head", ROUTER))
+
+
+def _size_case(name: str, tp: int, quant: str):
+    # Building Maverick's 128 experts a rank takes 4-20 s: one case in the default job.
+    fast = (name, tp, quant) == ("scout", 8, "awq")
+    return pytest.param(name, tp, quant, id=f"{name}-tp{tp}-{quant}",
+                        marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("name", "tp", "quant"), [
+    _size_case(n, tp, q) for n in ("scout", "maverick") for tp in (2, 8)
+    for q in ("gptq", "awq", "ct-w4a16")])
+def test_scout_and_maverick_sizes_build_int4(name, tp, quant):
+    """Scout's and Maverick's text dimensions (test_model_shapes.py's) build int4 with groups
+    of 128 at tp up to 8 (every rank's groups whole: heads, experts' and dense layers'
+    intermediate units, o_proj's input)."""
+    from test_model_shapes import LLAMA4_SIZES, engine_cfg
+    from transformers import Llama4TextConfig
+
+    hf = Llama4TextConfig(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                          num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                          head_dim=128, vocab_size=202048, num_experts_per_tok=1,
+                          tie_word_embeddings=False, architectures=["Llama4ForCausalLM"],
+                          **LLAMA4_SIZES[name])
+    hf.quantization_config = dict({"gptq": GPTQ128, "awq": AWQ128, "ct-w4a16": CT128}[quant])
+    check_shardable(engine_cfg(tp), hf)
+
+
+def test_int4_vision_tower_is_never_read_nor_reordered(models_dir):
+    """The vision-language checkpoint's vision tower (int4 here, with a q_proj tensor no
+    int4 layout has) is passed over: not reordered, not read."""
+    src = quantized_llama4_int4(models_dir, "llama4-vlm-gptq")[0]
+    out = models_dir / "llama4-vlm-gptq-odd-vision"
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    weights["vision_model.model.layers.0.self_attn.q_proj.input_scale"] = torch.ones(1)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    _, stats = load_rank(out, 0, 2)
+    vision = [n for n in stats.full_bytes if n.startswith("vision_model.")]
+    assert any(n.endswith("q_proj.qweight") for n in vision)
+    assert not any(stats.read_bytes.get(n) for n in vision)

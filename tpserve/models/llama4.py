@@ -6,11 +6,13 @@ Each layer is Llama's pre-norm layer with:
 - attention on RoPE or NoPE layers (no_rope_layers: 1 rotates, 0 does not; by default every
   fourth layer is NoPE). RoPE layers rotate interleaved pairs (transformers multiplies
   complex numbers), served as rotate-half by reordering q_proj / k_proj rows at load
-  (layers/interleaved_rotary.py; an fp8 checkpoint's per-channel scales with them); with use_qk_norm an L2 norm without weight over each head's
-  query and key follows the rotary, applied here before it: a rotation keeps each pair's
-  length, so the norm is the same either side of it (the rope types that do not rescale cos
-  and sin only, checked at start); and they attend in chunks of attention_chunk_size
-  (layer_types "chunked_attention", kernels/base.py). NoPE layers attend to everything, and
+  (layers/interleaved_rotary.py; an fp8 checkpoint's per-channel scales with them, an
+  int4 checkpoint's output columns, packed or not, by half_order_rows); with use_qk_norm
+  an L2 norm without weight over each head's query and key follows the rotary, applied
+  here before it: a rotation keeps each pair's length, so the norm is the same either side
+  of it (the rope types that do not rescale cos and sin only, checked at start); and they
+  attend in chunks of attention_chunk_size (layer_types "chunked_attention",
+  kernels/base.py). NoPE layers attend to everything, and
   with attn_temperature_tuning scale each query by log1p(floor((p + 1) / floor_scale)) *
   attn_scale + 1 at its position p.
 - a feed-forward block that is Llama4MoE (models/llama4_moe.py) on the layers moe_layers
@@ -34,8 +36,9 @@ from tpserve.hf_config import rope_parameters
 from tpserve.kernels.fused_ops import plan_unrotated
 from tpserve.layers.attention import PagedAttention
 from tpserve.layers.embedding import ParallelLMHead
-from tpserve.layers.interleaved_rotary import HalfOrderRows
+from tpserve.layers.interleaved_rotary import HalfOrderRows, half_order_rows
 from tpserve.layers.quant.config import QuantizationError, current_quant
+from tpserve.models.experts import FLOAT_TENSORS
 from tpserve.models.llama import (
     GatedMLP,
     LlamaAttention,
@@ -157,14 +160,24 @@ def _rename(name: str) -> str:
 # heads (checked at start) are the same in either order.
 _ROW_TENSORS = ("weight", "bias", "weight_scale")
 _SAME_TENSORS = ("input_scale", "weight_scale_inv")
+# int4 methods whose q/k tensors interleaved_rotary.half_order_rows reorders (packed or not).
+_INT4 = ("gptq", "awq", "compressed-tensors")
 
 
-def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int) -> Iterator:
+def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int,
+                     method: str | None = None) -> Iterator:
     """q_proj's and k_proj's rows (weights, biases and fp8 per-channel weight_scale alike)
-    in each head's rotate-half order."""
+    in each head's rotate-half order; method: the checkpoint's int4 quantization (gptq, awq,
+    compressed-tensors), whose q/k tensors half_order_rows reorders along their output
+    features (unpacking and repacking the packed ones), or None (float or fp8). The vision
+    tower's q_proj / k_proj (never read) pass as they are, whatever their tensors."""
     for w in tensors:
-        if ".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name:
+        if (".self_attn.q_proj." not in w.name and ".self_attn.k_proj." not in w.name) or \
+                any(s in w.name for s in _VISION):
             yield w
+            continue
+        if method in _INT4:
+            yield half_order_rows(w, head_dim, method)
             continue
         tensor = w.name.rpartition(".")[2]
         if tensor in _SAME_TENSORS or (tensor in _ROW_TENSORS and math.prod(w.shape) == 1):
@@ -180,7 +193,8 @@ def _with_half_order(tensors: Iterable[TensorSlice], head_dim: int) -> Iterator:
 
 def _fused_experts_refused(tensors: Iterable[TensorSlice]) -> Iterator:
     """A quantized checkpoint's experts stored fused (experts.gate_up_proj with a per-expert
-    channel scale, as transformers' fbgemm_fp8 holds them) are refused naming the tensor."""
+    channel scale, as transformers' fbgemm_fp8 holds them) and a router stored quantized
+    (GPTQ's router.qweight ...) are refused naming the tensor."""
     for w in tensors:
         if ".feed_forward.experts.gate_up_proj" in w.name or \
                 ".feed_forward.experts.down_proj" in w.name:
@@ -189,24 +203,30 @@ def _fused_experts_refused(tensors: Iterable[TensorSlice]) -> Iterator:
                 f"checkpoint; tpserve reads quantized experts stored one by one "
                 f"(feed_forward.experts.{{e}}.gate_proj / up_proj / down_proj), as Meta's and "
                 f"llm-compressor's fp8 releases store them")
+        if ".feed_forward.router." in w.name and \
+                w.name.rpartition(".")[2] not in FLOAT_TENSORS:
+            raise CheckpointError(
+                f"checkpoint tensor {w.name!r}: the router is stored quantized; tpserve keeps "
+                f"routers float (feed_forward.router.weight), as the released quantized "
+                f"mixture-of-experts checkpoints store them")
         yield w
 
 
-def check_quant(config) -> None:
-    """Refuse (QuantizationError) the quantized checkpoints this family does not serve: fp8
-    (per channel or per tensor, a checkpoint's or --quantize fp8's) is served; int4 (GPTQ,
-    AWQ, compressed-tensors pack-quantized) is not, nor fp8 blocks that cut a head."""
+def check_quant(config) -> str | None:
+    """The int4 method (gptq, awq, compressed-tensors pack-quantized) whose q/k tensors the
+    load reorders, or None (float, fp8, or --quantize fp8: a cast after the reorder). Refuses
+    (QuantizationError) fp8 blocks that cut a head."""
     q = current_quant()
     if q is None or q.cast_at_load:
-        return
+        return None
+    if q.method in _INT4:
+        return q.method
     if q.method != "fp8":
         raise QuantizationError(
-            f"Llama 4 checkpoints quantized with {q.method} (int4) are not supported: Llama 4 "
+            f"Llama 4 checkpoints quantized with {q.method} are not supported: Llama 4 "
             f"reorders q_proj / k_proj output rows within each head at load (its interleaved "
-            f"rotary), and int4 packs 8 output columns per qzeros word (AWQ: per qweight "
-            f"word too), which would need repacking. tpserve serves Llama 4's fp8 checkpoints "
-            f"(fp8, compressed-tensors float-quantized), or the float checkpoint with "
-            f"--quantize fp8")
+            f"rotary), which tpserve does for float, fp8 and GPTQ, AWQ and compressed-tensors "
+            f"int4 tensors. Serve the float checkpoint with --quantize fp8 instead")
     d = head_dim_of(config)
     if q.block is not None and q.block[0] % d:
         raise QuantizationError(
@@ -214,6 +234,7 @@ def check_quant(config) -> None:
             f"weight_scale_inv blocks of {q.block[0]} rows cut heads of {d}, whose rows tpserve "
             f"reorders within each head at load; it serves blocks whose rows are a multiple of "
             f"head_dim ({d})")
+    return None
 
 
 def check_config(config) -> None:
@@ -243,7 +264,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     half_order_modules = ("q_proj", "k_proj")
 
     def __init__(self, config, max_positions: int) -> None:
-        check_quant(config)
+        method = check_quant(config)
         check_config(config)
         nn.Module.__init__(self)
         self.config = config
@@ -251,6 +272,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tied(config):
             self.lm_head.tie_to(self.model.embed_tokens)
+        self.quant_method = method
 
     @staticmethod
     def sliding_window(config) -> None:
@@ -264,5 +286,5 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         skip = self.skip_tensors + _VISION + (("lm_head.",) if self.tied(self.config) else ())
         if any(getattr(layer.mlp, "experts", None) is not None for layer in self.model.layers):
             tensors = _fused_experts_refused(tensors)  # the experts are quantized, one by one
-        load_into(self, _with_half_order(tensors, head_dim_of(self.config)),
-                  self.stacked_params, skip, rename=_rename)
+        tensors = _with_half_order(tensors, head_dim_of(self.config), self.quant_method)
+        load_into(self, tensors, self.stacked_params, skip, rename=_rename)

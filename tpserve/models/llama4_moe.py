@@ -13,8 +13,8 @@ changes:
   as transformers' chunk(2) reads them) and experts.down_proj [experts, intermediate,
   hidden]; the router is router.weight [experts, hidden].
 
-A quantized checkpoint (fp8: Meta's Maverick FP8, llm-compressor's releases) stores the
-experts one by one instead, experts.{e}.gate_proj / up_proj / down_proj with the tensors a
+A quantized checkpoint (fp8: Meta's Maverick FP8, llm-compressor's releases; int4: GPTQ,
+AWQ, compressed-tensors) stores the experts one by one instead, experts.{e}.gate_proj / up_proj / down_proj with the tensors a
 dense linear has in that format: those become one QuantizedExpert each (layers/moe.py), as
 the other mixture-of-experts families' quantized experts; the router stays float.
 """
