@@ -144,12 +144,14 @@ def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: lis
 
 
 def engine_matches_reference(path: Path, tp: int, ref_tokens: list[list[int]],
-                             ref_logits: list[torch.Tensor], rel: float = 1e-4) -> None:
+                             ref_logits: list[torch.Tensor], rel: float = 1e-4,
+                             local: bool = False) -> None:
     """A tp-rank engine over path serves PROMPTS as the reference does (assert_matches_
-    reference), then shuts down whatever the outcome."""
+    reference), then shuts down whatever the outcome. local: in this process (tp = 1, no
+    Ray cluster needed)."""
     from tiny_models import PROMPTS
 
-    engine = make_engine(path, tp)
+    engine = make_engine(path, tp, local=local)
     try:
         assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits, rel)
     finally:
@@ -195,3 +197,21 @@ def assert_varied(ref_tokens: list[list[int]]) -> None:
     alike, would make a match with them easy."""
     assert all(len(set(t)) > 3 for t in ref_tokens)
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
+
+
+def assert_unlike_reference(path: Path, ref_tokens: list[list[int]],
+                            ref_logits: list[torch.Tensor], margin: float = 0.5) -> None:
+    """Oracle guard: an in-process engine over path (loaded some plausible wrong way by the
+    caller) gives PROMPTS' logits more than margin away from the reference's, and other
+    greedy tokens, so a match with the reference (1e-4 relative) tells the two apart."""
+    from tiny_models import PROMPTS
+
+    engine = make_engine(path, 1, local=True)
+    try:
+        got = prefill_logits(engine, PROMPTS)
+        tokens = greedy(engine, PROMPTS, len(ref_tokens[0]))
+    finally:
+        engine.shutdown()
+    diff = max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True))
+    assert diff > margin
+    assert tokens != ref_tokens

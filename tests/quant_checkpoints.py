@@ -391,3 +391,17 @@ def _write_ct(quant: dict, name: str, w: torch.Tensor, fmt: str, group: int,
     if not sym:  # [N/8, G]: output 8r + i in nibble i of row r; stored zero + 8 = zeros here
         quant[f"{name}.weight_zero_point"] = pack_along_rows(zeros.t())
     return deq
+
+
+def unreordered_rows(what: str):
+    """half_order_rows (the q/k reorder for an interleaved rotary) skipping the tensors
+    `what` names: "quantized", every int4 tensor; "zeros", only the packed zero points. The
+    plausible mistakes, for oracle guards."""
+    from tpserve.layers.interleaved_rotary import half_order_rows
+
+    def rows(w, head_dim, method):
+        tensor = w.name.rpartition(".")[2]
+        skip = ("qzeros", "weight_zero_point") if what == "zeros" else \
+            ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point")
+        return w if tensor in skip else half_order_rows(w, head_dim, method)
+    return rows

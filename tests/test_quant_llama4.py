@@ -23,13 +23,17 @@ import pytest
 import torch
 from engine_utils import (
     assert_matches_reference,
+    assert_unlike_reference,
     engine_matches_reference,
-    greedy,
     load_rank,
     make_engine,
-    prefill_logits,
 )
-from quant_checkpoints import ct_quantization_config, write_fp8_cast_reference, write_quantized
+from quant_checkpoints import (
+    ct_quantization_config,
+    unreordered_rows,
+    write_fp8_cast_reference,
+    write_quantized,
+)
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILY_CHECKPOINTS, PROMPTS, hf_greedy, hf_last_logits, save_model
 
@@ -356,28 +360,9 @@ def _int4_case(name: str, tp: int):
 def test_int4_llama4_matches_transformers(request, models_dir, name, tp):
     path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
     assert all(len(set(t)) > 3 for t in ref_tokens)
-    if tp == 1:  # in process: no Ray cluster needed
-        engine = make_engine(path, 1, local=True)
-        try:
-            assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits)
-        finally:
-            engine.shutdown()
-        return
-    request.getfixturevalue("ray_cluster")
-    engine_matches_reference(path, tp, ref_tokens, ref_logits)
-
-
-def _unreordered(what: str):
-    """half_order_rows skipping the reorder of the q/k tensors what names ("quantized":
-    every int4 tensor; "zeros": only the packed zero points), the plausible mistakes."""
-    from tpserve.layers.interleaved_rotary import half_order_rows
-
-    def rows(w, head_dim, method):
-        tensor = w.name.rpartition(".")[2]
-        skip = ("qzeros", "weight_zero_point") if what == "zeros" else \
-            ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point")
-        return w if tensor in skip else half_order_rows(w, head_dim, method)
-    return rows
+    if tp > 1:
+        request.getfixturevalue("ray_cluster")
+    engine_matches_reference(path, tp, ref_tokens, ref_logits, local=tp == 1)
 
 
 @pytest.mark.parametrize(("name", "what"), [
@@ -391,16 +376,8 @@ def test_serving_int4_without_reordering_qk_fails(models_dir, monkeypatch, name,
     import tpserve.models.llama4 as llama4
 
     path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
-    monkeypatch.setattr(llama4, "half_order_rows", _unreordered(what))
-    engine = make_engine(path, 1, local=True)
-    try:
-        got = prefill_logits(engine, PROMPTS)
-        tokens = greedy(engine, PROMPTS, len(ref_tokens[0]))
-    finally:
-        engine.shutdown()
-    diff = max(float((g - r).abs().max()) for g, r in zip(got, ref_logits, strict=True))
-    assert diff > 0.5  # the match above allows 1e-4 relative
-    assert tokens != ref_tokens
+    monkeypatch.setattr(llama4, "half_order_rows", unreordered_rows(what))
+    assert_unlike_reference(path, ref_tokens, ref_logits)
 
 
 def test_int4_experts_load_one_by_one_and_the_router_float(models_dir):
