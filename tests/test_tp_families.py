@@ -76,9 +76,14 @@ CASES += [("llava-qwen2", 2), ("llava-next-mistral", 2), ("qwen2.5-vl-tied", 2)]
 # (same attention, MLP or MoE code; ~13 s each on two cores) runs in the slow job, so the
 # default job stays well under 20 minutes; every family still runs at tp 1, 2 and 4 in CI.
 FAST_TP4 = {"gemma", "bloom", "mixtral", "qwen2-moe", "gpt-neox", "cohere", "gpt-oss",
-            "deepseek-v3", "phi3", "falcon-40b"}
+            "deepseek-v3", "phi3"}
+# tp = 2 of variants whose split another default-job case makes the same way (Falcon's
+# multi-query rows as GPTBigCode's, its per-head rows as Bloom's, one norm or two, biases
+# or none: ~20 s each through Ray) run in the slow job too; their tp = 1 cases stay.
+SLOW_TP2 = {"falcon", "falcon-rw", "falcon-40b-one-ln", "nemotron-no-bias"}
 CASES = [pytest.param(f, tp, id=f"{f}-tp{tp}",
-                      marks=pytest.mark.slow if tp == 4 and f not in FAST_TP4 else ())
+                      marks=pytest.mark.slow if (tp == 4 and f not in FAST_TP4)
+                      or (tp == 2 and f in SLOW_TP2) else ())
          for f, tp in CASES]
 
 _refs: dict[str, tuple] = {}

@@ -180,7 +180,7 @@ def _tied_copy(src, dst, keep_head: bool):
     return dst
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_tied_config_over_a_stored_head_serves_the_stored_head(request, llama_dir, tmp_path,
                                                                  tp):
     """config.json ties the head, the file stores one that differs from the embeddings:
