@@ -200,3 +200,22 @@ def test_a_tied_config_over_a_stored_head_serves_the_stored_head(request, llama_
             assert greedy(engine, PROMPTS, 8) == tokens, path.name
         finally:
             engine.shutdown()
+
+
+def test_tensor_names_follow_a_checkpoint_rewritten_in_place(tmp_path):
+    """The names are cached for start-up's repeated config loads; a file rewritten at the same
+    path (a converter run again, a test fixture) must not serve its old names."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tpserve.weights import tensor_names
+
+    f = tmp_path / "model.safetensors"
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(f))
+    assert tensor_names(tmp_path) == ["model.embed_tokens.weight"]
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2),
+               "lm_head.weight": torch.ones(3, 2)}, str(f))
+    assert sorted(tensor_names(tmp_path)) == ["lm_head.weight", "model.embed_tokens.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model.safetensors"}}))
+    assert tensor_names(tmp_path) == ["lm_head.weight"]

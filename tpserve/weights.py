@@ -6,6 +6,7 @@ through `get_slice`, so a tp-way shard materialises about 1/tp of each sharded t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -110,13 +111,23 @@ def tensor_names(path: Path) -> list[str]:
     """The names of the checkpoint's tensors, from its index or the files' headers; none
     where it has no weights (--load-format dummy)."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        return list(json.loads(index.read_text())["weight_map"])
+    files = [index] if index.exists() else sorted(path.glob("*.safetensors"))
+    # Start-up asks several times (cli, executor, engine, worker: each loads the config);
+    # the files' sizes and times key the cache, so a checkpoint rewritten in place is read anew.
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return list(_tensor_names(stamp))
+
+
+@functools.lru_cache(maxsize=32)
+def _tensor_names(stamp: tuple[tuple[str, int, int], ...]) -> tuple[str, ...]:
+    files = [Path(f) for f, _, _ in stamp]
+    if files and files[0].name == "model.safetensors.index.json":
+        return tuple(json.loads(files[0].read_text())["weight_map"])
     names: list[str] = []
-    for f in sorted(path.glob("*.safetensors")):
+    for f in files:
         with safe_open(str(f), framework="pt") as st:
             names += list(st.keys())
-    return names
+    return tuple(names)
 
 
 # Quantizers that wrote their settings to a file of their own, with the method it implies:

@@ -114,14 +114,14 @@ class DecodeGraphs:
         graph_cls, capturing = graph_api(self.device)
         self._fill_padding()
         pool = None
+        # Without adapters the first set is already the base model's.
+        sets = [(True, self.graphs)] + ([(False, self.base_graphs)] if self.lora is not None else [])
         for b in reversed(self.buckets):
             # Lazy initialisations (cuBLAS workspaces, NCCL) happen outside the capture.
             with tuning.tune(b) if tuning is not None else contextlib.nullcontext():
                 self._forward(b)
             synchronize(self.device)
-            for lora, graphs in ((True, self.graphs), (False, self.base_graphs)):
-                if not lora and self.lora is None:
-                    break  # without adapters the first graph is already the base model's
+            for lora, graphs in sets:
                 if not lora:
                     self._forward(b, lora=False)  # the fast paths LoRA turned off, warmed
                     synchronize(self.device)
