@@ -109,14 +109,29 @@ def test_tgi_client_chat(url):
     tgi = text_generation.Client(url)
     res = tgi.chat([Message(role="user", content="hi")], max_tokens=2, temperature=0.0)
     assert res.choices[0].message.content == " user: hi"
-    text = ""
-    # text_generation 0.7 cannot parse the closing `data: [DONE]` (neither from TGI 2.x),
-    # so stop at the chunk that carries finish_reason.
-    for chunk in tgi.chat([Message(role="user", content="hi")], max_tokens=2, stream=True):
-        text += chunk.choices[0].delta.content
-        if chunk.choices[0].finish_reason is not None:
-            break
-    assert text == " user: hi"
+    # The whole stream, read to its end: text_generation 0.7 parses every `data:` line as
+    # JSON, so a closing `data: [DONE]` raised JSONDecodeError after the last chunk.
+    chunks = list(tgi.chat([Message(role="user", content="hi")], max_tokens=2, stream=True))
+    assert "".join(c.choices[0].delta.content for c in chunks) == " user: hi"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    async def read_async():
+        stream = await text_generation.AsyncClient(url).chat(
+            [Message(role="user", content="hi")], max_tokens=2, stream=True)
+        return [c async for c in stream]
+
+    chunks = asyncio.run(read_async())
+    assert "".join(c.choices[0].delta.content for c in chunks) == " user: hi"
+
+
+def test_chat_streams_still_end_with_done_for_other_clients(url):
+    """Only text_generation's requests (every field of its ChatRequest, nulls included) go
+    without the closing `[DONE]`; OpenAI's clients and curl keep it."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    raw = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).text
+    assert raw.rstrip().endswith("data: [DONE]"), raw
 
 
 def test_health_and_info(client, backend):

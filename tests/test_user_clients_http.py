@@ -39,3 +39,19 @@ def test_a_union_field_error_says_each_thing_once(server, backend):
     parts = r.json()["error"].split("; ")
     assert len(parts) == len(set(parts)), parts
     assert "`prompt`: Input should be a valid string" in parts
+
+
+def test_tgi_optional_parameters_sent_as_null_take_their_defaults(server, backend):
+    """TGI's optional parameters (Rust `Option<T>`, `return_full_text` among them) read a
+    JSON null as "not given": clients that write every field send null. Each answer is the
+    one the same request gets without those fields."""
+    url = server[1]
+    nullable = ["best_of", "frequency_penalty", "grammar", "max_new_tokens",
+                "repetition_penalty", "return_full_text", "seed", "temperature", "top_k",
+                "top_n_tokens", "top_p", "truncate", "typical_p", "adapter_id"]
+    for route in ("/generate", "/"):
+        plain = httpx.post(url + route, json={"inputs": "a b c", "parameters": {}})
+        nulls = httpx.post(url + route, json={
+            "inputs": "a b c", "parameters": dict.fromkeys(nullable)})
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json() == plain.json()

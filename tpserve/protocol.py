@@ -28,6 +28,7 @@ from tpserve.fields import (
     FrequencyPenalty,
     Int,
     NonEmptyText,
+    NullableFlag,
     OpenUnitInterval,
     RepetitionPenalty,
     Seed,
@@ -63,7 +64,8 @@ class GenerateParameters(BaseModel):
     grammar: Grammar | None = None
     max_new_tokens: TokenCount | None = DEFAULT_MAX_NEW_TOKENS
     repetition_penalty: RepetitionPenalty | None = None
-    return_full_text: bool = False
+    # TGI's Option<bool>: null means the default, false.
+    return_full_text: NullableFlag = False
     seed: Seed | None = None
     stop: Annotated[list[StopText], FailFast] = Field(default_factory=list)
     temperature: TGITemperature | None = None

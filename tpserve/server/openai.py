@@ -631,6 +631,10 @@ class OpenAIRoutes:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         extra = {"usage": None} if include_usage else {}
         n = req.choices()
+        # text_generation 0.7.0's chat stream parses every `data:` line as JSON, so the
+        # closing `[DONE]` (which TGI 2 sends too) raised JSONDecodeError after the last
+        # chunk; its stream ends cleanly at the end of the response instead.
+        done_breaks_client = isinstance(req, ChatRequest) and req.from_tgi_client()
 
         async def events() -> AsyncIterator[str]:
             streamed = [""] * len(streams)
@@ -657,7 +661,8 @@ class OpenAIRoutes:
             except Exception as exc:  # headers are sent: report in-band, then stop
                 yield _data(error_body(exc))
                 return
-            yield _data("[DONE]")
+            if not done_breaks_client:
+                yield _data("[DONE]")
 
         async def close_all() -> None:
             for tracked in streams:
