@@ -110,12 +110,10 @@ def test_text_generation_client_reads_calls_streamed_and_not(url):
     assert res.choices[0].finish_reason == "tool_calls" and call["function"]["name"] == \
         "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["get_weather"])
-    chunks = []
-    with pytest.raises(json.JSONDecodeError):  # 0.7.0 parses the final [DONE] as JSON
-        for chunk in client.chat([Message(role="user", content="Weather?")], tools=tools,
-                                 tool_choice="get_weather", max_tokens=80, seed=3,
-                                 stream=True):
-            chunks.append(chunk)
+    # Read to the end: 0.7.0 parses every `data:` line as JSON, so its streams end without
+    # the `[DONE]` that other clients get.
+    chunks = list(client.chat([Message(role="user", content="Weather?")], tools=tools,
+                              tool_choice="get_weather", max_tokens=80, seed=3, stream=True))
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
     assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
     assert "".join(c.function.arguments for c in calls) == call["function"]["arguments"]
@@ -290,10 +288,7 @@ def test_forced_call_cut_short_through_the_text_generation_client(oai, url, forc
     assert res.finish_reason == "length"
     assert [(c["function"]["name"], c["function"]["arguments"])
             for c in res.message.tool_calls] == [(name, args)]
-    chunks = []
-    with pytest.raises(json.JSONDecodeError):  # 0.7.0 parses the final [DONE] as JSON
-        for chunk in client.chat(messages, stream=True, **tgi):
-            chunks.append(chunk)
+    chunks = list(client.chat(messages, stream=True, **tgi))  # read to its end: no [DONE]
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
     assert calls[0].function.name == name
     assert "".join(c.function.arguments for c in calls) == args

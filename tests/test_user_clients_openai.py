@@ -169,3 +169,30 @@ def test_openai_seed_and_top_p_ranges_are_openais(client, greedy):
     assert client.completions.create(seed=-2**63, **kw).choices
     with pytest.raises(openai.UnprocessableEntityError):
         client.completions.create(seed=-2**63 - 1, **kw)
+
+
+def test_stream_helper_reads_the_role_once_per_choice(client, url):
+    """openai's `chat.completions.stream` adds up every string of the deltas: a role sent in
+    every chunk came back as "assistantassistant...". OpenAI names it in each choice's
+    first delta only; the text is transformers' greedy continuation."""
+    import json
+
+    import httpx
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    messages = [{"role": "user", "content": "What is a list?"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = tok.decode(hf_greedy(DEFAULT_MODEL_DIR, [prompt], 6)[0])
+    kw = dict(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0, n=2)
+    with client.chat.completions.stream(**kw) as s:
+        for _ in s:
+            pass
+    final = s.current_completion_snapshot
+    assert [(c.index, c.message.role, c.message.content) for c in final.choices] == [
+        (0, "assistant", expected), (1, "assistant", expected)]
+    raw = httpx.post(url + "/v1/chat/completions", json={**kw, "stream": True}, timeout=60)
+    chunks = [json.loads(line[6:]) for line in raw.text.splitlines()
+              if line.startswith("data: {")]
+    for i in range(2):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        assert [d.get("role") for d in deltas] == ["assistant"] + [None] * (len(deltas) - 1)

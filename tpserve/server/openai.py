@@ -633,15 +633,30 @@ class OpenAIRoutes:
         n = req.choices()
         # text_generation 0.7.0's chat stream parses every `data:` line as JSON, so the
         # closing `[DONE]` (which TGI 2 sends too) raised JSONDecodeError after the last
-        # chunk; its stream ends cleanly at the end of the response instead.
-        done_breaks_client = isinstance(req, ChatRequest) and req.from_tgi_client()
+        # chunk: its stream ends cleanly at the end of the response instead.
+        tgi_client = isinstance(req, ChatRequest) and req.from_tgi_client()
+        # OpenAI names the role in each choice's first delta only: its SDK's stream helper
+        # (chat.completions.stream) adds up every string of the deltas, so a role in each
+        # chunk read back as "assistantassistant...". text_generation's chunk type requires
+        # the role in every delta (TGI sends it so).
+        role_named: set[int] = set()
+
+        def role_once(c: dict) -> dict:
+            delta = c.get("delta")
+            if tgi_client or delta is None or "role" not in delta:
+                return c
+            if c["index"] in role_named:
+                return {**c, "delta": {k: v for k, v in delta.items() if k != "role"}}
+            role_named.add(c["index"])
+            return c
 
         async def events() -> AsyncIterator[str]:
             streamed = [""] * len(streams)
             finals: list[GenerationEvent | None] = [None] * len(streams)
             for i, prefix in enumerate(prefixes):
                 if prefix:
-                    yield _data({**chunk, **extra, "choices": [choice(i, prefix, None, [])]})
+                    first = role_once(choice(i, prefix, None, []))
+                    yield _data({**chunk, **extra, "choices": [first]})
             try:
                 async for i, event in merged(streams):
                     if event.finished:
@@ -654,14 +669,14 @@ class OpenAIRoutes:
                     else:
                         continue
                     for c in made if isinstance(made, list) else [made]:
-                        yield _data({**chunk, **extra, "choices": [c]})
+                        yield _data({**chunk, **extra, "choices": [role_once(c)]})
                 if include_usage:
                     usage = _usage([f for f in finals if f is not None], n)
                     yield _data({**chunk, "choices": [], "usage": usage})
             except Exception as exc:  # headers are sent: report in-band, then stop
                 yield _data(error_body(exc))
                 return
-            if not done_breaks_client:
+            if not tgi_client:  # its client parses every `data:` line as JSON
                 yield _data("[DONE]")
 
         async def close_all() -> None:
