@@ -150,7 +150,8 @@ def test_streamed_choices_add_up_to_the_answer(http, backend):
         (choice,) = c["choices"]
         i = choice["index"]
         texts[i] += choice["delta"]["content"]
-        tokens[i] += [e["token"] for e in choice["logprobs"]["content"]]
+        # Each choice opens with a chunk naming the role, with no log-probabilities (OpenAI's).
+        tokens[i] += [e["token"] for e in (choice["logprobs"] or {"content": []})["content"]]
         finishes[i] = choice["finish_reason"] or finishes[i]
     plain = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
     assert texts == [c["message"]["content"] for c in plain["choices"]]

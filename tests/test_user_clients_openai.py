@@ -171,10 +171,12 @@ def test_openai_seed_and_top_p_ranges_are_openais(client, greedy):
         client.completions.create(seed=-2**63 - 1, **kw)
 
 
-def test_stream_helper_reads_the_role_once_per_choice(client, url):
-    """openai's `chat.completions.stream` adds up every string of the deltas: a role sent in
-    every chunk came back as "assistantassistant...". OpenAI names it in each choice's
-    first delta only; the text is transformers' greedy continuation."""
+def test_stream_helper_reads_each_choice_as_it_was_sent(client, url):
+    """openai's `chat.completions.stream` adds up every string of the deltas (a role sent in
+    every chunk came back as "assistantassistant..."), and counts a later choice's first
+    chunk's log-probabilities twice. OpenAI opens each choice with a chunk naming the role,
+    `content` "" and no log-probabilities; the rest never name it. Text and tokens are
+    transformers' greedy continuation."""
     import json
 
     import httpx
@@ -182,17 +184,22 @@ def test_stream_helper_reads_the_role_once_per_choice(client, url):
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     messages = [{"role": "user", "content": "What is a list?"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    expected = tok.decode(hf_greedy(DEFAULT_MODEL_DIR, [prompt], 6)[0])
-    kw = dict(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0, n=2)
+    ids = hf_greedy(DEFAULT_MODEL_DIR, [prompt], 6)[0]
+    tokens = [tok.decode([i]) for i in ids]
+    kw = dict(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0, n=2,
+              logprobs=True, top_logprobs=1)
     with client.chat.completions.stream(**kw) as s:
         for _ in s:
             pass
     final = s.current_completion_snapshot
-    assert [(c.index, c.message.role, c.message.content) for c in final.choices] == [
-        (0, "assistant", expected), (1, "assistant", expected)]
+    assert [(c.index, c.message.role, c.message.content, [e.token for e in c.logprobs.content])
+            for c in final.choices] == [(i, "assistant", tok.decode(ids), tokens) for i in (0, 1)]
     raw = httpx.post(url + "/v1/chat/completions", json={**kw, "stream": True}, timeout=60)
     chunks = [json.loads(line[6:]) for line in raw.text.splitlines()
               if line.startswith("data: {")]
     for i in range(2):
-        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
-        assert [d.get("role") for d in deltas] == ["assistant"] + [None] * (len(deltas) - 1)
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[0]["logprobs"] is None
+        assert all("role" not in c["delta"] for c in mine[1:])
+        assert [e["token"] for c in mine[1:] for e in c["logprobs"]["content"]] == tokens

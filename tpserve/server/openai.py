@@ -635,28 +635,32 @@ class OpenAIRoutes:
         # closing `[DONE]` (which TGI 2 sends too) raised JSONDecodeError after the last
         # chunk: its stream ends cleanly at the end of the response instead.
         tgi_client = isinstance(req, ChatRequest) and req.from_tgi_client()
-        # OpenAI names the role in each choice's first delta only: its SDK's stream helper
-        # (chat.completions.stream) adds up every string of the deltas, so a role in each
-        # chunk read back as "assistantassistant...". text_generation's chunk type requires
-        # the role in every delta (TGI sends it so).
-        role_named: set[int] = set()
+        # OpenAI opens each chat choice with a chunk of its own naming the role, `content`
+        # "" and no log-probabilities, and names the role nowhere else. The openai SDK's
+        # stream helper (chat.completions.stream) relies on both: it adds up every string
+        # of the deltas (a role in each chunk read back as "assistantassistant..."), and it
+        # counted the log-probabilities of a later choice's first chunk twice.
+        # text_generation's chunk type requires the role in every delta (TGI sends it so).
+        opened_choices: set[int] = set()
 
-        def role_once(c: dict) -> dict:
+        def with_role(c: dict) -> list[dict]:
             delta = c.get("delta")
-            if tgi_client or delta is None or "role" not in delta:
-                return c
-            if c["index"] in role_named:
-                return {**c, "delta": {k: v for k, v in delta.items() if k != "role"}}
-            role_named.add(c["index"])
-            return c
+            if tgi_client or delta is None:
+                return [c]
+            c = {**c, "delta": {k: v for k, v in delta.items() if k != "role"}}
+            if c["index"] in opened_choices:
+                return [c]
+            opened_choices.add(c["index"])
+            return [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}, c]
 
         async def events() -> AsyncIterator[str]:
             streamed = [""] * len(streams)
             finals: list[GenerationEvent | None] = [None] * len(streams)
             for i, prefix in enumerate(prefixes):
                 if prefix:
-                    first = role_once(choice(i, prefix, None, []))
-                    yield _data({**chunk, **extra, "choices": [first]})
+                    for c in with_role(choice(i, prefix, None, [])):
+                        yield _data({**chunk, **extra, "choices": [c]})
             try:
                 async for i, event in merged(streams):
                     if event.finished:
@@ -668,8 +672,9 @@ class OpenAIRoutes:
                         made = choice(i, event.token.text, None, [event])
                     else:
                         continue
-                    for c in made if isinstance(made, list) else [made]:
-                        yield _data({**chunk, **extra, "choices": [role_once(c)]})
+                    for made_one in made if isinstance(made, list) else [made]:
+                        for c in with_role(made_one):
+                            yield _data({**chunk, **extra, "choices": [c]})
                 if include_usage:
                     usage = _usage([f for f in finals if f is not None], n)
                     yield _data({**chunk, "choices": [], "usage": usage})
