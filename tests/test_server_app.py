@@ -154,7 +154,9 @@ def test_generate_stream_events_concatenate_to_final_text(http):
     final = events[-1]
     streamed = "".join(e["token"]["text"] for e in events if not e["token"]["special"])
     assert streamed == final["generated_text"] == " red green"
-    assert final["details"] == {"finish_reason": "eos_token", "generated_tokens": 3, "seed": None}
+    # input_length: the prompt's three words (TGI's stream details carry it).
+    assert final["details"] == {"finish_reason": "eos_token", "generated_tokens": 3, "seed": None,
+                                "input_length": 3}
 
 
 def test_stream_details_only_when_requested(http):

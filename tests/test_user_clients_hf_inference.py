@@ -58,6 +58,13 @@ def test_text_generation_stream_adds_up_to_the_whole(client, greedy):
                                          details=True))
     assert [e.token.id for e in events] == ids
     assert events[-1].generated_text == text
+    # TGI's stream details carry `input_length` (the client's type requires it): the
+    # prompt's tokens, after `truncate`.
+    n_prompt = len(AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)(PROMPT).input_ids)
+    assert events[-1].details.input_length == n_prompt
+    last = list(client.text_generation(PROMPT, max_new_tokens=2, stream=True, details=True,
+                                       truncate=2))[-1]
+    assert last.details.input_length == min(2, n_prompt)
     assert events[-1].details.generated_tokens == len(ids)
 
 

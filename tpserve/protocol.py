@@ -303,6 +303,9 @@ class StreamDetails(_WireModel):
     finish_reason: FinishReason
     generated_tokens: int
     seed: int | None = None
+    # TGI's: the prompt's tokens (after `truncate`). Optional so that tpserve.Client reads
+    # servers (TGI < 2) that do not send it.
+    input_length: int | None = None
 
 
 class StreamResponse(_WireModel):

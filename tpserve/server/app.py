@@ -193,6 +193,7 @@ class TGIRoutes:
                     finish_reason=event.finish_reason,
                     generated_tokens=event.generated_tokens,
                     seed=event.seed,
+                    input_length=event.prompt_tokens,
                 )
         return out
 
