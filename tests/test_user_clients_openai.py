@@ -203,3 +203,28 @@ def test_stream_helper_reads_each_choice_as_it_was_sent(client, url):
         assert mine[0]["logprobs"] is None
         assert all("role" not in c["delta"] for c in mine[1:])
         assert [e["token"] for c in mine[1:] for e in c["logprobs"]["content"]] == tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_of_a_character_split_across_tokens_add_up_to_it(client, stream):
+    """OpenAI's `bytes` are there so that the tokens of a character split across several
+    (an emoji over four byte tokens) can be joined back: each entry's bytes are its own
+    piece of the UTF-8, not those of U+FFFD, which its text alone reads."""
+    from engine_utils import chat_choice
+
+    word = "😀é中"
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert len(tok(word, add_special_tokens=False).input_ids) > len(word)  # split bytes
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": [word]}}}
+    try:
+        choice = chat_choice(client, stream, model=MODEL_ID, response_format=fmt,
+                             messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                             temperature=0, logprobs=True, top_logprobs=1)
+    except openai.LengthFinishReasonError as exc:  # not reached: the enum ends the answer
+        raise AssertionError(exc.completion) from None
+    assert choice.message.content == f'"{word}"'
+    entries = choice.logprobs.content
+    assert any(e.token == "\ufffd" for e in entries)
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == f'"{word}"'
+    # Greedy: each token's one alternative is itself, with the same bytes.
+    assert [t.bytes for e in entries for t in e.top_logprobs] == [e.bytes for e in entries]

@@ -48,3 +48,38 @@ def chat_template_beside(path: Path) -> str | dict[str, str] | None:
         return template
     log.warning("ignoring %s: its chat_template is not a template", file)
     return None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) printable character for each byte, reversed: bytes that
+    print as themselves keep their character, the other 68 take U+0100 onwards in order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars: dict[str, int] = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(0x100 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The UTF-8 bytes one token stands for (OpenAI's log-probability `bytes`). `text` is
+    the token decoded alone; when it holds U+FFFD, the token may be part of a character,
+    whose bytes the decoded text lost: they are read from the vocabulary's piece instead
+    (SentencePiece's byte fallback `<0xF0>`, or byte-level BPE's alphabet)."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if piece and all(ch in _BYTE_LEVEL for ch in piece):
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return text.encode("utf-8")

@@ -414,6 +414,14 @@ class AsyncEngine:
         self._require_ready()
         return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The bytes one token stands for (`text`: it decoded alone), also for a piece of a
+        multi-byte character (tpserve.tokenizer.token_bytes)."""
+        from tpserve.tokenizer import token_bytes
+
+        self._require_ready()
+        return token_bytes(self.engine.tokenizer, token_id, text)
+
     def token_spans(self, text: str, add_special_tokens: bool = True
                     ) -> list[tuple[int, int, int]]:
         from tpserve.engine.engine import token_spans

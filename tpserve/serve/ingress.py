@@ -268,6 +268,11 @@ class ReplicaSetBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        from tpserve.tokenizer import token_bytes
+
+        return token_bytes(self.tokenizer, token_id, text)
+
     def token_spans(self, text: str, add_special_tokens: bool = True
                     ) -> list[tuple[int, int, int]]:
         from tpserve.engine.engine import token_spans

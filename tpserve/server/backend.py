@@ -49,6 +49,9 @@ class EngineBackend(Protocol):
 
     # Optional: `decode(ids) -> str`, token ids as text (OpenAI's echo of a token-id
     # prompt; without it such a prompt cannot be echoed).
+    # Optional: `token_bytes(token_id, text) -> bytes`, the bytes one token stands for
+    # (`text`: it decoded alone), also for a piece of a multi-byte character (OpenAI's
+    # log-probability `bytes`; without it, the UTF-8 of `text`).
     # Optional: `token_spans(text, add_special_tokens=True) -> list[(id, start, stop)]`, the
     # prompt's tokens and the characters each covers (POST /tokenize; without it, 501).
     # Optional: `token_id(piece) -> int | None`, the id of a string that is one token of the

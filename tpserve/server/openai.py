@@ -411,6 +411,12 @@ class OpenAIRoutes:
         decode = getattr(self.backend, "decode", None)
         return tok.text if decode is None else decode([tok.id])
 
+    def token_bytes(self, tok: TokenInfo, text: str) -> list[int]:
+        """The bytes a token stands for (OpenAI's `bytes`), `text` being its own text: also
+        those of a piece of a multi-byte character, whose text reads U+FFFD."""
+        of = getattr(self.backend, "token_bytes", None)
+        return list(text.encode("utf-8") if of is None else of(tok.id, text))
+
     def _echo(self, prompt: str | list[int]) -> str:
         """What `echo` puts before a choice's text: the prompt, as text."""
         if isinstance(prompt, str):
@@ -545,7 +551,7 @@ class OpenAIRoutes:
 
             def delta(i: int, text: str, finish: str | None, events: list) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
-                lp = chat_logprobs(events, k, self.token_text) if want_lp and events else None
+                lp = chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp and events else None
                 return {"index": i, "delta": msg, "logprobs": lp, "finish_reason": finish}
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
@@ -556,7 +562,7 @@ class OpenAIRoutes:
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": final_text(events)},
-            "logprobs": chat_logprobs(events, k, self.token_text) if want_lp else None,
+            "logprobs": chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp else None,
             "finish_reason": _FINISH[events[-1].finish_reason],
         } for i, events in enumerate(results)]
         body = {
@@ -578,7 +584,7 @@ class OpenAIRoutes:
             def deltas(i: int, text: str, finish: str | None, events: list) -> list[dict]:
                 found, reason = (outs[i].feed(text), None) if finish is None else \
                     outs[i].finish(text, finish)
-                lp = chat_logprobs(events, k, self.token_text) if want_lp and events else None
+                lp = chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp and events else None
                 made = [{"index": i, "delta": wire_delta(d, tgi), "logprobs": None,
                          "finish_reason": None} for d in found]
                 if not made and (reason is not None or lp is not None):
@@ -609,7 +615,7 @@ class OpenAIRoutes:
             if calls:
                 message["tool_calls"] = calls
             choices.append({"index": i, "message": message, "finish_reason": reason,
-                            "logprobs": chat_logprobs(events, k, self.token_text)
+                            "logprobs": chat_logprobs(events, k, self.token_text, self.token_bytes)
                             if want_lp else None})
         body = {**self._envelope("chatcmpl", "chat.completion", info), "choices": choices,
                 "usage": _usage([e[-1] for e in results], n)}

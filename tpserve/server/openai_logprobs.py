@@ -26,6 +26,9 @@ from tpserve.engine.request import GenerationEvent, TokenInfo
 
 # A generated token -> its own text (the backend's decode of its id).
 TokenText = Callable[[TokenInfo], str]
+# A token and its own text -> the bytes it stands for (OpenAI's `bytes`: a piece of a
+# multi-byte character reads U+FFFD as text, and its own bytes here).
+TokenBytes = Callable[[TokenInfo, str], list[int]]
 
 
 def streamed_text(tok: TokenInfo) -> str:
@@ -33,29 +36,31 @@ def streamed_text(tok: TokenInfo) -> str:
     return tok.text
 
 
-def _utf8(text: str) -> list[int]:
+def _utf8(tok: TokenInfo, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
 def chat_entry(tok: TokenInfo, top: list[TokenInfo] | None, k: int,
-               text_of: TokenText = streamed_text) -> dict[str, Any]:
+               text_of: TokenText = streamed_text,
+               bytes_of: TokenBytes = _utf8) -> dict[str, Any]:
     text = text_of(tok)
     return {
         "token": text,
         "logprob": tok.logprob,
-        "bytes": _utf8(text),
+        "bytes": bytes_of(tok, text),
         "top_logprobs": [
-            {"token": t.text, "logprob": t.logprob, "bytes": _utf8(t.text)}
+            {"token": t.text, "logprob": t.logprob, "bytes": bytes_of(t, t.text)}
             for t in (top or [])[:k]
         ],
     }
 
 
 def chat_logprobs(events: Iterable[GenerationEvent], k: int,
-                  text_of: TokenText = streamed_text) -> dict[str, Any]:
+                  text_of: TokenText = streamed_text,
+                  bytes_of: TokenBytes = _utf8) -> dict[str, Any]:
     """`choices[i].logprobs` of a chat answer (or of one chunk: pass its events)."""
     return {
-        "content": [chat_entry(e.token, e.top_tokens, k, text_of)
+        "content": [chat_entry(e.token, e.top_tokens, k, text_of, bytes_of)
                     for e in events if not e.token.special],
         "refusal": None,
     }

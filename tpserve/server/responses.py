@@ -118,7 +118,8 @@ class ResponsesRoutes:
         self.stored = stored
 
     def _logprobs(self, events: list[GenerationEvent], k: int) -> list[dict] | None:
-        return chat_logprobs(events, k, self.chat.token_text)["content"] if events else None
+        return chat_logprobs(events, k, self.chat.token_text,
+                             self.chat.token_bytes)["content"] if events else None
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         info = self.chat._info()
