@@ -95,8 +95,11 @@ def test_streamed_call_is_rebuilt_by_the_openai_client(oai):
     with oai.chat.completions.stream(**kw) as stream:  # the client's own accumulation
         for _ in stream:
             pass
-        rebuilt = stream.get_final_completion().choices[0].message.tool_calls
+        final = stream.get_final_completion().choices[0].message
+    rebuilt = final.tool_calls
     _check_calls(rebuilt)
+    # As the whole answer's: no text (null, not ""), the role once.
+    assert (final.content, final.role) == (None, "assistant")
     assert [(c.function.name, c.function.arguments) for c in rebuilt] == \
         [(c.function.name, c.function.arguments) for c in whole]
 

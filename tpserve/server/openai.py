@@ -551,7 +551,8 @@ class OpenAIRoutes:
 
             def delta(i: int, text: str, finish: str | None, events: list) -> dict:
                 msg = {"role": "assistant", "content": text, "tool_calls": None}
-                lp = chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp and events else None
+                lp = (chat_logprobs(events, k, self.token_text, self.token_bytes)
+                      if want_lp and events else None)
                 return {"index": i, "delta": msg, "logprobs": lp, "finish_reason": finish}
 
             chunk = self._envelope("chatcmpl", "chat.completion.chunk", info)
@@ -562,7 +563,8 @@ class OpenAIRoutes:
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": final_text(events)},
-            "logprobs": chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp else None,
+            "logprobs": (chat_logprobs(events, k, self.token_text, self.token_bytes)
+                         if want_lp else None),
             "finish_reason": _FINISH[events[-1].finish_reason],
         } for i, events in enumerate(results)]
         body = {
@@ -581,16 +583,23 @@ class OpenAIRoutes:
         if req.stream:
             tgi = req.from_tgi_client()
 
+            started: set[int] = set()
+
             def deltas(i: int, text: str, finish: str | None, events: list) -> list[dict]:
                 found, reason = (outs[i].feed(text), None) if finish is None else \
                     outs[i].finish(text, finish)
-                lp = chat_logprobs(events, k, self.token_text, self.token_bytes) if want_lp and events else None
+                lp = (chat_logprobs(events, k, self.token_text, self.token_bytes)
+                      if want_lp and events else None)
                 made = [{"index": i, "delta": wire_delta(d, tgi), "logprobs": None,
                          "finish_reason": None} for d in found]
                 if not made and (reason is not None or lp is not None):
-                    made = [{"index": i, "delta": wire_delta("", tgi), "logprobs": None,
+                    # Nothing new to say: OpenAI's delta is empty ({}), which keeps the
+                    # content a client adds up null after a tool call ("" made it "").
+                    empty = wire_delta("", tgi) if tgi or i not in started else {}
+                    made = [{"index": i, "delta": empty, "logprobs": None,
                              "finish_reason": None}]
                 if made:
+                    started.add(i)
                     made[0]["logprobs"], made[-1]["finish_reason"] = lp, reason
                 return made
 
@@ -657,7 +666,10 @@ class OpenAIRoutes:
             if c["index"] in opened_choices:
                 return [c]
             opened_choices.add(c["index"])
-            return [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
+            # `content` "" opens a text answer, null one that starts with a tool call or a
+            # reasoning (OpenAI's form of each), so that the SDK's sum keeps content null.
+            content = "" if isinstance(c["delta"].get("content"), str) else None
+            return [{"index": c["index"], "delta": {"role": "assistant", "content": content},
                      "logprobs": None, "finish_reason": None}, c]
 
         async def events() -> AsyncIterator[str]:
