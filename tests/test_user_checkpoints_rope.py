@@ -63,3 +63,29 @@ def test_dynamic_ntk_past_the_context_is_refused_at_start(dynamic_dir):
     for needle in ("dynamic", f"{POSITIONS} positions", "max_position_embeddings",
                    f"--max-total-tokens {POSITIONS}", f"{POSITIONS + 1}"):
         assert needle in msg, msg
+
+
+@pytest.mark.parametrize("config", ["llama", "mistral", "gemma"])
+def test_a_partial_rotary_factor_transformers_leaves_unread_rotates_whole_heads(models_dir,
+                                                                                config):
+    """transformers' Llama, Mistral and Gemma rotate whole heads whatever
+    partial_rotary_factor config.json carries (only Phi, Phi-3, Nemotron and GPT-NeoX read
+    it); tpserve rotated the first half of each head (prefill logits 1.5x the logits' size
+    off)."""
+    import tiny_models
+    from engine_utils import prefill_logits
+    from tiny_models import hf_last_logits
+
+    from tpserve.layers.rotary import partial_rotary_factor
+
+    cfg = getattr(tiny_models, f"{config}_config")(partial_rotary_factor=0.5)
+    assert partial_rotary_factor(cfg) == 0.5  # guards the fixture: the config carries it
+    path = save_model(cfg, models_dir / f"{config}-partial-rotary", std=0.3, vector_std=0.1)
+    ref, ref_logits = hf_greedy(path, PROMPTS, 12), hf_last_logits(path, PROMPTS)
+    engine = make_engine(path, 1, local=True)
+    try:
+        for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+        assert greedy(engine, PROMPTS, 12) == ref
+    finally:
+        engine.shutdown()

@@ -303,12 +303,17 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
     skip_tensors = ("rotary_emb.inv_freq",)
+    # Whether the family rotates the first partial_rotary_factor of each head, as
+    # transformers' Phi, Phi-3 and Nemotron do. transformers' Llama, Mistral, Gemma, Qwen ...
+    # rotate whole heads and leave a partial_rotary_factor in config.json unread.
+    reads_partial_rotary = False
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        whole = {} if self.reads_partial_rotary else {"rotary_fraction": 1.0}
         self.model = LlamaModel(config, max_positions, self.sliding_window(config),
-                                **self.model_kwargs(config))
+                                **{**whole, **self.model_kwargs(config)})
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tied(config):
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -44,6 +44,7 @@ def _decoder_layer(config, i: int, prefix: str, max_positions: int,
 class NemotronForCausalLM(LlamaForCausalLM):
     # q, k, v into qkv_proj; up_proj is a projection of its own (no gate to fuse it with).
     stacked_params = LlamaForCausalLM.stacked_params[:3]
+    reads_partial_rotary = True
 
     @staticmethod
     def sliding_window(config) -> None:

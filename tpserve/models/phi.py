@@ -69,6 +69,7 @@ def _make_layer(config, i: int, prefix: str, max_positions: int,
 
 class PhiForCausalLM(LlamaForCausalLM):
     stacked_params = LlamaForCausalLM.stacked_params[:3]  # q, k, v into qkv_proj
+    reads_partial_rotary = True
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__(config, max_positions)

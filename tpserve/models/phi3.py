@@ -11,6 +11,7 @@ from tpserve.models.llama import LlamaForCausalLM
 class Phi3ForCausalLM(LlamaForCausalLM):
     # Checkpoint names already match the fused parameters: nothing to stack.
     stacked_params: list = []
+    reads_partial_rotary = True
 
     @staticmethod
     def model_kwargs(config) -> dict:
