@@ -219,3 +219,38 @@ def test_tensor_names_follow_a_checkpoint_rewritten_in_place(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"lm_head.weight": "model.safetensors"}}))
     assert tensor_names(tmp_path) == ["lm_head.weight"]
+
+
+@pytest.mark.parametrize(("family", "overrides", "tp", "tensor", "rule", "tps"), [
+    ("llama", {"intermediate_size": 130}, 4, "'model.layers.0.mlp.gate_proj.weight'",
+     "intermediate size = 130 is not divisible by 4", "1 or 2"),
+    ("gemma", {"intermediate_size": 130}, 4, "'model.layers.0.mlp.gate_proj.weight'",
+     "intermediate size = 130 is not divisible by 4", "1 or 2"),
+    # 6 heads split at tp = 3 and 6, but intermediate 128 does not.
+    ("llama", {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 6}, 4,
+     "'model.layers.0.self_attn.q_proj.weight'", "attention heads = 6 is not divisible by 4",
+     "1 or 2"),
+    ("bloom", {"hidden_size": 48, "n_head": 3}, 2,
+     "'transformer.h.0.self_attention.query_key_value.weight'",
+     "attention heads = 3 is not divisible by 2", "1 or 3"),
+    ("t5", {"d_ff": 98}, 4, "'encoder.block.0.layer.1.DenseReluDense.wi_0.weight'",
+     "output features = 98 is not divisible by 4", "1 or 2")])
+def test_a_refusal_names_the_tps_the_whole_model_shards_at(family, overrides, tp, tensor,
+                                                           rule, tps):
+    """A width that divides neither tp names its tensor and rule, then the tps at which
+    every tensor of the model splits (the rule alone said "Choose a tp that divides 130",
+    which tp = 5 or 10 would pass and the heads refuse)."""
+    import tiny_models
+
+    from tpserve.config import EngineConfig, ModelConfig, ParallelConfig
+    from tpserve.errors import ShardingError
+    from tpserve.worker.build import check_shardable
+
+    hf = getattr(tiny_models, f"{family}_config")(**overrides)
+    cfg = EngineConfig(model=ModelConfig(path="u", model_id="u", max_model_len=64),
+                       parallel=ParallelConfig(tp_size=tp))
+    with pytest.raises(ShardingError) as err:
+        check_shardable(cfg, hf)
+    msg = str(err.value)
+    for needle in (tensor, f"tp={tp}", rule, f"The whole model shards at tp = {tps} "):
+        assert needle in msg, msg

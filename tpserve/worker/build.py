@@ -54,7 +54,45 @@ def check_shardable(cfg: EngineConfig, hf_config) -> None:
     """Build every rank's model on the meta device: a tp the checkpoint cannot take fails
     here, before any actor starts, with the tensor and the rule in the message."""
     from tpserve.distributed import tp_context
+    from tpserve.errors import ShardingError
 
-    for rank in range(cfg.parallel.tp_size):
-        with tp_context(rank, cfg.parallel.tp_size):
-            build_model(cfg, hf_config, torch.device("meta"))
+    try:
+        for rank in range(cfg.parallel.tp_size):
+            with tp_context(rank, cfg.parallel.tp_size):
+                build_model(cfg, hf_config, torch.device("meta"))
+    except ShardingError as err:
+        works = tps_that_shard(cfg, hf_config)
+        if not works:
+            raise
+        listed = works[0] if len(works) == 1 else f"{', '.join(works[:-1])} or {works[-1]}"
+        raise ShardingError(f"{err} The whole model shards at tp = {listed} (tp 1 to "
+                            f"{MAX_TP_LISTED} checked).") from err
+
+
+MAX_TP_LISTED = 16
+
+
+def tps_that_shard(cfg: EngineConfig, hf_config) -> list[str]:
+    """The tps up to MAX_TP_LISTED whose ranks all get whole slices of every tensor (rank
+    0 built on the meta device; the rules are divisibility rules, the same on every rank).
+    Only those that divide the attention heads are tried, so a refusal costs a few builds."""
+    import dataclasses
+
+    from tpserve.distributed import tp_context
+    from tpserve.errors import ShardingError
+
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = next((v for k in ("num_attention_heads", "num_heads", "n_head")
+                  if isinstance(v := getattr(text, k, None), int) and v > 0), None)
+    works = []
+    for tp in range(1, MAX_TP_LISTED + 1):
+        if tp == cfg.parallel.tp_size or (heads is not None and heads % tp):
+            continue
+        other = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=tp))
+        try:
+            with tp_context(0, tp):
+                build_model(other, hf_config, torch.device("meta"))
+        except ShardingError:
+            continue
+        works.append(str(tp))
+    return works
