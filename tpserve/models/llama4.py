@@ -119,7 +119,9 @@ class Llama4DecoderLayer(nn.Module):
 
 class Llama4Model(LlamaModel):
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__(config, max_positions, make_layer=self._make_layer)
+        # Whole heads rotate (transformers' Llama 4 reads no partial_rotary_factor).
+        super().__init__(config, max_positions, make_layer=self._make_layer,
+                         rotary_fraction=1.0)
         tuned = bool(config.attn_temperature_tuning)
         self.floor_scale = float(config.floor_scale) if tuned else None
         self.attn_scale = float(config.attn_scale)
