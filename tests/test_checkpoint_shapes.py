@@ -237,3 +237,26 @@ def _matches(path, tp: int, ref, ref_logits, new_tokens: int, **engine) -> None:
         assert greedy(engine, PROMPTS, new_tokens) == ref
     finally:
         engine.shutdown()
+
+
+def test_a_consolidated_file_beside_model_safetensors_is_not_read(llama_dir, tmp_path):
+    """Mistral's repositories ship consolidated.safetensors (their own tensor names:
+    layers.0.attention.wq.weight ..., norm.weight) beside the transformers checkpoint;
+    transformers loads model.safetensors alone. tpserve opened both: it read the native
+    'norm.weight' into the final norm (a name without the "model." prefix) until the file
+    sorted after it overwrote it, and warned about every other native tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from tpserve.weights import tensor_names
+
+    path = tmp_path / "with-consolidated"
+    shutil.copytree(llama_dir, path)
+    hf = load_file(str(path / "model.safetensors"))
+    # Another final norm under the native name, so reading it would change the model.
+    save_file({"norm.weight": hf["model.norm.weight"] * 3,
+               "layers.0.attention.wq.weight": hf["model.layers.0.self_attn.q_proj.weight"]},
+              str(path / "consolidated.safetensors"))
+    assert sorted(tensor_names(path)) == sorted(hf)
+    model, stats = load_rank(path, 0, 1)
+    assert sorted(stats.full_bytes) == sorted(hf)
+    torch.testing.assert_close(model.model.norm.weight.data, hf["model.norm.weight"])

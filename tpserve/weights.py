@@ -111,7 +111,7 @@ def tensor_names(path: Path) -> list[str]:
     """The names of the checkpoint's tensors, from its index or the files' headers; none
     where it has no weights (--load-format dummy)."""
     index = path / "model.safetensors.index.json"
-    files = [index] if index.exists() else sorted(path.glob("*.safetensors"))
+    files = [index] if index.exists() else weight_files(path)
     # Start-up asks several times (cli, executor, engine, worker: each loads the config);
     # the files' sizes and times key the cache, so a checkpoint rewritten in place is read anew.
     stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
@@ -151,6 +151,14 @@ def adopt_quant_file(hf_config, path: Path):
     return hf_config
 
 
+def weight_files(path: Path) -> list[Path]:
+    """A checkpoint without an index: its model.safetensors alone where it has one, as
+    transformers loads it (Mistral's repositories ship a consolidated.safetensors in their
+    own tensor names beside it), else every *.safetensors file."""
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -161,7 +169,7 @@ def safetensors_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{index} names {name!r}, a file outside the checkpoint "
                                       "directory: shard files must be inside it")
         return [path / name for name in names]
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = f" (found {', '.join(found)}: convert them to safetensors first)" if found else ""
