@@ -75,11 +75,12 @@ MAX_TP_LISTED = 16
 def tps_that_shard(cfg: EngineConfig, hf_config) -> list[str]:
     """The tps up to MAX_TP_LISTED whose ranks all get whole slices of every tensor (rank
     0 built on the meta device; the rules are divisibility rules, the same on every rank).
-    Only those that divide the attention heads are tried, so a refusal costs a few builds."""
+    Only those that divide the attention heads are tried, so a refusal costs a few builds; a
+    build that fails for another reason (a config check) leaves its tp out, so the refusal
+    the user gets stays the sharding one."""
     import dataclasses
 
     from tpserve.distributed import tp_context
-    from tpserve.errors import ShardingError
 
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = next((v for k in ("num_attention_heads", "num_heads", "n_head")
@@ -92,7 +93,7 @@ def tps_that_shard(cfg: EngineConfig, hf_config) -> list[str]:
         try:
             with tp_context(0, tp):
                 build_model(other, hf_config, torch.device("meta"))
-        except ShardingError:
+        except Exception:  # noqa: BLE001 - a tp that fails for any reason is not listed
             continue
         works.append(str(tp))
     return works
