@@ -54,11 +54,11 @@ MOE = {
                                                   ignore=CT_ROUTERS)),
     "qwen3-moe-ct-fp8-dynamic": ("qwen3-moe", dict(fmt="ct-fp8-dynamic", ignore=CT_ROUTERS)),
 }
-# Default job: every format at tp = 2, AWQ at tp = 1, act-order's rows and fp8 blocks cut
-# inside at tp = 4; the rest in the slow job (each case starts tp Ray actors).
+# Default job: every format at tp = 2, AWQ at tp = 1; tp = 4 (act-order's rows and fp8
+# blocks cut inside the experts) and the rest in the slow job (each case starts tp Ray
+# actors; test_quant_tp's act-order tp = 4 case cuts groups the same way).
 FAST = {("qwen2-moe-gptq-actorder", 2), ("qwen3-moe-gptq-sym", 2), ("mixtral-awq", 2),
-        ("qwen3-moe-fp8-block", 2), ("qwen2-moe-ct-w4a16-asym", 2), ("mixtral-awq", 1),
-        ("qwen2-moe-gptq-actorder", 4), ("qwen3-moe-fp8-block", 4)}
+        ("qwen3-moe-fp8-block", 2), ("qwen2-moe-ct-w4a16-asym", 2), ("mixtral-awq", 1)}
 CASES = [pytest.param(name, tp, id=f"{name}-tp{tp}",
                       marks=() if (name, tp) in FAST else pytest.mark.slow)
          for name in MOE for tp in (1, 2, 4)]
