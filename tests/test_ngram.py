@@ -103,6 +103,8 @@ def test_config_refuses_what_cannot_work():
         SpeculativeConfig("ngram", ngram_min=4, ngram_max=3)
     with pytest.raises(ValueError, match="--speculative 'eagle'"):
         SpeculativeConfig("eagle")
+    with pytest.raises(ValueError, match="--speculative-max-batch 0"):
+        SpeculativeConfig("ngram", max_batch=0)
 
 
 def _running(s: Scheduler, seq: Sequence) -> None:
@@ -167,9 +169,10 @@ def test_launch_flags_out_of_range_are_refused_before_anything_starts():
 
     args = build_parser().parse_args(["launch", "--speculative", "ngram"])
     assert (args.speculative, args.num_speculative_tokens, args.ngram_max,
-            args.ngram_min) == ("ngram", 4, 3, 1)
+            args.ngram_min, args.speculative_max_batch) == ("ngram", 4, 3, 1, 8)
     for flag, value, rule in (("num_speculative_tokens", 0, ">= 1 and <= 16"),
                               ("num_speculative_tokens", 17, ">= 1 and <= 16"),
+                              ("speculative_max_batch", 0, ">= 1"),
                               ("ngram_min", 0, ">= 1")):
         with pytest.raises(ValueError, match=rule):
             preflight.check_ranges(Namespace(**{flag: value}))

@@ -21,7 +21,8 @@ from tpserve.engine.request import SamplingParams
 from tpserve.engine.step import PENDING_TOKEN
 
 N = 40
-SPEC = SpeculativeConfig("ngram", num_tokens=4, ngram_max=3, ngram_min=1)
+# max_batch above the prompts' count: every row of these batches speculates.
+SPEC = SpeculativeConfig("ngram", num_tokens=4, ngram_max=3, ngram_min=1, max_batch=64)
 GREEDY = SamplingParams(max_new_tokens=N, ignore_eos=True)
 
 
@@ -48,6 +49,7 @@ def engines(llama_dir):
         "base": make_engine(llama_dir, 1, local=True),
         "prefix": make_engine(llama_dir, 1, local=True, prefix_caching=True, speculative=SPEC),
         "small": make_engine(llama_dir, 1, local=True, num_blocks=30, speculative=SPEC),
+        "busy": make_engine(llama_dir, 1, local=True, speculative=replace(SPEC, max_batch=3)),
     }
     yield made
     for e in made.values():
@@ -147,6 +149,27 @@ def test_rows_that_keep_missing_give_the_overlap_back(engine, prompts, ref, monk
     got, _ = run(engine, prompts, GREEDY)
     assert [ids for ids, _ in got] == ref
     assert run.overlapped == 0
+
+
+def test_a_batch_above_max_batch_decodes_plainly(engines, prompts, ref, monkeypatch):
+    """--speculative-max-batch 3: no sequence drafts while more than three run; once the
+    short requests finish, the long ones draft again. Outputs stay transformers' tokens."""
+    engine = engines["busy"]
+    running_at_lookup = []
+    real_draft = core_module.draft
+
+    def counted(*a, **kw):
+        running_at_lookup.append(len(engine.scheduler.running))
+        return real_draft(*a, **kw)
+
+    monkeypatch.setattr(core_module, "draft", counted)
+    lengths = [N if i < 2 else 6 for i in range(len(prompts))]
+    params = [replace(GREEDY, max_new_tokens=n) for n in lengths]
+    (got, _), counts = _counted(engine, lambda: run(engine, prompts, params))
+    assert [ids for ids, _ in got] == [r[:n] for r, n in zip(ref, lengths, strict=True)]
+    assert len(prompts) > 3 and running_at_lookup, "the long requests never drafted"
+    assert max(running_at_lookup) <= 3, running_at_lookup
+    assert counts["spec_draft_tokens"] > 0
 
 
 def test_tp2_on_ray_matches_transformers(ray_cluster, llama_dir, prompts, ref):

@@ -16,7 +16,7 @@ import tpserve.engine.core as core_module
 from tpserve.config import SpeculativeConfig
 from tpserve.engine.request import SamplingParams
 
-SPEC = SpeculativeConfig("ngram", num_tokens=4, ngram_max=3, ngram_min=1)
+SPEC = SpeculativeConfig("ngram", num_tokens=4, ngram_max=3, ngram_min=1, max_batch=64)
 N = 24
 
 

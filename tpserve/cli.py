@@ -196,6 +196,9 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="with --speculative ngram: the longest suffix looked up")
     p.add_argument("--ngram-min", type=int, default=1,
                    help="with --speculative ngram: the shortest suffix looked up")
+    p.add_argument("--speculative-max-batch", type=int, default=8,
+                   help="with --speculative: no sequence drafts while more than this many "
+                   "run (busy batches decode faster plainly; docs/speculative.md)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM: seconds to let in-flight requests finish (new ones "
                    "get 503) before stopping")
@@ -460,14 +463,16 @@ def _speculative(args: argparse.Namespace, hf) -> SpeculativeConfig:
     spec = SpeculativeConfig(method=method,
                              num_tokens=getattr(args, "num_speculative_tokens", 4),
                              ngram_max=getattr(args, "ngram_max", 3),
-                             ngram_min=getattr(args, "ngram_min", 1))
+                             ngram_min=getattr(args, "ngram_min", 1),
+                             max_batch=getattr(args, "speculative_max_batch", 8))
     if method and getattr(hf, "is_encoder_decoder", False):
         raise ValueError(f"--speculative {method} serves decoder-only models; this checkpoint "
                          f"is an encoder-decoder model ({hf.model_type}): leave it off")
     if method:
         log.info("speculative decoding: ngram, up to %d drafted tokens per greedy sequence "
-                 "and step (suffixes of %d down to %d tokens looked up)", spec.num_tokens,
-                 spec.ngram_max, spec.ngram_min)
+                 "and step (suffixes of %d down to %d tokens looked up) while at most %d "
+                 "sequences run", spec.num_tokens, spec.ngram_max, spec.ngram_min,
+                 spec.max_batch)
     return spec
 
 

@@ -81,6 +81,10 @@ class SpeculativeConfig:
     num_tokens: int = 4  # drafted tokens verified per step and sequence, at most
     ngram_max: int = 3  # the longest, then shorter, suffix looked up in the context
     ngram_min: int = 1
+    # Running sequences above which none drafts: a verification step runs eagerly around
+    # its attention and costs more than a captured decode step, which a busy batch's few
+    # accepted drafts do not pay back (docs/speculative.md, "Served on a GPU").
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
@@ -89,6 +93,8 @@ class SpeculativeConfig:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--num-speculative-tokens {self.num_tokens}: must be 1 to "
                              f"{MAX_SPECULATIVE_TOKENS}")
+        if self.max_batch < 1:
+            raise ValueError(f"--speculative-max-batch {self.max_batch}: must be at least 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"--ngram-min {self.ngram_min} / --ngram-max {self.ngram_max}: "
                              "need 1 <= --ngram-min <= --ngram-max")

@@ -37,6 +37,7 @@ FLAG_RANGES: dict[str, tuple[float, float | None, bool]] = {
     "num_speculative_tokens": (1, 16, False),
     "ngram_max": (1, None, False),
     "ngram_min": (1, None, False),
+    "speculative_max_batch": (1, None, False),
 }
 
 

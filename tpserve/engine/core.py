@@ -391,9 +391,13 @@ class EngineCore:
 
     def _draft(self) -> None:
         """Propose drafts for the running sequences that speculate. A step after which one
-        looks up again is collected at once (_launch), so its tokens are all known here."""
+        looks up again is collected at once (_launch), so its tokens are all known here.
+        A batch of more than spec.max_batch sequences drafts nothing: it decodes plainly."""
+        busy = len(self.scheduler.running) > self.spec.max_batch
         for seq in self.scheduler.running:
             seq.draft = []
+            if busy:
+                continue
             if not speculates(seq.params):
                 continue
             state = self.requests[seq.seq_id]
