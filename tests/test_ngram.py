@@ -169,7 +169,7 @@ def test_launch_flags_out_of_range_are_refused_before_anything_starts():
 
     args = build_parser().parse_args(["launch", "--speculative", "ngram"])
     assert (args.speculative, args.num_speculative_tokens, args.ngram_max,
-            args.ngram_min, args.speculative_max_batch) == ("ngram", 4, 3, 1, 8)
+            args.ngram_min, args.speculative_max_batch) == ("ngram", 4, 3, 1, 4)
     for flag, value, rule in (("num_speculative_tokens", 0, ">= 1 and <= 16"),
                               ("num_speculative_tokens", 17, ">= 1 and <= 16"),
                               ("speculative_max_batch", 0, ">= 1"),

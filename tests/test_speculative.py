@@ -172,6 +172,17 @@ def test_a_batch_above_max_batch_decodes_plainly(engines, prompts, ref, monkeypa
     assert counts["spec_draft_tokens"] > 0
 
 
+def test_a_busy_batch_overlaps_its_steps_as_without_speculation(engines, prompts, ref):
+    """More sequences than max_batch: none drafts, and no step waits to be collected for a
+    lookup that will not come; the steps overlap as the engine without --speculative's do."""
+    (got, _), counts = _counted(engines["busy"], lambda: run(engines["busy"], prompts, GREEDY))
+    busy_overlapped = run.overlapped
+    assert [ids for ids, _ in got] == ref and counts["spec_draft_tokens"] == 0
+    base, _ = run(engines["base"], prompts, GREEDY)
+    assert [ids for ids, _ in base] == ref
+    assert busy_overlapped == run.overlapped > 0
+
+
 def test_tp2_on_ray_matches_transformers(ray_cluster, llama_dir, prompts, ref):
     e = make_engine(llama_dir, 2, speculative=SPEC)
     try:

@@ -196,7 +196,7 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="with --speculative ngram: the longest suffix looked up")
     p.add_argument("--ngram-min", type=int, default=1,
                    help="with --speculative ngram: the shortest suffix looked up")
-    p.add_argument("--speculative-max-batch", type=int, default=8,
+    p.add_argument("--speculative-max-batch", type=int, default=4,
                    help="with --speculative: no sequence drafts while more than this many "
                    "run (busy batches decode faster plainly; docs/speculative.md)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -464,7 +464,7 @@ def _speculative(args: argparse.Namespace, hf) -> SpeculativeConfig:
                              num_tokens=getattr(args, "num_speculative_tokens", 4),
                              ngram_max=getattr(args, "ngram_max", 3),
                              ngram_min=getattr(args, "ngram_min", 1),
-                             max_batch=getattr(args, "speculative_max_batch", 8))
+                             max_batch=getattr(args, "speculative_max_batch", 4))
     if method and getattr(hf, "is_encoder_decoder", False):
         raise ValueError(f"--speculative {method} serves decoder-only models; this checkpoint "
                          f"is an encoder-decoder model ({hf.model_type}): leave it off")

@@ -84,7 +84,7 @@ class SpeculativeConfig:
     # Running sequences above which none drafts: a verification step runs eagerly around
     # its attention and costs more than a captured decode step, which a busy batch's few
     # accepted drafts do not pay back (docs/speculative.md, "Served on a GPU").
-    max_batch: int = 8
+    max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:

@@ -430,6 +430,8 @@ class EngineCore:
         self.scheduler.after_step(scheduled)
         sync = False
         drafts: dict[int, list[int]] = {}
+        # A batch too big to draft next step need not wait for this one (_draft).
+        lookup_next = self.spec is not None and len(self.scheduler.running) <= self.spec.max_batch
         for s, st in zip(scheduled, steps, strict=True):
             if not st.sample:
                 continue
@@ -437,7 +439,8 @@ class EngineCore:
             sync = sync or st.history is not None or st.allowed is not None
             if self.spec is not None and speculates(p):
                 # A lookup next step needs this step's tokens: collect it first.
-                sync = sync or st.num_draft > 0 or not self.requests[seq.seq_id].spec_skip
+                sync = sync or st.num_draft > 0 or (
+                    lookup_next and not self.requests[seq.seq_id].spec_skip)
                 if st.num_draft:
                     drafts[seq.seq_id] = st.token_ids[-st.num_draft :]
                     self.spec_draft_tokens += st.num_draft
