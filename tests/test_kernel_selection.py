@@ -114,6 +114,7 @@ def _blocks(out: str) -> dict[str, str]:
     return {k: "\n".join(v) for k, v in blocks.items()}
 
 
+@pytest.mark.slow  # a whole launch through Ray (~20 s on two cores)
 def test_launch_exits_nonzero_with_the_reason():
     """The whole start-up path: Ray, the driver actor, a shard actor refusing the kernel."""
     if triton_reason() == "" or os.environ.get("TRITON_INTERPRET") == "1":
