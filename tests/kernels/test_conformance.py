@@ -318,10 +318,11 @@ def test_a_partial_rotary_model_compiles_nothing_after_warmup_under_the_interpre
         from pathlib import Path
         sys.path.insert(0, {str(ROOT / "tests")!r})
         from engine_utils import greedy, make_engine
-        from tiny_models import PROMPTS, llama_config, save_model
-        cfg = llama_config()
-        cfg.partial_rotary_factor = 0.5  # head_dim 16: 8 rotated dims
-        d = save_model(cfg, Path(tempfile.mkdtemp()) / "llama")
+        from tiny_models import PROMPTS, phi3_config, save_model
+        # Phi-3 reads partial_rotary_factor (Llama leaves it unread, as transformers does):
+        # head_dim 16, factor 0.5: 8 rotated dims.
+        cfg = phi3_config()
+        d = save_model(cfg, Path(tempfile.mkdtemp()) / "phi3")
         engine = make_engine(d, 1, kernel="triton", local=True)
         greedy(engine, PROMPTS, 6)
         backend = engine.executor.worker.backend
