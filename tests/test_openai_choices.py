@@ -233,6 +233,23 @@ def test_text_offsets_of_an_echoed_prompt_follow_its_text():
     assert as_text.text_offset == [0, 0, 2, 4]
 
 
+def test_alternatives_of_the_same_name_keep_one_entry_each():
+    """Ids that decode alike (a byte-fallback piece and the character, or two added tokens)
+    were one `top_logprobs` key, the least likely value overwriting the others, so the
+    chosen token could read another id's log-probability. The chosen token keeps its name,
+    then the likelier alternative; the others are named by id."""
+    from tpserve.engine.request import TokenInfo
+    from tpserve.server.openai_logprobs import CompletionLogprobs
+
+    log = CompletionLogprobs(3)
+    log.add(TokenInfo(7, "A", -0.5), [TokenInfo(9, "A", -0.1), TokenInfo(7, "A", -0.5),
+                                      TokenInfo(8, "A", -0.7)])
+    log.add(TokenInfo(4, "b", -0.2), [TokenInfo(5, "c", -0.1), TokenInfo(6, "c", -0.3)])
+    assert log.tokens == ["A", "b"]
+    assert log.top_logprobs == [{"token_id:9": -0.1, "A": -0.5, "token_id:8": -0.7},
+                                {"c": -0.1, "token_id:6": -0.3, "b": -0.2}]
+    assert log.text_offset == [0, 1]
+
 def _settled(backend, deadline_s: float = 5.0) -> bool:
     """Every fake generation ended (the server's thread closes them just after)."""
     import time

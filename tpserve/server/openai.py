@@ -451,8 +451,8 @@ class OpenAIRoutes:
         prefixes = [e for e in echoed for _ in range(n)]
 
         if req.stream:
-            logs = ([CompletionLogprobs(k, len(p), self.token_text) for p in prefixes]
-                    if want_lp else None)
+            logs = ([CompletionLogprobs(k, len(p), self.token_text, self.token_bytes)
+                     for p in prefixes] if want_lp else None)
 
             def choice(i: int, text: str, finish: str | None, events: list) -> dict:
                 lp = None
@@ -471,7 +471,7 @@ class OpenAIRoutes:
             final, prefix = events[-1], prefixes[i]
             lp = None
             if want_lp:
-                log = CompletionLogprobs(k, len(prefix), self.token_text)
+                log = CompletionLogprobs(k, len(prefix), self.token_text, self.token_bytes)
                 if req.echo:
                     log.add_prompt(final.prefill, prefix, final.prefill_top)
                 for e in events:
