@@ -329,3 +329,44 @@ def test_generated_logprobs_name_pieces_of_a_character_by_their_bytes(client, st
     assert offsets == _offsets(pieces)
     for t, alts in zip(tokens, tops, strict=True):
         assert t in alts and all("\ufffd" not in a for a in alts)
+
+
+def test_max_tokens_0_with_echo_returns_the_prompt_and_its_logprobs(client, url):
+    """OpenAI's scoring request (lm-eval's loglikelihood sends it): `max_tokens: 0` with
+    `echo` answers the prompt, with its log-probabilities (transformers' log-softmax), and
+    generates nothing. It was a 422 (`max_tokens` >= 1)."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = tok(PROMPT).input_ids
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
+    want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+    c = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=0, echo=True,
+                                  logprobs=1, n=2, temperature=1.0, seed=3)
+    assert [(ch.text, ch.finish_reason) for ch in c.choices] == [(PROMPT, "length")] * 2
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ids), 0)
+    lp = c.choices[0].logprobs
+    assert lp.tokens == [tok.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+    chunks = list(client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, max_tokens=0, echo=True, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == PROMPT
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+
+    # Without `echo` there is nothing to answer: a 422 that says what 0 is for.
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation" and "`echo`" in r.json()["error"]
+    assert httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL_ID, "prompt": PROMPT, "max_tokens": -1, "echo": True}).status_code == 422
