@@ -11,11 +11,12 @@ named), not the piece of text the stream released with it: that piece is empty w
 stop string or an incomplete character holds text back, and carries several tokens' text
 after. The legacy format has no `bytes`: a token holding part of a multi-byte character is
 named by its bytes there (legacy_name). Special tokens (the end-of-sequence token) are left
-out: they are not part of the returned text either. The numbers are the model's own log-probabilities
-(SamplingParams.raw_logprobs), as OpenAI and vLLM report them: temperature, top_p, penalties
-and biases change which token is drawn, not what it reports. With `echo`, the prompt's
-tokens come first: their log-probabilities (and alternatives) are what the model gave each
-prompt token after the ones before it; the first has none (null), as in OpenAI's answers.
+out: they are not part of the returned text either. The numbers are the model's own
+log-probabilities (SamplingParams.raw_logprobs), as OpenAI and vLLM report them: temperature,
+top_p, penalties and biases change which token is drawn, not what it reports. With `echo`,
+the prompt's tokens come first: their log-probabilities (and alternatives) are what the
+model gave each prompt token after the ones before it; the first has none (null), as in
+OpenAI's answers.
 """
 
 from __future__ import annotations
