@@ -170,3 +170,20 @@ def test_tpserve_client_grammar(url):
             assert re.fullmatch(REGEX, res.generated_text)
         with pytest.raises(ValidationError, match="`grammar.value` is not valid JSON"):
             client.generate("Any?", grammar={"type": "json", "value": "{"})  # checked here
+
+
+@pytest.mark.parametrize("own_options", [False, True], ids=["plain", "own-options"])
+def test_sampled_json_ends_within_max_tokens(oai, own_options):
+    """Sampled from a random model, JSON under the server's whitespace rule ends (EOS) and
+    validates within max_tokens, also for a schema with its own llguidance options, which
+    got llguidance's unbounded whitespace and ran out of tokens inside blank space."""
+    schema = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}
+    if own_options:
+        schema["x-guidance"] = {"lenient": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for seed in range(4):
+        c = oai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "JSON please"}], max_tokens=120,
+            temperature=1.0, seed=seed, response_format=fmt).choices[0]
+        assert c.finish_reason == "stop", (seed, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), schema)

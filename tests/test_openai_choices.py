@@ -233,6 +233,23 @@ def test_text_offsets_of_an_echoed_prompt_follow_its_text():
     assert as_text.text_offset == [0, 0, 2, 4]
 
 
+def test_alternatives_of_the_same_name_keep_one_entry_each():
+    """Ids that decode alike (a byte-fallback piece and the character, or two added tokens)
+    were one `top_logprobs` key, the least likely value overwriting the others, so the
+    chosen token could read another id's log-probability. The chosen token keeps its name,
+    then the likelier alternative; the others are named by id."""
+    from tpserve.engine.request import TokenInfo
+    from tpserve.server.openai_logprobs import CompletionLogprobs
+
+    log = CompletionLogprobs(3)
+    log.add(TokenInfo(7, "A", -0.5), [TokenInfo(9, "A", -0.1), TokenInfo(7, "A", -0.5),
+                                      TokenInfo(8, "A", -0.7)])
+    log.add(TokenInfo(4, "b", -0.2), [TokenInfo(5, "c", -0.1), TokenInfo(6, "c", -0.3)])
+    assert log.tokens == ["A", "b"]
+    assert log.top_logprobs == [{"token_id:9": -0.1, "A": -0.5, "token_id:8": -0.7},
+                                {"c": -0.1, "token_id:6": -0.3, "b": -0.2}]
+    assert log.text_offset == [0, 1]
+
 def _settled(backend, deadline_s: float = 5.0) -> bool:
     """Every fake generation ended (the server's thread closes them just after)."""
     import time
@@ -293,3 +310,34 @@ def test_bad_biases_and_penalties_are_422_naming_the_field(http, backend, extra,
     assert r.status_code == 422, r.text
     assert field in r.json()["error"] and r.json()["error_type"] == "validation"
     assert backend.calls == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_client_reads_our_error_text_in_its_body(server, backend, stream):
+    """What an `openai` user reads of an error. The body's `error` is a string (TGI's shape,
+    which text_generation and tpserve.Client read), and the SDK hands `error` over as the
+    exception's `body`; `str(exc)` is only "Error code: 422" in openai 3.x, which takes the
+    text from OpenAI's object form (`error.message`) alone. The same holds for a 422 of a
+    streamed request (before its first chunk) and, as `APIError.body`, for an error sent
+    in the stream after it started."""
+    import openai
+
+    from tpserve.errors import ValidationError
+
+    client = openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="fake/echo", prompt="a b c", max_tokens=3, stream=stream)
+    backend.raise_on_generate = ValidationError("`prompt` is not welcome here")
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        out = client.completions.create(**kw)
+        list(out) if stream else None
+    assert err.value.status_code == 422
+    assert err.value.body == "`prompt` is not welcome here"
+    assert err.value.response.json() == {"error": "`prompt` is not welcome here",
+                                         "error_type": "validation"}
+    if not stream:
+        return
+    backend.raise_on_generate = None
+    backend.fail_after, backend.fail_exception = 1, ValidationError("too late for this")
+    with pytest.raises(openai.APIError) as err:
+        list(client.completions.create(**kw))
+    assert err.value.body == "too late for this"

@@ -4,6 +4,8 @@ transformers' tokenizer and greedy output."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from engine_utils import served_engine
 from tiny_models import hf_greedy
@@ -228,3 +230,143 @@ def test_logprob_bytes_of_a_character_split_across_tokens_add_up_to_it(client, s
     assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8") == f'"{word}"'
     # Greedy: each token's one alternative is itself, with the same bytes.
     assert [t.bytes for e in entries for t in e.top_logprobs] == [e.bytes for e in entries]
+
+
+def _bytes_of_ids(tok) -> dict[int, bytes]:
+    """Each id's bytes, read from the byte-level vocabulary (GPT-2's alphabet: bytes that
+    print stand for themselves, the others for U+0100 onwards in order)."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in shown}
+    alphabet.update({chr(0x100 + i): b for i, b in
+                     enumerate(b for b in range(256) if b not in shown)})
+    return {i: bytes(alphabet[ch] for ch in piece)
+            for piece, i in tok.get_vocab().items() if all(ch in alphabet for ch in piece)}
+
+
+def _legacy_name(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _unescaped(name: str) -> bytes:
+    """A legacy token name's bytes: its `\\xNN` escapes as the bytes they name."""
+    parts = re.split(r"\\x([0-9a-f]{2})", name)
+    return b"".join(bytes.fromhex(p) if i % 2 else p.encode("utf-8")
+                    for i, p in enumerate(parts))
+
+
+def _offsets(pieces: list[bytes]) -> list[int]:
+    """Where each token starts in the text: the characters its bytes before complete."""
+    return [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(pieces))]
+
+
+def test_echoed_logprobs_name_pieces_of_a_character_by_their_bytes(client):
+    """The legacy format has no `bytes`: tokens that hold part of a character all read
+    U+FFFD, so `tokens` lost them, `text_offset` counted a character per piece (past the
+    text's end), and the alternatives of one position that were such pieces overwrote each
+    other in the `top_logprobs` dict. They are named by their bytes ("\\xe4\\xb8"), as
+    OpenAI names them; checked against transformers' log-softmax of the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, k = "naïve 中文字", 5
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    raw = _bytes_of_ids(tok)
+    ids = tok(prompt).input_ids
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
+    top = logp.topk(k, -1)
+    pieces = [raw[i] for i in ids]
+    # Two alternatives of one position are pieces of characters: one key each now.
+    assert max(sum("\ufffd" == tok.decode([a]) for a in row)
+               for row in top.indices.tolist()) >= 2
+
+    lp = client.completions.create(model=MODEL_ID, prompt=prompt, echo=True, logprobs=k,
+                                   max_tokens=1, temperature=0).choices[0].logprobs
+    n = len(ids)
+    assert lp.tokens[:n] == [_legacy_name(p) for p in pieces]
+    assert b"".join(_unescaped(t) for t in lp.tokens[:n]) == prompt.encode("utf-8")
+    assert lp.text_offset[:n] == _offsets(pieces)
+    assert lp.text_offset[n] == len(prompt)  # the generated token starts after the prompt
+    for i in range(1, n):
+        want = {_legacy_name(raw[a]): v for a, v in
+                zip(top.indices[i - 1].tolist(), top.values[i - 1].tolist(), strict=True)}
+        want.setdefault(lp.tokens[i], logp[i - 1, ids[i]].item())
+        got = lp.top_logprobs[i]
+        assert list(got) == list(want)
+        assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generated_logprobs_name_pieces_of_a_character_by_their_bytes(client, stream):
+    """A generated character split across tokens (a grammar forces it): each token is named
+    by its own bytes, the names join back to the text, and each offset is where its
+    character starts (streamed chunks continue the count)."""
+    word = "😀é中"
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    raw = _bytes_of_ids(tok)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": [word]}}}
+    kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+              extra_body={"response_format": fmt})
+    tokens, tops, offsets, text = [], [], [], ""
+    if stream:
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.text
+                if c.logprobs:
+                    tokens += c.logprobs.tokens
+                    tops += c.logprobs.top_logprobs
+                    offsets += c.logprobs.text_offset
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, tops, offsets = lp.tokens, lp.top_logprobs, lp.text_offset
+    assert text == f'"{word}"'
+    pieces = [_unescaped(t) for t in tokens]
+    assert b"".join(pieces) == text.encode("utf-8")
+    assert any("\\x" in t for t in tokens) and all("\ufffd" not in t for t in tokens)
+    assert set(pieces) <= set(raw.values())
+    assert offsets == _offsets(pieces)
+    for t, alts in zip(tokens, tops, strict=True):
+        assert t in alts and all("\ufffd" not in a for a in alts)
+
+
+def test_max_tokens_0_with_echo_returns_the_prompt_and_its_logprobs(client, url):
+    """OpenAI's scoring request (lm-eval's loglikelihood sends it): `max_tokens: 0` with
+    `echo` answers the prompt, with its log-probabilities (transformers' log-softmax), and
+    generates nothing. It was a 422 (`max_tokens` >= 1)."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    ids = tok(PROMPT).input_ids
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
+    want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+    c = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=0, echo=True,
+                                  logprobs=1, n=2, temperature=1.0, seed=3)
+    assert [(ch.text, ch.finish_reason) for ch in c.choices] == [(PROMPT, "length")] * 2
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ids), 0)
+    lp = c.choices[0].logprobs
+    assert lp.tokens == [tok.decode([i]) for i in ids]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+    chunks = list(client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, max_tokens=0, echo=True, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == PROMPT
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+
+    # Without `echo` there is nothing to answer: a 422 that says what 0 is for.
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation" and "`echo`" in r.json()["error"]
+    assert httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL_ID, "prompt": PROMPT, "max_tokens": -1, "echo": True}).status_code == 422

@@ -184,6 +184,16 @@ def test_details_log_probabilities_are_transformers(served, tgi):
                                    served.prompt_logprobs(), rtol=1e-4, atol=1e-4)
 
 
+def _legacy_name(tok, i: int) -> str:
+    """A token's name in OpenAI's legacy logprobs: its text, or for a piece of a character
+    (which reads U+FFFD) its bytes with \\xNN escapes (tpserve.tokenizer.token_bytes)."""
+    from tpserve.tokenizer import token_bytes
+
+    text = tok.decode([i])
+    return text if "\ufffd" not in text else \
+        token_bytes(tok, i, text).decode("utf-8", "backslashreplace")
+
+
 @pytest.mark.parametrize("kw", [{"temperature": 0.7, "top_p": 0.3, "seed": 5},
                                 {"temperature": 0, "presence_penalty": 2.0,
                                  "frequency_penalty": 1.0},
@@ -196,19 +206,20 @@ def test_openai_logprobs_are_the_models_whatever_the_sampling(served, oai, kw):
     c = oai.completions.create(model="m", prompt=PROMPT, max_tokens=8, logprobs=3, **kw)
     lp = c.choices[0].logprobs
     ids: list[int] = []
+    names = [_legacy_name(served.tok, i) for i in range(served.model.config.vocab_size)]
     for text, reported, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
                                    strict=True):
         # The response names tokens by text only: find the id of that text whose
         # log-probability under transformers, after the ids found so far, it reports.
         logp = served.next_logprobs(ids + [0])[-1]
-        named = [i for i in range(logp.shape[0]) if served.tok.decode([i]) == text]
+        named = [i for i in range(logp.shape[0]) if names[i] == text]
         best = min(named, key=lambda i: abs(float(logp[i]) - reported))
         assert reported == pytest.approx(float(logp[best]), abs=1e-4), (text, ids)
         third = float(logp.topk(3).values[-1])
         for alt, v in top.items():  # the 3 likeliest (and the token), texts may collide
             assert v is not None and (v >= third - 1e-4 or alt == text), top
             assert any(abs(float(logp[i]) - v) < 1e-4 for i in range(logp.shape[0])
-                       if served.tok.decode([i]) == alt), (alt, v)
+                       if names[i] == alt or alt == f"token_id:{i}"), (alt, v)
         ids.append(best)
     assert len(ids) >= 4
 

@@ -26,10 +26,11 @@ from tpserve.errors import ValidationError
 # Whitespace between two tokens of JSON: one space, or a line break and up to 32 spaces or
 # tabs of indentation. llguidance's default allows any amount, and a model can emit
 # whitespace until max_tokens runs out (small ones do): this still admits compact JSON,
-# Python's ", " and ": ", and pretty-printed JSON nested a few levels deep. A schema with
-# its own "x-guidance" options gets llguidance's defaults under them instead (e.g.
-# {"whitespace_flexible": false}: no whitespace at all).
+# Python's ", " and ": ", and pretty-printed JSON nested a few levels deep. A schema's own
+# "x-guidance" options are merged over it; those that set the whitespace themselves
+# (WHITESPACE_OPTIONS, e.g. {"whitespace_flexible": false}: none at all) replace it.
 JSON_DEFAULTS = {"whitespace_pattern": r"(?:[ ]|\r?\n[ \t]{0,32})?"}
+WHITESPACE_OPTIONS = frozenset({"whitespace_flexible", "whitespace_pattern"})
 # Compiled grammars kept per process (each holds its lexer and parser tables).
 CACHE_SIZE = 64
 
@@ -50,8 +51,20 @@ def grammar_text(spec: GuidedSpec) -> str:
     if spec.kind == "regex":
         return ll.LLMatcher.grammar_from_regex(spec.value)
     schema = json.loads(spec.value)
-    own = isinstance(schema, dict) and "x-guidance" in schema
-    return ll.LLMatcher.grammar_from_json_schema(schema, defaults=None if own else JSON_DEFAULTS)
+    if schema is True:  # any JSON value; llguidance takes options only on an object
+        schema = {}
+    return ll.LLMatcher.grammar_from_json_schema(schema, defaults=_json_defaults(schema))
+
+
+def _json_defaults(schema) -> dict | None:
+    """JSON_DEFAULTS, unless the schema's own options set the whitespace (or are not an
+    object, or the schema is `false`: the library's error names them)."""
+    if not isinstance(schema, dict):
+        return None
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, dict) or own.keys() & WHITESPACE_OPTIONS:
+        return None
+    return JSON_DEFAULTS
 
 
 @dataclass

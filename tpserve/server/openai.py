@@ -30,6 +30,7 @@ from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import NotReadyError, ValidationError
 from tpserve.fields import (
+    I32_MAX,
     U64_MAX,
     FailFast,
     FrequencyPenalty,
@@ -55,6 +56,7 @@ from tpserve.server.errors import error_body
 from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.metrics import Metrics, TrackedStream
 from tpserve.server.openai_logprobs import CompletionLogprobs, chat_logprobs
+from tpserve.server.prompt_only import PromptOnly, prompt_only_params
 from tpserve.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from tpserve.server.reasoning_format import ReasoningFormat, ReasoningParser
 from tpserve.server.streaming import (
@@ -171,7 +173,8 @@ class CompletionRequest(_Sampling):
     prompt: (NonEmptyText | TokenIds
              | Annotated[list[NonEmptyText], Field(min_length=1, fail_fast=True)]
              | Annotated[list[TokenIds], Field(min_length=1, fail_fast=True)])
-    max_tokens: TokenCount | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    # 0 only with `echo`: the prompt alone (server/prompt_only.py).
+    max_tokens: Annotated[Int, Field(ge=0, le=I32_MAX)] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: NullableFlag = False
     # The k likeliest alternatives per token (and the chosen one) in the legacy format.
     logprobs: Annotated[Int, Field(ge=0)] | None = None
@@ -440,19 +443,28 @@ class OpenAIRoutes:
         if want_lp and req.echo and req.stream:
             raise ValidationError("`echo` with `logprobs` is not supported when streaming "
                                   "(the prompt's log-probabilities come with the last token)")
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise ValidationError("`max_tokens` must be at least 1 (0 is allowed with `echo`: "
+                                  "the prompt back, with its log-probabilities when `logprobs` "
+                                  "is set, and nothing generated)")
         params = req.sampling_params(info, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      top_n=k, prompt_logprobs=want_lp and req.echo)
+        if prompt_only:
+            params = prompt_only_params(params)
         per_prompt = completion_candidates(req.best_of, n, req.stream, params.greedy,
                                            self.max_best_of)
         _check_choices(len(prompts), per_prompt, "best_of" if per_prompt > n else "n", info)
         echoed = [self._echo(p) if req.echo else "" for p in prompts]
         streams = await self._open_all(prompts, params, per_prompt, ("prompt", "max_tokens"))
+        if prompt_only:
+            streams = [PromptOnly(s) for s in streams]
         base = self._envelope("cmpl", "text_completion", info)
         prefixes = [e for e in echoed for _ in range(n)]
 
         if req.stream:
-            logs = ([CompletionLogprobs(k, len(p), self.token_text) for p in prefixes]
-                    if want_lp else None)
+            logs = ([CompletionLogprobs(k, len(p), self.token_text, self.token_bytes)
+                     for p in prefixes] if want_lp else None)
 
             def choice(i: int, text: str, finish: str | None, events: list) -> dict:
                 lp = None
@@ -471,7 +483,7 @@ class OpenAIRoutes:
             final, prefix = events[-1], prefixes[i]
             lp = None
             if want_lp:
-                log = CompletionLogprobs(k, len(prefix), self.token_text)
+                log = CompletionLogprobs(k, len(prefix), self.token_text, self.token_bytes)
                 if req.echo:
                     log.add_prompt(final.prefill, prefix, final.prefill_top)
                 for e in events:

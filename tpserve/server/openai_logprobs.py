@@ -9,16 +9,19 @@ as OpenAI always adds it) and `text_offset` (where each token starts in the retu
 Each entry names the token itself (`text_of`: its own decoded text, as its alternatives are
 named), not the piece of text the stream released with it: that piece is empty while a
 stop string or an incomplete character holds text back, and carries several tokens' text
-after. Special tokens (the end-of-sequence token) are left out: they are not part of the
-returned text either. The numbers are the model's own log-probabilities
-(SamplingParams.raw_logprobs), as OpenAI and vLLM report them: temperature, top_p, penalties
-and biases change which token is drawn, not what it reports. With `echo`, the prompt's
-tokens come first: their log-probabilities (and alternatives) are what the model gave each
-prompt token after the ones before it; the first has none (null), as in OpenAI's answers.
+after. The legacy format has no `bytes`: a token holding part of a multi-byte character is
+named by its bytes there (legacy_name). Special tokens (the end-of-sequence token) are left
+out: they are not part of the returned text either. The numbers are the model's own
+log-probabilities (SamplingParams.raw_logprobs), as OpenAI and vLLM report them: temperature,
+top_p, penalties and biases change which token is drawn, not what it reports. With `echo`,
+the prompt's tokens come first: their log-probabilities (and alternatives) are what the
+model gave each prompt token after the ones before it; the first has none (null), as in
+OpenAI's answers.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -66,26 +69,62 @@ def chat_logprobs(events: Iterable[GenerationEvent], k: int,
     }
 
 
+def legacy_name(text: str, raw: bytes) -> str:
+    """A token's name in the legacy format, whose `tokens` and `top_logprobs` keys are
+    strings with no `bytes` beside them: its own text, unless the token holds bytes that are
+    not whole UTF-8 characters (a piece of a multi-byte character, whose text reads U+FFFD
+    however many bytes it holds): then its bytes, those that are not characters written
+    `\\xNN`, as OpenAI spells such a token ("\\xe4\\xbd")."""
+    if "\ufffd" not in text:
+        return text
+    return raw.decode("utf-8", "backslashreplace")
+
+
 class CompletionLogprobs:
     """`choices[i].logprobs` of a legacy completion, token by token. `offset` is where the
-    next token starts in the choice's text (after an echoed prompt, its length); it advances
-    by each token's own text, as vLLM counts it."""
+    next token starts in the choice's text (after an echoed prompt, its length). It advances
+    by the characters each token's bytes complete: a token holding part of a character
+    starts where that character does, and the character counts once, when its last byte
+    comes (one U+FFFD each took a place in the text it does not have).
 
-    def __init__(self, k: int, offset: int = 0, text_of: TokenText = streamed_text) -> None:
-        self.k, self.offset, self.text_of = k, offset, text_of
+    Two tokens of the same name (two ids that decode alike) would overwrite each other's
+    `top_logprobs` entry: the chosen token keeps its name, then the likelier alternative;
+    another is listed as `token_id:<id>` (vLLM's spelling of a token by its id)."""
+
+    def __init__(self, k: int, offset: int = 0, text_of: TokenText = streamed_text,
+                 bytes_of: TokenBytes = _utf8) -> None:
+        self.k, self.offset, self.text_of, self.bytes_of = k, offset, text_of, bytes_of
+        self._chars = codecs.getincrementaldecoder("utf-8")("replace")
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float | None] | None] = []
         self.text_offset: list[int] = []
 
+    def _named(self, tok: TokenInfo, text: str) -> tuple[str, bytes]:
+        """The token's legacy name and the bytes it stands for."""
+        if "\ufffd" not in text:
+            return text, text.encode("utf-8")
+        raw = bytes(self.bytes_of(tok, text))
+        return legacy_name(text, raw), raw
+
+    def _ranked(self, top: list[TokenInfo], tok: TokenInfo, name: str) -> dict:
+        """The k likeliest alternatives by name, and the chosen token under `name`."""
+        owner = {name: tok.id}
+        ranked: dict[str, float | None] = {}
+        for alt in top[: self.k]:
+            alt_name = self._named(alt, alt.text)[0]
+            if owner.setdefault(alt_name, alt.id) != alt.id:
+                alt_name = f"token_id:{alt.id}"
+            ranked[alt_name] = alt.logprob
+        ranked.setdefault(name, tok.logprob)
+        return ranked
+
     def add(self, tok: TokenInfo, top: list[TokenInfo] | None) -> None:
         """A generated token and its ranked alternatives."""
         if tok.special:
             return
-        own = TokenInfo(tok.id, self.text_of(tok), tok.logprob, tok.special)
-        ranked = {t.text: t.logprob for t in (top or [])[: self.k]}
-        ranked.setdefault(own.text, own.logprob)
-        self._append(own, ranked)
+        name, raw = self._named(tok, self.text_of(tok))
+        self._append(name, tok.logprob, self._ranked(top or [], tok, name), raw)
 
     def add_prompt(self, prompt: list[TokenInfo], text: str,
                    tops: list[list[TokenInfo]] | None = None) -> None:
@@ -93,23 +132,24 @@ class CompletionLogprobs:
         fill `text` from 0; the generated tokens start after `text`."""
         self.offset = 0
         for i, tok in enumerate(prompt):
+            name, raw = self._named(tok, tok.text)
             ranked = None
             if tops is not None and i > 0 and tok.logprob is not None:
-                ranked = {t.text: t.logprob for t in tops[i][: self.k]}
-                ranked.setdefault(tok.text, tok.logprob)
+                ranked = self._ranked(tops[i], tok, name)
             # A special token (BOS) takes room only where the echoed text spells it: a
             # decoded token-id prompt does, a prompt sent as text does not.
             here = not tok.special or text.startswith(tok.text, self.offset)
-            self._append(tok, ranked, advance=here)
+            self._append(name, tok.logprob, ranked, raw if here else b"")
         self.offset = len(text)
+        self._chars.reset()
 
-    def _append(self, tok: TokenInfo, ranked: dict | None, advance: bool = True) -> None:
-        self.tokens.append(tok.text)
-        self.token_logprobs.append(tok.logprob)
+    def _append(self, name: str, logprob: float | None, ranked: dict | None,
+                raw: bytes) -> None:
+        self.tokens.append(name)
+        self.token_logprobs.append(logprob)
         self.top_logprobs.append(ranked)
         self.text_offset.append(self.offset)
-        if advance:
-            self.offset += len(tok.text)
+        self.offset += len(self._chars.decode(raw))
 
     def body(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
