@@ -39,6 +39,25 @@ def greedy():
     return ids, [tok.decode([i]) for i in ids]
 
 
+def _completion_logprobs(client, stream: bool, kw: dict
+                         ) -> tuple[str, list[str], list[dict], list[int]]:
+    """One choice's text, logprob tokens, top_logprobs and text offsets, whole or streamed
+    (the streamed chunks joined)."""
+    if not stream:
+        choice = client.completions.create(**kw).choices[0]
+        lp = choice.logprobs
+        return choice.text, lp.tokens, lp.top_logprobs, lp.text_offset
+    text, tokens, tops, offsets = "", [], [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                tops += c.logprobs.top_logprobs
+                offsets += c.logprobs.text_offset
+    return text, tokens, tops, offsets
+
+
 def _stop_inside(texts: list[str]) -> str:
     """A stop string that starts inside the second token and ends inside the fourth, so
     that the server holds text back while it could still be forming."""
@@ -58,17 +77,7 @@ def test_completion_logprobs_name_the_tokens_when_a_stop_string_holds_text(
     stop = _stop_inside(texts)
     kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
               stop=[stop])
-    tokens, tops, text = [], [], ""
-    if stream:
-        for chunk in client.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                text += c.text
-                if c.logprobs:
-                    tokens += c.logprobs.tokens
-                    tops += c.logprobs.top_logprobs
-    else:
-        choice = client.completions.create(**kw).choices[0]
-        text, tokens, tops = choice.text, choice.logprobs.tokens, choice.logprobs.top_logprobs
+    text, tokens, tops, _ = _completion_logprobs(client, stream, kw)
     assert text == "".join(texts).split(stop)[0]
     assert tokens == texts[:len(tokens)] and len(tokens) >= 4
     # Greedy: the chosen token is the likeliest, so it is the only entry of a top-1 list.
@@ -308,19 +317,7 @@ def test_generated_logprobs_name_pieces_of_a_character_by_their_bytes(client, st
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"enum": [word]}}}
     kw = dict(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
               extra_body={"response_format": fmt})
-    tokens, tops, offsets, text = [], [], [], ""
-    if stream:
-        for chunk in client.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                text += c.text
-                if c.logprobs:
-                    tokens += c.logprobs.tokens
-                    tops += c.logprobs.top_logprobs
-                    offsets += c.logprobs.text_offset
-    else:
-        choice = client.completions.create(**kw).choices[0]
-        text, lp = choice.text, choice.logprobs
-        tokens, tops, offsets = lp.tokens, lp.top_logprobs, lp.text_offset
+    text, tokens, tops, offsets = _completion_logprobs(client, stream, kw)
     assert text == f'"{word}"'
     pieces = [_unescaped(t) for t in tokens]
     assert b"".join(pieces) == text.encode("utf-8")
