@@ -5,6 +5,7 @@ an empty cache fails with a message that says what to do."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,56 @@ def test_download_from_hub_then_generate(tmp_path, llama_dir):
     finally:
         engine.shutdown()
     assert ours == hf_greedy(path, ["Hello world", "The quick brown fox"], 8)
+
+
+def _two_shards(llama_dir: Path) -> dict[str, bytes]:
+    """llama_dir's weights as two shards and their index."""
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(llama_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2]}
+    files = {shard: save({n: tensors[n] for n in part}) for shard, part in half.items()}
+    index = {"metadata": {}, "weight_map": {n: s for s, part in half.items() for n in part}}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    return files
+
+
+# Files a repository may hold that serving never reads: other formats, copies in sub-folders,
+# an adapter, a half-precision duplicate, a model card's images.
+UNNEEDED = {"model.gguf": b"gguf", "model.fp16.safetensors": b"dup", "tf_model.h5": b"h5",
+            "adapter_model.safetensors": b"adapter", "onnx/model.onnx": b"onnx",
+            "onnx/model.safetensors": b"onnx", "onnx/tokenizer.json": b"{}",
+            "gptq-4bit/model.safetensors": b"q", "original/consolidated.00.pth": b"pth",
+            "original/tokenizer.model": b"sp", "assets/banner.png": b"png" * 1000,
+            "consolidated.safetensors": b"mistral", "pytorch_model.bin": b"\x80\x04"}
+
+
+def test_only_the_weight_files_the_loader_reads_are_downloaded(tmp_path, llama_dir):
+    """A sharded repository: the shards its index names, none of the other *.safetensors
+    (a stray model.safetensors, an adapter, sub-folders) nor other formats. Without an
+    index: model.safetensors alone. Offline, the snapshot is then found whole."""
+    meta = {f.name: f.read_bytes() for f in llama_dir.iterdir()
+            if f.is_file() and f.suffix != ".safetensors"}
+    sharded = {**meta, **_two_shards(llama_dir), **UNNEEDED, "model.safetensors": b"stray"}
+    with FakeHub("acme/sharded", sharded) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/sharded", None,
+                                    "tpserve.hub.ensure_model")
+        assert out.returncode == 0, out.stderr
+        got = hub.downloaded()
+    assert got == set(meta) | set(_two_shards(llama_dir)), sorted(got)
+    again = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/sharded", None,
+                                  "tpserve.hub.ensure_model")
+    assert again.returncode == 0, again.stderr
+    single = {**meta, "model.safetensors": (llama_dir / "model.safetensors").read_bytes(),
+              **UNNEEDED}
+    with FakeHub("acme/single", single) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/single", None,
+                                    "tpserve.hub.ensure_model")
+        assert out.returncode == 0, out.stderr
+        assert hub.downloaded() == set(meta) | {"model.safetensors"}, sorted(hub.downloaded())
+        assert "No files matched" not in out.stderr
 
 
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):

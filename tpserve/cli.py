@@ -46,8 +46,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                        "serves the small embedded default model (offline, CPU friendly).")
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
     p.add_argument("--model", help="local directory or Hugging Face hub id (org/name), taken "
-                   "from the hub cache or downloaded into it (safetensors, config and tokenizer "
-                   "files only; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
+                   "from the hub cache or downloaded into it (config and tokenizer files and the "
+                   "safetensors weights the index names, nothing else; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
                    "default: the embedded model")
     p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
     p.add_argument("--download-timeout", type=float, default=None, metavar="SECONDS",

@@ -1,8 +1,10 @@
 """Models from the Hugging Face hub: find them in the local cache, else download them.
 
-Only what tpserve reads is fetched: safetensors weights and their index, config.json,
-generation_config.json and the tokenizer files. Pickle-based weights (*.bin, *.pt, *.pth,
-*.ckpt, *.pkl) are never downloaded. huggingface_hub does the work, so its environment
+Only what tpserve reads is fetched: config.json, generation_config.json, the tokenizer
+files, and the weight files the loader reads (weights.safetensors_files): the shards that
+model.safetensors.index.json names, else model.safetensors, else the top-level *.safetensors.
+Pickle-based weights (*.bin, *.pt, *.pth, *.ckpt, *.pkl), other formats (GGUF, ONNX) and
+sub-folders (original/, onnx/, quantized variants) are never downloaded. huggingface_hub does the work, so its environment
 variables apply: HF_TOKEN (gated and private models), HF_ENDPOINT (a mirror), HF_HUB_CACHE /
 HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never touch the network).
 
@@ -23,6 +25,8 @@ needs it downloads under a file lock, the others wait on the lock and then find 
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -37,16 +41,18 @@ log = logging.getLogger(__name__)
 
 # What tpserve loads. Tokenizer files vary by family: tokenizer.json / tokenizer_config.json,
 # sentencepiece's tokenizer.model / spiece.model, BPE's vocab.json + merges.txt, vocab.txt.
-ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json",
+ALLOW_PATTERNS = ["model.safetensors.index.json", "config.json",
                   "generation_config.json", "tokenizer*", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
                   "*.tiktoken", "chat_template.json", "chat_template.jinja",
                   # quantizers' own settings files (weights.adopt_quant_file)
                   "quantize_config.json", "quant_config.json"]
 # Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
-# duplicates the weights (Mistral's repositories carry both).
+# duplicates the weights (Mistral's repositories carry both). The checkpoint is the
+# repository's top level: sub-folders hold other copies (original/, onnx/, variants).
 IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.h5",
-                   "*.msgpack", "consolidated*", "original/*"]
+                   "*.msgpack", "consolidated*", "*/*"]
+INDEX = "model.safetensors.index.json"
 
 
 DEFAULT_DOWNLOAD_TIMEOUT_S = 60.0
@@ -69,18 +75,23 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _patterns(weights: bool) -> list[str]:
-    return ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
+def weight_choices(path: Path) -> list[list[str]]:
+    """Patterns of the weight files the loader reads (weights.safetensors_files), given the
+    snapshot's index if it has one; several are tried in order until one gives weights."""
+    index = path / INDEX
+    if index.is_file():
+        return [sorted(glob.escape(n) for n in set(_weight_map(index).values()))]
+    return [["model.safetensors"], ["*.safetensors"]]
 
 
-def cached_snapshot(model_id: str, revision: str | None = None,
-                    weights: bool = True) -> Path | None:
-    """The cached snapshot holding config.json, or None (never touches the network)."""
+def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot holding config.json, or None (never touches the network). Its
+    weights may be missing (_has_weights)."""
     from huggingface_hub import snapshot_download
 
     try:
         path = Path(snapshot_download(model_id, revision=revision, local_files_only=True,
-                                      allow_patterns=_patterns(weights),
+                                      allow_patterns=ALLOW_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS))
     except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
         return None
@@ -104,7 +115,7 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
     """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
     weights=False (--load-format dummy) fetches only the config and tokenizer files.
     timeout: seconds the hub may stay silent before the download fails (download_timeout)."""
-    found = cached_snapshot(model_id, revision, weights)
+    found = cached_snapshot(model_id, revision)
     if found is not None and (not weights or _has_weights(found)):
         return found
     if offline():
@@ -116,7 +127,7 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
     with _node_lock(model_id, revision):
         # Another process on this node may have finished the download while we waited.
-        found = cached_snapshot(model_id, revision, weights)
+        found = cached_snapshot(model_id, revision)
         if found is not None and (not weights or _has_weights(found)):
             return found
         return _download(model_id, revision, weights, download_timeout(timeout))
@@ -138,8 +149,17 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     try:
         with guarded(guard):
             path = Path(snapshot_download(model_id, revision=revision,
-                                          allow_patterns=_patterns(weights),
+                                          allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
+            # The weights once the index is known, at the commit just resolved.
+            for patterns in weight_choices(path) if weights else []:
+                with _quiet_no_match():  # "No files matched": the next choice is tried
+                    snapshot_download(model_id, revision=path.name, allow_patterns=patterns,
+                                      ignore_patterns=IGNORE_PATTERNS)
+                if _has_weights(path):
+                    break
+    except CheckpointError:
+        raise
     except GatedRepoError as exc:
         raise CheckpointError(
             f"{model_id} is gated: accept its licence on the hub, then set HF_TOKEN to a token "
@@ -166,12 +186,30 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     if not (path / "config.json").exists():
         raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
                               "transformers model tpserve can serve")
+    if weights and (path / INDEX).is_file() and not _has_weights(path):
+        missing = sorted(n for n in set(_weight_map(path / INDEX).values())
+                         if not (path / n).is_file())
+        raise CheckpointError(
+            f"{model_id}{_at(revision)}: its {INDEX} names weight files the repository does "
+            f"not hold ({', '.join(missing)}): pick another revision or copy of the model")
     if weights and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{_at(revision)} has no *.safetensors weights (tpserve never downloads "
             "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
             "or convert it yourself and pass the directory to --model")
     return path
+
+
+@contextlib.contextmanager
+def _quiet_no_match():
+    hub_log = logging.getLogger("huggingface_hub._snapshot_download")
+    no_match = logging.Filter()
+    no_match.filter = lambda record: not record.getMessage().startswith("No files matched")
+    hub_log.addFilter(no_match)
+    try:
+        yield
+    finally:
+        hub_log.removeFilter(no_match)
 
 
 def _stall_message(model_id: str, revision: str | None, stalled: HubStalledError) -> str:
@@ -185,11 +223,17 @@ def _stall_message(model_id: str, revision: str | None, stalled: HubStalledError
 
 
 def _has_weights(path: Path) -> bool:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.exists():
-        names = set(json.loads(index.read_text())["weight_map"].values())
-        return all((path / n).exists() for n in names)
+        return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        return dict(json.loads(index.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index ({exc!r})") from None
 
 
 def _node_lock(model_id: str, revision: str | None):
