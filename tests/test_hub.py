@@ -131,6 +131,19 @@ def test_only_the_weight_files_the_loader_reads_are_downloaded(tmp_path, llama_d
         assert "No files matched" not in out.stderr
 
 
+def test_a_launch_logs_no_http_request_lines_at_info(tmp_path, llama_dir):
+    """huggingface_hub 2.x's client (httpx2) logged one INFO line per request, dozens per
+    download; a repository without safetensors fails right after its download, before Ray."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir() if f.suffix != ".safetensors"}
+    with FakeHub("acme/pickled", {**files, "pytorch_model.bin": b"\x80\x04"}) as hub:
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/pickled"], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "has no *.safetensors weights" in out.stderr
+    assert "HTTP Request:" not in out.stderr, out.stderr
+
+
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
     with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
         env = hub_env(tmp_path, hub)

@@ -147,7 +147,7 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     guard = StallGuard(timeout)
     bound_xet(timeout)
     try:
-        with guarded(guard):
+        with guarded(guard), _quiet_http_client():
             path = Path(snapshot_download(model_id, revision=revision,
                                           allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
@@ -198,6 +198,24 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
             "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
             "or convert it yourself and pass the directory to --model")
     return path
+
+
+@contextlib.contextmanager
+def _quiet_http_client():
+    """The HTTP client's line per request (httpx, httpx2 for huggingface_hub 2.x) only at
+    debug: at info, a download's dozens of them buried the launch's own lines."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("httpx", "httpx2")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
