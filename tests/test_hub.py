@@ -159,6 +159,43 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
         assert "HF_TOKEN" in missing.stderr
 
 
+def test_token_errors_say_what_went_wrong_and_what_to_do(tmp_path, llama_dir):
+    """A gated repository without a token, or with a token that has no access; a token the
+    hub refuses (was "could not be downloaded ... Check the network"); a private or missing
+    repository; an id that is no hub id (was "Check the network" too). Each one line, exit
+    2, naming the token's source and `hf auth login`, never the token itself."""
+    hub_only = "tpserve.hub.ensure_model"
+    with FakeHub.from_dir("acme/gated", llama_dir) as hub:
+        hub.tokens, hub.granted = {"hf_test_token", "hf_granted"}, {"hf_granted"}
+        env = hub_env(tmp_path, hub)
+        no_token = {k: v for k, v in env.items() if k != "HF_TOKEN"}
+        no_token["HF_TOKEN_PATH"] = str(tmp_path / "no-saved-token")
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/gated"], env=no_token, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        err = out.stderr.strip().splitlines()[-1]
+        assert err.startswith("tpserve: error: acme/gated is gated and no token was sent"), err
+        assert f"{hub.url}/acme/gated" in err and "`hf auth login`" in err and "HF_TOKEN" in err
+        out = resolve_in_subprocess(env, "acme/gated", None, hub_only)
+        assert "is gated and the token sent (HF_TOKEN, else `hf auth login`'s) has no access" \
+            in out.stderr, out.stderr
+        env["HF_TOKEN"] = "hf_expired"
+        out = resolve_in_subprocess(env, "acme/gated", None, hub_only)
+        assert f"{hub.url} refused the token sent for acme/gated (401: invalid or expired)" \
+            in out.stderr, out.stderr
+        assert "`hf auth login`" in out.stderr and "hf_expired" not in out.stderr
+        env["HF_TOKEN"] = "hf_granted"
+        assert resolve_in_subprocess(env, "acme/gated", None, hub_only).returncode == 0
+        out = resolve_in_subprocess(env, "models/llama", None, hub_only)
+        assert f"models/llama was not found on {hub.url} (nor is models/llama a directory " \
+            "here): check the id; if it is private, the token sent (HF_TOKEN" in out.stderr
+        out = resolve_in_subprocess(env, "acme/tiny@main", None, hub_only)
+        assert "'acme/tiny@main' is neither a directory here nor a hub id" in out.stderr
+        assert "network" not in out.stderr.splitlines()[-1]
+    assert "hf_granted" not in out.stderr
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.

@@ -35,7 +35,8 @@ import os
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_stall import HubStalledError, StallGuard, bound_xet, guarded
+from tpserve.hub_errors import at, explain
+from tpserve.hub_stall import StallGuard, bound_xet, guarded
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
         return found
     if offline():
         raise CheckpointError(
-            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()} and "
+            f"model {model_id!r}{at(revision)} is not in the hub cache {cache_dir()} and "
             "HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
             f"download it, fetch it first with `hf download {model_id}"
             f"{' --revision ' + revision if revision else ''}` where there is a network "
@@ -135,14 +136,9 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
 
 def _download(model_id: str, revision: str | None, weights: bool, timeout: float) -> Path:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     log.info("downloading %s%s from %s into %s (a silence of %g s fails it: "
-             "--download-timeout)", model_id, _at(revision), constants.ENDPOINT, cache_dir(),
+             "--download-timeout)", model_id, at(revision), constants.ENDPOINT, cache_dir(),
              timeout)
     guard = StallGuard(timeout)
     bound_xet(timeout)
@@ -160,41 +156,22 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
                     break
     except CheckpointError:
         raise
-    except GatedRepoError as exc:
-        raise CheckpointError(
-            f"{model_id} is gated: accept its licence on the hub, then set HF_TOKEN to a token "
-            f"of that account ({_first_line(exc)})") from None
-    except RevisionNotFoundError as exc:
-        raise CheckpointError(f"{model_id} has no revision {revision!r} ({_first_line(exc)})"
-                              ) from None
-    except RepositoryNotFoundError as exc:
-        raise CheckpointError(
-            f"{model_id} was not found on {constants.ENDPOINT}: check the id, or set HF_TOKEN "
-            f"if it is private ({_first_line(exc)})") from None
-    except Exception as exc:  # noqa: BLE001 - network, HTTP and disk errors alike
-        stalled = guard.behind(exc)  # whatever huggingface_hub made of a silence
-        if stalled is not None:
-            raise CheckpointError(_stall_message(model_id, revision, stalled)) from None
-        # Say where it looked first: offline, "not in the cache" is the actual problem.
-        local = "" if "/" in model_id else f" (nor is {model_id} a directory here)"
-        raise CheckpointError(
-            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()}{local} "
-            f"and could not be downloaded from {constants.ENDPOINT}: "
-            f"{_first_line(exc).removeprefix('Got: ')}. Check the network (HF_ENDPOINT "
-            f"selects a mirror), or fetch it where there is one (`hf download {model_id}`) "
-            "and copy the hub cache (HF_HUB_CACHE) or pass the directory to --model.") from None
+    except Exception as exc:  # noqa: BLE001 - network, HTTP, hub and disk errors alike
+        # guard.behind: whatever huggingface_hub made of a silence
+        raise CheckpointError(explain(exc, model_id, revision, cache_dir(), constants.ENDPOINT,
+                                      guard.behind(exc))) from None
     if not (path / "config.json").exists():
-        raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
+        raise CheckpointError(f"{model_id}{at(revision)} has no config.json: it is not a "
                               "transformers model tpserve can serve")
     if weights and (path / INDEX).is_file() and not _has_weights(path):
         missing = sorted(n for n in set(_weight_map(path / INDEX).values())
                          if not (path / n).is_file())
         raise CheckpointError(
-            f"{model_id}{_at(revision)}: its {INDEX} names weight files the repository does "
+            f"{model_id}{at(revision)}: its {INDEX} names weight files the repository does "
             f"not hold ({', '.join(missing)}): pick another revision or copy of the model")
     if weights and not _has_weights(path):
         raise CheckpointError(
-            f"{model_id}{_at(revision)} has no *.safetensors weights (tpserve never downloads "
+            f"{model_id}{at(revision)} has no *.safetensors weights (tpserve never downloads "
             "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
             "or convert it yourself and pass the directory to --model")
     return path
@@ -230,16 +207,6 @@ def _quiet_no_match():
         hub_log.removeFilter(no_match)
 
 
-def _stall_message(model_id: str, revision: str | None, stalled: HubStalledError) -> str:
-    return (f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()} and its "
-            f"download stopped: {stalled}. Check the network, any proxy (HTTPS_PROXY, "
-            "HTTP_PROXY) and HF_ENDPOINT; if the hub is only slow, allow a longer silence with "
-            "--download-timeout SECONDS (or HF_HUB_DOWNLOAD_TIMEOUT); or serve without the "
-            f"network: fetch it where there is one (`hf download {model_id}`), then set "
-            "HF_HUB_OFFLINE=1 with that hub cache (HF_HUB_CACHE), or pass its directory to "
-            "--model")
-
-
 def _has_weights(path: Path) -> bool:
     index = path / INDEX
     if index.exists():
@@ -262,12 +229,3 @@ def _node_lock(model_id: str, revision: str | None):
     locks = Path(cache_dir()) / ".locks" / "tpserve"
     locks.mkdir(parents=True, exist_ok=True)
     return FileLock(str(locks / f"{key}.lock"))
-
-
-def _at(revision: str | None) -> str:
-    return f" (revision {revision})" if revision else ""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
