@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tpserve.errors import CheckpointError
 from tpserve.hub_errors import at, explain
+from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_stall import StallGuard, bound_xet, guarded
 
 log = logging.getLogger(__name__)
@@ -143,10 +144,12 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     guard = StallGuard(timeout)
     bound_xet(timeout)
     try:
-        with guarded(guard), _quiet_http_client():
+        with guarded(guard), _quiet_http_client(), \
+                DownloadProgress(model_id, cache_dir()) as progress:
             path = Path(snapshot_download(model_id, revision=revision,
                                           allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
+            progress.total = _total_size(path) if weights else None
             # The weights once the index is known, at the commit just resolved.
             for patterns in weight_choices(path) if weights else []:
                 with _quiet_no_match():  # "No files matched": the next choice is tried
@@ -212,6 +215,14 @@ def _has_weights(path: Path) -> bool:
     if index.exists():
         return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
+
+
+def _total_size(path: Path) -> int | None:
+    """The weights' size where the index says it (metadata.total_size)."""
+    try:
+        return int(json.loads((path / INDEX).read_text())["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _weight_map(index: Path) -> dict[str, str]:
