@@ -144,6 +144,22 @@ def test_a_launch_logs_no_http_request_lines_at_info(tmp_path, llama_dir):
     assert "HTTP Request:" not in out.stderr, out.stderr
 
 
+def test_a_repository_without_a_tokenizer_says_what_to_do(tmp_path, llama_dir):
+    """config.json and weights but no tokenizer: the message said to copy the tokenizer
+    into the hub cache's snapshot; it now names the repository and a directory to serve."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir()
+             if not f.name.startswith("tokenizer")}
+    with FakeHub("acme/no-tok", files) as hub:
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/no-tok", "--load-format", "dummy"],
+                             env=hub_env(tmp_path, hub), capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("tpserve: error: acme/no-tok has no tokenizer on the hub"), err
+    assert "`hf download acme/no-tok --local-dir DIR`" in err and "--model DIR" in err
+
+
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
     with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
         env = hub_env(tmp_path, hub)

@@ -289,9 +289,11 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return args
 
 
-def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
+def check_checkpoint(path: Path, load_format: str = "safetensors",
+                     hub_id: str | None = None) -> None:
     """Refuse a checkpoint tpserve cannot serve before Ray or the HTTP server start: a
-    config.json, safetensors weights (unless --load-format dummy) and tokenizer files."""
+    config.json, safetensors weights (unless --load-format dummy) and tokenizer files.
+    hub_id: `path` is that hub repository's snapshot in the hub cache."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: pass the directory of a Hugging Face "
                               "checkpoint (config.json, *.safetensors, tokenizer files)")
@@ -299,6 +301,13 @@ def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
         _check_weights(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES) \
             and not any(path.glob("*.model")):
+        if hub_id is not None:
+            raise CheckpointError(
+                f"{hub_id} has no tokenizer on the hub (none of {', '.join(TOKENIZER_FILES)}; "
+                f"config.json and the weights are in {path}): serve a directory instead: "
+                f"`hf download {hub_id} --local-dir DIR`, save the tokenizer of the model it "
+                "derives from into DIR (`AutoTokenizer.from_pretrained(BASE)"
+                ".save_pretrained(DIR)`), then pass --model DIR")
         raise CheckpointError(
             f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
             "tokenizer files of the original model into it, e.g. "
@@ -391,7 +400,10 @@ def engine_config(args: argparse.Namespace):
     path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy",
                          download_timeout=args.download_timeout)
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
-    check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
+    # hub-cache snapshots and the embedded model too
+    hub_id = args.model if args.model and path != Path(args.model).expanduser().resolve() \
+        else None
+    check_checkpoint(path, args.load_format, hub_id)
     hf = _load_config(path)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
