@@ -326,9 +326,10 @@ def _check_weights(path: Path) -> None:
             raise CheckpointError(
                 f"{index.name} in {path} lists weight files that are not there: "
                 f"{', '.join(missing)}; download the checkpoint again (`hf download ID`)")
-        return
+        return _check_complete([path / f for f in sorted(files)])
     if any(path.glob("*.safetensors")):
-        return
+        single = path / "model.safetensors"  # as weights.weight_files reads them
+        return _check_complete([single] if single.is_file() else sorted(path.glob("*.safetensors")))
     pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     found = f" (found {', '.join(pickled)}: pickle files, which tpserve does not load)" \
         if pickled else ""
@@ -337,6 +338,27 @@ def _check_weights(path: Path) -> None:
         "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (transformers writes "
         "safetensors) and copy the tokenizer files into OUT, or fetch the safetensors "
         "revision with `hf download ID`.")
+
+
+def _check_complete(files: list[Path]) -> None:
+    """Each weight file holds every byte its header describes: a file cut off (a copy or a
+    transfer that stopped) is refused by name before Ray starts, instead of failing in every
+    shard with safetensors' "incomplete metadata, file not fully covered"."""
+    for f in files:
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise CheckpointError(f"{f} is cut off or not a safetensors file (its header "
+                                  "does not read): download or copy it again") from None
+        if size < 8 + n + end:
+            raise CheckpointError(
+                f"{f} is cut off: {size} bytes where its header describes {8 + n + end}; "
+                "download or copy it again (`hf download ID` resumes into the hub cache)")
 
 
 def _load_config(path: Path):
