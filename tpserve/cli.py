@@ -991,6 +991,9 @@ def main(argv: list[str] | None = None) -> int:
         # One line, no traceback: the message says what to do.
         print(f"tpserve: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handlers are in place
+        print("tpserve: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 from tpserve.errors import CheckpointError
 from tpserve.hub_errors import at, explain
 from tpserve.hub_progress import DownloadProgress
-from tpserve.hub_stall import StallGuard, bound_xet, guarded
+from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     guard = StallGuard(timeout)
     bound_xet(timeout)
     try:
-        with guarded(guard), _quiet_http_client(), \
+        with guarded(guard), cancelled_by_interrupt(guard), _quiet_http_client(), \
                 DownloadProgress(model_id, cache_dir()) as progress:
             path = Path(snapshot_download(model_id, revision=revision,
                                           allow_patterns=ALLOW_PATTERNS,
@@ -158,6 +158,10 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
                 if _has_weights(path):
                     break
     except CheckpointError:
+        raise
+    except KeyboardInterrupt:
+        log.warning("download of %s interrupted: the files that arrived whole stay in the hub "
+                    "cache %s, and launching again fetches only the rest", model_id, cache_dir())
         raise
     except Exception as exc:  # noqa: BLE001 - network, HTTP, hub and disk errors alike
         # guard.behind: whatever huggingface_hub made of a silence
