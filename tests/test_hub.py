@@ -212,6 +212,26 @@ def test_token_errors_say_what_went_wrong_and_what_to_do(tmp_path, llama_dir):
     assert "hf_granted" not in out.stderr
 
 
+def test_offline_with_a_snapshot_lacking_its_weights_says_so(tmp_path, llama_dir):
+    """A snapshot with config and tokenizer but no weights (a download that stopped, or one
+    for --load-format dummy), then offline: it said the model "is not in the hub cache"."""
+    meta = {f.name: f.read_bytes() for f in llama_dir.iterdir() if f.suffix != ".safetensors"}
+    with FakeHub("acme/sharded", {**meta, **_two_shards(llama_dir)}) as hub:
+        code = ("from tpserve.hub import ensure_model; "
+                "print(ensure_model('acme/sharded', weights=False))")
+        out = subprocess.run([sys.executable, "-c", code], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    snapshot = out.stdout.strip().splitlines()[-1]
+    out = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/sharded", None,
+                                "tpserve.hub.ensure_model")
+    assert out.returncode != 0
+    assert (f"'acme/sharded' is only partly in the hub cache {tmp_path / 'hub-cache'} (its "
+            f"snapshot {snapshot} lacks model-00001-of-00002.safetensors, "
+            "model-00002-of-00002.safetensors: a download that stopped") in out.stderr, out.stderr
+    assert "HF_HUB_OFFLINE is set" in out.stderr
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.

@@ -121,9 +121,11 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
     if found is not None and (not weights or _has_weights(found)):
         return found
     if offline():
+        where = (f"is only partly in the hub cache {cache_dir()} (its snapshot {found} lacks "
+                 f"{_missing_weights(found)}: a download that stopped, or one without "
+                 "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
         raise CheckpointError(
-            f"model {model_id!r}{at(revision)} is not in the hub cache {cache_dir()} and "
-            "HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
+            f"model {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
             f"download it, fetch it first with `hf download {model_id}"
             f"{' --revision ' + revision if revision else ''}` where there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
@@ -171,11 +173,9 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
         raise CheckpointError(f"{model_id}{at(revision)} has no config.json: it is not a "
                               "transformers model tpserve can serve")
     if weights and (path / INDEX).is_file() and not _has_weights(path):
-        missing = sorted(n for n in set(_weight_map(path / INDEX).values())
-                         if not (path / n).is_file())
         raise CheckpointError(
             f"{model_id}{at(revision)}: its {INDEX} names weight files the repository does "
-            f"not hold ({', '.join(missing)}): pick another revision or copy of the model")
+            f"not hold ({_missing_weights(path)}): pick another revision or copy of the model")
     if weights and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{at(revision)} has no *.safetensors weights (tpserve never downloads "
@@ -219,6 +219,14 @@ def _has_weights(path: Path) -> bool:
     if index.exists():
         return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
+
+
+def _missing_weights(path: Path) -> str:
+    index = path / INDEX
+    if not index.is_file():
+        return "its *.safetensors weights"
+    missing = sorted(n for n in set(_weight_map(index).values()) if not (path / n).is_file())
+    return ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
 
 
 def _total_size(path: Path) -> int | None:
