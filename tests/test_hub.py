@@ -232,6 +232,29 @@ def test_offline_with_a_snapshot_lacking_its_weights_says_so(tmp_path, llama_dir
     assert "HF_HUB_OFFLINE is set" in out.stderr
 
 
+def test_a_revision_that_cannot_apply_is_said_to_be_ignored(tmp_path, monkeypatch, caplog,
+                                                           llama_dir):
+    """--revision with a local directory (or without --model) was silently ignored: a
+    directory named like the hub id (acme/tiny under the working directory) is served as it
+    is, and the log now says so."""
+    import logging
+    import shutil
+
+    from tpserve.weights import resolve_model
+
+    shutil.copytree(llama_dir, tmp_path / "acme" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tpserve.weights"):
+        assert resolve_model("acme/tiny", "v2") == tmp_path / "acme" / "tiny"
+        resolve_model(None, "v2")
+    assert (f"--revision v2 is ignored: {tmp_path / 'acme' / 'tiny'} is a local directory, "
+            "served as it is; it shadows the hub id acme/tiny") in caplog.text
+    assert "--revision v2 is ignored: it selects a revision of a hub id" in caplog.text
+    caplog.clear()
+    resolve_model("acme/tiny")
+    assert "ignored" not in caplog.text
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.
