@@ -167,6 +167,12 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
         out = resolve_in_subprocess(env, "acme/tiny", "c" * 40, hub_only)
         assert out.returncode == 0, out.stderr
         assert (Path(out.stdout.strip()) / "model.safetensors").exists()
+        # Offline, a commit as the hub's pages show it (its first 7 digits) finds the cached
+        # snapshot too; it was "not in the hub cache".
+        offline = hub_env(tmp_path, None, offline=True)
+        short = resolve_in_subprocess(offline, "acme/tiny", "c" * 7, hub_only)
+        assert short.returncode == 0, short.stderr
+        assert short.stdout.strip() == out.stdout.strip()
         bad_rev = resolve_in_subprocess(env, "acme/tiny", "v9", hub_only)
         assert bad_rev.returncode != 0 and "has no revision 'v9'" in bad_rev.stderr
         missing = resolve_in_subprocess(env, "acme/nope", None, hub_only)

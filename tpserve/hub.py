@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
@@ -92,12 +93,22 @@ def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(snapshot_download(model_id, revision=revision, local_files_only=True,
-                                      allow_patterns=ALLOW_PATTERNS,
+        path = Path(snapshot_download(model_id, revision=_full_commit(model_id, revision),
+                                      local_files_only=True, allow_patterns=ALLOW_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS))
     except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
         return None
     return path if (path / "config.json").exists() else None
+
+
+def _full_commit(model_id: str, revision: str | None) -> str | None:
+    """A short commit id (7+ hex digits, as the hub's pages show them) as the one cached
+    snapshot whose commit it starts, which huggingface_hub's cache look-up does not match."""
+    if revision is None or not re.fullmatch(r"[0-9a-f]{7,39}", revision):
+        return revision
+    snapshots = Path(cache_dir()) / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    found = [p.name for p in snapshots.glob(f"{revision}*") if len(p.name) == 40]
+    return found[0] if len(found) == 1 else revision
 
 
 def download_timeout(seconds: float | None = None) -> float:
