@@ -329,6 +329,28 @@ def test_unreachable_hub_says_the_model_is_not_cached_and_what_to_do(tmp_path):
     assert "(nor is my-model a directory here)" in out.stderr
 
 
+def test_a_password_in_hf_endpoint_is_never_shown(tmp_path, llama_dir):
+    """A mirror at http://USER:PASSWORD@HOST: the download's log line and its error messages
+    quoted HF_ENDPOINT (and the URLs that failed) whole."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = hub_env(tmp_path, None)
+    env["HF_ENDPOINT"] = f"http://bob:s3cret@127.0.0.1:{port}"
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                          "acme/tiny"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"could not be downloaded from http://127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr and "bob" not in out.stderr, out.stderr
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        env["HF_ENDPOINT"] = hub.url.replace("://", "://bob:s3cret@")
+        out = resolve_in_subprocess(env, "acme/nope", None, "tpserve.hub.ensure_model")
+    assert f"acme/nope was not found on {hub.url} " in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr
+
+
 @pytest.mark.slow
 def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
     from transformers import AutoTokenizer

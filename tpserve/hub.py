@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_errors import at, explain
+from tpserve.hub_errors import at, explain, redact
 from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
@@ -152,7 +152,7 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     from huggingface_hub import constants, snapshot_download
 
     log.info("downloading %s%s from %s into %s (a silence of %g s fails it: "
-             "--download-timeout)", model_id, at(revision), constants.ENDPOINT, cache_dir(),
+             "--download-timeout)", model_id, at(revision), redact(constants.ENDPOINT), cache_dir(),
              timeout)
     guard = StallGuard(timeout)
     bound_xet(timeout)

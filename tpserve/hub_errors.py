@@ -3,6 +3,8 @@ line. The token itself is never part of a message; only whether one was sent."""
 
 from __future__ import annotations
 
+import re
+
 from tpserve.hub_stall import HubStalledError
 
 LOGIN = "set HF_TOKEN to a token of that account (or log in once with `hf auth login`)"
@@ -11,6 +13,17 @@ LOGIN = "set HF_TOKEN to a token of that account (or log in once with `hf auth l
 def explain(exc: BaseException, model_id: str, revision: str | None, cache: str,
             endpoint: str, stalled: HubStalledError | None) -> str:
     """The message for `exc`, raised by huggingface_hub while downloading `model_id`."""
+    return redact(_explain(exc, model_id, revision, cache, endpoint, stalled))
+
+
+def redact(text: str) -> str:
+    """`text` without the user and password of any URL in it (HF_ENDPOINT may be a mirror
+    at https://USER:PASSWORD@HOST, and error messages quote the URLs they failed on)."""
+    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s'\"]+@", r"\1", text)
+
+
+def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str,
+             endpoint: str, stalled: HubStalledError | None) -> str:
     from huggingface_hub.errors import (
         GatedRepoError,
         RepositoryNotFoundError,
