@@ -141,6 +141,7 @@ def test_a_launch_logs_no_http_request_lines_at_info(tmp_path, llama_dir):
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "has no *.safetensors weights" in out.stderr
+    assert "--revision refs/pr/N" in out.stderr and "convert it yourself" in out.stderr
     assert "HTTP Request:" not in out.stderr, out.stderr
 
 

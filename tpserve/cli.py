@@ -49,7 +49,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "from the hub cache or downloaded into it (config and tokenizer files and the "
                    "safetensors weights the index names, nothing else; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
                    "default: the embedded model")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
+    p.add_argument("--revision", help="hub revision (branch, tag, commit or its first 7 "
+                   "digits, refs/pr/N) of a hub id; ignored, with a warning, for a directory")
     p.add_argument("--download-timeout", type=float, default=None, metavar="SECONDS",
                    help="downloading a hub id: seconds the hub (or a proxy) may stay silent, "
                    "not connecting, not answering a request or sending no byte of a file, "

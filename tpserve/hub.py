@@ -190,8 +190,11 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     if weights and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{at(revision)} has no *.safetensors weights (tpserve never downloads "
-            "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
-            "or convert it yourself and pass the directory to --model")
+            "pickle *.bin files): pick a revision or a copy of the model with safetensors (the "
+            "hub's conversion bot may have opened a pull request with them: --revision "
+            "refs/pr/N, N from the repository's Community tab), or convert it yourself "
+            "(transformers' save_pretrained writes safetensors) and pass the directory to "
+            "--model")
     return path
 
 
