@@ -352,6 +352,27 @@ def test_a_password_in_hf_endpoint_is_never_shown(tmp_path, llama_dir):
     assert "s3cret" not in out.stderr
 
 
+def test_a_cache_that_cannot_be_written_says_so(tmp_path):
+    """HF_HUB_CACHE through a file (or read-only, or full): a traceback from the lock's
+    mkdir, and a full disk read "could not be downloaded ... Check the network"."""
+    import errno
+
+    from tpserve.hub_errors import explain
+
+    (tmp_path / "a-file").write_text("")
+    env = hub_env(tmp_path, None)
+    env.update(HF_HUB_CACHE=str(tmp_path / "a-file" / "cache"), HF_ENDPOINT="http://127.0.0.1:9")
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                          "acme/tiny"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert "cannot be downloaded into it: Not a directory" in err and "HF_HUB_CACHE" in err
+    full = OSError(errno.ENOSPC, "No space left on device", "/cache/blobs/x.incomplete")
+    text = explain(full, "acme/tiny", None, "/cache", "https://hub", None)
+    assert "cannot be downloaded into it: No space left on device (/cache/blobs/" in text
+    assert "network" not in text
+
+
 @pytest.mark.slow
 def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
     from transformers import AutoTokenizer

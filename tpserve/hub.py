@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_errors import at, explain, redact
+from tpserve.hub_errors import at, cache_unwritable, explain, redact
 from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
@@ -140,12 +140,19 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
             f"download it, fetch it first with `hf download {model_id}"
             f"{' --revision ' + revision if revision else ''}` where there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
-    with _node_lock(model_id, revision):
+    try:
+        lock = _node_lock(model_id, revision)
+        lock.acquire()
+    except OSError as exc:  # a cache that is not a writable directory
+        raise CheckpointError(cache_unwritable(model_id, cache_dir(), exc)) from None
+    try:
         # Another process on this node may have finished the download while we waited.
         found = cached_snapshot(model_id, revision)
         if found is not None and (not weights or _has_weights(found)):
             return found
         return _download(model_id, revision, weights, download_timeout(timeout))
+    finally:
+        lock.release()
 
 
 def _download(model_id: str, revision: str | None, weights: bool, timeout: float) -> Path:

@@ -3,6 +3,7 @@ line. The token itself is never part of a message; only whether one was sent."""
 
 from __future__ import annotations
 
+import errno
 import re
 
 from tpserve.hub_stall import HubStalledError
@@ -34,6 +35,8 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
     page = f"{endpoint.rstrip('/')}/{model_id}"
     if stalled is not None:
         return stall_message(model_id, revision, cache, stalled)
+    if isinstance(exc, OSError) and exc.errno in CACHE_ERRNOS:
+        return cache_unwritable(model_id, cache, exc)
     if isinstance(exc, HFValidationError):
         return (f"--model {model_id!r} is neither a directory here nor a hub id "
                 f"({first_line(exc)}): a hub id looks like org/name")
@@ -68,6 +71,19 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
             f"{first_line(exc).removeprefix('Got: ')}. Check the network (HF_ENDPOINT "
             f"selects a mirror), or fetch it where there is one (`hf download {model_id}`) "
             "and copy the hub cache (HF_HUB_CACHE) or pass the directory to --model.")
+
+
+# Errors of the cache's disk, not of the network: full, over quota, read-only, no access,
+# a path through a file.
+CACHE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                errno.ENOTDIR}
+
+
+def cache_unwritable(model_id: str, cache: str, exc: OSError) -> str:
+    return (f"model {model_id!r} is not in the hub cache {cache} and cannot be downloaded into "
+            f"it: {exc.strerror or exc} ({exc.filename or cache}). Free space there, or set "
+            "HF_HUB_CACHE (or HF_HOME) to a writable directory with room for the model; a "
+            "read-only cache that holds the model needs no writing")
 
 
 def stall_message(model_id: str, revision: str | None, cache: str,
