@@ -262,6 +262,23 @@ def test_a_revision_that_cannot_apply_is_said_to_be_ignored(tmp_path, monkeypatc
     assert "ignored" not in caplog.text
 
 
+def test_offline_a_snapshot_without_an_optional_file_still_serves(tmp_path, llama_dir):
+    """A snapshot fetched with `hf download ID --include "*.json" "*.safetensors"`: no
+    tokenizer.model beside tokenizer.json. huggingface_hub 2.x's cache look-up calls it
+    incomplete, and offline tpserve said the model "is not in the hub cache"."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir()}
+    with FakeHub("acme/tiny", {**files, "tokenizer.model": b"sentencepiece"}) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/tiny", None,
+                                    "tpserve.hub.ensure_model")
+    assert out.returncode == 0, out.stderr
+    snapshot = Path(out.stdout.strip().splitlines()[-1])
+    (snapshot / "tokenizer.model").unlink()
+    again = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/tiny", None,
+                                  "tpserve.hub.ensure_model")
+    assert again.returncode == 0, again.stderr
+    assert Path(again.stdout.strip().splitlines()[-1]) == snapshot
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.

@@ -96,8 +96,14 @@ def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
         path = Path(snapshot_download(model_id, revision=_full_commit(model_id, revision),
                                       local_files_only=True, allow_patterns=ALLOW_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS))
-    except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
-        return None
+    except Exception as exc:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
+        # huggingface_hub 2.x: the snapshot lacks files of the patterns that its listing names
+        # (fetched with `hf download --include`, say). Offline, tpserve's own checks decide
+        # whether it serves (check_checkpoint); online, the download completes it.
+        partial = getattr(exc, "snapshot_path", None)
+        if partial is None or not offline():
+            return None
+        path = Path(partial)
     return path if (path / "config.json").exists() else None
 
 
