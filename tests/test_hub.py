@@ -279,6 +279,25 @@ def test_offline_a_snapshot_without_an_optional_file_still_serves(tmp_path, llam
     assert Path(again.stdout.strip().splitlines()[-1]) == snapshot
 
 
+@pytest.mark.parametrize("status,needle", [
+    (429, "limits the requests of this address or token (429 Too Many Requests)"),
+    (503, "failed while downloading acme/tiny (503: "),
+])
+def test_a_hub_that_refuses_for_its_own_reasons_is_not_the_network(status, needle):
+    """A rate limit or a failing hub read "could not be downloaded ... Check the network"."""
+    from types import SimpleNamespace
+
+    from tpserve.hub_errors import explain
+
+    cause = OSError(f"{status} error for url https://hub/api/models/acme/tiny")
+    cause.response = SimpleNamespace(status_code=status)  # as on huggingface_hub's errors
+    exc = LookupError(f"Got: {cause}")  # as huggingface_hub wraps a revision's metadata error
+    exc.__cause__ = cause
+    text = explain(exc, "acme/tiny", None, "/cache", "https://hub", None)
+    assert needle in text and "Check the network" not in text, text
+    assert "launch again later" in text
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.

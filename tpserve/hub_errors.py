@@ -50,7 +50,7 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
                 f"then {LOGIN}")
     if isinstance(exc, RevisionNotFoundError):
         return f"{model_id} has no revision {revision!r} ({first_line(exc)})"
-    status = getattr(getattr(exc, "response", None), "status_code", None)
+    status = _status(exc)
     if status == 401 and not isinstance(exc, RepositoryNotFoundError):
         return (f"{endpoint} refused the token sent for {model_id} (401: invalid or expired): "
                 "set HF_TOKEN to a valid token or log in again with `hf auth login` (a public "
@@ -61,6 +61,15 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
                    f"no token was sent: {LOGIN}")
         return (f"{model_id} was not found on {endpoint}{_no_directory(model_id)}: check the "
                 f"id; if it is private, {private} ({first_line(exc)})")
+    if status == 429:
+        return (f"{endpoint} limits the requests of this address or token (429 Too Many "
+                f"Requests) while downloading {model_id}: launch again later; a token (HF_TOKEN "
+                "or `hf auth login`) has a higher limit than no token")
+    if status is not None and status >= 500:
+        return (f"{endpoint} failed while downloading {model_id}{at(revision)} ({status}: "
+                f"{first_line(exc).removeprefix('Got: ')}): the hub (or the mirror HF_ENDPOINT names) has trouble of "
+                "its own; launch again later, and the files that arrived whole stay in the hub "
+                f"cache {cache}")
     if status == 403:
         return (f"{endpoint} refused access to {model_id} (403): the token sent lacks the "
                 "permission to read it (a fine-grained token needs read access to this "
@@ -95,6 +104,19 @@ def stall_message(model_id: str, revision: str | None, cache: str,
             f"network: fetch it where there is one (`hf download {model_id}`), then set "
             "HF_HUB_OFFLINE=1 with that hub cache (HF_HUB_CACHE), or pass its directory to "
             "--model")
+
+
+def _status(exc: BaseException | None) -> int | None:
+    """The HTTP status behind `exc`: huggingface_hub wraps the error of a revision's metadata
+    in LocalEntryNotFoundError ("Got: HfHubHTTPError: ...") before it reaches us."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def token_sent() -> bool:
