@@ -298,6 +298,26 @@ def test_a_hub_that_refuses_for_its_own_reasons_is_not_the_network(status, needl
     assert "launch again later" in text
 
 
+def test_an_adapter_or_export_repository_is_refused_before_its_weights(tmp_path):
+    """A repository without config.json: a LoRA adapter (named as such, with its base) or a
+    GGUF export. Its weights were downloaded before the refusal."""
+    adapter = {"adapter_config.json": b'{"base_model_name_or_path": "acme/base", "r": 8}',
+               "adapter_model.safetensors": b"lora" * 1000, "README.md": b"# lora\n"}
+    with FakeHub("acme/lora", adapter) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/lora", None,
+                                    "tpserve.hub.ensure_model")
+        assert "adapter_model.safetensors" not in hub.downloaded()
+    assert out.returncode != 0
+    assert ("acme/lora is a LoRA adapter (adapter_config.json), not a model: serve its base "
+            "model with --model acme/base and the adapter with --lora-modules NAME=DIR, after "
+            "`hf download acme/lora --local-dir DIR`") in out.stderr, out.stderr
+    with FakeHub("acme/gguf", {"model.Q4_K_M.gguf": b"gguf", "x.safetensors": b"x"}) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/gguf", None,
+                                    "tpserve.hub.ensure_model")
+        assert not hub.downloaded()
+    assert "acme/gguf has no config.json: it is not a transformers model" in out.stderr
+
+
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
     # Quantizers' own settings files come too: weights.adopt_quant_file reads them where
     # config.json has no quantization_config.

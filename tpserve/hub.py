@@ -49,7 +49,9 @@ ALLOW_PATTERNS = ["model.safetensors.index.json", "config.json",
                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
                   "*.tiktoken", "chat_template.json", "chat_template.jinja",
                   # quantizers' own settings files (weights.adopt_quant_file)
-                  "quantize_config.json", "quant_config.json"]
+                  "quantize_config.json", "quant_config.json",
+                  # a LoRA adapter given as --model: said to be one (_no_config)
+                  "adapter_config.json"]
 # Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
 # duplicates the weights (Mistral's repositories carry both). The checkpoint is the
 # repository's top level: sub-folders hold other copies (original/, onnx/, variants).
@@ -175,6 +177,8 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
             path = Path(snapshot_download(model_id, revision=revision,
                                           allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
+            if not (path / "config.json").exists():  # refused before any weights arrive
+                raise CheckpointError(_no_config(model_id, revision, path))
             progress.total = _total_size(path) if weights else None
             # The weights once the index is known, at the commit just resolved.
             for patterns in weight_choices(path) if weights else []:
@@ -193,9 +197,6 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
         # guard.behind: whatever huggingface_hub made of a silence
         raise CheckpointError(explain(exc, model_id, revision, cache_dir(), constants.ENDPOINT,
                                       guard.behind(exc))) from None
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{model_id}{at(revision)} has no config.json: it is not a "
-                              "transformers model tpserve can serve")
     if weights and (path / INDEX).is_file() and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{at(revision)}: its {INDEX} names weight files the repository does "
@@ -246,6 +247,20 @@ def _has_weights(path: Path) -> bool:
     if index.exists():
         return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
+
+
+def _no_config(model_id: str, revision: str | None, path: Path) -> str:
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path") or "BASE"
+        except (OSError, ValueError, AttributeError):
+            base = "BASE"
+        return (f"{model_id}{at(revision)} is a LoRA adapter (adapter_config.json), not a "
+                f"model: serve its base model with --model {base} and the adapter with "
+                f"--lora-modules NAME=DIR, after `hf download {model_id} --local-dir DIR`")
+    return (f"{model_id}{at(revision)} has no config.json: it is not a transformers model "
+            "tpserve can serve (a GGUF or ONNX export, say: serve the model it was made from)")
 
 
 def _missing_weights(path: Path) -> str:
