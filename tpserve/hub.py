@@ -36,7 +36,7 @@ import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_errors import at, cache_unwritable, explain, redact
+from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
 from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
@@ -50,7 +50,7 @@ ALLOW_PATTERNS = ["model.safetensors.index.json", "config.json",
                   "*.tiktoken", "chat_template.json", "chat_template.jinja",
                   # quantizers' own settings files (weights.adopt_quant_file)
                   "quantize_config.json", "quant_config.json",
-                  # a LoRA adapter given as --model: said to be one (_no_config)
+                  # a LoRA adapter given as --model: said to be one (hub_errors.no_config)
                   "adapter_config.json"]
 # Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
 # duplicates the weights (Mistral's repositories carry both). The checkpoint is the
@@ -178,7 +178,7 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
                                           allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
             if not (path / "config.json").exists():  # refused before any weights arrive
-                raise CheckpointError(_no_config(model_id, revision, path))
+                raise CheckpointError(no_config(model_id, revision, path))
             progress.total = _total_size(path) if weights else None
             # The weights once the index is known, at the commit just resolved.
             for patterns in weight_choices(path) if weights else []:
@@ -247,20 +247,6 @@ def _has_weights(path: Path) -> bool:
     if index.exists():
         return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
-
-
-def _no_config(model_id: str, revision: str | None, path: Path) -> str:
-    adapter = path / "adapter_config.json"
-    if adapter.is_file():
-        try:
-            base = json.loads(adapter.read_text()).get("base_model_name_or_path") or "BASE"
-        except (OSError, ValueError, AttributeError):
-            base = "BASE"
-        return (f"{model_id}{at(revision)} is a LoRA adapter (adapter_config.json), not a "
-                f"model: serve its base model with --model {base} and the adapter with "
-                f"--lora-modules NAME=DIR, after `hf download {model_id} --local-dir DIR`")
-    return (f"{model_id}{at(revision)} has no config.json: it is not a transformers model "
-            "tpserve can serve (a GGUF or ONNX export, say: serve the model it was made from)")
 
 
 def _missing_weights(path: Path) -> str:

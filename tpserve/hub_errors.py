@@ -4,7 +4,9 @@ line. The token itself is never part of a message; only whether one was sent."""
 from __future__ import annotations
 
 import errno
+import json
 import re
+from pathlib import Path
 
 from tpserve.hub_stall import HubStalledError
 
@@ -93,6 +95,21 @@ def cache_unwritable(model_id: str, cache: str, exc: OSError) -> str:
             f"it: {exc.strerror or exc} ({exc.filename or cache}). Free space there, or set "
             "HF_HUB_CACHE (or HF_HOME) to a writable directory with room for the model; a "
             "read-only cache that holds the model needs no writing")
+
+
+def no_config(model_id: str, revision: str | None, path: Path) -> str:
+    """A repository without config.json: a LoRA adapter (said so, with its base), or other."""
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path") or "BASE"
+        except (OSError, ValueError, AttributeError):
+            base = "BASE"
+        return (f"{model_id}{at(revision)} is a LoRA adapter (adapter_config.json), not a "
+                f"model: serve its base model with --model {base} and the adapter with "
+                f"--lora-modules NAME=DIR, after `hf download {model_id} --local-dir DIR`")
+    return (f"{model_id}{at(revision)} has no config.json: it is not a transformers model "
+            "tpserve can serve (a GGUF or ONNX export, say: serve the model it was made from)")
 
 
 def stall_message(model_id: str, revision: str | None, cache: str,
