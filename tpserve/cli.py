@@ -47,7 +47,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
     p.add_argument("--model", help="local directory or Hugging Face hub id (org/name), taken "
                    "from the hub cache or downloaded into it (config and tokenizer files and the "
-                   "safetensors weights the index names, nothing else; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
+                   "safetensors weights the index names, nothing else; HF_TOKEN, HF_ENDPOINT, "
+                   "HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
                    "default: the embedded model")
     p.add_argument("--revision", help="hub revision (branch, tag, commit or its first 7 "
                    "digits, refs/pr/N) of a hub id; ignored, with a warning, for a directory")

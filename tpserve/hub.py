@@ -4,9 +4,10 @@ Only what tpserve reads is fetched: config.json, generation_config.json, the tok
 files, and the weight files the loader reads (weights.safetensors_files): the shards that
 model.safetensors.index.json names, else model.safetensors, else the top-level *.safetensors.
 Pickle-based weights (*.bin, *.pt, *.pth, *.ckpt, *.pkl), other formats (GGUF, ONNX) and
-sub-folders (original/, onnx/, quantized variants) are never downloaded. huggingface_hub does the work, so its environment
-variables apply: HF_TOKEN (gated and private models), HF_ENDPOINT (a mirror), HF_HUB_CACHE /
-HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never touch the network).
+sub-folders (original/, onnx/, quantized variants) are never downloaded. huggingface_hub
+does the work, so its environment variables apply: HF_TOKEN (gated and private models),
+HF_ENDPOINT (a mirror), HF_HUB_CACHE / HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never
+touch the network).
 
 A hub (or proxy) that stops answering fails the download instead of hanging it: every wait on
 the network (connecting, the answer to a request, the next bytes of a file) is bounded by the
@@ -144,9 +145,10 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
                  f"{_missing_weights(found)}: a download that stopped, or one without "
                  "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
         raise CheckpointError(
-            f"model {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
-            f"download it, fetch it first with `hf download {model_id}"
-            f"{' --revision ' + revision if revision else ''}` where there is a network "
+            f"model {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve "
+            "may not download it. Unset HF_HUB_OFFLINE to download it, fetch it first with "
+            f"`hf download {model_id}{' --revision ' + revision if revision else ''}` where "
+            "there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
     try:
         lock = _node_lock(model_id, revision)
@@ -167,8 +169,8 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     from huggingface_hub import constants, snapshot_download
 
     log.info("downloading %s%s from %s into %s (a silence of %g s fails it: "
-             "--download-timeout)", model_id, at(revision), redact(constants.ENDPOINT), cache_dir(),
-             timeout)
+             "--download-timeout)", model_id, at(revision), redact(constants.ENDPOINT),
+             cache_dir(), timeout)
     guard = StallGuard(timeout)
     bound_xet(timeout)
     try:

@@ -69,9 +69,9 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
                 "or `hf auth login`) has a higher limit than no token")
     if status is not None and status >= 500:
         return (f"{endpoint} failed while downloading {model_id}{at(revision)} ({status}: "
-                f"{first_line(exc).removeprefix('Got: ')}): the hub (or the mirror HF_ENDPOINT names) has trouble of "
-                "its own; launch again later, and the files that arrived whole stay in the hub "
-                f"cache {cache}")
+                f"{first_line(exc).removeprefix('Got: ')}): the hub (or the mirror "
+                "HF_ENDPOINT names) has trouble of its own; launch again later, and the files "
+                f"that arrived whole stay in the hub cache {cache}")
     if status == 403:
         return (f"{endpoint} refused access to {model_id} (403): the token sent lacks the "
                 "permission to read it (a fine-grained token needs read access to this "
