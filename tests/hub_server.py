@@ -18,12 +18,17 @@ from urllib.parse import unquote, urlsplit
 class FakeHub:
     """pace=(size, pause): the weights (*.safetensors) are sent `size` bytes at a time with
     `pause` seconds between (a slow but steady hub); stall_after=N: their first N bytes are
-    sent, then nothing until the hub closes (a hub that stops in the middle of a file)."""
+    sent, then nothing until the hub closes (a hub that stops in the middle of a file);
+    tokens={...}: the only tokens it accepts (another one is answered 401 "Invalid
+    credentials", as the hub does); granted={...}: a gated repository, whose files only those
+    tokens may fetch (else 401 without a token, 403 with one)."""
 
     def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c" * 40,
-                 pace: tuple[int, float] | None = None, stall_after: int | None = None) -> None:
+                 pace: tuple[int, float] | None = None, stall_after: int | None = None,
+                 tokens: set[str] | None = None, granted: set[str] | None = None) -> None:
         self.repo_id, self.files, self.commit = repo_id, files, commit
         self.pace, self.stall_after = pace, stall_after
+        self.tokens, self.granted = tokens, granted
         self._closing = threading.Event()
         self.requests: list[str] = []  # "METHOD path" of every request, in order
         self.auth: set[str | None] = set()  # Authorization headers seen
@@ -68,6 +73,14 @@ class FakeHub:
         path = unquote(urlsplit(h.path).path)
         self.requests.append(f"{h.command} {path}")
         self.auth.add(h.headers.get("Authorization"))
+        auth = h.headers.get("Authorization")
+        if auth is not None and self.tokens is not None \
+                and auth not in {f"Bearer {t}" for t in self.tokens}:
+            return self._error(h, 401, None, "Invalid credentials in Authorization header")
+        if self.granted is not None and "/resolve/" in path \
+                and auth not in {f"Bearer {t}" for t in self.granted}:
+            return self._error(h, 403 if auth else 401, "GatedRepo",
+                               f"Access to model {self.repo_id} is restricted.")
         api = f"/api/models/{self.repo_id}/"
         if path.startswith("/api/models/") and not path.startswith(api):
             return self._error(h, 404, "RepoNotFound", "Repository not found")

@@ -90,6 +90,24 @@ def test_a_file_given_as_the_model_names_its_directory(capsys, no_ray, llama_dir
     assert f"--model {llama_dir / name} is a file" in err and f"here {llama_dir}" in err
 
 
+def test_a_weight_file_cut_off_is_refused_by_name(capsys, no_ray, llama_dir, tmp_path):
+    """A copy or transfer that stopped: it passed the checks and failed in every shard with
+    safetensors' "incomplete metadata, file not fully covered", naming no file."""
+    import shutil
+
+    cut = shutil.copytree(llama_dir, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as f:
+        f.truncate(size - 1000)
+    err = _main(capsys, "--model", str(cut))
+    assert f"{weights} is cut off: {size - 1000} bytes where its header describes {size}" \
+        in err, err
+    with weights.open("r+b") as f:  # cut inside the header
+        f.truncate(20)
+    assert f"{weights} is cut off or not a safetensors file" in _main(capsys, "--model", str(cut))
+
+
 def test_max_input_tokens_must_leave_room_for_a_generated_token(capsys, no_ray, llama_dir):
     # TGI's rule; the server used to start and then answer every long prompt oddly.
     err = _main(capsys, "--model", str(llama_dir), "--max-input-tokens", "2000",

@@ -92,6 +92,7 @@ def test_hints_name_commands_and_flags_that_exist():
         assert "trust_remote_code=True" not in text, path
         text = text.replace("no --trust-remote-code", "")  # the refusal names it, as absent
         text = re.sub(r"`ray start[^`]*`", "", text)  # Ray's own CLI flags
+        text = re.sub(r"`hf download[^`]*`", "", text)  # huggingface_hub's (--local-dir)
         unknown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", text)) - flags
         assert not unknown, f"{path.relative_to(ROOT)} names flags tpserve lacks: {unknown}"
 

@@ -5,6 +5,7 @@ an empty cache fails with a message that says what to do."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -80,6 +81,86 @@ def test_download_from_hub_then_generate(tmp_path, llama_dir):
     assert ours == hf_greedy(path, ["Hello world", "The quick brown fox"], 8)
 
 
+def _two_shards(llama_dir: Path) -> dict[str, bytes]:
+    """llama_dir's weights as two shards and their index."""
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(llama_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[::2],
+            "model-00002-of-00002.safetensors": names[1::2]}
+    files = {shard: save({n: tensors[n] for n in part}) for shard, part in half.items()}
+    index = {"metadata": {}, "weight_map": {n: s for s, part in half.items() for n in part}}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    return files
+
+
+# Files a repository may hold that serving never reads: other formats, copies in sub-folders,
+# an adapter, a half-precision duplicate, a model card's images.
+UNNEEDED = {"model.gguf": b"gguf", "model.fp16.safetensors": b"dup", "tf_model.h5": b"h5",
+            "adapter_model.safetensors": b"adapter", "onnx/model.onnx": b"onnx",
+            "onnx/model.safetensors": b"onnx", "onnx/tokenizer.json": b"{}",
+            "gptq-4bit/model.safetensors": b"q", "original/consolidated.00.pth": b"pth",
+            "original/tokenizer.model": b"sp", "assets/banner.png": b"png" * 1000,
+            "consolidated.safetensors": b"mistral", "pytorch_model.bin": b"\x80\x04"}
+
+
+def test_only_the_weight_files_the_loader_reads_are_downloaded(tmp_path, llama_dir):
+    """A sharded repository: the shards its index names, none of the other *.safetensors
+    (a stray model.safetensors, an adapter, sub-folders) nor other formats. Without an
+    index: model.safetensors alone. Offline, the snapshot is then found whole."""
+    meta = {f.name: f.read_bytes() for f in llama_dir.iterdir()
+            if f.is_file() and f.suffix != ".safetensors"}
+    sharded = {**meta, **_two_shards(llama_dir), **UNNEEDED, "model.safetensors": b"stray"}
+    with FakeHub("acme/sharded", sharded) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/sharded", None,
+                                    "tpserve.hub.ensure_model")
+        assert out.returncode == 0, out.stderr
+        got = hub.downloaded()
+    assert got == set(meta) | set(_two_shards(llama_dir)), sorted(got)
+    again = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/sharded", None,
+                                  "tpserve.hub.ensure_model")
+    assert again.returncode == 0, again.stderr
+    single = {**meta, "model.safetensors": (llama_dir / "model.safetensors").read_bytes(),
+              **UNNEEDED}
+    with FakeHub("acme/single", single) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/single", None,
+                                    "tpserve.hub.ensure_model")
+        assert out.returncode == 0, out.stderr
+        assert hub.downloaded() == set(meta) | {"model.safetensors"}, sorted(hub.downloaded())
+        assert "No files matched" not in out.stderr
+
+
+def test_a_launch_logs_no_http_request_lines_at_info(tmp_path, llama_dir):
+    """huggingface_hub 2.x's client (httpx2) logged one INFO line per request, dozens per
+    download; a repository without safetensors fails right after its download, before Ray."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir() if f.suffix != ".safetensors"}
+    with FakeHub("acme/pickled", {**files, "pytorch_model.bin": b"\x80\x04"}) as hub:
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/pickled"], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "has no *.safetensors weights" in out.stderr
+    assert "--revision refs/pr/N" in out.stderr and "convert it yourself" in out.stderr
+    assert "HTTP Request:" not in out.stderr, out.stderr
+
+
+def test_a_repository_without_a_tokenizer_says_what_to_do(tmp_path, llama_dir):
+    """config.json and weights but no tokenizer: the message said to copy the tokenizer
+    into the hub cache's snapshot; it now names the repository and a directory to serve."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir()
+             if not f.name.startswith("tokenizer")}
+    with FakeHub("acme/no-tok", files) as hub:
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/no-tok", "--load-format", "dummy"],
+                             env=hub_env(tmp_path, hub), capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert err.startswith("tpserve: error: acme/no-tok has no tokenizer on the hub"), err
+    assert "`hf download acme/no-tok --local-dir DIR`" in err and "--model DIR" in err
+
+
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
     with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
         env = hub_env(tmp_path, hub)
@@ -87,12 +168,154 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
         out = resolve_in_subprocess(env, "acme/tiny", "c" * 40, hub_only)
         assert out.returncode == 0, out.stderr
         assert (Path(out.stdout.strip()) / "model.safetensors").exists()
+        # Offline, a commit as the hub's pages show it (its first 7 digits) finds the cached
+        # snapshot too; it was "not in the hub cache".
+        offline = hub_env(tmp_path, None, offline=True)
+        short = resolve_in_subprocess(offline, "acme/tiny", "c" * 7, hub_only)
+        assert short.returncode == 0, short.stderr
+        assert short.stdout.strip() == out.stdout.strip()
         bad_rev = resolve_in_subprocess(env, "acme/tiny", "v9", hub_only)
         assert bad_rev.returncode != 0 and "has no revision 'v9'" in bad_rev.stderr
         missing = resolve_in_subprocess(env, "acme/nope", None, hub_only)
         assert missing.returncode != 0
         assert "acme/nope was not found on " + hub.url in missing.stderr
         assert "HF_TOKEN" in missing.stderr
+
+
+def test_token_errors_say_what_went_wrong_and_what_to_do(tmp_path, llama_dir):
+    """A gated repository without a token, or with a token that has no access; a token the
+    hub refuses (was "could not be downloaded ... Check the network"); a private or missing
+    repository; an id that is no hub id (was "Check the network" too). Each one line, exit
+    2, naming the token's source and `hf auth login`, never the token itself."""
+    hub_only = "tpserve.hub.ensure_model"
+    with FakeHub.from_dir("acme/gated", llama_dir) as hub:
+        hub.tokens, hub.granted = {"hf_test_token", "hf_granted"}, {"hf_granted"}
+        env = hub_env(tmp_path, hub)
+        no_token = {k: v for k, v in env.items() if k != "HF_TOKEN"}
+        no_token["HF_TOKEN_PATH"] = str(tmp_path / "no-saved-token")
+        out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                              "acme/gated"], env=no_token, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        err = out.stderr.strip().splitlines()[-1]
+        assert err.startswith("tpserve: error: acme/gated is gated and no token was sent"), err
+        assert f"{hub.url}/acme/gated" in err and "`hf auth login`" in err and "HF_TOKEN" in err
+        out = resolve_in_subprocess(env, "acme/gated", None, hub_only)
+        assert "is gated and the token sent (HF_TOKEN, else `hf auth login`'s) has no access" \
+            in out.stderr, out.stderr
+        env["HF_TOKEN"] = "hf_expired"
+        out = resolve_in_subprocess(env, "acme/gated", None, hub_only)
+        assert f"{hub.url} refused the token sent for acme/gated (401: invalid or expired)" \
+            in out.stderr, out.stderr
+        assert "`hf auth login`" in out.stderr and "hf_expired" not in out.stderr
+        env["HF_TOKEN"] = "hf_granted"
+        assert resolve_in_subprocess(env, "acme/gated", None, hub_only).returncode == 0
+        out = resolve_in_subprocess(env, "models/llama", None, hub_only)
+        assert f"models/llama was not found on {hub.url} (nor is models/llama a directory " \
+            "here): check the id; if it is private, the token sent (HF_TOKEN" in out.stderr
+        out = resolve_in_subprocess(env, "acme/tiny@main", None, hub_only)
+        assert "'acme/tiny@main' is neither a directory here nor a hub id" in out.stderr
+        assert "network" not in out.stderr.splitlines()[-1]
+    assert "hf_granted" not in out.stderr
+
+
+def test_offline_with_a_snapshot_lacking_its_weights_says_so(tmp_path, llama_dir):
+    """A snapshot with config and tokenizer but no weights (a download that stopped, or one
+    for --load-format dummy), then offline: it said the model "is not in the hub cache"."""
+    meta = {f.name: f.read_bytes() for f in llama_dir.iterdir() if f.suffix != ".safetensors"}
+    with FakeHub("acme/sharded", {**meta, **_two_shards(llama_dir)}) as hub:
+        code = ("from tpserve.hub import ensure_model; "
+                "print(ensure_model('acme/sharded', weights=False))")
+        out = subprocess.run([sys.executable, "-c", code], env=hub_env(tmp_path, hub),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    snapshot = out.stdout.strip().splitlines()[-1]
+    out = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/sharded", None,
+                                "tpserve.hub.ensure_model")
+    assert out.returncode != 0
+    assert (f"'acme/sharded' is only partly in the hub cache {tmp_path / 'hub-cache'} (its "
+            f"snapshot {snapshot} lacks model-00001-of-00002.safetensors, "
+            "model-00002-of-00002.safetensors: a download that stopped") in out.stderr, out.stderr
+    assert "HF_HUB_OFFLINE is set" in out.stderr
+
+
+def test_a_revision_that_cannot_apply_is_said_to_be_ignored(tmp_path, monkeypatch, caplog,
+                                                           llama_dir):
+    """--revision with a local directory (or without --model) was silently ignored: a
+    directory named like the hub id (acme/tiny under the working directory) is served as it
+    is, and the log now says so."""
+    import logging
+    import shutil
+
+    from tpserve.weights import resolve_model
+
+    shutil.copytree(llama_dir, tmp_path / "acme" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tpserve.weights"):
+        assert resolve_model("acme/tiny", "v2") == tmp_path / "acme" / "tiny"
+        resolve_model(None, "v2")
+    assert (f"--revision v2 is ignored: {tmp_path / 'acme' / 'tiny'} is a local directory, "
+            "served as it is; it shadows the hub id acme/tiny") in caplog.text
+    assert "--revision v2 is ignored: it selects a revision of a hub id" in caplog.text
+    caplog.clear()
+    resolve_model("acme/tiny")
+    assert "ignored" not in caplog.text
+
+
+def test_offline_a_snapshot_without_an_optional_file_still_serves(tmp_path, llama_dir):
+    """A snapshot fetched with `hf download ID --include "*.json" "*.safetensors"`: no
+    tokenizer.model beside tokenizer.json. huggingface_hub 2.x's cache look-up calls it
+    incomplete, and offline tpserve said the model "is not in the hub cache"."""
+    files = {f.name: f.read_bytes() for f in llama_dir.iterdir()}
+    with FakeHub("acme/tiny", {**files, "tokenizer.model": b"sentencepiece"}) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/tiny", None,
+                                    "tpserve.hub.ensure_model")
+    assert out.returncode == 0, out.stderr
+    snapshot = Path(out.stdout.strip().splitlines()[-1])
+    (snapshot / "tokenizer.model").unlink()
+    again = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/tiny", None,
+                                  "tpserve.hub.ensure_model")
+    assert again.returncode == 0, again.stderr
+    assert Path(again.stdout.strip().splitlines()[-1]) == snapshot
+
+
+@pytest.mark.parametrize("status,needle", [
+    (429, "limits the requests of this address or token (429 Too Many Requests)"),
+    (503, "failed while downloading acme/tiny (503: "),
+])
+def test_a_hub_that_refuses_for_its_own_reasons_is_not_the_network(status, needle):
+    """A rate limit or a failing hub read "could not be downloaded ... Check the network"."""
+    from types import SimpleNamespace
+
+    from tpserve.hub_errors import explain
+
+    cause = OSError(f"{status} error for url https://hub/api/models/acme/tiny")
+    cause.response = SimpleNamespace(status_code=status)  # as on huggingface_hub's errors
+    exc = LookupError(f"Got: {cause}")  # as huggingface_hub wraps a revision's metadata error
+    exc.__cause__ = cause
+    text = explain(exc, "acme/tiny", None, "/cache", "https://hub", None)
+    assert needle in text and "Check the network" not in text, text
+    assert "launch again later" in text
+
+
+def test_an_adapter_or_export_repository_is_refused_before_its_weights(tmp_path):
+    """A repository without config.json: a LoRA adapter (named as such, with its base) or a
+    GGUF export. Its weights were downloaded before the refusal."""
+    adapter = {"adapter_config.json": b'{"base_model_name_or_path": "acme/base", "r": 8}',
+               "adapter_model.safetensors": b"lora" * 1000, "README.md": b"# lora\n"}
+    with FakeHub("acme/lora", adapter) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/lora", None,
+                                    "tpserve.hub.ensure_model")
+        assert "adapter_model.safetensors" not in hub.downloaded()
+    assert out.returncode != 0
+    assert ("acme/lora is a LoRA adapter (adapter_config.json), not a model: serve its base "
+            "model with --model acme/base and the adapter with --lora-modules NAME=DIR, after "
+            "`hf download acme/lora --local-dir DIR`") in out.stderr, out.stderr
+    with FakeHub("acme/gguf", {"model.Q4_K_M.gguf": b"gguf", "x.safetensors": b"x"}) as hub:
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/gguf", None,
+                                    "tpserve.hub.ensure_model")
+        assert not hub.downloaded()
+    assert "acme/gguf has no config.json: it is not a transformers model" in out.stderr
 
 
 def test_dummy_weights_fetch_no_safetensors(tmp_path, llama_dir):
@@ -161,6 +384,49 @@ def test_unreachable_hub_says_the_model_is_not_cached_and_what_to_do(tmp_path):
     # A bare name may be a mistyped local directory: say that none is there either.
     out = resolve_in_subprocess(env, "my-model", None, "tpserve.hub.ensure_model")
     assert "(nor is my-model a directory here)" in out.stderr
+
+
+def test_a_password_in_hf_endpoint_is_never_shown(tmp_path, llama_dir):
+    """A mirror at http://USER:PASSWORD@HOST: the download's log line and its error messages
+    quoted HF_ENDPOINT (and the URLs that failed) whole."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = hub_env(tmp_path, None)
+    env["HF_ENDPOINT"] = f"http://bob:s3cret@127.0.0.1:{port}"
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                          "acme/tiny"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"could not be downloaded from http://127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr and "bob" not in out.stderr, out.stderr
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        env["HF_ENDPOINT"] = hub.url.replace("://", "://bob:s3cret@")
+        out = resolve_in_subprocess(env, "acme/nope", None, "tpserve.hub.ensure_model")
+    assert f"acme/nope was not found on {hub.url} " in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr
+
+
+def test_a_cache_that_cannot_be_written_says_so(tmp_path):
+    """HF_HUB_CACHE through a file (or read-only, or full): a traceback from the lock's
+    mkdir, and a full disk read "could not be downloaded ... Check the network"."""
+    import errno
+
+    from tpserve.hub_errors import explain
+
+    (tmp_path / "a-file").write_text("")
+    env = hub_env(tmp_path, None)
+    env.update(HF_HUB_CACHE=str(tmp_path / "a-file" / "cache"), HF_ENDPOINT="http://127.0.0.1:9")
+    out = subprocess.run([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                          "acme/tiny"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    err = out.stderr.strip().splitlines()[-1]
+    assert "cannot be downloaded into it: Not a directory" in err and "HF_HUB_CACHE" in err
+    full = OSError(errno.ENOSPC, "No space left on device", "/cache/blobs/x.incomplete")
+    text = explain(full, "acme/tiny", None, "/cache", "https://hub", None)
+    assert "cannot be downloaded into it: No space left on device (/cache/blobs/" in text
+    assert "network" not in text
 
 
 @pytest.mark.slow

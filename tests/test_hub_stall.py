@@ -150,3 +150,57 @@ def test_hf_xet_gets_the_download_timeout_unless_the_user_set_its_own(tmp_path: 
     assert seen == {"HF_XET_CLIENT_CONNECT_TIMEOUT": "2500ms",
                     "HF_XET_CLIENT_READ_TIMEOUT": "10m",
                     "HF_XET_CLIENT_RETRY_MAX_DURATION": "2500ms"}
+
+
+def test_a_long_download_logs_its_progress_where_no_bar_shows(tmp_path: Path):
+    """stderr not a terminal (a log file, a container): huggingface_hub's byte bars turn
+    themselves off, so a download of many gigabytes logged nothing from its first line to
+    its end. A line every PROGRESS_EVERY_S seconds says what arrived, of how much where the
+    index says it."""
+    import json
+
+    index = {"metadata": {"total_size": len(WEIGHTS)},
+             "weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    files = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}",
+             "model.safetensors.index.json": json.dumps(index).encode(),
+             "model-00001-of-00001.safetensors": WEIGHTS}
+    # huggingface_hub writes what arrived every 10 MiB: every 4 KiB here, for a small file.
+    code = ("import logging; logging.basicConfig(level='INFO')\n"
+            "from huggingface_hub import constants\n"
+            "constants.DOWNLOAD_CHUNK_SIZE = 4096\n"
+            "from tpserve import hub, hub_progress\n"
+            "hub_progress.PROGRESS_EVERY_S = 0.5\n"
+            "print(hub.ensure_model('acme/tiny'))\n")
+    with FakeHub("acme/tiny", files, pace=(4096, 0.4)) as hub:
+        out, _ = run_python(code, hub_env(tmp_path, hub))
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "downloading acme/tiny: " in line]
+    assert len(lines) >= 2, out.stderr
+    assert " so far of about 32.8 KB, " in lines[-1] and lines[-1].endswith("/s"), lines
+    assert lines[-1].split(": ")[-1].split()[1] == "KB", lines  # the weights' bytes count
+
+
+def test_ctrl_c_during_a_download_ends_it_at_once_in_one_line(tmp_path: Path):
+    """SIGINT while a file arrives: a traceback from huggingface_hub's thread pool, and the
+    process lived on until the threads had fetched their files (minutes for a large shard).
+    Now: the download's requests end, exit 130, one line, and what arrived whole stays."""
+    import signal
+
+    files = {**_files(), "model.safetensors": WEIGHTS * 8}  # 256 KiB over about 30 s
+    with FakeHub("acme/tiny", files, pace=(4096, 0.5)) as hub:
+        proc = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "launch", "--model",
+                                 "acme/tiny"], env=hub_env(tmp_path, hub), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while "model.safetensors" not in hub.downloaded() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "tpserve: interrupted"
+    assert "download of acme/tiny interrupted: the files that arrived whole stay" in err
+    assert took < 10, f"took {took:.1f} s to stop"
+    assert list((tmp_path / "hub-cache").rglob("snapshots/*/config.json"))

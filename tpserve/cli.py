@@ -46,10 +46,12 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                        "serves the small embedded default model (offline, CPU friendly).")
     p.add_argument("--config", type=Path, help="YAML preset (see configs/); flags override it")
     p.add_argument("--model", help="local directory or Hugging Face hub id (org/name), taken "
-                   "from the hub cache or downloaded into it (safetensors, config and tokenizer "
-                   "files only; HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
+                   "from the hub cache or downloaded into it (config and tokenizer files and the "
+                   "safetensors weights the index names, nothing else; HF_TOKEN, HF_ENDPOINT, "
+                   "HF_HUB_CACHE and HF_HUB_OFFLINE apply); "
                    "default: the embedded model")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit) of a hub id")
+    p.add_argument("--revision", help="hub revision (branch, tag, commit or its first 7 "
+                   "digits, refs/pr/N) of a hub id; ignored, with a warning, for a directory")
     p.add_argument("--download-timeout", type=float, default=None, metavar="SECONDS",
                    help="downloading a hub id: seconds the hub (or a proxy) may stay silent, "
                    "not connecting, not answering a request or sending no byte of a file, "
@@ -289,9 +291,11 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
     return args
 
 
-def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
+def check_checkpoint(path: Path, load_format: str = "safetensors",
+                     hub_id: str | None = None) -> None:
     """Refuse a checkpoint tpserve cannot serve before Ray or the HTTP server start: a
-    config.json, safetensors weights (unless --load-format dummy) and tokenizer files."""
+    config.json, safetensors weights (unless --load-format dummy) and tokenizer files.
+    hub_id: `path` is that hub repository's snapshot in the hub cache."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: pass the directory of a Hugging Face "
                               "checkpoint (config.json, *.safetensors, tokenizer files)")
@@ -299,6 +303,13 @@ def check_checkpoint(path: Path, load_format: str = "safetensors") -> None:
         _check_weights(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES) \
             and not any(path.glob("*.model")):
+        if hub_id is not None:
+            raise CheckpointError(
+                f"{hub_id} has no tokenizer on the hub (none of {', '.join(TOKENIZER_FILES)}; "
+                f"config.json and the weights are in {path}): serve a directory instead: "
+                f"`hf download {hub_id} --local-dir DIR`, save the tokenizer of the model it "
+                "derives from into DIR (`AutoTokenizer.from_pretrained(BASE)"
+                ".save_pretrained(DIR)`), then pass --model DIR")
         raise CheckpointError(
             f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
             "tokenizer files of the original model into it, e.g. "
@@ -317,9 +328,10 @@ def _check_weights(path: Path) -> None:
             raise CheckpointError(
                 f"{index.name} in {path} lists weight files that are not there: "
                 f"{', '.join(missing)}; download the checkpoint again (`hf download ID`)")
-        return
+        return _check_complete([path / f for f in sorted(files)])
     if any(path.glob("*.safetensors")):
-        return
+        single = path / "model.safetensors"  # as weights.weight_files reads them
+        return _check_complete([single] if single.is_file() else sorted(path.glob("*.safetensors")))
     pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     found = f" (found {', '.join(pickled)}: pickle files, which tpserve does not load)" \
         if pickled else ""
@@ -328,6 +340,27 @@ def _check_weights(path: Path) -> None:
         "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (transformers writes "
         "safetensors) and copy the tokenizer files into OUT, or fetch the safetensors "
         "revision with `hf download ID`.")
+
+
+def _check_complete(files: list[Path]) -> None:
+    """Each weight file holds every byte its header describes: a file cut off (a copy or a
+    transfer that stopped) is refused by name before Ray starts, instead of failing in every
+    shard with safetensors' "incomplete metadata, file not fully covered"."""
+    for f in files:
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise CheckpointError(f"{f} is cut off or not a safetensors file (its header "
+                                  "does not read): download or copy it again") from None
+        if size < 8 + n + end:
+            raise CheckpointError(
+                f"{f} is cut off: {size} bytes where its header describes {8 + n + end}; "
+                "download or copy it again (`hf download ID` resumes into the hub cache)")
 
 
 def _load_config(path: Path):
@@ -391,7 +424,10 @@ def engine_config(args: argparse.Namespace):
     path = resolve_model(args.model, args.revision, weights=args.load_format != "dummy",
                          download_timeout=args.download_timeout)
     log.info("model: %s (%s)", path, "embedded default" if args.model is None else args.model)
-    check_checkpoint(path, args.load_format)  # hub-cache snapshots and the embedded model too
+    # hub-cache snapshots and the embedded model too
+    hub_id = args.model if args.model and path != Path(args.model).expanduser().resolve() \
+        else None
+    check_checkpoint(path, args.load_format, hub_id)
     hf = _load_config(path)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
@@ -957,6 +993,9 @@ def main(argv: list[str] | None = None) -> int:
         # One line, no traceback: the message says what to do.
         print(f"tpserve: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handlers are in place
+        print("tpserve: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Models from the Hugging Face hub: find them in the local cache, else download them.
 
-Only what tpserve reads is fetched: safetensors weights and their index, config.json,
-generation_config.json and the tokenizer files. Pickle-based weights (*.bin, *.pt, *.pth,
-*.ckpt, *.pkl) are never downloaded. huggingface_hub does the work, so its environment
-variables apply: HF_TOKEN (gated and private models), HF_ENDPOINT (a mirror), HF_HUB_CACHE /
-HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never touch the network).
+Only what tpserve reads is fetched: config.json, generation_config.json, the tokenizer
+files, and the weight files the loader reads (weights.safetensors_files): the shards that
+model.safetensors.index.json names, else model.safetensors, else the top-level *.safetensors.
+Pickle-based weights (*.bin, *.pt, *.pth, *.ckpt, *.pkl), other formats (GGUF, ONNX) and
+sub-folders (original/, onnx/, quantized variants) are never downloaded. huggingface_hub
+does the work, so its environment variables apply: HF_TOKEN (gated and private models),
+HF_ENDPOINT (a mirror), HF_HUB_CACHE / HF_HOME (where the cache is), HF_HUB_OFFLINE=1 (never
+touch the network).
 
 A hub (or proxy) that stops answering fails the download instead of hanging it: every wait on
 the network (connecting, the answer to a request, the next bytes of a file) is bounded by the
@@ -23,30 +26,39 @@ needs it downloads under a file lock, the others wait on the lock and then find 
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_stall import HubStalledError, StallGuard, bound_xet, guarded
+from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
+from tpserve.hub_progress import DownloadProgress
+from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
 log = logging.getLogger(__name__)
 
 # What tpserve loads. Tokenizer files vary by family: tokenizer.json / tokenizer_config.json,
 # sentencepiece's tokenizer.model / spiece.model, BPE's vocab.json + merges.txt, vocab.txt.
-ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json",
+ALLOW_PATTERNS = ["model.safetensors.index.json", "config.json",
                   "generation_config.json", "tokenizer*", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
                   "*.tiktoken", "chat_template.json", "chat_template.jinja",
                   # quantizers' own settings files (weights.adopt_quant_file)
-                  "quantize_config.json", "quant_config.json"]
+                  "quantize_config.json", "quant_config.json",
+                  # a LoRA adapter given as --model: said to be one (hub_errors.no_config)
+                  "adapter_config.json"]
 # Pickle files may run code when loaded; "consolidated" files are a non-HF layout that
-# duplicates the weights (Mistral's repositories carry both).
+# duplicates the weights (Mistral's repositories carry both). The checkpoint is the
+# repository's top level: sub-folders hold other copies (original/, onnx/, variants).
 IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.h5",
-                   "*.msgpack", "consolidated*", "original/*"]
+                   "*.msgpack", "consolidated*", "*/*"]
+INDEX = "model.safetensors.index.json"
 
 
 DEFAULT_DOWNLOAD_TIMEOUT_S = 60.0
@@ -69,22 +81,43 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _patterns(weights: bool) -> list[str]:
-    return ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
+def weight_choices(path: Path) -> list[list[str]]:
+    """Patterns of the weight files the loader reads (weights.safetensors_files), given the
+    snapshot's index if it has one; several are tried in order until one gives weights."""
+    index = path / INDEX
+    if index.is_file():
+        return [sorted(glob.escape(n) for n in set(_weight_map(index).values()))]
+    return [["model.safetensors"], ["*.safetensors"]]
 
 
-def cached_snapshot(model_id: str, revision: str | None = None,
-                    weights: bool = True) -> Path | None:
-    """The cached snapshot holding config.json, or None (never touches the network)."""
+def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot holding config.json, or None (never touches the network). Its
+    weights may be missing (_has_weights)."""
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(snapshot_download(model_id, revision=revision, local_files_only=True,
-                                      allow_patterns=_patterns(weights),
+        path = Path(snapshot_download(model_id, revision=_full_commit(model_id, revision),
+                                      local_files_only=True, allow_patterns=ALLOW_PATTERNS,
                                       ignore_patterns=IGNORE_PATTERNS))
-    except Exception:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
-        return None
+    except Exception as exc:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
+        # huggingface_hub 2.x: the snapshot lacks files of the patterns that its listing names
+        # (fetched with `hf download --include`, say). Offline, tpserve's own checks decide
+        # whether it serves (check_checkpoint); online, the download completes it.
+        partial = getattr(exc, "snapshot_path", None)
+        if partial is None or not offline():
+            return None
+        path = Path(partial)
     return path if (path / "config.json").exists() else None
+
+
+def _full_commit(model_id: str, revision: str | None) -> str | None:
+    """A short commit id (7+ hex digits, as the hub's pages show them) as the one cached
+    snapshot whose commit it starts, which huggingface_hub's cache look-up does not match."""
+    if revision is None or not re.fullmatch(r"[0-9a-f]{7,39}", revision):
+        return revision
+    snapshots = Path(cache_dir()) / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    found = [p.name for p in snapshots.glob(f"{revision}*") if len(p.name) == 40]
+    return found[0] if len(found) == 1 else revision
 
 
 def download_timeout(seconds: float | None = None) -> float:
@@ -104,92 +137,141 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
     """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
     weights=False (--load-format dummy) fetches only the config and tokenizer files.
     timeout: seconds the hub may stay silent before the download fails (download_timeout)."""
-    found = cached_snapshot(model_id, revision, weights)
+    found = cached_snapshot(model_id, revision)
     if found is not None and (not weights or _has_weights(found)):
         return found
     if offline():
+        where = (f"is only partly in the hub cache {cache_dir()} (its snapshot {found} lacks "
+                 f"{_missing_weights(found)}: a download that stopped, or one without "
+                 "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
         raise CheckpointError(
-            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()} and "
-            "HF_HUB_OFFLINE is set, so tpserve may not download it. Unset HF_HUB_OFFLINE to "
-            f"download it, fetch it first with `hf download {model_id}"
-            f"{' --revision ' + revision if revision else ''}` where there is a network "
+            f"model {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve "
+            "may not download it. Unset HF_HUB_OFFLINE to download it, fetch it first with "
+            f"`hf download {model_id}{' --revision ' + revision if revision else ''}` where "
+            "there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
-    with _node_lock(model_id, revision):
+    try:
+        lock = _node_lock(model_id, revision)
+        lock.acquire()
+    except OSError as exc:  # a cache that is not a writable directory
+        raise CheckpointError(cache_unwritable(model_id, cache_dir(), exc)) from None
+    try:
         # Another process on this node may have finished the download while we waited.
-        found = cached_snapshot(model_id, revision, weights)
+        found = cached_snapshot(model_id, revision)
         if found is not None and (not weights or _has_weights(found)):
             return found
         return _download(model_id, revision, weights, download_timeout(timeout))
+    finally:
+        lock.release()
 
 
 def _download(model_id: str, revision: str | None, weights: bool, timeout: float) -> Path:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     log.info("downloading %s%s from %s into %s (a silence of %g s fails it: "
-             "--download-timeout)", model_id, _at(revision), constants.ENDPOINT, cache_dir(),
-             timeout)
+             "--download-timeout)", model_id, at(revision), redact(constants.ENDPOINT),
+             cache_dir(), timeout)
     guard = StallGuard(timeout)
     bound_xet(timeout)
     try:
-        with guarded(guard):
+        with guarded(guard), cancelled_by_interrupt(guard), _quiet_http_client(), \
+                DownloadProgress(model_id, cache_dir()) as progress:
             path = Path(snapshot_download(model_id, revision=revision,
-                                          allow_patterns=_patterns(weights),
+                                          allow_patterns=ALLOW_PATTERNS,
                                           ignore_patterns=IGNORE_PATTERNS))
-    except GatedRepoError as exc:
+            if not (path / "config.json").exists():  # refused before any weights arrive
+                raise CheckpointError(no_config(model_id, revision, path))
+            progress.total = _total_size(path) if weights else None
+            # The weights once the index is known, at the commit just resolved.
+            for patterns in weight_choices(path) if weights else []:
+                with _quiet_no_match():  # "No files matched": the next choice is tried
+                    snapshot_download(model_id, revision=path.name, allow_patterns=patterns,
+                                      ignore_patterns=IGNORE_PATTERNS)
+                if _has_weights(path):
+                    break
+    except CheckpointError:
+        raise
+    except KeyboardInterrupt:
+        log.warning("download of %s interrupted: the files that arrived whole stay in the hub "
+                    "cache %s, and launching again fetches only the rest", model_id, cache_dir())
+        raise
+    except Exception as exc:  # noqa: BLE001 - network, HTTP, hub and disk errors alike
+        # guard.behind: whatever huggingface_hub made of a silence
+        raise CheckpointError(explain(exc, model_id, revision, cache_dir(), constants.ENDPOINT,
+                                      guard.behind(exc))) from None
+    if weights and (path / INDEX).is_file() and not _has_weights(path):
         raise CheckpointError(
-            f"{model_id} is gated: accept its licence on the hub, then set HF_TOKEN to a token "
-            f"of that account ({_first_line(exc)})") from None
-    except RevisionNotFoundError as exc:
-        raise CheckpointError(f"{model_id} has no revision {revision!r} ({_first_line(exc)})"
-                              ) from None
-    except RepositoryNotFoundError as exc:
-        raise CheckpointError(
-            f"{model_id} was not found on {constants.ENDPOINT}: check the id, or set HF_TOKEN "
-            f"if it is private ({_first_line(exc)})") from None
-    except Exception as exc:  # noqa: BLE001 - network, HTTP and disk errors alike
-        stalled = guard.behind(exc)  # whatever huggingface_hub made of a silence
-        if stalled is not None:
-            raise CheckpointError(_stall_message(model_id, revision, stalled)) from None
-        # Say where it looked first: offline, "not in the cache" is the actual problem.
-        local = "" if "/" in model_id else f" (nor is {model_id} a directory here)"
-        raise CheckpointError(
-            f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()}{local} "
-            f"and could not be downloaded from {constants.ENDPOINT}: "
-            f"{_first_line(exc).removeprefix('Got: ')}. Check the network (HF_ENDPOINT "
-            f"selects a mirror), or fetch it where there is one (`hf download {model_id}`) "
-            "and copy the hub cache (HF_HUB_CACHE) or pass the directory to --model.") from None
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{model_id}{_at(revision)} has no config.json: it is not a "
-                              "transformers model tpserve can serve")
+            f"{model_id}{at(revision)}: its {INDEX} names weight files the repository does "
+            f"not hold ({_missing_weights(path)}): pick another revision or copy of the model")
     if weights and not _has_weights(path):
         raise CheckpointError(
-            f"{model_id}{_at(revision)} has no *.safetensors weights (tpserve never downloads "
-            "pickle *.bin files): pick a revision or a copy of the model with safetensors, "
-            "or convert it yourself and pass the directory to --model")
+            f"{model_id}{at(revision)} has no *.safetensors weights (tpserve never downloads "
+            "pickle *.bin files): pick a revision or a copy of the model with safetensors (the "
+            "hub's conversion bot may have opened a pull request with them: --revision "
+            "refs/pr/N, N from the repository's Community tab), or convert it yourself "
+            "(transformers' save_pretrained writes safetensors) and pass the directory to "
+            "--model")
     return path
 
 
-def _stall_message(model_id: str, revision: str | None, stalled: HubStalledError) -> str:
-    return (f"model {model_id!r}{_at(revision)} is not in the hub cache {cache_dir()} and its "
-            f"download stopped: {stalled}. Check the network, any proxy (HTTPS_PROXY, "
-            "HTTP_PROXY) and HF_ENDPOINT; if the hub is only slow, allow a longer silence with "
-            "--download-timeout SECONDS (or HF_HUB_DOWNLOAD_TIMEOUT); or serve without the "
-            f"network: fetch it where there is one (`hf download {model_id}`), then set "
-            "HF_HUB_OFFLINE=1 with that hub cache (HF_HUB_CACHE), or pass its directory to "
-            "--model")
+@contextlib.contextmanager
+def _quiet_http_client():
+    """The HTTP client's line per request (httpx, httpx2 for huggingface_hub 2.x) only at
+    debug: at info, a download's dozens of them buried the launch's own lines."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("httpx", "httpx2")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _quiet_no_match():
+    hub_log = logging.getLogger("huggingface_hub._snapshot_download")
+    no_match = logging.Filter()
+    no_match.filter = lambda record: not record.getMessage().startswith("No files matched")
+    hub_log.addFilter(no_match)
+    try:
+        yield
+    finally:
+        hub_log.removeFilter(no_match)
 
 
 def _has_weights(path: Path) -> bool:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.exists():
-        names = set(json.loads(index.read_text())["weight_map"].values())
-        return all((path / n).exists() for n in names)
+        return all((path / n).exists() for n in set(_weight_map(index).values()))
     return any(path.glob("*.safetensors"))
+
+
+def _missing_weights(path: Path) -> str:
+    index = path / INDEX
+    if not index.is_file():
+        return "its *.safetensors weights"
+    missing = sorted(n for n in set(_weight_map(index).values()) if not (path / n).is_file())
+    return ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+
+
+def _total_size(path: Path) -> int | None:
+    """The weights' size where the index says it (metadata.total_size)."""
+    try:
+        return int(json.loads((path / INDEX).read_text())["metadata"]["total_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        return dict(json.loads(index.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index ({exc!r})") from None
 
 
 def _node_lock(model_id: str, revision: str | None):
@@ -200,12 +282,3 @@ def _node_lock(model_id: str, revision: str | None):
     locks = Path(cache_dir()) / ".locks" / "tpserve"
     locks.mkdir(parents=True, exist_ok=True)
     return FileLock(str(locks / f"{key}.lock"))
-
-
-def _at(revision: str | None) -> str:
-    return f" (revision {revision})" if revision else ""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

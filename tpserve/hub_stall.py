@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from urllib.parse import urlsplit
@@ -40,15 +41,18 @@ class HubStalledError(Exception):
     """The hub (or a proxy, or a CDN it redirected to) sent nothing for the download timeout.
     Not an httpx error, so huggingface_hub does not retry it: it ends the download."""
 
-    def __init__(self, method: str, url: str, what: str, seconds: float) -> None:
+    def __init__(self, method: str, url: str, what: str, seconds: float,
+                 cancelled: bool = False) -> None:
         self.method, self.url, self.what, self.seconds = method, url, what, seconds
-        super().__init__(f"{_origin(url)}{_via_proxy(url)} {what} for {seconds:g} s "
+        self.cancelled = cancelled
+        super().__init__("the download was interrupted" if cancelled else
+                         f"{_origin(url)}{_via_proxy(url)} {what} for {seconds:g} s "
                          f"({method} {_no_query(url)})")
 
     def again(self) -> HubStalledError:
         """A fresh instance for another thread (one instance raised in several threads would
         share one traceback)."""
-        return HubStalledError(self.method, self.url, self.what, self.seconds)
+        return HubStalledError(self.method, self.url, self.what, self.seconds, self.cancelled)
 
 
 # What the request was doing when its wait ran out, from httpcore's trace event names
@@ -78,6 +82,12 @@ class StallGuard:
     def check(self) -> None:
         if self.failed is not None:
             raise self.failed.again()
+
+    def cancel(self) -> None:
+        """End every request and body read of the download at once (Ctrl-C: the threads
+        that fetch the files would otherwise finish their files before the process ends)."""
+        with self._lock:
+            self.failed = self.failed or HubStalledError("", "", "", 0, cancelled=True)
 
     def on_request(self, request) -> None:
         self.check()
@@ -125,6 +135,26 @@ class StallGuard:
                     return self.stalls[key]
             exc = exc.__cause__ or exc.__context__
         return None
+
+
+@contextlib.contextmanager
+def cancelled_by_interrupt(guard: StallGuard):
+    """Ctrl-C (SIGINT) during the block cancels `guard`'s download, then interrupts as
+    before. Only in the main thread, and only over Python's own handler."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def interrupted(signum, frame):
+        guard.cancel()
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _guard_lock = threading.Lock()  # one guarded download at a time per process

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from tpserve.errors import CheckpointError
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+log = logging.getLogger(__name__)
 
 
 def hub_cache_dir() -> str:
@@ -39,6 +41,9 @@ def resolve_model(model: str | None, revision: str | None = None, weights: bool 
     silence of the hub). weights=False: a hub id needs only its config and tokenizer
     (--load-format dummy)."""
     if model is None:
+        if revision:
+            log.warning("--revision %s is ignored: it selects a revision of a hub id given "
+                        "with --model", revision)
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise CheckpointError(
                 f"the embedded default model is missing from {DEFAULT_MODEL_DIR}; "
@@ -49,6 +54,13 @@ def resolve_model(model: str | None, revision: str | None = None, weights: bool 
     if local.is_dir():
         if not (local / "config.json").exists():
             raise CheckpointError(f"{local.resolve()} is a directory but has no config.json")
+        if revision:
+            from tpserve.hub import is_hub_id
+
+            shadows = (f"; it shadows the hub id {model}: run from another directory to "
+                       "download that") if is_hub_id(model) else ""
+            log.warning("--revision %s is ignored: %s is a local directory, served as it is%s",
+                        revision, local.resolve(), shadows)
         return local.resolve()
     from tpserve import hub
 
