@@ -10,8 +10,19 @@ import sys
 import time
 from pathlib import Path
 
+import huggingface_hub
+import pytest
 from hub_server import FakeHub, SilentHub
 from test_hub import hub_env
+
+# The bound on silence and Ctrl-C's prompt end are StallGuard's, which hooks huggingface_hub's
+# httpx client (set_client_factory, huggingface_hub >= 1.0, what transformers 5 installs).
+# huggingface_hub 0.x (transformers 4.x) downloads through requests, which tpserve does not
+# guard: those launches warn and keep that release's own timeouts (docs/troubleshooting.md).
+needs_guard = pytest.mark.skipif(
+    not hasattr(huggingface_hub, "set_client_factory"),
+    reason=f"huggingface_hub {huggingface_hub.__version__} has no set_client_factory: "
+           "tpserve bounds a silent hub only with huggingface_hub >= 1.0")
 
 ENSURE = "from tpserve.hub import ensure_model; print(ensure_model('acme/tiny'))"
 
@@ -25,6 +36,7 @@ def run_python(code: str, env: dict[str, str], limit: float = 20.0):
     return out, time.monotonic() - start
 
 
+@needs_guard
 def test_silent_hub_fails_with_a_message_instead_of_hanging(tmp_path: Path):
     """The first request (the revision's metadata) gets no answer: huggingface_hub sends it
     without a read timeout, so this waited forever. HF_HUB_DOWNLOAD_TIMEOUT, set by the
@@ -41,6 +53,7 @@ def test_silent_hub_fails_with_a_message_instead_of_hanging(tmp_path: Path):
     assert took < 15, f"took {took:.1f} s for a 2 s timeout"
 
 
+@needs_guard
 def test_launch_on_a_silent_hub_exits_with_one_line(tmp_path: Path):
     """`tpserve launch --download-timeout` on a hub that never answers: exit 2 within
     seconds, one `tpserve: error:` line that names the hub and the wait and says what to do,
@@ -71,6 +84,7 @@ def _files() -> dict[str, bytes]:
             "model.safetensors": WEIGHTS}
 
 
+@needs_guard
 def test_a_file_that_stops_midway_fails_and_the_next_attempt_completes(tmp_path: Path):
     """The hub answers the metadata, then stops after the first bytes of the weights: the
     download fails naming that file; what it left in the cache does not get in the way of
@@ -180,6 +194,7 @@ def test_a_long_download_logs_its_progress_where_no_bar_shows(tmp_path: Path):
     assert lines[-1].split(": ")[-1].split()[1] == "KB", lines  # the weights' bytes count
 
 
+@needs_guard
 def test_ctrl_c_during_a_download_ends_it_at_once_in_one_line(tmp_path: Path):
     """SIGINT while a file arrives: a traceback from huggingface_hub's thread pool, and the
     process lived on until the threads had fetched their files (minutes for a large shard).
