@@ -810,6 +810,17 @@ def family_checkpoint(models_dir: Path, name: str) -> Path:
     return out
 
 
+def oracle_kwargs(path: Path) -> dict:
+    """from_pretrained arguments of an oracle: float32, and eager attention where the
+    checkpoint caps attention logits (Gemma 2): transformers 4.x loads such a model with
+    SDPA by default, which leaves the cap out (its logits differed by 2.0 of 5.6 on the tiny
+    Gemma 2 under 4.57.6); transformers 5 refuses SDPA there and runs eager anyway."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    eager = bool(cfg.get("attn_logit_softcapping") or text.get("attn_logit_softcapping"))
+    return {"dtype": torch.float32, **({"attn_implementation": "eager"} if eager else {})}
+
+
 def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
               use_cache: bool = True) -> list[list[int]]:
     """transformers' own greedy continuation, float32 on the CPU: the oracle. use_cache=False:
@@ -818,7 +829,7 @@ def hf_greedy(path: Path, prompts: list[str], max_new_tokens: int,
 
     tok = AutoTokenizer.from_pretrained(path)
     cfg = json.loads((Path(path) / "config.json").read_text())
-    model = auto_class(cfg).from_pretrained(path, dtype=torch.float32).eval()
+    model = auto_class(cfg).from_pretrained(path, **oracle_kwargs(path)).eval()
     outs = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
@@ -839,7 +850,7 @@ def hf_greedy_ids(path: Path, prompts: list[list[int]], news: list[int],
     transformers 5.17's drop recomputed only the last token there)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **oracle_kwargs(path)).eval()
     outs = []
     for ids, n in zip(prompts, news, strict=True):
         with torch.no_grad():
@@ -855,7 +866,7 @@ def hf_last_logits(path: Path, prompts: list[str]) -> list[torch.Tensor]:
 
     tok = AutoTokenizer.from_pretrained(path)
     cfg = json.loads((Path(path) / "config.json").read_text())
-    model = auto_class(cfg).from_pretrained(path, dtype=torch.float32).eval()
+    model = auto_class(cfg).from_pretrained(path, **oracle_kwargs(path)).eval()
     res = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
