@@ -50,8 +50,12 @@ CHECKPOINTS = {
 # compressed-tensors' transposed zero points at tp = 4 included) in the slow job (each case
 # starts tp Ray actors: ~10-20 s on two shared cores).
 FAST = {("qwen2-gptq-actorder", 4)}
-# Layouts the Llama cases already cover at tp = 2 (AWQ, fp8, symmetric GPTQ): slow job only.
-SLOW = {"gpt-bigcode-mha-awq", "gpt-neox-awq", "phi-gptq", "bloom-fp8", "falcon-awq"}
+# Layouts the Llama cases already cover at tp = 2 (AWQ, fp8, symmetric GPTQ), and formats
+# another default-job case already splits at tp = 2 (fp8 per tensor: qwen2-fp8's per-channel
+# split, the same loader; compressed-tensors int4 symmetric: its asymmetric and per-channel
+# cases): slow job only.
+SLOW = {"gpt-bigcode-mha-awq", "gpt-neox-awq", "phi-gptq", "bloom-fp8", "falcon-awq",
+        "llama-fp8-per-tensor", "llama-ct-w4a16"}
 
 
 def _case(name: str, tp: int):
