@@ -330,8 +330,9 @@ def _check_weights(path: Path) -> None:
                 f"{', '.join(missing)}; download the checkpoint again (`hf download ID`)")
         return _check_complete([path / f for f in sorted(files)])
     if any(path.glob("*.safetensors")):
-        single = path / "model.safetensors"  # as weights.weight_files reads them
-        return _check_complete([single] if single.is_file() else sorted(path.glob("*.safetensors")))
+        from tpserve.weights import weight_files
+
+        return _check_complete(weight_files(path))  # the files the loader will read
     pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     found = f" (found {', '.join(pickled)}: pickle files, which tpserve does not load)" \
         if pickled else ""
