@@ -20,6 +20,10 @@ hub serves through Xet are fetched by hf_xet's own client: it gets the same time
 connecting and for each read, and as the span it retries in (its HF_XET_CLIENT_* variables,
 unless the user set them).
 
+A branch or tag found in the cache is checked against the hub on every online launch
+(hub_refresh.py): a repository updated since is downloaded again (its new files only), and a
+hub that cannot be asked leaves the cached commit served, with a warning that says so.
+
 Every node that holds a shard resolves the model itself: the first process on a node that
 needs it downloads under a file lock, the others wait on the lock and then find it cached.
 """
@@ -39,6 +43,7 @@ from pathlib import Path
 from tpserve.errors import CheckpointError
 from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
 from tpserve.hub_progress import DownloadProgress
+from tpserve.hub_refresh import current_commit, is_commit, point_ref
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 
 log = logging.getLogger(__name__)
@@ -136,11 +141,14 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
                  timeout: float | None = None) -> Path:
     """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
     weights=False (--load-format dummy) fetches only the config and tokenizer files.
-    timeout: seconds the hub may stay silent before the download fails (download_timeout)."""
-    found = cached_snapshot(model_id, revision)
-    if found is not None and (not weights or _has_weights(found)):
+    timeout: seconds the hub may stay silent before the download fails (download_timeout).
+    A cached branch or tag is served only while the hub still points it at the cached
+    commit (hub_refresh); a commit id, or HF_HUB_OFFLINE, never asks the hub."""
+    found = _usable(cached_snapshot(model_id, revision), weights)
+    if found is not None and (offline() or is_commit(_full_commit(model_id, revision))):
         return found
     if offline():
+        found = cached_snapshot(model_id, revision)
         where = (f"is only partly in the hub cache {cache_dir()} (its snapshot {found} lacks "
                  f"{_missing_weights(found)}: a download that stopped, or one without "
                  "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
@@ -150,6 +158,19 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
             f"`hf download {model_id}{' --revision ' + revision if revision else ''}` where "
             "there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
+    seconds = download_timeout(timeout)
+    commit = None
+    if found is not None:
+        commit, why = current_commit(model_id, revision, seconds)
+        if commit is None:
+            log.warning("serving %s at commit %s, cached before: the hub could not be asked "
+                        "whether %s still points there (%s)", model_id, found.name,
+                        revision or "main", why)
+            return found
+        if commit == found.name:
+            return found
+        log.info("%s: %s moved on the hub from commit %s to %s", model_id, revision or "main",
+                 found.name, commit)
     try:
         lock = _node_lock(model_id, revision)
         lock.acquire()
@@ -157,12 +178,27 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
         raise CheckpointError(cache_unwritable(model_id, cache_dir(), exc)) from None
     try:
         # Another process on this node may have finished the download while we waited.
-        found = cached_snapshot(model_id, revision)
-        if found is not None and (not weights or _has_weights(found)):
+        done = _usable(cached_snapshot(model_id, commit or revision), weights)
+        if done is not None:
+            if commit is not None:
+                point_ref(cache_dir(), model_id, revision, commit)
+            return done
+        try:
+            return _download(model_id, revision, weights, seconds)
+        except CheckpointError as exc:
+            if found is None:
+                raise
+            log.warning("serving %s at commit %s, cached before: downloading commit %s "
+                        "failed (%s)", model_id, found.name, commit, exc)
             return found
-        return _download(model_id, revision, weights, download_timeout(timeout))
     finally:
         lock.release()
+
+
+def _usable(path: Path | None, weights: bool) -> Path | None:
+    """`path`, a cached snapshot, where it holds what the launch reads (its weights too,
+    unless weights=False), else None."""
+    return path if path is not None and (not weights or _has_weights(path)) else None
 
 
 def _download(model_id: str, revision: str | None, weights: bool, timeout: float) -> Path:
