@@ -318,7 +318,9 @@ def check_checkpoint(path: Path, load_format: str = "safetensors",
         raise CheckpointError(
             f"{hub_id} has no tokenizer on the hub (none of {', '.join(TOKENIZER_FILES)}; "
             f"config.json and the weights are in {path}): pass the tokenizer of the model it "
-            "derives from with --tokenizer ID_OR_DIR")
+            "derives from with --tokenizer ID_OR_DIR, or serve a directory: `hf download "
+            f"{hub_id} --local-dir DIR`, save that tokenizer into DIR "
+            "(`AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)`), then pass --model DIR")
     raise CheckpointError(
         f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass the tokenizer "
         "of the original model with --tokenizer ID_OR_DIR, or copy its files into the "
