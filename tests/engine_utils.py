@@ -86,13 +86,14 @@ def chat_choice(client, stream: bool, **kw: object):
 
 
 def cuda_engine(path: Path, overlap: bool, lora: LoraConfig | None = None,
-                **scheduler) -> Engine:
-    """A tiny model's in-process engine on CUDA with the Triton kernels (captured graphs)."""
+                kernel: str = "triton", **scheduler) -> Engine:
+    """A tiny model's in-process engine on CUDA with the Triton kernels (captured graphs),
+    or the backend `kernel` names ("auto": what a launch on CUDA picks)."""
     from tpserve.executor.inprocess import InProcessExecutor
 
     cfg = EngineConfig(model=ModelConfig(path=str(path), model_id="t", max_model_len=256),
                        parallel=ParallelConfig(device="cuda"),
-                       cache=CacheConfig(block_size=16, num_blocks=128), kernel="triton",
+                       cache=CacheConfig(block_size=16, num_blocks=128), kernel=kernel,
                        scheduler=SchedulerConfig(async_scheduling=overlap, **scheduler),
                        lora=lora or LoraConfig())
     return Engine(cfg, InProcessExecutor(cfg))
