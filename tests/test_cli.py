@@ -314,6 +314,25 @@ def test_launch_starts_its_own_ray_cluster_even_when_others_run(monkeypatch):
     assert seen[-1] == {"address": "auto", "namespace": "tpserve"}
 
 
+def test_the_last_line_on_stop_says_what_of_ray_is_left(monkeypatch, capsys):
+    """The launcher's last line said only "stopped", and only at --log-level info: a user
+    could not tell whether the Ray processes were gone. It is printed, as the "serving" line
+    is, after a local cluster's processes have been waited for."""
+    import ray
+
+    from tpserve.cli import _stop_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "shutdown", lambda **kw: calls.append(kw))
+    _stop_ray(None)
+    assert calls == [{"wait_for_processes": True}]
+    assert capsys.readouterr().out == ("tpserve: stopped (the local Ray cluster it started "
+                                       "has exited)\n")
+    _stop_ray("auto")
+    assert capsys.readouterr().out == ("tpserve: stopped (the Ray cluster at --address auto "
+                                       "keeps running)\n")
+
+
 def test_a_local_cluster_is_told_it_is_one_machine_and_a_joined_one_is_not(monkeypatch):
     """Without --address, Ray is told before it is imported that the cluster is this machine
     alone, so it binds its ports to 127.0.0.1 (test_e2e_server measures the sockets); a

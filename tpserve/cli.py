@@ -781,10 +781,20 @@ def launch(args: argparse.Namespace) -> int:
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         ray.kill(driver)
-        # Stops the raylet, GCS and workers of a local cluster this process started; a
-        # joined cluster (--address) keeps running, only this job's actors are gone.
-        ray.shutdown()
-        log.info("stopped")
+        _stop_ray(args.address)
+
+
+def _stop_ray(address: str | None) -> None:
+    """Leave Ray and say what is left, on stdout as the "serving" line (seen at any
+    --log-level). A local cluster this process started is shut down and waited for (its
+    workers exit with its raylet); a joined cluster (--address) keeps running, only this
+    launch's actors are gone."""
+    import ray
+
+    ray.shutdown(wait_for_processes=True)
+    left = (f"the Ray cluster at --address {address} keeps running" if address
+            else "the local Ray cluster it started has exited")
+    print(f"tpserve: stopped ({left})", flush=True)
 
 
 def _driver_lost(driver) -> str | None:
@@ -815,8 +825,6 @@ def _wait(ref, cancel: threading.Event):
 def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
     """`--replicas R|auto` / `--min-replicas` / `--max-replicas`: R replicas on Ray Serve
     behind one HTTP address (tpserve/serve/)."""
-    import ray
-
     if server.ssl_certfile:
         raise ValueError("--ssl-certfile/--ssl-keyfile are not supported with --replicas "
                          "(Ray Serve's HTTP proxy serves plain HTTP): terminate TLS in a proxy "
@@ -874,7 +882,7 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
                 serve_app.shutdown()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
-        ray.shutdown()
+        _stop_ray(args.address)
 
 
 def kernels(args: argparse.Namespace) -> int:
