@@ -109,7 +109,7 @@ def test_no_help_line_carries_two_defaults(tmp_path):
     by_flag = {e.split()[0]: " ".join(e.split()) for e in entries}
     assert "(default: 1)" in by_flag["--tp"]
     assert "(default: 0)" in by_flag["--seed"]
-    assert "default: cores / tp" in by_flag["--cpus-per-shard"]
+    assert "default: cores / (tp x replicas)" in by_flag["--cpus-per-shard"]
     assert "None" not in r.stdout and "(default: False)" not in r.stdout
 
 
@@ -345,6 +345,21 @@ def test_a_local_cluster_is_told_it_is_one_machine_and_a_joined_one_is_not(monke
     assert os.environ[name] == "unset"
     _ray_on_loopback(build_parser().parse_args(["launch"]))
     assert os.environ[name] == "0"
+
+
+def test_cpus_per_shard_default_reads_as_the_launch_computes_it(llama_dir, monkeypatch):
+    """--help said cores / tp where the README's table, and the launch, divide the cores by
+    tp x replicas."""
+    from tpserve import cli
+
+    rows = dict(re.findall(r"^\| `(--[a-z0-9-]+)` \| ([^|]*) \|",
+                           (ROOT / "README.md").read_text(), re.M))
+    (action,) = [a for a in _launch_actions() if a.dest == "cpus_per_shard"]
+    assert f"default: {rows['--cpus-per-shard'].strip()}" in " ".join(action.help.split())
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 8)
+    args = apply_preset(build_parser(), ["launch", "--model", str(llama_dir), "--device", "cpu",
+                                         "--tp", "2", "--replicas", "2"])
+    assert cli.engine_config(args).parallel.cpus_per_shard == 2  # 8 / (2 x 2)
 
 
 # --- --kv-cache-dtype ----------------------------------------------------------------------

@@ -96,7 +96,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="seconds a collective between shards (or a step) may take before "
                    "the peer counts as hung and its shard group as lost (then rebuilt)")
     p.add_argument("--cpus-per-shard", type=int, default=None,
-                   help="CPU device: cores per shard (default: cores / tp, at least 1)")
+                   help="CPU device: cores (and torch threads) per shard (default: cores / (tp x "
+                   "replicas), at least 1)")
     p.add_argument("--replicas", default="1", type=_replicas_arg,
                    help="model replicas of --tp shards each behind one address, on Ray Serve "
                    "(routed to the least busy, prefix-cache aware); auto: as many as the "
@@ -114,8 +115,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="requests in flight before answering 429")
     p.add_argument("--max-best-of", type=int, default=2,
                    help="most candidates of one /generate request or /v1/completions "
-                   "prompt (`best_of`: the likeliest per token are answered); 1 refuses "
-                   "best_of > 1 (best_of > n on /v1/completions)")
+                   "prompt (`best_of`: those of the highest mean token log-probability are "
+                   "answered); 1 refuses best_of > 1 (best_of > n on /v1/completions)")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="most Responses API responses kept in this process's memory for "
                    "previous_response_id and GET /v1/responses/{id} (least recently used "
@@ -125,7 +126,7 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "size); least recently used dropped past it")
     p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                    help="most seconds a stored response is kept, read or not (then it answers "
-                   "as an unknown id); 0: no age limit. The default, an hour, outlasts the "
+                   "as an unknown id); 0: no age limit. The default, 3600 (an hour), outlasts the "
                    "turns of a conversation and an agent's tool loop, while a conversation "
                    "does not stay in memory for days on a quiet server that the count and "
                    "size bounds would never make drop it")
