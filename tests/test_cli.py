@@ -113,6 +113,15 @@ def test_no_help_line_carries_two_defaults(tmp_path):
     assert "None" not in r.stdout and "(default: False)" not in r.stdout
 
 
+def test_a_bare_tpserve_names_its_commands(tmp_path):
+    """`tpserve` alone said "the following arguments are required: command"."""
+    r = _run(home=tmp_path)
+    assert r.returncode == 2
+    assert "the following arguments are required: {launch,kernels}" in r.stderr, r.stderr
+    r = _run("kernels", "--help", home=tmp_path)
+    assert "which one --kernel auto and --quant-kernel auto pick" in " ".join(r.stdout.split())
+
+
 def test_pickle_only_checkpoint_is_refused_before_anything_starts(tmp_path):
     model = tmp_path / "pickled"
     model.mkdir()

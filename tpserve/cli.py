@@ -255,10 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version_string(),
                         help="print the versions of tpserve, torch, ray and transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # metavar: a bare `tpserve` names the commands it takes, not the word "command".
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}")
     _launch_parser(sub)
     k = sub.add_parser("kernels", help="list attention backends and what each supports here",
-                       formatter_class=_OneDefaultFormatter)
+                       formatter_class=_OneDefaultFormatter,
+                       description="List the attention backends and the int4/fp8 matmul "
+                       "kernels, what each supports on this machine's device and dtype, and "
+                       "which one --kernel auto and --quant-kernel auto pick.")
     k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
                    help="device to probe (auto: CUDA, else XPU, else CPU)")
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
