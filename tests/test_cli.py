@@ -145,6 +145,7 @@ def test_checkpoint_without_tokenizer_is_refused_before_ray(tmp_path):
     r = _run("launch", "--model", str(model), home=tmp_path)
     assert r.returncode == 2
     assert "has no tokenizer" in r.stderr and "tokenizer.json" in r.stderr
+    assert "--tokenizer ID_OR_DIR" in r.stderr  # the remedy that needs no copying
     assert NOTHING_STARTED.search(r.stdout + r.stderr) is None
 
 

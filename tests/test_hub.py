@@ -159,6 +159,7 @@ def test_a_repository_without_a_tokenizer_says_what_to_do(tmp_path, llama_dir):
     err = out.stderr.strip().splitlines()[-1]
     assert err.startswith("tpserve: error: acme/no-tok has no tokenizer on the hub"), err
     assert "`hf download acme/no-tok --local-dir DIR`" in err and "--model DIR" in err
+    assert "--tokenizer ID_OR_DIR" in err
 
 
 def test_revision_and_missing_repo_errors(tmp_path, llama_dir):

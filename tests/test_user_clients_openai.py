@@ -343,8 +343,16 @@ def test_max_tokens_0_with_echo_returns_the_prompt_and_its_logprobs(client, url)
         logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
     want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
+    def counted(name):  # the served /metrics counter
+        found = re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    sent, prompts = counted("tpserve_generated_tokens_total"), counted("tpserve_prompt_tokens_total")
     c = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=0, echo=True,
                                   logprobs=1, n=2, temperature=1.0, seed=3)
+    # The engine's one token per choice is dropped, so the tokens-sent counter stays put.
+    assert counted("tpserve_generated_tokens_total") == sent
+    assert counted("tpserve_prompt_tokens_total") == prompts + 2 * len(ids)
     assert [(ch.text, ch.finish_reason) for ch in c.choices] == [(PROMPT, "length")] * 2
     assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ids), 0)
     lp = c.choices[0].logprobs

@@ -18,13 +18,16 @@ from tpserve import __version__, preflight
 from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
+from tpserve.tokenizer import (
+    TOKENIZER_FILES,
+    check_vocab,
+    has_tokenizer,
+    load_tokenizer,
+    resolve_tokenizer,
+)
 
 log = logging.getLogger("tpserve")
 
-# Any one of these is enough for AutoTokenizer (tokenizer_config.json alone: byte-level
-# tokenizers such as ByT5's have no vocabulary file).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
-                   "vocab.json", "vocab.txt")
 
 
 class _OneDefaultFormatter(argparse.HelpFormatter):
@@ -52,6 +55,13 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "default: the embedded model")
     p.add_argument("--revision", help="hub revision (branch, tag, commit or its first 7 "
                    "digits, refs/pr/N) of a hub id; ignored, with a warning, for a directory")
+    p.add_argument("--tokenizer", metavar="PATH_OR_HUB_ID",
+                   help="load the tokenizer (and its chat template) from this local directory "
+                   "or hub id instead of the model's (a hub id's tokenizer files only, no "
+                   "weights); a model without tokenizer files needs it; refused when it has "
+                   "more tokens than the model's vocabulary; default: the model's own")
+    p.add_argument("--tokenizer-revision",
+                   help="hub revision (branch, tag or commit) of a --tokenizer hub id")
     p.add_argument("--download-timeout", type=float, default=None, metavar="SECONDS",
                    help="downloading a hub id: seconds the hub (or a proxy) may stay silent, "
                    "not connecting, not answering a request or sending no byte of a file, "
@@ -297,28 +307,29 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
 
 
 def check_checkpoint(path: Path, load_format: str = "safetensors",
-                     hub_id: str | None = None) -> None:
+                     hub_id: str | None = None, tokenizer_given: bool = False) -> None:
     """Refuse a checkpoint tpserve cannot serve before Ray or the HTTP server start: a
-    config.json, safetensors weights (unless --load-format dummy) and tokenizer files.
-    hub_id: `path` is that hub repository's snapshot in the hub cache."""
+    config.json, safetensors weights (unless --load-format dummy) and tokenizer files
+    (unless --tokenizer names them elsewhere: tokenizer_given). hub_id: `path` is that hub
+    repository's snapshot in the hub cache."""
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: pass the directory of a Hugging Face "
                               "checkpoint (config.json, *.safetensors, tokenizer files)")
     if load_format == "safetensors":
         _check_weights(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES) \
-            and not any(path.glob("*.model")):
-        if hub_id is not None:
-            raise CheckpointError(
-                f"{hub_id} has no tokenizer on the hub (none of {', '.join(TOKENIZER_FILES)}; "
-                f"config.json and the weights are in {path}): serve a directory instead: "
-                f"`hf download {hub_id} --local-dir DIR`, save the tokenizer of the model it "
-                "derives from into DIR (`AutoTokenizer.from_pretrained(BASE)"
-                ".save_pretrained(DIR)`), then pass --model DIR")
+    if tokenizer_given or has_tokenizer(path):
+        return
+    if hub_id is not None:
         raise CheckpointError(
-            f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
-            "tokenizer files of the original model into it, e.g. "
-            "`AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR)`")
+            f"{hub_id} has no tokenizer on the hub (none of {', '.join(TOKENIZER_FILES)}; "
+            f"config.json and the weights are in {path}): pass the tokenizer of the model it "
+            "derives from with --tokenizer ID_OR_DIR, or serve a directory: `hf download "
+            f"{hub_id} --local-dir DIR`, save that tokenizer into DIR "
+            "(`AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)`), then pass --model DIR")
+    raise CheckpointError(
+        f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass the tokenizer "
+        "of the original model with --tokenizer ID_OR_DIR, or copy its files into the "
+        "directory, e.g. `AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained(DIR)`")
 
 
 def _check_weights(path: Path) -> None:
@@ -415,7 +426,8 @@ def engine_config(args: argparse.Namespace):
     if args.model and Path(args.model).expanduser().is_dir():
         # A local checkpoint is checked before torch is even imported (seconds on a small
         # machine), so a checkpoint tpserve cannot serve is refused at once.
-        check_checkpoint(Path(args.model).expanduser().resolve(), args.load_format)
+        check_checkpoint(Path(args.model).expanduser().resolve(), args.load_format,
+                         tokenizer_given=bool(args.tokenizer))
     from tpserve.cluster.device import resolve_device, resolve_dtype
     from tpserve.config import (
         CacheConfig,
@@ -433,8 +445,9 @@ def engine_config(args: argparse.Namespace):
     # hub-cache snapshots and the embedded model too
     hub_id = args.model if args.model and path != Path(args.model).expanduser().resolve() \
         else None
-    check_checkpoint(path, args.load_format, hub_id)
+    check_checkpoint(path, args.load_format, hub_id, tokenizer_given=bool(args.tokenizer))
     hf = _load_config(path)
+    tokenizer = _tokenizer(args, hf)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
@@ -458,7 +471,8 @@ def engine_config(args: argparse.Namespace):
         model=ModelConfig(path=str(path), model_id=args.model or "tpserve/default-model",
                           dtype=dtype, max_model_len=max_len, revision=args.revision,
                           load_format=args.load_format, quantize=args.quantize,
-                          quant_kernel=args.quant_kernel,
+                          quant_kernel=args.quant_kernel, tokenizer=tokenizer,
+                          tokenizer_id=args.tokenizer,
                           download_timeout_s=args.download_timeout),
         parallel=ParallelConfig(tp_size=args.tp, device=device, cpus_per_shard=cpus,
                                 ray_address=args.address, placement=args.placement,
@@ -494,6 +508,25 @@ def engine_config(args: argparse.Namespace):
     from dataclasses import replace
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+
+
+def _tokenizer(args: argparse.Namespace, hf) -> str:
+    """--tokenizer's directory (downloaded where a hub id), its size checked against the
+    model's vocabulary; "" without --tokenizer (the model's own)."""
+    if not args.tokenizer:
+        if args.tokenizer_revision:
+            log.warning("--tokenizer-revision %s is ignored: it selects a revision of a hub id "
+                        "given with --tokenizer", args.tokenizer_revision)
+        return ""
+    path = resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_timeout)
+    log.info("tokenizer: %s (%s)", path, args.tokenizer)
+    try:
+        loaded = load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - transformers' errors vary by tokenizer class
+        raise CheckpointError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer from "
+                              f"{path}: {exc}") from None
+    check_vocab(loaded, hf, args.tokenizer, args.model or "tpserve/default-model")
+    return str(path)
 
 
 def _speculative(args: argparse.Namespace, hf) -> SpeculativeConfig:

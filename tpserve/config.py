@@ -19,6 +19,11 @@ class ModelConfig:
     # unquantized checkpoint at load). quant_kernel: the int4/fp8 matmul kernel, or auto.
     quantize: str = "auto"
     quant_kernel: str = "auto"
+    # --tokenizer: the resolved local directory of the tokenizer files, when they come from
+    # elsewhere than `path` (a model saved without them, or a fixed tokenizer), and what the
+    # user named (directory or hub id, for /info). Empty: the tokenizer of `path`.
+    tokenizer: str = ""
+    tokenizer_id: str | None = None
     # Seconds the hub may stay silent while a node downloads model_id (tpserve/hub.py);
     # None: HF_HUB_DOWNLOAD_TIMEOUT where set, else 60.
     download_timeout_s: float | None = None
@@ -26,6 +31,11 @@ class ModelConfig:
     # once check_shardable passed: shards and the driver read it instead of importing
     # transformers' config machinery again (seconds per process). Empty: read config.json.
     hf_snapshot: str = field(default="", repr=False, compare=False)
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The directory the tokenizer (and its chat template) is loaded from."""
+        return self.tokenizer or self.path
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ hub serves through Xet are fetched by hf_xet's own client: it gets the same time
 connecting and for each read, and as the span it retries in (its HF_XET_CLIENT_* variables,
 unless the user set them).
 
+A branch or tag found in the cache is checked against the hub on every online launch
+(hub_refresh.py): a repository updated since is downloaded again (its new files only), and a
+hub that cannot be asked leaves the cached commit served, with a warning that says so.
+
 Every node that holds a shard resolves the model itself: the first process on a node that
 needs it downloads under a file lock, the others wait on the lock and then find it cached.
 """
@@ -39,7 +43,9 @@ from pathlib import Path
 from tpserve.errors import CheckpointError
 from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
 from tpserve.hub_progress import DownloadProgress
+from tpserve.hub_refresh import current_commit, is_commit, point_ref
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
+from tpserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,11 @@ ALLOW_PATTERNS = ["model.safetensors.index.json", "config.json",
 IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.h5",
                    "*.msgpack", "consolidated*", "*/*"]
 INDEX = "model.safetensors.index.json"
+# --tokenizer with a hub id: its tokenizer files and chat template, never its weights;
+# config.json too, which AutoTokenizer reads where tokenizer_config.json names no class.
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                      "vocab.json", "merges.txt", "vocab.txt", "*.model", "*.tiktoken",
+                      "chat_template.json", "chat_template.jinja", "config.json"]
 
 
 DEFAULT_DOWNLOAD_TIMEOUT_S = 60.0
@@ -90,14 +101,16 @@ def weight_choices(path: Path) -> list[list[str]]:
     return [["model.safetensors"], ["*.safetensors"]]
 
 
-def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
-    """The cached snapshot holding config.json, or None (never touches the network). Its
-    weights may be missing (_has_weights)."""
+def cached_snapshot(model_id: str, revision: str | None = None,
+                    tokenizer_only: bool = False) -> Path | None:
+    """The cached snapshot holding config.json (tokenizer_only: tokenizer files), or None
+    (never touches the network). Its weights may be missing (_has_weights)."""
     from huggingface_hub import snapshot_download
 
     try:
         path = Path(snapshot_download(model_id, revision=_full_commit(model_id, revision),
-                                      local_files_only=True, allow_patterns=ALLOW_PATTERNS,
+                                      local_files_only=True,
+                                      allow_patterns=_patterns(tokenizer_only),
                                       ignore_patterns=IGNORE_PATTERNS))
     except Exception as exc:  # noqa: BLE001 - any miss (not cached, revision unknown) is a miss
         # huggingface_hub 2.x: the snapshot lacks files of the patterns that its listing names
@@ -107,7 +120,13 @@ def cached_snapshot(model_id: str, revision: str | None = None) -> Path | None:
         if partial is None or not offline():
             return None
         path = Path(partial)
+    if tokenizer_only:
+        return path if has_tokenizer(path) else None
     return path if (path / "config.json").exists() else None
+
+
+def _patterns(tokenizer_only: bool) -> list[str]:
+    return TOKENIZER_PATTERNS if tokenizer_only else ALLOW_PATTERNS
 
 
 def _full_commit(model_id: str, revision: str | None) -> str | None:
@@ -133,14 +152,19 @@ def download_timeout(seconds: float | None = None) -> float:
 
 
 def ensure_model(model_id: str, revision: str | None = None, weights: bool = True,
-                 timeout: float | None = None) -> Path:
+                 timeout: float | None = None, tokenizer_only: bool = False) -> Path:
     """The local snapshot directory of `model_id` at `revision`, downloaded if missing.
     weights=False (--load-format dummy) fetches only the config and tokenizer files.
-    timeout: seconds the hub may stay silent before the download fails (download_timeout)."""
-    found = cached_snapshot(model_id, revision)
-    if found is not None and (not weights or _has_weights(found)):
+    timeout: seconds the hub may stay silent before the download fails (download_timeout).
+    A cached branch or tag is served only while the hub still points it at the cached
+    commit (hub_refresh); a commit id, or HF_HUB_OFFLINE, never asks the hub.
+    tokenizer_only (--tokenizer): the tokenizer files of `model_id`, nothing else."""
+    weights = weights and not tokenizer_only
+    found = _usable(cached_snapshot(model_id, revision, tokenizer_only), weights)
+    if found is not None and (offline() or is_commit(_full_commit(model_id, revision))):
         return found
     if offline():
+        found = cached_snapshot(model_id, revision, tokenizer_only)
         where = (f"is only partly in the hub cache {cache_dir()} (its snapshot {found} lacks "
                  f"{_missing_weights(found)}: a download that stopped, or one without "
                  "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
@@ -150,6 +174,19 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
             f"`hf download {model_id}{' --revision ' + revision if revision else ''}` where "
             "there is a network "
             "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
+    seconds = download_timeout(timeout)
+    commit = None
+    if found is not None:
+        commit, why = current_commit(model_id, revision, seconds)
+        if commit is None:
+            log.warning("serving %s at commit %s, cached before: the hub could not be asked "
+                        "whether %s still points there (%s)", model_id, found.name,
+                        revision or "main", why)
+            return found
+        if commit == found.name:
+            return found
+        log.info("%s: %s moved on the hub from commit %s to %s", model_id, revision or "main",
+                 found.name, commit)
     try:
         lock = _node_lock(model_id, revision)
         lock.acquire()
@@ -157,15 +194,31 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
         raise CheckpointError(cache_unwritable(model_id, cache_dir(), exc)) from None
     try:
         # Another process on this node may have finished the download while we waited.
-        found = cached_snapshot(model_id, revision)
-        if found is not None and (not weights or _has_weights(found)):
+        done = _usable(cached_snapshot(model_id, commit or revision, tokenizer_only), weights)
+        if done is not None:
+            if commit is not None:
+                point_ref(cache_dir(), model_id, revision, commit)
+            return done
+        try:
+            return _download(model_id, revision, weights, seconds, tokenizer_only)
+        except CheckpointError as exc:
+            if found is None:
+                raise
+            log.warning("serving %s at commit %s, cached before: downloading commit %s "
+                        "failed (%s)", model_id, found.name, commit, exc)
             return found
-        return _download(model_id, revision, weights, download_timeout(timeout))
     finally:
         lock.release()
 
 
-def _download(model_id: str, revision: str | None, weights: bool, timeout: float) -> Path:
+def _usable(path: Path | None, weights: bool) -> Path | None:
+    """`path`, a cached snapshot, where it holds what the launch reads (its weights too,
+    unless weights=False), else None."""
+    return path if path is not None and (not weights or _has_weights(path)) else None
+
+
+def _download(model_id: str, revision: str | None, weights: bool, timeout: float,
+              tokenizer_only: bool = False) -> Path:
     from huggingface_hub import constants, snapshot_download
 
     log.info("downloading %s%s from %s into %s (a silence of %g s fails it: "
@@ -177,9 +230,15 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
         with guarded(guard), cancelled_by_interrupt(guard), _quiet_http_client(), \
                 DownloadProgress(model_id, cache_dir()) as progress:
             path = Path(snapshot_download(model_id, revision=revision,
-                                          allow_patterns=ALLOW_PATTERNS,
+                                          allow_patterns=_patterns(tokenizer_only),
                                           ignore_patterns=IGNORE_PATTERNS))
-            if not (path / "config.json").exists():  # refused before any weights arrive
+            if tokenizer_only and not has_tokenizer(path):
+                raise CheckpointError(
+                    f"--tokenizer {model_id}{at(revision)} has no tokenizer files on the hub "
+                    f"(none of {', '.join(TOKENIZER_FILES)}): name a repository that holds a "
+                    "tokenizer, or a local directory with one")
+            if not tokenizer_only and not (path / "config.json").exists():
+                # refused before any weights arrive
                 raise CheckpointError(no_config(model_id, revision, path))
             progress.total = _total_size(path) if weights else None
             # The weights once the index is known, at the commit just resolved.

@@ -1,4 +1,5 @@
-"""The checkpoint's tokenizer, with its chat template wherever the checkpoint keeps it.
+"""The checkpoint's tokenizer (or the one --tokenizer names), with its chat template wherever
+the checkpoint keeps it.
 
 Vision-language repositories often keep the chat template beside the tokenizer rather than
 in tokenizer_config.json: in chat_template.jinja (which transformers' tokenizer reads) or in
@@ -13,18 +14,72 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tpserve.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str | Path):
+# Any one of these is enough for AutoTokenizer (tokenizer_config.json alone: byte-level
+# tokenizers such as ByT5's have no vocabulary file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "vocab.json", "vocab.txt")
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES) \
+        or any(path.glob("*.model"))
+
+
+def resolve_tokenizer(name: str, revision: str | None = None,
+                      download_timeout: float | None = None) -> Path:
+    """--tokenizer: a local directory holding tokenizer files, or a hub id whose tokenizer
+    files (only those) come from the hub cache or are downloaded into it (tpserve/hub.py)."""
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not has_tokenizer(local):
+            raise CheckpointError(
+                f"--tokenizer {name}: {local.resolve()} has no tokenizer files (none of "
+                f"{', '.join(TOKENIZER_FILES)}): pass the directory a tokenizer was saved to "
+                "(`AutoTokenizer.from_pretrained(ID).save_pretrained(DIR)`) or a hub id")
+        if revision:
+            log.warning("--tokenizer-revision %s is ignored: %s is a local directory",
+                        revision, local.resolve())
+        return local.resolve()
+    from tpserve import hub
+
+    if not hub.is_hub_id(name):
+        raise CheckpointError(f"--tokenizer {name!r} not found: {local.resolve()} does not "
+                              "exist (a path; a hub id looks like org/name)")
+    return hub.ensure_model(name, revision, weights=False, timeout=download_timeout,
+                            tokenizer_only=True)
+
+
+def load_tokenizer(path: str | Path, model_path: str | Path | None = None):
+    """The tokenizer of `path`. Without a chat template of its own, it takes the one beside
+    it, else (a tokenizer given with --tokenizer) the one beside the model at `model_path`."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if not getattr(tokenizer, "chat_template", None):
-        template = chat_template_beside(Path(path))
+        places = [Path(path)] + ([Path(model_path)] if model_path is not None else [])
+        template = next(filter(None, map(chat_template_beside, places)), None)
         if template:
             tokenizer.chat_template = template
     return tokenizer
+
+
+def check_vocab(tokenizer, hf_config, tokenizer_name: str, model_name: str) -> None:
+    """Refuse a tokenizer whose ids run past the model's embedding rows: those tokens would
+    index outside the embedding (a crash, or garbage on some devices) on the first prompt
+    that holds one."""
+    rows = getattr(hf_config, "vocab_size", None)
+    size = len(tokenizer)
+    if isinstance(rows, int) and size > rows:
+        raise CheckpointError(
+            f"the tokenizer {tokenizer_name} has {size} tokens but the model {model_name} has "
+            f"{rows} (vocab_size, its embedding rows): ids {rows} and above have no "
+            "embedding. Pass the tokenizer the model was trained with (--tokenizer), or "
+            "none to use the model's own")
 
 
 def chat_template_beside(path: Path) -> str | dict[str, str] | None:

@@ -21,6 +21,18 @@ def test_cpu_tensors_take_the_torch_path():
     assert not fo.use_triton(torch.zeros(1))
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4, 8])
+def test_rotary_warps_are_powers_of_two(heads_per_program):
+    """Triton refuses other warp counts at launch (the interpreter does not check): 8 heads
+    of 96 (Phi-3) asked for 3 and failed a CUDA launch at start-up."""
+    for head_dim in range(8, 520, 8):
+        warps = fo.rotary_warps(heads_per_program, head_dim)
+        assert warps in (1, 2, 4), (heads_per_program, head_dim, warps)
+        if heads_per_program > 1:  # about a warp per 256 values, never more
+            assert warps <= max(1, heads_per_program * head_dim // 256), (heads_per_program,
+                                                                           head_dim)
+
+
 @pytest.mark.slow  # Triton's interpreter: about a minute on two cores
 def test_triton_fused_kernels_under_the_interpreter():
     out = run_interpreted("""

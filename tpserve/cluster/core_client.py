@@ -100,11 +100,12 @@ class CoreClient:
         try:
             from tpserve.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.path)
         except Exception as exc:  # noqa: BLE001 - say which file is missing
             self.kill()
             _settle(prepared, wait_s=2.0)
-            raise errors.CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
+            raise errors.CheckpointError("cannot load a tokenizer from "
+                                         f"{cfg.model.tokenizer_path}: "
                                          f"{exc}") from exc
         special = frozenset(self.tokenizer.all_special_ids)
         self.output = OutputProcessor(self.tokenizer, special)

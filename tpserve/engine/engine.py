@@ -80,9 +80,9 @@ class Engine(EngineCore):
 
             hf_config = hf_config or load_hf_config(cfg.model.path)
             try:
-                self.tokenizer = load_tokenizer(cfg.model.path)
+                self.tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.path)
             except Exception as exc:  # noqa: BLE001 - say which file is missing
-                raise CheckpointError(f"cannot load a tokenizer from {cfg.model.path}: "
+                raise CheckpointError(f"cannot load a tokenizer from {cfg.model.tokenizer_path}: "
                                       f"{exc}") from exc
         except BaseException:
             executor.shutdown()  # no shard actors or placement groups left behind

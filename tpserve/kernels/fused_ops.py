@@ -247,6 +247,15 @@ def head_pad(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
+def rotary_warps(heads_per_program: int, head_dim: int) -> int:
+    """Warps for rotary_write_kv_kernel: about one per 256 values a program holds, at most 4.
+    A power of two, as Triton requires (8 heads of 96 hold 768 values: 2 warps, not 3)."""
+    if heads_per_program == 1:
+        return 1 if head_dim <= 64 else 2
+    values = heads_per_program * head_dim // 256
+    return min(4, 1 << max(0, values.bit_length() - 1))
+
+
 def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
                            k_scale: float = 1.0, v_scale: float = 1.0,
                            heads_per_program: int | None = None) -> torch.Tensor:
@@ -279,6 +288,6 @@ def rotary_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d,
             ROT=cos.shape[-1], HB=hb, KV_FP8=kc.dtype == getattr(torch, "float8_e4m3fn", None),
             HEAD_PAD=head_pad(d),
-            num_warps=min(4, max(1, hb * d // 256)) if hb > 1 else (1 if d <= 64 else 2),
+            num_warps=rotary_warps(hb, d),
             **pdl.launch(q.device, t))
     return q_out

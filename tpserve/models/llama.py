@@ -245,6 +245,7 @@ class LlamaModel(nn.Module):
         # (round_embed_scale), Granite's embedding_multiplier as a Python float.
         self.embed_scale: float | None = None
         self.round_embed_scale = True
+        self._embed_scales: dict[torch.dtype, float] = {}  # _rounded_embed_scale
         self.norms_folded = False  # fold_norms
 
     @property
@@ -275,11 +276,20 @@ class LlamaModel(nn.Module):
         self.norms_folded = True
         return None
 
+    def _rounded_embed_scale(self, dtype: torch.dtype) -> float:
+        """Gemma's float32 scale rounded to the model dtype before multiplying, as a Python
+        float: the same product as a tensor of it, without the host-to-device copy a tensor
+        built per forward made (which CUDA graph capture refuses: Gemma failed start-up on
+        CUDA)."""
+        if dtype not in self._embed_scales:
+            self._embed_scales[dtype] = torch.tensor(
+                self.embed_scale, dtype=torch.float32).to(dtype).item()
+        return self._embed_scales[dtype]
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
         if self.embed_scale is not None and self.round_embed_scale:
-            # Gemma rounds the float32 scale to the model dtype before multiplying.
-            x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+            x = x * self._rounded_embed_scale(x.dtype)
         elif self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotaries.items()}

@@ -108,8 +108,9 @@ def build_application(cfg: EngineConfig, spec: ReplicaSpec, server=None):
         name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000)
     loopback = spec.grpc_on_loopback
-    return ingress.bind(replica.bind(cfg, bundles, grpc_on_loopback=loopback), cfg.model.path,
-                        server, spec.replicas_wanted, grpc_on_loopback=loopback)
+    return ingress.bind(replica.bind(cfg, bundles, grpc_on_loopback=loopback),
+                        cfg.model.tokenizer_path, server, spec.replicas_wanted,
+                        grpc_on_loopback=loopback, model_path=cfg.model.path)
 
 
 def run(cfg: EngineConfig, spec: ReplicaSpec, host: str, port: int,

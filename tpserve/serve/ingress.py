@@ -328,14 +328,15 @@ def replica_state(status: dict) -> str:
 class TPServeIngress:
     """The ingress deployment class (wrapped by serve.ingress in app.py)."""
 
-    async def __init__(self, replica_handle: Any, model_path: str, server: Any = None,
-                       replicas: int = 1, grpc_on_loopback: bool = False) -> None:
+    async def __init__(self, replica_handle: Any, tokenizer_path: str, server: Any = None,
+                       replicas: int = 1, grpc_on_loopback: bool = False,
+                       model_path: str | None = None) -> None:
         from tpserve.tokenizer import load_tokenizer
 
         if grpc_on_loopback:
             keep_replica_grpc_on_loopback()
         self.server = server  # ServerConfig: API keys, body limit, deadlines, as the direct server
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(tokenizer_path, model_path)  # --tokenizer, else the model's
         self.backend = ReplicaSetBackend(replica_handle, tokenizer, replicas)
         await self.backend.refresh_info()
         await self.backend.refresh_replicas()

@@ -152,6 +152,9 @@ class TrackedStream:
         self._stream = stream
         self._first: GenerationEvent | None = first
         self._closed = False
+        # False where the tokens are not sent (prompt_only's dropped token): the counter
+        # says "sent to clients".
+        self.counts_tokens = True
 
     def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         return self._events()
@@ -159,7 +162,8 @@ class TrackedStream:
     async def _events(self) -> AsyncIterator[GenerationEvent]:
         event, self._first = self._first, None
         while event is not None:
-            self._metrics.generated_tokens.inc()
+            if self.counts_tokens:
+                self._metrics.generated_tokens.inc()
             if event.finished:
                 self._metrics.prompt_tokens.inc(event.prompt_tokens)
                 yield event
@@ -190,7 +194,8 @@ class TrackedStream:
                 raise as_tpserve_error(exc) from exc
             if not events[-1].finished:
                 raise GenerationError("the engine ended the stream without a final event")
-        self._metrics.generated_tokens.inc(len(events))
+        if self.counts_tokens:
+            self._metrics.generated_tokens.inc(len(events))
         self._metrics.prompt_tokens.inc(events[-1].prompt_tokens)
         return events
 

@@ -33,6 +33,7 @@ class PromptOnly:
 
     def __init__(self, tracked: TrackedStream) -> None:
         self._tracked = tracked
+        tracked.counts_tokens = False  # the one token is dropped, never sent
 
     def __aiter__(self) -> AsyncIterator[GenerationEvent]:
         return self._events()
