@@ -109,8 +109,17 @@ def test_no_help_line_carries_two_defaults(tmp_path):
     by_flag = {e.split()[0]: " ".join(e.split()) for e in entries}
     assert "(default: 1)" in by_flag["--tp"]
     assert "(default: 0)" in by_flag["--seed"]
-    assert "default: cores / tp" in by_flag["--cpus-per-shard"]
+    assert "default: cores / (tp x replicas)" in by_flag["--cpus-per-shard"]
     assert "None" not in r.stdout and "(default: False)" not in r.stdout
+
+
+def test_a_bare_tpserve_names_its_commands(tmp_path):
+    """`tpserve` alone said "the following arguments are required: command"."""
+    r = _run(home=tmp_path)
+    assert r.returncode == 2
+    assert "the following arguments are required: {launch,kernels}" in r.stderr, r.stderr
+    r = _run("kernels", "--help", home=tmp_path)
+    assert "which one --kernel auto and --quant-kernel auto pick" in " ".join(r.stdout.split())
 
 
 def test_pickle_only_checkpoint_is_refused_before_anything_starts(tmp_path):
@@ -315,6 +324,25 @@ def test_launch_starts_its_own_ray_cluster_even_when_others_run(monkeypatch):
     assert seen[-1] == {"address": "auto", "namespace": "tpserve"}
 
 
+def test_the_last_line_on_stop_says_what_of_ray_is_left(monkeypatch, capsys):
+    """The launcher's last line said only "stopped", and only at --log-level info: a user
+    could not tell whether the Ray processes were gone. It is printed, as the "serving" line
+    is, after a local cluster's processes have been waited for."""
+    import ray
+
+    from tpserve.cli import _stop_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "shutdown", lambda **kw: calls.append(kw))
+    _stop_ray(None)
+    assert calls == [{"wait_for_processes": True}]
+    assert capsys.readouterr().out == ("tpserve: stopped (the local Ray cluster it started "
+                                       "has exited)\n")
+    _stop_ray("auto")
+    assert capsys.readouterr().out == ("tpserve: stopped (the Ray cluster at --address auto "
+                                       "keeps running)\n")
+
+
 def test_a_local_cluster_is_told_it_is_one_machine_and_a_joined_one_is_not(monkeypatch):
     """Without --address, Ray is told before it is imported that the cluster is this machine
     alone, so it binds its ports to 127.0.0.1 (test_e2e_server measures the sockets); a
@@ -327,6 +355,21 @@ def test_a_local_cluster_is_told_it_is_one_machine_and_a_joined_one_is_not(monke
     assert os.environ[name] == "unset"
     _ray_on_loopback(build_parser().parse_args(["launch"]))
     assert os.environ[name] == "0"
+
+
+def test_cpus_per_shard_default_reads_as_the_launch_computes_it(llama_dir, monkeypatch):
+    """--help said cores / tp where the README's table, and the launch, divide the cores by
+    tp x replicas."""
+    from tpserve import cli
+
+    rows = dict(re.findall(r"^\| `(--[a-z0-9-]+)` \| ([^|]*) \|",
+                           (ROOT / "README.md").read_text(), re.M))
+    (action,) = [a for a in _launch_actions() if a.dest == "cpus_per_shard"]
+    assert f"default: {rows['--cpus-per-shard'].strip()}" in " ".join(action.help.split())
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 8)
+    args = apply_preset(build_parser(), ["launch", "--model", str(llama_dir), "--device", "cpu",
+                                         "--tp", "2", "--replicas", "2"])
+    assert cli.engine_config(args).parallel.cpus_per_shard == 2  # 8 / (2 x 2)
 
 
 # --- --kv-cache-dtype ----------------------------------------------------------------------

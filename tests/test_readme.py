@@ -37,8 +37,8 @@ def _session_processes(sid: int) -> list[int]:
 def test_readme_command_1_then_its_curl_and_python_lines_then_ctrl_c(tmp_path):
     """`tpserve launch --tp 2` on the embedded model; the README's curl line and Python
     one-liner, as written but for the port, answer with text; Ctrl-C (SIGINT to the
-    launcher's process group, as a terminal sends it) stops it with status 0 and leaves no
-    Ray or worker process behind."""
+    launcher's process group, as a terminal sends it) stops it with status 0, leaves no
+    Ray or worker process behind, and its last line says so."""
     import os
     import signal
     import subprocess
@@ -75,3 +75,5 @@ def test_readme_command_1_then_its_curl_and_python_lines_then_ctrl_c(tmp_path):
         time.sleep(0.2)
     assert not left, f"left behind: {left}"
     assert not [p for p in ours if _stat(p) is not None], "launcher's children left behind"
+    last = (tmp_path / "server.log").read_text().splitlines()[-1]
+    assert last == "tpserve: stopped (the local Ray cluster it started has exited)", last

@@ -227,11 +227,14 @@ def test_refused_second_launch_leaves_the_first_deployment_running(monkeypatch, 
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     monkeypatch.setattr(app, "run", refuse)
     monkeypatch.setattr(app, "shutdown", lambda: stopped.append("serve"))
-    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
+    monkeypatch.setattr(ray, "shutdown", lambda **kw: stopped.append("ray"))
     args = parse("--replicas", "2", "--address", "auto")
     assert cli.launch_replicas(args, config(2, "cpu"), SimpleNamespace(ssl_certfile=None)) == 1
     assert stopped == ["ray"]  # disconnected, Serve left alone
-    assert "already runs a tpserve deployment" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "already runs a tpserve deployment" in out.err
+    assert out.out.splitlines()[-1] == ("tpserve: stopped (the Ray cluster at --address auto "
+                                        "keeps running)")
     # Any other start-up failure still tears down what this launch started.
     monkeypatch.setattr(app, "run", lambda *a, **kw: 1 / 0)
     stopped.clear()

@@ -106,7 +106,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="seconds a collective between shards (or a step) may take before "
                    "the peer counts as hung and its shard group as lost (then rebuilt)")
     p.add_argument("--cpus-per-shard", type=int, default=None,
-                   help="CPU device: cores per shard (default: cores / tp, at least 1)")
+                   help="CPU device: cores (and torch threads) per shard (default: cores / (tp x "
+                   "replicas), at least 1)")
     p.add_argument("--replicas", default="1", type=_replicas_arg,
                    help="model replicas of --tp shards each behind one address, on Ray Serve "
                    "(routed to the least busy, prefix-cache aware); auto: as many as the "
@@ -124,8 +125,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    help="requests in flight before answering 429")
     p.add_argument("--max-best-of", type=int, default=2,
                    help="most candidates of one /generate request or /v1/completions "
-                   "prompt (`best_of`: the likeliest per token are answered); 1 refuses "
-                   "best_of > 1 (best_of > n on /v1/completions)")
+                   "prompt (`best_of`: those of the highest mean token log-probability are "
+                   "answered); 1 refuses best_of > 1 (best_of > n on /v1/completions)")
     p.add_argument("--responses-store-size", type=int, default=1000,
                    help="most Responses API responses kept in this process's memory for "
                    "previous_response_id and GET /v1/responses/{id} (least recently used "
@@ -135,7 +136,7 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
                    "size); least recently used dropped past it")
     p.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                    help="most seconds a stored response is kept, read or not (then it answers "
-                   "as an unknown id); 0: no age limit. The default, an hour, outlasts the "
+                   "as an unknown id); 0: no age limit. The default, 3600 (an hour), outlasts the "
                    "turns of a conversation and an agent's tool loop, while a conversation "
                    "does not stay in memory for days on a quiet server that the count and "
                    "size bounds would never make drop it")
@@ -264,10 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version_string(),
                         help="print the versions of tpserve, torch, ray and transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # metavar: a bare `tpserve` names the commands it takes, not the word "command".
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}")
     _launch_parser(sub)
     k = sub.add_parser("kernels", help="list attention backends and what each supports here",
-                       formatter_class=_OneDefaultFormatter)
+                       formatter_class=_OneDefaultFormatter,
+                       description="List the attention backends and the int4/fp8 matmul "
+                       "kernels, what each supports on this machine's device and dtype, and "
+                       "which one --kernel auto and --quant-kernel auto pick.")
     k.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
                    help="device to probe (auto: CUDA, else XPU, else CPU)")
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -814,10 +819,20 @@ def launch(args: argparse.Namespace) -> int:
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         ray.kill(driver)
-        # Stops the raylet, GCS and workers of a local cluster this process started; a
-        # joined cluster (--address) keeps running, only this job's actors are gone.
-        ray.shutdown()
-        log.info("stopped")
+        _stop_ray(args.address)
+
+
+def _stop_ray(address: str | None) -> None:
+    """Leave Ray and say what is left, on stdout as the "serving" line (seen at any
+    --log-level). A local cluster this process started is shut down and waited for (its
+    workers exit with its raylet); a joined cluster (--address) keeps running, only this
+    launch's actors are gone."""
+    import ray
+
+    ray.shutdown(wait_for_processes=True)
+    left = (f"the Ray cluster at --address {address} keeps running" if address
+            else "the local Ray cluster it started has exited")
+    print(f"tpserve: stopped ({left})", flush=True)
 
 
 def _driver_lost(driver) -> str | None:
@@ -848,8 +863,6 @@ def _wait(ref, cancel: threading.Event):
 def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
     """`--replicas R|auto` / `--min-replicas` / `--max-replicas`: R replicas on Ray Serve
     behind one HTTP address (tpserve/serve/)."""
-    import ray
-
     if server.ssl_certfile:
         raise ValueError("--ssl-certfile/--ssl-keyfile are not supported with --replicas "
                          "(Ray Serve's HTTP proxy serves plain HTTP): terminate TLS in a proxy "
@@ -907,7 +920,7 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
                 serve_app.shutdown()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
-        ray.shutdown()
+        _stop_ray(args.address)
 
 
 def kernels(args: argparse.Namespace) -> int:

@@ -103,12 +103,15 @@ class Driver:
         return self.backend.inflight
 
     def stop(self) -> None:
+        # The engine first: the requests the drain left end with an error event while the
+        # HTTP server still writes, instead of uvicorn cancelling them mid-stream (a
+        # traceback in the log, a connection cut without a word).
+        if self.backend is not None:
+            self.backend.stop()
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self.backend is not None:
-            self.backend.stop()
 
 
 def launch_engine(cfg: EngineConfig):

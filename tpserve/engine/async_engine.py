@@ -310,9 +310,10 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._ray_metrics.stop()
         # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
-        # rather than a connection that never answers.
-        err = GenerationError("the server shut down before this request finished "
-                              "(--shutdown-timeout ran out)")
+        # rather than a connection that never answers; 503 `unhealthy`, as a request refused
+        # while draining: no engine failure, nothing to log as one.
+        err = NotReadyError("the server shut down before this request finished "
+                            "(--shutdown-timeout ran out, or a second Ctrl-C skipped it)")
         for item in [*self._live.values(), *self._replay.values()]:
             item.fail(err)
         self._live.clear()
