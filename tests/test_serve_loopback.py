@@ -154,5 +154,6 @@ def test_launcher_asks_for_it_only_on_the_cluster_it_starts(monkeypatch):
         assert specs[-1].grpc_on_loopback is wanted, argv
         ingress = app.build_application(config(2, "cpu"), specs[-1])._bound_deployment
         replica = ingress.init_args[0]._bound_deployment
-        assert ingress.init_kwargs == {"grpc_on_loopback": wanted}
+        assert ingress.init_kwargs == {"grpc_on_loopback": wanted,
+                                       "model_path": config(2, "cpu").model.path}
         assert replica.init_kwargs == {"grpc_on_loopback": wanted}
