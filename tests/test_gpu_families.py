@@ -46,6 +46,9 @@ def test_family_on_cuda_matches_transformers(models_dir, name):
     # T5's relative-bias encoder needs the torch backend, which --kernel auto picks for it.
     engine = cuda_engine(path, True, kernel="auto" if name == "t5" else "triton")
     try:
+        # Decode graphs wherever the backend is graph-safe (the Triton one; T5's torch one
+        # steps eagerly).
+        assert bool(engine.executor.health()[0]["decode_graphs"]) == (name != "t5")
         assert greedy(engine, PROMPTS, 24) == hf_greedy(path, PROMPTS, 24)
         health = engine.executor.health()[0]
         assert health["compiles_since_warmup"] == 0, health
