@@ -14,11 +14,13 @@ from engine_utils import cuda_engine, greedy
 from tiny_models import (
     PROMPTS,
     bloom_config,
+    falcon_config,
     gemma2_config,
     gemma_config,
     hf_greedy,
     llama_config,
     phi3_config,
+    qwen2_config,
     qwen3_config,
     save_model,
 )
@@ -46,6 +48,12 @@ GEOMETRIES = {
                                       **NARROW)),
     "qwen3-8b": (qwen3_config, dict(hidden_size=4096, num_attention_heads=32,
                                     num_key_value_heads=8, head_dim=128, **NARROW)),
+    # Groups of query heads that are not powers of two: 7 (Qwen2.5 7B; 5 and 6 in its other
+    # sizes) and 71 on one KV head (Falcon 7B).
+    "qwen2.5-7b": (qwen2_config, dict(hidden_size=3584, num_attention_heads=28,
+                                      num_key_value_heads=4, **NARROW)),
+    "falcon-7b": (falcon_config, dict(hidden_size=4544, num_attention_heads=71,
+                                      ffn_hidden_size=256, num_hidden_layers=2)),
     "bloom-560m": (bloom_config, dict(hidden_size=1024, n_head=16, n_layer=2,
                                       tie_word_embeddings=False)),
 }

@@ -64,6 +64,12 @@ CONFIGS = [
     ("softcap", 4, 2, None, False, 2.0),
     ("all", 8, 2, 7, True, 2.0),
 ]
+# Groups of query heads per KV head that are not powers of two (Qwen2.5: 5, 6 and 7;
+# Falcon 7B: 71 on one KV head): the Triton tiles pad a group to a power of two.
+ODD_GROUP_CONFIGS = [
+    ("gqa7", 14, 2, None, False, None),
+    ("mqa5_window", 5, 1, 11, False, None),
+]
 # Features only some backends have, each with the AttentionSpec fields it sets: gpt-oss's
 # sinks (with its sliding window too), Llama 4's chunks (12 and 20: not multiples of either
 # block size, shorter than one key tile), and everything at once.

@@ -215,6 +215,25 @@ def test_triton_split_k_decode_under_the_interpreter():
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.slow  # Triton's interpreter
+def test_triton_odd_head_groups_under_the_interpreter():
+    """Groups of 7 and 5 query heads per KV head (Qwen2.5's sizes; the fixtures and the
+    other configurations have groups of 1, 2, 4 and 8), padded to the tiles' powers of two,
+    in every kind of step, with a window on the multi-query one."""
+    _need_the_interpreter()
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conformance import ODD_GROUP_CONFIGS, run_conformance
+        r = run_conformance("triton", "cpu", torch.float32, head_dims=(16,),
+                            block_sizes=(16,), configs=ODD_GROUP_CONFIGS, required=())
+        assert not r.declined, r.declined
+        print(r.summary())
+    """)
+    proc = _interpret(script)
+    assert " steps, 0 failed" in proc.stdout, proc.stdout
+
+
 @pytest.mark.slow  # Triton's interpreter: about 15 s on two cores
 def test_triton_sinks_and_chunks_under_the_interpreter():
     """gpt-oss's sinks and Llama 4's chunks (FEATURE_CONFIGS: alone, with windows, with
