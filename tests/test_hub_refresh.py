@@ -69,6 +69,15 @@ def test_an_unreachable_hub_serves_the_cached_commit_with_a_warning(tmp_path, ll
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip().splitlines()[-1]) == cached
     assert f"{silent.url} accepted the connection but sent no answer for 1 s" in out.stderr
+    # The question is bounded by HF_HUB_ETAG_TIMEOUT (as transformers' own), not by the
+    # download's longer silence bound.
+    with SilentHub() as silent:
+        env.update(HF_ENDPOINT=silent.url, HF_HUB_DOWNLOAD_TIMEOUT="600",
+                   HF_HUB_ETAG_TIMEOUT="1")
+        out = resolve_in_subprocess(env, "acme/tiny", None, ENSURE)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip().splitlines()[-1]) == cached
+    assert f"{silent.url} accepted the connection but sent no answer for 1 s" in out.stderr
 
 
 def test_a_cached_commit_id_never_asks_the_hub(tmp_path, llama_dir):

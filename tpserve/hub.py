@@ -43,7 +43,7 @@ from pathlib import Path
 from tpserve.errors import CheckpointError
 from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
 from tpserve.hub_progress import DownloadProgress
-from tpserve.hub_refresh import current_commit, is_commit, point_ref
+from tpserve.hub_refresh import ask_timeout, current_commit, is_commit, point_ref
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
 from tpserve.tokenizer import TOKENIZER_FILES, has_tokenizer
 
@@ -177,7 +177,7 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
     seconds = download_timeout(timeout)
     commit = None
     if found is not None:
-        commit, why = current_commit(model_id, revision, seconds)
+        commit, why = current_commit(model_id, revision, ask_timeout(seconds))
         if commit is None:
             log.warning("serving %s at commit %s, cached before: the hub could not be asked "
                         "whether %s still points there (%s)", model_id, found.name,

@@ -4,7 +4,8 @@ A snapshot found in the cache under a branch (main by default) or a tag was that
 commit when it was downloaded; the repository may have moved since. As transformers and
 `hf download` do, an online launch asks the hub which commit the name points to now (one
 metadata request, bounded by the download timeout) and downloads that commit when it is not
-the cached one. A full commit id names one snapshot forever, so it is never asked about.
+the cached one (ask_timeout bounds the question). A full commit id names one snapshot
+forever, so it is never asked about.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 def is_commit(revision: str | None) -> bool:
     return revision is not None and FULL_COMMIT.fullmatch(revision) is not None
+
+
+def ask_timeout(download_timeout: float) -> float:
+    """Seconds the hub may take to say where a branch points: huggingface_hub's
+    HF_HUB_ETAG_TIMEOUT (10 by default; what transformers waits on the same question before
+    it falls back to its cache), at most the download's silence bound. Not the download's
+    60 s: a firewall that drops packets would hold every launch of a cached model that long."""
+    from huggingface_hub import constants
+
+    etag = float(getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10) or 10)
+    return min(download_timeout, etag)
 
 
 def current_commit(model_id: str, revision: str | None, timeout: float) -> tuple[str | None, str]:
