@@ -99,6 +99,24 @@ def cuda_engine(path: Path, overlap: bool, lora: LoraConfig | None = None,
     return Engine(cfg, InProcessExecutor(cfg))
 
 
+def assert_cuda_greedy_matches(path: Path, prompts: list[str], n: int, kernel: str = "triton",
+                               graphs: bool = True) -> None:
+    """`path` served on CUDA (cuda_engine, overlapped steps) gives transformers' n greedy
+    tokens (CPU, float32), with decode graphs captured as `graphs` says and nothing
+    compiled after warmup."""
+    from tiny_models import hf_greedy
+
+    engine = cuda_engine(path, True, kernel=kernel)
+    try:
+        health = engine.executor.health()[0]
+        assert bool(health["decode_graphs"]) == graphs, health
+        assert greedy(engine, prompts, n) == hf_greedy(path, prompts, n)
+        health = engine.executor.health()[0]
+        assert health["compiles_since_warmup"] == 0, health
+    finally:
+        engine.shutdown()
+
+
 def greedy(engine: Engine, prompts: list[str], n: int) -> list[list[int]]:
     return greedy_ids(engine, [engine.tokenize(p) for p in prompts], n)
 

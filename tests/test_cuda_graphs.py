@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import cuda_engine, greedy, make_engine
+from engine_utils import assert_cuda_greedy_matches, cuda_engine, greedy, make_engine
 from tiny_models import PROMPTS, hf_greedy
 
 from tpserve.worker.graphs import DecodeGraphs, graphs_supported
@@ -189,12 +189,4 @@ def test_captured_graphs_serve_sinks_chunks_and_padded_heads_on_cuda(models_dir,
     under the CPU interpreter only so far (tests/kernels/test_conformance.py)."""
     from tiny_models import family_checkpoint
 
-    path = family_checkpoint(models_dir, name)
-    engine = cuda_engine(path, True)
-    try:
-        health = engine.executor.health()[0]
-        assert health["decode_graphs"], health
-        assert greedy(engine, PROMPTS, 32) == hf_greedy(path, PROMPTS, 32)
-        assert engine.executor.health()[0]["compiles_since_warmup"] == 0
-    finally:
-        engine.shutdown()
+    assert_cuda_greedy_matches(family_checkpoint(models_dir, name), PROMPTS, 32)

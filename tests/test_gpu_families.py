@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import cuda_engine, greedy
+from engine_utils import assert_cuda_greedy_matches
 from tiny_models import (
     FAMILY_CHECKPOINTS,
     PROMPTS,
     family_checkpoint,
-    hf_greedy,
     mistral_config,
     save_model,
     save_t5_model,
@@ -42,15 +41,8 @@ def _checkpoint(models_dir, name: str):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_family_on_cuda_matches_transformers(models_dir, name):
-    path = _checkpoint(models_dir, name)
-    # T5's relative-bias encoder needs the torch backend, which --kernel auto picks for it.
-    engine = cuda_engine(path, True, kernel="auto" if name == "t5" else "triton")
-    try:
-        # Decode graphs wherever the backend is graph-safe (the Triton one; T5's torch one
-        # steps eagerly).
-        assert bool(engine.executor.health()[0]["decode_graphs"]) == (name != "t5")
-        assert greedy(engine, PROMPTS, 24) == hf_greedy(path, PROMPTS, 24)
-        health = engine.executor.health()[0]
-        assert health["compiles_since_warmup"] == 0, health
-    finally:
-        engine.shutdown()
+    # T5's relative-bias encoder needs the torch backend, which --kernel auto picks for it;
+    # that one is not graph-safe, so T5 steps eagerly.
+    t5 = name == "t5"
+    assert_cuda_greedy_matches(_checkpoint(models_dir, name), PROMPTS, 24,
+                               kernel="auto" if t5 else "triton", graphs=not t5)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import cuda_engine, greedy
+from engine_utils import assert_cuda_greedy_matches
 from tiny_models import (
     PROMPTS,
     bloom_config,
     falcon_config,
     gemma2_config,
     gemma_config,
-    hf_greedy,
     llama_config,
     phi3_config,
     qwen2_config,
@@ -65,12 +64,5 @@ def test_released_head_geometry_matches_transformers_on_cuda(models_dir, name):
     # Weights scaled to the width, so two layers keep their activations in range.
     path = save_model(build(**geometry), models_dir / f"geometry-{name}",
                       std=1.0 / geometry["hidden_size"] ** 0.5 * 2)
-    prompts = PROMPTS + [" ".join(PROMPTS)]  # one prompt past 8 tokens a prefill program
-    engine = cuda_engine(path, True)
-    try:
-        health = engine.executor.health()[0]
-        assert health["decode_graphs"], health
-        assert greedy(engine, prompts, 24) == hf_greedy(path, prompts, 24)
-        assert engine.executor.health()[0]["compiles_since_warmup"] == 0
-    finally:
-        engine.shutdown()
+    # One prompt past 8 tokens a prefill program.
+    assert_cuda_greedy_matches(path, PROMPTS + [" ".join(PROMPTS)], 24)
