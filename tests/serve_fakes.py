@@ -29,6 +29,7 @@ class FakeReplica:
     replica_id: str
     backend: FakeBackend = field(default_factory=FakeBackend)
     dead: bool = False
+    stopped: bool = False  # its actor killed (Serve stopping): streams end in RayActorError
     served: int = 0
 
     def status(self) -> dict:
@@ -50,6 +51,10 @@ class FakeStream:
         return self
 
     async def __anext__(self):
+        if self.replica.stopped:
+            import ray
+
+            raise ray.exceptions.ActorDiedError()
         try:
             if self._it is None:
                 if self.replica.dead:

@@ -162,6 +162,26 @@ def test_drain_gives_up_after_its_timeout_and_says_how_many_are_left():
     assert backend.inflight == 0
 
 
+def test_a_stream_the_stop_cuts_ends_with_503_unhealthy():
+    """--shutdown-timeout ran out (or a second Ctrl-C): Serve stops the replicas with a
+    stream in flight. The stream ends with the direct server's error event, 503
+    `unhealthy` (it was a 500 `generation`, which reads as an engine failure)."""
+    backend, handle = make_backend(1)
+    handle.replicas[0].backend.token_delay = 0.05
+    with serve(build_app(backend)) as url:
+        out: dict = {}
+        t = _stream_in_thread(url, 60, out)  # ~3 s
+        _wait_for(lambda: handle.replicas[0].served == 1)  # the replica is generating
+        assert asyncio.run(backend.drain(0.2)) == 1
+        handle.replicas[0].stopped = True
+        t.join()
+    assert len(out["events"]) > 1, out  # tokens, then the error
+    last = out["events"][-1]
+    assert last["error_type"] == "unhealthy", out["events"]
+    assert last["error"].startswith("the server shut down before this request finished")
+    assert backend.inflight == 0
+
+
 def test_replica_deployment_logs_no_access_line_per_status_poll(monkeypatch):
     """The ingress asks every replica for status() each second: with Serve's access log on
     the replicas, `tpserve launch --replicas 2` printed 2 `CALL status OK` lines a second."""

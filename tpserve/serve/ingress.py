@@ -220,8 +220,11 @@ class ReplicaSetBackend:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to what the HTTP layer reports
             if self.draining is not None and isinstance(exc, ray.exceptions.RayActorError):
-                raise GenerationError("the server shut down before this request finished "
-                                      "(--shutdown-timeout ran out)") from None
+                # 503 `unhealthy`, as the direct server (AsyncEngine.stop): the stop cut
+                # it, no engine failed.
+                raise NotReadyError("the server shut down before this request finished "
+                                    "(--shutdown-timeout ran out, or a second Ctrl-C "
+                                    "skipped it)") from None
             raise unwrap_replica_error(exc) from None
         finally:
             if not finished:  # the client left: cancelling aborts it on the replica
