@@ -15,7 +15,7 @@ from test_hub import hub_env
 from tiny_models import PROMPTS, hf_greedy, llama_config, save_model
 
 from tpserve.errors import CheckpointError
-from tpserve.tokenizer import has_tokenizer
+from tpserve.tokenizer_files import has_tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 

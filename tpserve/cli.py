@@ -18,13 +18,8 @@ from tpserve import __version__, preflight
 from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
-from tpserve.tokenizer import (
-    TOKENIZER_FILES,
-    check_vocab,
-    has_tokenizer,
-    load_tokenizer,
-    resolve_tokenizer,
-)
+from tpserve.tokenizer import check_vocab, load_tokenizer, resolve_tokenizer
+from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
 log = logging.getLogger("tpserve")
 

@@ -45,7 +45,7 @@ from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
 from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_refresh import ask_timeout, current_commit, is_commit, point_ref
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
-from tpserve.tokenizer import TOKENIZER_FILES, has_tokenizer
+from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
 log = logging.getLogger(__name__)
 

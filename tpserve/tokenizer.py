@@ -15,19 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tpserve.errors import CheckpointError
+from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-# Any one of these is enough for AutoTokenizer (tokenizer_config.json alone: byte-level
-# tokenizers such as ByT5's have no vocabulary file).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
-                   "vocab.json", "vocab.txt")
-
-
-def has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in TOKENIZER_FILES) \
-        or any(path.glob("*.model"))
 
 
 def resolve_tokenizer(name: str, revision: str | None = None,
