@@ -56,7 +56,7 @@ class ScriptedEngine:
         self.killed = False
         self.stepped = threading.Event()
         # What AsyncEngine.info() reads.
-        self.cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
+        self.cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32", tokenizer_id=None),
                                    parallel=SimpleNamespace(device="cpu", tp_size=2,
                                                             placement="pack"),
                                    cache=SimpleNamespace(block_size=16),
