@@ -368,8 +368,9 @@ class AsyncEngine:
                    "replica_state": self.state, "rebuilds": self.rebuild.rebuilds,
                    "rebuilds_left": self.rebuild.left,
                    "architectures": list(getattr(e.hf_config, "architectures", None) or []),
-                   # --tokenizer where given (a directory or hub id), else the model's own.
-                   "tokenizer": c.model.tokenizer_id or self.model_id,
+                   # --tokenizer where given (a directory or hub id), else the model's own;
+                   # getattr: the simulated cores of benchmarks and tests carry no such field.
+                   "tokenizer": getattr(c.model, "tokenizer_id", None) or self.model_id,
                    # Token ids 0..vocab_size-1 are valid in prompts and /detokenize.
                    "vocab_size": _vocab_size(e)})
 
