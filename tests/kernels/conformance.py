@@ -69,6 +69,7 @@ CONFIGS = [
 ODD_GROUP_CONFIGS = [
     ("gqa7", 14, 2, None, False, None),
     ("mqa5_window", 5, 1, 11, False, None),
+    ("mqa71", 71, 1, None, False, None),  # a 128-row decode tile, one token per prefill tile
 ]
 # Features only some backends have, each with the AttentionSpec fields it sets: gpt-oss's
 # sinks (with its sliding window too), Llama 4's chunks (12 and 20: not multiples of either

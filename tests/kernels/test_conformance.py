@@ -218,8 +218,9 @@ def test_triton_split_k_decode_under_the_interpreter():
 @pytest.mark.slow  # Triton's interpreter
 def test_triton_odd_head_groups_under_the_interpreter():
     """Groups of 7 and 5 query heads per KV head (Qwen2.5's sizes; the fixtures and the
-    other configurations have groups of 1, 2, 4 and 8), padded to the tiles' powers of two,
-    in every kind of step, with a window on the multi-query one."""
+    other configurations have groups of 1, 2, 4 and 8) and 71 on one KV head (Falcon 7B:
+    past 64, declined until the tile limit counted rows x head dims), padded to the tiles'
+    powers of two, in every kind of step, with a window on a multi-query one."""
     _need_the_interpreter()
     script = textwrap.dedent(f"""
         import sys, torch
