@@ -175,7 +175,9 @@ def client(url: str, n: int, plen: int, new: int, vocab: int, q) -> None:
             async def one(t):
                 body = {"inputs": t, "parameters": {"max_new_tokens": new, "details": True}}
                 async with c.post(url + "/generate", json=body) as r:
-                    r.raise_for_status()
+                    if r.status != 200:
+                        raise RuntimeError(f"POST /generate answered {r.status}: "
+                                           f"{(await r.text())[:300]}")
                     got = (await r.json())["details"]["generated_tokens"]
                 return time.time(), got
 
@@ -183,7 +185,10 @@ def client(url: str, n: int, plen: int, new: int, vocab: int, q) -> None:
             res = await asyncio.gather(*(one(t) for t in texts))
         return t0, [r[0] for r in res], sum(r[1] for r in res)
 
-    q.put(asyncio.run(run()))
+    try:
+        q.put(asyncio.run(run()))
+    except Exception as exc:  # the parent waits on q: say why rather than leave it waiting
+        q.put(f"{type(exc).__name__}: {exc}")
 
 
 def burst(args, url: str) -> tuple[float, list[float], int]:
@@ -193,6 +198,8 @@ def burst(args, url: str) -> tuple[float, list[float], int]:
     p.start()
     out = q.get(timeout=600)
     p.join(60)
+    if isinstance(out, str):
+        raise SystemExit(f"driver_burst: the burst failed: {out}")
     return out
 
 
