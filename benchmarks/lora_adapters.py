@@ -25,6 +25,8 @@ def _shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 def random_adapters(model_dir: Path, n: int, rank: int, out: Path) -> list[tuple[str, str]]:
     """n adapters of rank `rank` on every target of every layer; (name, path) pairs as
     --lora-modules takes them."""
+    if n == 0:  # nothing to shape: the model need not be Llama-shaped
+        return []
     import torch
     from safetensors.torch import save_file
 
