@@ -215,6 +215,27 @@ def test_triton_split_k_decode_under_the_interpreter():
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.parametrize("heads, head_dim, taken", [
+    (71, 64, True),    # Falcon 7B: 71 query heads on one KV head, a 128 x 64 tile
+    (64, 256, True),   # the widest tile of 64 heads
+    (71, 128, False),  # past 64 heads, wider than 64 dims
+    (129, 64, False),  # taller than 128 rows
+])
+def test_triton_takes_groups_past_64_in_a_128_by_64_tile(monkeypatch, heads, head_dim, taken):
+    """Past 64 query heads per KV head, Triton takes a group only as a 128-row tile of heads
+    up to 64 wide (what ran on a GPU); the others go to the torch backend, and the reason
+    names the group, its head dims and the limits."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = AttentionSpec(num_heads=heads, num_kv_heads=1, head_dim=head_dim, scale=0.1)
+    reason = why_not("triton", torch.device("cpu"), torch.float32, spec)
+    if taken:
+        assert reason is None
+    else:
+        assert reason.startswith(f"{heads} query heads per KV head of {head_dim} dims"), reason
+        assert "torch backend" in reason
+        assert why_not("torch", torch.device("cpu"), torch.float32, spec) is None
+
+
 @pytest.mark.slow  # Triton's interpreter
 def test_triton_odd_head_groups_under_the_interpreter():
     """Groups of 7 and 5 query heads per KV head (Qwen2.5's sizes; the fixtures and the

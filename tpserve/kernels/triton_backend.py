@@ -39,9 +39,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (masked), so Phi's 80, 96 and DeepSeek's 192 (128 + 64 rope dims) run unpadded in the cache.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # Query heads per KV head are the rows of one decode tile (padded to a power of two) and
-# the head dims its width: at most the 64 x 256 tile of the widest heads, so Falcon 7B's
-# 71 query heads of 64 on one KV head (128 x 64) fit, as do 128 heads of 128.
-MAX_TILE_ELEMENTS = 64 * 256
+# the head dims its width: up to 64 heads of any width to 256, and past 64 heads (Falcon
+# 7B: 71 on one KV head) a 128-row tile of heads up to 64 wide, the largest run on a GPU
+# (tests/test_gpu_head_geometry.py); wider or taller tiles go to the torch backend.
+MAX_GROUP = 64
+MAX_WIDE_GROUP_TILE = (128, 64)
 MAX_SPLITS = 64  # most context splits of one decode step (flash-decoding)
 # TPSERVE_DECODE_BLOCK_N=N fixes the decode tile's keys per iteration (measurements).
 FORCED_DECODE_BLOCK_N = int(os.environ.get("TPSERVE_DECODE_BLOCK_N") or 0)
@@ -221,11 +223,11 @@ class TritonAttentionBackend(AttentionBackend):
         if spec.num_heads % spec.num_kv_heads:
             return f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
         group = spec.num_heads // spec.num_kv_heads
-        rows = 1 << (group - 1).bit_length()
-        if rows * head_pad(spec.head_dim) > MAX_TILE_ELEMENTS:
+        rows, most_dims = MAX_WIDE_GROUP_TILE
+        if group > MAX_GROUP and (group > rows or head_pad(spec.head_dim) > most_dims):
             return (f"{group} query heads per KV head of {spec.head_dim} dims do not fit one "
-                    f"tile ({rows} x {head_pad(spec.head_dim)} padded; at most "
-                    f"{MAX_TILE_ELEMENTS} elements; the torch backend takes any)")
+                    f"tile (up to {MAX_GROUP} heads, or {rows} heads of at most {most_dims} "
+                    "dims; the torch backend takes any)")
         if spec.kv_cache_dtype == "fp8":
             reason = fp8_reason(device, on_cpu)
             if reason:
