@@ -241,7 +241,7 @@ def test_triton_takes_groups_past_64_in_a_128_by_64_tile(monkeypatch, heads, hea
 def test_triton_odd_head_groups_under_the_interpreter():
     """Groups of 7 and 5 query heads per KV head (Qwen2.5's sizes; the fixtures and the
     other configurations have groups of 1, 2, 4 and 8) and 71 on one KV head (Falcon 7B:
-    past 64, declined until the tile limit counted rows x head dims), padded to the tiles'
+    past 64: a 128-row tile of heads up to 64 wide), padded to the tiles'
     powers of two, in every kind of step, with a window on a multi-query one."""
     _need_the_interpreter()
     script = textwrap.dedent(f"""
