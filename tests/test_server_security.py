@@ -203,6 +203,20 @@ def test_out_of_range_integers_and_floats_are_422(url, backend, parameters, fiel
     assert backend.calls == []
 
 
+@pytest.mark.parametrize(
+    "route,body,named",
+    [("/generate", {"inputs": "a", "parameters": {"seed": 2**64}}, str(2**64 - 1)),
+     ("/v1/completions", {"prompt": "a", "logit_bias": {str(10**19): 1}},
+      f"`logit_bias.{10**19}`")],
+    ids=["seed-bound", "logit-bias-key"],
+)
+def test_422s_keep_the_long_numbers_they_name(url, backend, route, body, named):
+    """The scrub of Ray's hex ids read a number of 16 digits or more as one: the seed's
+    bound came back as "less than or equal to <id>", a logit_bias key as `logit_bias.<id>`."""
+    r = httpx.post(url + route, json=body, headers=auth())
+    assert r.status_code == 422 and named in r.json()["error"], r.text
+
+
 def test_tiny_positive_temperature_passes_validation(url, backend):
     """TGI clients may send any positive temperature; the sampler must cope (see the
     poison test), so validation does not reject 5e-324."""
