@@ -43,6 +43,11 @@ _MAX_MESSAGE = 2000
 _EXPLAINED = (NotReadyError, RequestTimeoutError, ShardLostError)
 
 
+def _unless_route(match: re.Match) -> str:
+    # The server's own routes are named in messages ("use /v1/completions or /generate").
+    return match.group(0) if match.group(0).startswith("/v1/") else "<path>"
+
+
 def public_message(text: str, internal: bool) -> str:
     """What may be shown to a client of `text`. `internal` (5xx) keeps only the first line,
     since exception messages of other libraries often embed a remote traceback."""
@@ -50,7 +55,7 @@ def public_message(text: str, internal: bool) -> str:
     if internal:
         text = text.split("Traceback (most recent call last)")[0].strip()
         text = text.splitlines()[0] if text else ""
-    text = _PATH.sub("<path>", text)
+    text = _PATH.sub(_unless_route, text)
     text = _IPV4.sub("<address>", text)
     text = _IPV6.sub("<address>", text)
     text = _PID.sub(r"\1 <n>", text)
