@@ -142,7 +142,15 @@ BAD = {
         "`grammar.value` of a json_schema grammar must be an object"),
     "unknown_format": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
-        "`response_format.type` must be text, json_object or json_schema"),
+        "`response_format.type` must be text, json_object or json_schema (or TGI's json or "
+        "regex"),
+    # TGI's forms without their value were told regex and json are not types at all.
+    "regex_without_value": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex"}},
+        "`response_format.value` of a regex response_format must be a regular expression"),
+    "json_with_null_value": ("/v1/completions", {
+        "prompt": "x", "response_format": {"type": "json", "value": None}},
+        "`response_format.value` of a json response_format must be a JSON schema"),
 }
 
 

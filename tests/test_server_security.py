@@ -13,7 +13,7 @@ from fake_backend import FakeBackend, serve
 
 import tpserve
 from tpserve.config import ServerConfig
-from tpserve.errors import GenerationError, NotReadyError, UnauthorizedError
+from tpserve.errors import GenerationError, NotReadyError, UnauthorizedError, ValidationError
 from tpserve.server.app import build_app
 
 KEYS = ("first-key", "second-key")
@@ -201,6 +201,37 @@ def test_out_of_range_integers_and_floats_are_422(url, backend, parameters, fiel
                    headers=auth())
     assert r.status_code == 422 and field in r.json()["error"]
     assert backend.calls == []
+
+
+@pytest.mark.parametrize(
+    "route,body,named",
+    [("/generate", {"inputs": "a", "parameters": {"seed": 2**64}}, str(2**64 - 1)),
+     ("/v1/completions", {"prompt": "a", "logit_bias": {str(10**19): 1}},
+      f"`logit_bias.{10**19}`")],
+    ids=["seed-bound", "logit-bias-key"],
+)
+def test_422s_keep_the_long_numbers_they_name(url, backend, route, body, named):
+    """The scrub of Ray's hex ids read a number of 16 digits or more as one: the seed's
+    bound came back as "less than or equal to <id>", a logit_bias key as `logit_bias.<id>`."""
+    r = httpx.post(url + route, json=body, headers=auth())
+    assert r.status_code == 422 and named in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/tokenize"])
+def test_messages_naming_a_route_keep_it(url, backend, route):
+    """The scrub of local paths took the server's own routes for paths: a model without a
+    chat template was told to "use <path> or /generate", /tokenize's refusal of
+    `add_generation_prompt: false` said a chat is counted "as <path> renders it"."""
+    if route == "/tokenize":
+        body = {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False}
+        named = "/v1/chat/completions"
+    else:  # the engine's wording (tpserve/engine/async_engine.py)
+        backend.raise_on_generate = ValidationError(
+            "this model has no chat template; use /v1/completions or /generate with a plain "
+            "prompt")
+        body, named = {"prompt": "a"}, "use /v1/completions or /generate"
+    r = httpx.post(url + route, json=body, headers=auth())
+    assert r.status_code == 422 and named in r.json()["error"], r.text
 
 
 def test_tiny_positive_temperature_passes_validation(url, backend):

@@ -86,6 +86,27 @@ def test_vllm_chat_form_counts_what_chat_completions_charges(url):
     assert with_tools["count"] > plain["count"]  # the tools' description is in the prompt
 
 
+@pytest.mark.parametrize("extra", [
+    {"tool_choice": "required"}, {"tool_choice": "none"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tool_prompt": "You may call these functions, and no others:"}])
+def test_vllm_chat_form_counts_the_tool_choice_and_prompt_of_the_chat(url, extra):
+    """A chat request's body sent to /tokenize as it is: its `tool_choice` and `tool_prompt`
+    change the prompt where tpserve describes the tools (this template has no tools of its
+    own), and were ignored: `required` counted 140 tokens for a prompt of 69."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": TEXT}], "tools": [weather],
+            **extra}
+    r = post(url, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    chat = post(url, "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    assert r.json()["count"] != post(url, "/tokenize", {**body, **dict.fromkeys(extra)}
+                                     ).json()["count"]  # the field changes the prompt
+
+
 def test_detokenize_round_trips(url, tok):
     ids = tok(TEXT, add_special_tokens=False).input_ids
     r = post(url, "/detokenize", {"tokens": ids})
@@ -96,7 +117,10 @@ def test_detokenize_round_trips(url, tok):
 BAD = [
     ("/tokenize", {"inputs": "a", "prompt": "b"}, "one of the three"),
     ("/tokenize", {"model": "m"}, "one of the three"),
-    ("/tokenize", {"prompt": "a", "tools": []}, "`tools` go with `messages`"),
+    ("/tokenize", {"prompt": "a", "tools": []}, "go with `messages`"),
+    ("/tokenize", {"prompt": "a", "tool_choice": "none"}, "go with `messages`"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "f"},
+     "`tool_choice` needs `tools`"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}],
                    "add_generation_prompt": False}, "add_generation_prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}],

@@ -203,6 +203,29 @@ def test_bad_tool_requests_get_422_naming_the_field(url, body, message):
     assert r.status_code == 422, r.text
     assert r.json()["error_type"] == "validation" and message in r.json()["error"], r.text
 
+@pytest.mark.parametrize("forced", ["named", "required"])
+def test_streamed_call_with_logprobs_is_the_whole_answer(oai, forced):
+    """With `logprobs`, the framing tokens before a forced call's first piece (`required`'s
+    `[`) came in a chunk of their own whose delta was `content: ""`, opened by a chunk with
+    `content: ""` too: the openai client's sum read the answer's content as "" where the
+    whole answer's is null."""
+    kw = {"model": "m", "messages": ASK, "tools": TOOLS, "max_tokens": 250, "temperature": 0,
+          "tool_choice": FORCED[forced][0], "parallel_tool_calls": False, "logprobs": True,
+          "top_logprobs": 2, "n": 2}
+    whole = oai.chat.completions.create(**kw).choices
+    with oai.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices
+    for w, s in zip(whole, streamed, strict=True):
+        assert w.message.content is None and w.finish_reason == "tool_calls"
+        assert (s.message.content, s.finish_reason) == (None, "tool_calls")
+        assert [(c.function.name, c.function.arguments) for c in s.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in w.message.tool_calls]
+        assert [e.token for e in s.logprobs.content] == [e.token for e in w.logprobs.content]
+        assert [e.logprob for e in s.logprobs.content] == \
+            pytest.approx([e.logprob for e in w.logprobs.content], abs=1e-4)
+
 
 # A forced call cut by max_tokens: finish_reason "length" and the arguments as far as they
 # were generated (OpenAI's answer), the same whole and streamed, on every API that returns

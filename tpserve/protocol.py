@@ -208,6 +208,22 @@ def _is_field(part: Any) -> bool:
             and part.replace("_", "a").isalnum() and part.isascii())
 
 
+# pydantic writes the bound of an int field with a validator of its own as a float: the seed's
+# 18446744073709551615 read "less than or equal to 18446744073709552000". The exact bound is
+# in the error's ctx.
+_BOUNDS = {"less_than_equal": ("le", "less than or equal to"),
+           "greater_than_equal": ("ge", "greater than or equal to"),
+           "less_than": ("lt", "less than"), "greater_than": ("gt", "greater than")}
+
+
+def _message(kind: str, ctx: Mapping[str, Any], msg: Any) -> Any:
+    key, words = _BOUNDS.get(kind, ("", ""))
+    bound = ctx.get(key)
+    if isinstance(bound, int) and not isinstance(bound, bool):
+        return f"Input should be {words} {bound}"
+    return msg
+
+
 def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
     """One human sentence from pydantic/FastAPI error dicts, naming field and rule."""
     parts = []
@@ -215,6 +231,7 @@ def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
         loc = [str(p) for p in err.get("loc", ()) if _is_field(p)]
         kind = err.get("type", "")
         ctx = err.get("ctx") or {}
+        msg = _message(kind, ctx, err.get("msg"))
         if kind == "json_invalid":
             parts.append(f"invalid JSON body: {ctx.get('error', err.get('msg'))}")
         elif kind == "value_error" and str(ctx.get("error", "")).startswith("`"):
@@ -223,9 +240,9 @@ def describe_errors(errors: Iterable[Mapping[str, Any]]) -> str:
         elif kind == "value_error" and "error" in ctx and loc:
             parts.append(f"`{'.'.join(loc)}` {ctx['error']}")
         elif loc:
-            parts.append(f"`{'.'.join(loc)}`: {err.get('msg')}")
+            parts.append(f"`{'.'.join(loc)}`: {msg}")
         else:
-            parts.append(f"request body: {err.get('msg')}")
+            parts.append(f"request body: {msg}")
     # A union (OpenAI's prompt: a string or three kinds of list) fails once per member.
     return "; ".join(dict.fromkeys(parts)) or "invalid request"
 

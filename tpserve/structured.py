@@ -95,8 +95,13 @@ def response_format_spec(fmt: dict[str, Any] | None) -> GuidedSpec | None:
         return GuidedSpec("json_schema",
                           schema_text(inner["schema"], "response_format.json_schema.schema"),
                           "response_format.json_schema.schema")
-    if kind in ("json", "regex") and isinstance(fmt.get("value"), str | dict):
-        return Grammar.model_construct(type=kind, value=fmt["value"]).spec(
-            "response_format.value")
+    if kind in ("json", "regex"):  # TGI's forms
+        if isinstance(fmt.get("value"), str | dict):
+            return Grammar.model_construct(type=kind, value=fmt["value"]).spec(
+                "response_format.value")
+        what = "a regular expression (a string)" if kind == "regex" else \
+            "a JSON schema (an object, or its JSON text)"
+        raise ValueError(f"`response_format.value` of a {kind} response_format must be "
+                         f"{what}")
     raise ValueError(f"`response_format.type` must be text, json_object or json_schema "
-                     f"(got {kind!r})")
+                     f"(or TGI's json or regex, with a `value`) (got {kind!r})")

@@ -36,9 +36,16 @@ _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-@~+]+){2,}[\\/]?")
 _IPV4 = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
 _IPV6 = re.compile(r"\b(?:[0-9a-fA-F]{1,4}:){2,7}[0-9a-fA-F]{0,4}\b")
 _PID = re.compile(r"\b(pid)[=: ]+\d+", re.IGNORECASE)
-_HEX_ID = re.compile(r"\b[0-9a-f]{16,}\b")  # Ray actor / node / task ids
+# Ray actor / node / task ids: hex with a letter, so that a decimal number in a 422 (the seed's
+# bound 18446744073709551615, a logit_bias key) is not one.
+_HEX_ID = re.compile(r"\b(?=[0-9]*[a-f])[0-9a-f]{16,}\b")
 _MAX_MESSAGE = 2000
 _EXPLAINED = (NotReadyError, RequestTimeoutError, ShardLostError)
+
+
+def _unless_route(match: re.Match) -> str:
+    # The server's own routes are named in messages ("use /v1/completions or /generate").
+    return match.group(0) if match.group(0).startswith("/v1/") else "<path>"
 
 
 def public_message(text: str, internal: bool) -> str:
@@ -48,7 +55,7 @@ def public_message(text: str, internal: bool) -> str:
     if internal:
         text = text.split("Traceback (most recent call last)")[0].strip()
         text = text.splitlines()[0] if text else ""
-    text = _PATH.sub("<path>", text)
+    text = _PATH.sub(_unless_route, text)
     text = _IPV4.sub("<address>", text)
     text = _IPV6.sub("<address>", text)
     text = _PID.sub(r"\1 <n>", text)

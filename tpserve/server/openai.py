@@ -606,8 +606,10 @@ class OpenAIRoutes:
                          "finish_reason": None} for d in found]
                 if not made and (reason is not None or lp is not None):
                     # Nothing new to say: OpenAI's delta is empty ({}), which keeps the
-                    # content a client adds up null after a tool call ("" made it "").
-                    empty = wire_delta("", tgi) if tgi or i not in started else {}
+                    # content a client adds up null before and after a tool call ("" made
+                    # it ""). Only an answer that ends with nothing said opens with "".
+                    opens_empty = i not in started and reason is not None
+                    empty = wire_delta("", tgi) if tgi or opens_empty else {}
                     made = [{"index": i, "delta": empty, "logprobs": None,
                              "finish_reason": None}]
                 if made:

@@ -9,7 +9,7 @@ Both count exactly as generation does: the same tokenizer, the same special toke
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field, model_validator
@@ -41,6 +41,10 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1), FailFast] | None = None
     tools: Annotated[list[Tool], FailFast] | None = None
+    # As on /v1/chat/completions, where they change the prompt (a forced call is not told
+    # how to write a call; TGI's tool_prompt replaces the sentence before the tool list).
+    tool_choice: Any = None
+    tool_prompt: Text | None = None
     add_generation_prompt: bool = True
     chat_template: Annotated[Text | None, unsupported(
         "`chat_template` (the model's own template is used)")] = None
@@ -52,8 +56,9 @@ class TokenizeRequest(BaseModel):
         if sum(x is not None for x in (self.inputs, self.prompt, self.messages)) != 1:
             raise ValueError("send the text to tokenize as `inputs` (TGI's form), `prompt` "
                              "or `messages` (vLLM's), one of the three")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("`tools` go with `messages`")
+        if self.messages is None and (self.tools, self.tool_choice, self.tool_prompt) != (
+                None, None, None):
+            raise ValueError("`tools`, `tool_choice` and `tool_prompt` go with `messages`")
         if not self.add_generation_prompt:
             raise ValueError("`add_generation_prompt: false` is not supported by tpserve: a "
                              "chat is counted as /v1/chat/completions renders it, with the "
@@ -102,9 +107,9 @@ class TokenizeRoutes:
 
     def _render(self, req: TokenizeRequest) -> str:
         """The chat's prompt as /v1/chat/completions renders it (tools, history and all)."""
-        plan = plan_tools(req.tools, "auto" if req.tools else None, None, None)
+        plan = plan_tools(req.tools, req.tool_choice, None, None)
         return render_chat(self.backend.apply_chat_template,
-                           [m.as_template_input() for m in req.messages], plan)
+                           [m.as_template_input() for m in req.messages], plan, req.tool_prompt)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self._ready()
