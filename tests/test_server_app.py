@@ -347,6 +347,9 @@ def test_info(http):
         "version",
     ):
         assert key in info
+    # TGI's newer fields: the sequences one request may fan out to, and who routes.
+    assert info["max_client_batch_size"] == info["max_concurrent_requests"]
+    assert info["router"] == "tpserve"
 
 
 def test_openapi_schema_renders(http):

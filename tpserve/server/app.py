@@ -64,6 +64,10 @@ def info_body(info: ModelInfo, max_best_of: int) -> dict:
         "max_total_tokens": info.max_total_tokens,
         "max_batch_total_tokens": info.max_batch_total_tokens,
         "validation_workers": 1,  # validation runs in the API process
+        # TGI's bound on the prompts of one request; here the sequences a request may fan
+        # out to (prompts x n or best_of) are bounded by what runs at once (fanout.py).
+        "max_client_batch_size": info.max_concurrent_requests,
+        "router": "tpserve",  # TGI answers "text-generation-router": who serves the routes
         "version": info.version,
         "tp_size": info.tp_size,
         "attention_backend": info.attention_backend,
