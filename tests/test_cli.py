@@ -285,6 +285,19 @@ def test_bad_server_flags_are_refused(monkeypatch, argv, message):
         server_config(_server_args(*argv))
 
 
+@pytest.mark.parametrize("value", ["", "  ", ",", " , "])
+def test_an_empty_api_key_variable_is_refused_not_an_open_server(monkeypatch, value):
+    """TPSERVE_API_KEY="$KEY" with KEY unset used to start a server without a key, silently
+    on loopback; `--api-key ""` was refused already."""
+    from tpserve.cli import server_config
+
+    monkeypatch.setenv("TPSERVE_API_KEY", value)
+    with pytest.raises(ValueError, match="TPSERVE_API_KEY is set but holds no key"):
+        server_config(_server_args())
+    monkeypatch.setenv("TPSERVE_API_KEY", "k1,,k2")  # a stray comma is not an empty key
+    assert server_config(_server_args()).api_keys == ("k1", "k2")
+
+
 def test_rebuild_flags_reach_the_parallel_config(llama_dir):
     """A lost shard's rebuild budget, back-off and the collective timeout (a hung peer)."""
     from tpserve.cli import build_parser, engine_config

@@ -604,9 +604,15 @@ def server_config(args: argparse.Namespace):
     from tpserve.config import ServerConfig
 
     keys = list(args.api_key or [])
-    keys += [k.strip() for k in os.environ.get("TPSERVE_API_KEY", "").split(",") if k.strip()]
     if any(not k.strip() for k in keys):
         raise ValueError("--api-key cannot be empty")
+    env_keys = os.environ.get("TPSERVE_API_KEY")
+    if env_keys is not None:
+        keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+        if not env_keys.replace(",", "").strip():
+            # Set from an unset shell variable, say: serving without a key is not what was meant.
+            raise ValueError("TPSERVE_API_KEY is set but holds no key: give it the key (or keys, "
+                             "comma-separated), or unset it to serve without one")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
     in_flight = args.max_body_bytes_in_flight
