@@ -251,6 +251,22 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
     assert "without an API key" not in caplog.text
 
 
+def test_dashboard_token_note_says_how_the_ray_cli_sends_the_token(monkeypatch):
+    """Ray 2.60's CLI sends the token only with RAY_AUTH_MODE=token in its own environment:
+    `ray list actors --address http://127.0.0.1:8265` from another shell answered "Missing
+    authentication token" although the note said the CLI reads the file."""
+    from tpserve.cli import _dashboard_token_note
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert _dashboard_token_note() == ""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    note = _dashboard_token_note()
+    assert "~/.ray/auth_token" in note
+    assert "`RAY_AUTH_MODE=token ray list actors --address http://127.0.0.1:8265`" in note
+
+
 def test_open_address_without_key_warns(monkeypatch, caplog):
     from tpserve.cli import server_config
 

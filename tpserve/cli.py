@@ -593,7 +593,9 @@ def _dashboard_token_note() -> str:
     where = ("$RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
              os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
     return (f" (Ray token auth is on: the dashboard asks for the token in {where}, which "
-            "`ray get-auth-token` prints; RAY_AUTH_MODE=disabled turns it off; see "
+            "`ray get-auth-token` prints; Ray's CLI sends it only with RAY_AUTH_MODE=token in "
+            "its environment, e.g. `RAY_AUTH_MODE=token ray list actors --address "
+            "http://127.0.0.1:8265`; RAY_AUTH_MODE=disabled turns it off; see "
             "docs/troubleshooting.md)")
 
 
