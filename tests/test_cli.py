@@ -265,6 +265,7 @@ def test_dashboard_token_note_says_how_the_ray_cli_sends_the_token(monkeypatch):
     note = _dashboard_token_note()
     assert "~/.ray/auth_token" in note
     assert "`RAY_AUTH_MODE=token ray list actors --address http://127.0.0.1:8265`" in note
+    assert "--address http://127.0.0.1:8266`" in _dashboard_token_note("127.0.0.1:8266")
 
 
 def test_open_address_without_key_warns(monkeypatch, caplog):

@@ -585,7 +585,7 @@ def _kv_cache_dtype(args: argparse.Namespace) -> str:
     return value
 
 
-def _dashboard_token_note() -> str:
+def _dashboard_token_note(dashboard_url: str = "127.0.0.1:8265") -> str:
     """Where the Ray dashboard's token is, when Ray's token authentication is on (ray.init
     sets RAY_AUTH_MODE=token in this process when it turns it on by default)."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
@@ -594,8 +594,8 @@ def _dashboard_token_note() -> str:
              os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
     return (f" (Ray token auth is on: the dashboard asks for the token in {where}, which "
             "`ray get-auth-token` prints; Ray's CLI sends it only with RAY_AUTH_MODE=token in "
-            "its environment, e.g. `RAY_AUTH_MODE=token ray list actors --address "
-            "http://127.0.0.1:8265`; RAY_AUTH_MODE=disabled turns it off; see "
+            f"its environment, e.g. `RAY_AUTH_MODE=token ray list actors --address "
+            f"http://{dashboard_url}`; RAY_AUTH_MODE=disabled turns it off; see "
             "docs/troubleshooting.md)")
 
 
@@ -729,7 +729,8 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
                     "%s): Ray was imported before tpserve could set %s=0", node,
                     _RAY_CLUSTER_SWITCH)
     log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
-             f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
+             f"; dashboard at http://{ctx.dashboard_url}"
+             f"{_dashboard_token_note(ctx.dashboard_url)}"
              if ctx.dashboard_url else "")
 
 
