@@ -887,6 +887,14 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
                                  max_replicas=args.max_replicas,
                                  placement_strategy=ray_strategy(cfg.parallel.placement),
                                  grpc_on_loopback=not args.address)
+    try:
+        serve_app.check_replicas_fit(cfg, spec.replicas_wanted, spec.shard_cpus)
+    except RuntimeError as exc:
+        if not args.address:
+            _stop_ray(args.address)
+            raise
+        # A joined cluster may scale up; Serve waits for the replicas (Ctrl-C stops it).
+        log.warning("%s Waiting for the cluster to scale up (Ctrl-C stops).", exc)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(_signum, _frame) -> None:
@@ -898,7 +906,11 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
         signal.signal(sig, on_signal)
     ours = True
     try:
-        url = serve_app.run(cfg, spec, args.host, args.port, server=server)
+        url = _until_ready(lambda: serve_app.run(cfg, spec, args.host, args.port,
+                                                 server=server), stop)
+        if url is None:
+            log.info("stopped before the replicas were ready")
+            return 0
         scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
                  if spec.autoscaling else f"replicas={count}")
         log.info("ready: %s of tp=%d on Ray Serve, serving %s", scale, tp, url)
@@ -925,6 +937,28 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         _stop_ray(args.address)
+
+
+def _until_ready(run, stop: threading.Event):
+    """run() (serve.run: it returns once every replica has loaded, however long that takes,
+    and Ctrl-C did not end it) in a thread; its result, or None once `stop` is set."""
+    done, box = threading.Event(), {}
+
+    def target() -> None:
+        try:
+            box["url"] = run()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="tpserve-serve-run", daemon=True).start()
+    while not done.wait(0.5):
+        if stop.is_set():
+            return None
+    if "error" in box:
+        raise box["error"]
+    return box["url"]
 
 
 def kernels(args: argparse.Namespace) -> int:
