@@ -251,6 +251,23 @@ def test_server_flags_and_env_keys(monkeypatch, caplog):
     assert "without an API key" not in caplog.text
 
 
+def test_dashboard_token_note_says_how_the_ray_cli_sends_the_token(monkeypatch):
+    """Ray 2.60's CLI sends the token only with RAY_AUTH_MODE=token in its own environment:
+    `ray list actors --address http://127.0.0.1:8265` from another shell answered "Missing
+    authentication token" although the note said the CLI reads the file."""
+    from tpserve.cli import _dashboard_token_note
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert _dashboard_token_note() == ""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    note = _dashboard_token_note()
+    assert "~/.ray/auth_token" in note
+    assert "`RAY_AUTH_MODE=token ray list actors --address http://127.0.0.1:8265`" in note
+    assert "--address http://127.0.0.1:8266`" in _dashboard_token_note("127.0.0.1:8266")
+
+
 def test_open_address_without_key_warns(monkeypatch, caplog):
     from tpserve.cli import server_config
 
@@ -283,6 +300,19 @@ def test_bad_server_flags_are_refused(monkeypatch, argv, message):
     monkeypatch.delenv("TPSERVE_API_KEY", raising=False)
     with pytest.raises(ValueError, match=message):
         server_config(_server_args(*argv))
+
+
+@pytest.mark.parametrize("value", ["", "  ", ",", " , "])
+def test_an_empty_api_key_variable_is_refused_not_an_open_server(monkeypatch, value):
+    """TPSERVE_API_KEY="$KEY" with KEY unset used to start a server without a key, silently
+    on loopback; `--api-key ""` was refused already."""
+    from tpserve.cli import server_config
+
+    monkeypatch.setenv("TPSERVE_API_KEY", value)
+    with pytest.raises(ValueError, match="TPSERVE_API_KEY is set but holds no key"):
+        server_config(_server_args())
+    monkeypatch.setenv("TPSERVE_API_KEY", "k1,,k2")  # a stray comma is not an empty key
+    assert server_config(_server_args()).api_keys == ("k1", "k2")
 
 
 def test_rebuild_flags_reach_the_parallel_config(llama_dir):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -15,7 +16,13 @@ from server_process import launched
 from tiny_models import hf_greedy
 
 import tpserve
-from tpserve.cluster.placement import PLACEMENTS, check_placement, ray_strategy
+from tpserve.cluster.placement import (
+    PLACEMENTS,
+    check_capacity,
+    check_placement,
+    place_shards,
+    ray_strategy,
+)
 
 SHARD = {"CPU": 2.0}
 
@@ -48,6 +55,34 @@ def test_strict_pack_needs_one_node_for_all_shards():
     msg = str(info.value)
     assert "needs 4 GPU, 4 CPU" in msg and "the largest node has 2 GPU, 4 CPU" in msg
     check_placement("pack", bundle, 4, nodes)  # PACK spills over to the second node
+
+
+def test_shards_bigger_than_every_node_are_refused_though_the_total_fits():
+    """A bundle never spans nodes: 3-CPU shards on 2-CPU nodes wait forever (the launch used
+    to sit silent for 120 s, then name only the cluster's totals)."""
+    nodes = [{"CPU": 2.0}, {"CPU": 2.0}]
+    check_capacity({"CPU": 2.0}, 2, nodes)
+    with pytest.raises(RuntimeError) as info:
+        check_capacity({"CPU": 3.0}, 1, nodes)
+    msg = str(info.value)
+    assert "hold only 0" in msg and "the largest has 2 CPU" in msg and "--cpus-per-shard" in msg
+    with pytest.raises(RuntimeError, match="hold only 2"):  # 5 + 1 CPUs: 2 shards, not 3
+        check_capacity({"CPU": 2.0}, 3, [{"CPU": 5.0}, {"CPU": 1.0}])
+    with pytest.raises(RuntimeError, match=r"needs 2 GPU \(the cluster has 1\)"):
+        check_capacity({"GPU": 1.0, "CPU": 1.0}, 2, [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0}])
+
+
+def test_a_joined_cluster_that_cannot_place_says_why_when_the_wait_ends(ray_cluster, caplog):
+    """On a joined cluster the refusal is a warning (it may scale up); when the wait ends the
+    error repeats what is missing rather than only Ray's resource table."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        place_shards({"CPU": 3.0}, 2, joined_cluster=True, timeout_s=1.0)
+    msg = str(info.value)
+    assert "within 1s" in msg and "--tp 2 needs 6 CPU (the cluster has 4)" in msg, msg
+    assert "node:" not in msg and "memory" not in msg  # not Ray's internal resources
+    assert "in case the cluster scales up" in caplog.text
+    assert time.monotonic() - t0 < 30
 
 
 def _placement_groups(address: str) -> list[dict]:

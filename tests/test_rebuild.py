@@ -288,3 +288,43 @@ def test_a_failed_collective_counts_as_a_lost_shard_and_a_model_error_does_not()
     assert collective_failed(reset) and collective_failed(hung)
     assert collective_failed(DistBackendError("NCCL communicator was aborted"))
     assert not collective_failed(RuntimeError("shape mismatch in the attention kernel"))
+
+
+def test_stop_during_a_rebuild_returns_at_once_and_the_late_group_is_shut_down(lifecycle):
+    """Ctrl-C while a rebuild waits (for a placement: up to 120 s on a joined cluster, or
+    for weights) took 30 s, the engine thread's join; the group built after the stop was
+    left running."""
+    backend, built, gate, _ = lifecycle
+    gate.clear()  # the rebuild blocks in its build
+    built[0].lost.set()
+    _wait_for(lambda: backend.state == "rebuilding")
+    time.sleep(0.3)  # past the 0.05 s back-off: in the build
+    t0 = time.monotonic()
+    backend.stop()
+    assert time.monotonic() - t0 < 3
+    gate.set()  # the build ends after the stop
+    _wait_for(lambda: len(built) == 2)
+    _wait_for(lambda: built[1].killed)
+    assert backend.engine is built[0] and not backend.ready()
+
+
+def test_stop_during_the_first_load_returns_at_once_and_wait_ready_ends():
+    entered, release = threading.Event(), threading.Event()
+    built: list[ScriptedEngine] = []
+
+    def build():
+        entered.set()
+        assert release.wait(10)
+        built.append(ScriptedEngine(0))
+        return built[-1]
+
+    backend = AsyncEngine(build, "scripted", 8, None)
+    backend.start()
+    assert entered.wait(10)
+    t0 = time.monotonic()
+    backend.stop()
+    assert time.monotonic() - t0 < 3
+    release.set()
+    with pytest.raises(NotReadyError, match="stopped before the model was ready"):
+        backend.wait_ready(10)
+    assert built[0].killed

@@ -77,3 +77,38 @@ def test_auto_counts_whole_replicas_of_the_cluster(monkeypatch):
     monkeypatch.setattr(app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
     with pytest.raises(RuntimeError, match="one replica needs"):
         app.replicas_that_fit(cfg)
+
+
+def test_replicas_the_cluster_cannot_hold_are_named_before_serve_waits(monkeypatch):
+    """Serve waits without end for replicas that cannot be placed (it logs every 30 s that
+    one is not scheduled): the launch says what is missing first."""
+    from tpserve.serve import app
+
+    monkeypatch.setattr(app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 6.0})
+    cfg = config(4, "cuda")
+    app.check_replicas_fit(cfg, 1)
+    with pytest.raises(RuntimeError) as info:
+        app.check_replicas_fit(cfg, 2)
+    msg = str(info.value)
+    assert "2 replica(s) of tp=4 need 4.25 CPU, 4 GPU each" in msg, msg
+    assert "the cluster has 16 CPU, 6 GPU in all: it holds 1" in msg and "--replicas" in msg
+
+
+def test_a_stop_ends_the_wait_for_the_replicas():
+    """serve.run blocks until every replica has loaded and Ctrl-C did not end it: it runs in
+    a thread, and a stop returns at once."""
+    import threading
+    import time
+
+    stop, release = threading.Event(), threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    t0 = time.monotonic()
+    assert cli._until_ready(lambda: release.wait(30), stop) is None
+    assert time.monotonic() - t0 < 3
+    release.set()
+    assert cli._until_ready(lambda: "http://127.0.0.1:1", threading.Event()) == \
+        "http://127.0.0.1:1"
+    with pytest.raises(RuntimeError, match="deploy failed"):
+        cli._until_ready(lambda: (_ for _ in ()).throw(RuntimeError("deploy failed")),
+                         threading.Event())

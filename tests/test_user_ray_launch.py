@@ -96,3 +96,45 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.slow
+def test_replicas_a_joined_cluster_cannot_hold_warn_and_ctrl_c_stops_the_wait(llama_dir, tmp_path):
+    """3 CPUs cannot hold 2 replicas of 2 one-CPU shards: the launch said nothing (Serve logs
+    every 30 s that a replica is not scheduled) and Ctrl-C did not stop it; now it names what
+    is missing at once, and SIGINT ends the wait and deletes the application."""
+    import signal
+    import time
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+    proc = None
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        log_path = tmp_path / "server.log"
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tpserve.cli", "launch", "--model", str(llama_dir),
+                 "--tp", "2", "--replicas", "2", "--cpus-per-shard", "1", "--address",
+                 cluster.address, "--port", "0", "--num-blocks", "128"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while "Waiting for the cluster to scale up" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        assert "need 2.25 CPU each, and the cluster has 3 CPU in all: it holds 1" in \
+            log_path.read_text()
+        time.sleep(15)  # Serve is deploying, one replica unscheduled
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=45) == 0
+        text = log_path.read_text()
+        assert "stopped before the replicas were ready" in text, text[-3000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        cluster.shutdown()

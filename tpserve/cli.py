@@ -585,7 +585,7 @@ def _kv_cache_dtype(args: argparse.Namespace) -> str:
     return value
 
 
-def _dashboard_token_note() -> str:
+def _dashboard_token_note(dashboard_url: str = "127.0.0.1:8265") -> str:
     """Where the Ray dashboard's token is, when Ray's token authentication is on (ray.init
     sets RAY_AUTH_MODE=token in this process when it turns it on by default)."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
@@ -593,7 +593,9 @@ def _dashboard_token_note() -> str:
     where = ("$RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
              os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token")
     return (f" (Ray token auth is on: the dashboard asks for the token in {where}, which "
-            "`ray get-auth-token` prints; RAY_AUTH_MODE=disabled turns it off; see "
+            "`ray get-auth-token` prints; Ray's CLI sends it only with RAY_AUTH_MODE=token in "
+            f"its environment, e.g. `RAY_AUTH_MODE=token ray list actors --address "
+            f"http://{dashboard_url}`; RAY_AUTH_MODE=disabled turns it off; see "
             "docs/troubleshooting.md)")
 
 
@@ -604,9 +606,15 @@ def server_config(args: argparse.Namespace):
     from tpserve.config import ServerConfig
 
     keys = list(args.api_key or [])
-    keys += [k.strip() for k in os.environ.get("TPSERVE_API_KEY", "").split(",") if k.strip()]
     if any(not k.strip() for k in keys):
         raise ValueError("--api-key cannot be empty")
+    env_keys = os.environ.get("TPSERVE_API_KEY")
+    if env_keys is not None:
+        keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+        if not env_keys.replace(",", "").strip():
+            # Set from an unset shell variable, say: serving without a key is not what was meant.
+            raise ValueError("TPSERVE_API_KEY is set but holds no key: give it the key (or keys, "
+                             "comma-separated), or unset it to serve without one")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1 (got {args.max_body_bytes})")
     in_flight = args.max_body_bytes_in_flight
@@ -721,7 +729,8 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
                     "%s): Ray was imported before tpserve could set %s=0", node,
                     _RAY_CLUSTER_SWITCH)
     log.info("ray: started a local cluster (%s)%s", ray.cluster_resources(),
-             f"; dashboard at http://{ctx.dashboard_url}{_dashboard_token_note()}"
+             f"; dashboard at http://{ctx.dashboard_url}"
+             f"{_dashboard_token_note(ctx.dashboard_url)}"
              if ctx.dashboard_url else "")
 
 
@@ -878,6 +887,14 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
                                  max_replicas=args.max_replicas,
                                  placement_strategy=ray_strategy(cfg.parallel.placement),
                                  grpc_on_loopback=not args.address)
+    try:
+        serve_app.check_replicas_fit(cfg, spec.replicas_wanted, spec.shard_cpus)
+    except RuntimeError as exc:
+        if not args.address:
+            _stop_ray(args.address)
+            raise
+        # A joined cluster may scale up; Serve waits for the replicas (Ctrl-C stops it).
+        log.warning("%s Waiting for the cluster to scale up (Ctrl-C stops).", exc)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(_signum, _frame) -> None:
@@ -889,7 +906,11 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
         signal.signal(sig, on_signal)
     ours = True
     try:
-        url = serve_app.run(cfg, spec, args.host, args.port, server=server)
+        url = _until_ready(lambda: serve_app.run(cfg, spec, args.host, args.port,
+                                                 server=server), stop)
+        if url is None:
+            log.info("stopped before the replicas were ready")
+            return 0
         scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
                  if spec.autoscaling else f"replicas={count}")
         log.info("ready: %s of tp=%d on Ray Serve, serving %s", scale, tp, url)
@@ -916,6 +937,28 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         _stop_ray(args.address)
+
+
+def _until_ready(run, stop: threading.Event):
+    """run() (serve.run: it returns once every replica has loaded, however long that takes,
+    and Ctrl-C did not end it) in a thread; its result, or None once `stop` is set."""
+    done, box = threading.Event(), {}
+
+    def target() -> None:
+        try:
+            box["url"] = run()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="tpserve-serve-run", daemon=True).start()
+    while not done.wait(0.5):
+        if stop.is_set():
+            return None
+    if "error" in box:
+        raise box["error"]
+    return box["url"]
 
 
 def kernels(args: argparse.Namespace) -> int:

@@ -38,36 +38,56 @@ def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
     """A ready placement group of tp bundles placed as --placement says; raises with what is
     missing."""
     strategy = ray_strategy(placement)
+    why = ""
     try:
-        check_capacity(bundle, tp)
-        check_placement(placement, bundle, tp, cluster_nodes())
+        nodes = cluster_nodes()
+        check_capacity(bundle, tp, nodes)
+        check_placement(placement, bundle, tp, nodes)
     except RuntimeError as exc:
         if not joined_cluster:
             raise
         # A joined cluster may autoscale: wait for the placement group instead.
+        why = f" {exc}"
         log.warning("%s Waiting up to %.0fs in case the cluster scales up.", exc, timeout_s)
     pg = placement_group([bundle] * tp, strategy=strategy, name=f"tpserve-{uuid.uuid4().hex[:8]}")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
+        free = ray.available_resources()
+        hint = why or (" Something else may hold them (`ray status`, `ray list actors`): stop "
+                       "it, or lower --tp or --cpus-per-shard, or add nodes/devices.")
         raise RuntimeError(
-            f"Ray could not place {tp} shard(s) of {bundle} within {timeout_s:.0f}s;"
-            f" the cluster has {ray.available_resources()}. Lower --tp, lower "
-            "--cpus-per-shard, or add nodes/devices.") from None
+            f"Ray could not place {tp} shard(s) of {_fmt(bundle)} each within {timeout_s:.0f}s"
+            f" (free now: {_fmt({k: free.get(k, 0.0) for k in bundle})}).{hint}") from None
     return pg
 
 
-def check_capacity(bundle: dict[str, float], tp: int) -> None:
-    """Refuse at once when the whole cluster could never hold tp shards (rather than wait
-    for a placement group that cannot be placed)."""
-    total = ray.cluster_resources()
-    short = {k: (v * tp, total.get(k, 0.0)) for k, v in bundle.items() if total.get(k, 0.0) < v * tp}
+def check_capacity(bundle: dict[str, float], tp: int, nodes: list[dict[str, float]]) -> None:
+    """Refuse at once when the cluster could never hold tp shards (rather than wait for a
+    placement group that cannot be placed): too few resources in all, or nodes too small for
+    a shard each (a bundle is never split across nodes). `nodes`: cluster_nodes()."""
+    total = {k: sum(n.get(k, 0.0) for n in nodes) for k in bundle}
+    short = {k: (v * tp, total[k]) for k, v in bundle.items() if total[k] < v * tp}
     if short:
         need = ", ".join(f"{need:g} {k} (the cluster has {have:g})" for k, (need, have) in short.items())
         raise RuntimeError(
             f"--tp {tp} needs {need}: one shard takes {bundle}. Lower --tp or "
             "--cpus-per-shard, add nodes, or join a bigger cluster with --address.")
+    held = sum(_shards_on(n, bundle) for n in nodes)
+    if held < tp:
+        biggest = max(nodes, key=lambda n: min(n.get(k, 0.0) / v for k, v in bundle.items()),
+                      default={})
+        raise RuntimeError(
+            f"--tp {tp} needs {tp} shard(s) of {_fmt(bundle)}, each on one node, but the nodes "
+            f"of this cluster hold only {held} (the largest has "
+            f"{_fmt({k: biggest.get(k, 0.0) for k in bundle})}). Lower --cpus-per-shard or "
+            "--tp, or add bigger nodes.")
+
+
+def _shards_on(node: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many shards of `bundle` one node can hold at most."""
+    return min(int(node.get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
 
 
 def shard_names(tp: int, namespace: str) -> list[str]:

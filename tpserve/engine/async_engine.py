@@ -264,6 +264,7 @@ class AsyncEngine:
         self.state = "loading"
         self.rebuild = rebuild or RebuildPolicy(max_rebuilds=0)
         self._engine_live = False  # self.engine's shards exist (not torn down)
+        self._building = False  # the thread is in self._build (minutes: placement, load)
         self._handles = count()
         self._live: dict[int, _Submit] = {}  # engine seq id -> request
         self._seq_of: dict[int, int] = {}  # handle -> engine seq id
@@ -305,9 +306,12 @@ class AsyncEngine:
             raise self.error
 
     def stop(self) -> None:
+        building = self._building
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(timeout=30)
+        # A build (waiting for a placement, loading weights) is not waited for: it shuts its
+        # group down itself when it ends (_build_group), or goes with this process.
+        self._thread.join(timeout=1.0 if building else 30)
         self._ray_metrics.stop()
         # rayops hook (shutdown): whatever the drain did not finish ends now, with an error
         # rather than a connection that never answers; 503 `unhealthy`, as a request refused
@@ -450,11 +454,15 @@ class AsyncEngine:
     # --- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.engine = self._build()
+            engine = self._build_group()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready / health
             log.exception("engine failed to start")
             self.error = exc
             return
+        if engine is None:
+            self.error = NotReadyError("the server stopped before the model was ready")
+            return
+        self.engine = engine
         self._engine_live, self.state = True, "serving"
         freeze_startup_objects()
         self._ready.set()
@@ -665,12 +673,14 @@ class AsyncEngine:
                 return
             t0 = time.perf_counter()
             try:
-                engine = self._build()
+                engine = self._build_group()
             except Exception as exc:  # noqa: BLE001 - counted; the next attempt may succeed
                 self.rebuild.record(ok=False)
                 self.dead = f"a shard was lost, and rebuilding failed ({_summary(exc)})"
                 log.exception("rebuilding the shard group failed")
                 continue
+            if engine is None:
+                return
             self.rebuild.record(ok=True)
             self.engine, self._engine_live = engine, True
             freeze_startup_objects()
@@ -683,6 +693,22 @@ class AsyncEngine:
             self._replay.clear()
             self._submit(kept)
             return
+
+    def _build_group(self):
+        """A new shard group, or None when the server stopped while it was built (stop()
+        does not wait for a build): that group is shut down here rather than left running."""
+        self._building = True
+        try:
+            engine = self._build()
+        finally:
+            self._building = False
+        if not self._stop.is_set():
+            return engine
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            log.exception("shutting down the group built after stop failed")
+        return None
 
     def _give_up(self) -> None:
         self._teardown()

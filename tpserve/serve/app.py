@@ -50,16 +50,34 @@ class ReplicaSpec:
 
 def replicas_that_fit(cfg: EngineConfig, shard_cpus: float | None = None) -> int:
     """`--replicas auto`: as many whole replicas as the cluster's devices (or CPUs) hold."""
+    need, total, fits = _fit(cfg, shard_cpus)
+    if fits < 1:
+        raise RuntimeError(f"--replicas auto: one replica needs {need}, the cluster has "
+                           f"{total}. Lower --tp, or add nodes/devices.")
+    return fits
+
+
+def check_replicas_fit(cfg: EngineConfig, wanted: int, shard_cpus: float | None = None) -> None:
+    """Raise, naming what is missing, when the cluster cannot hold `wanted` replicas: Serve
+    would wait for them without end (it only logs, every 30 s, that one is not scheduled)."""
+    need, total, fits = _fit(cfg, shard_cpus)
+    if fits < wanted:
+        have = ", ".join(f"{total.get(k, 0.0):g} {k}" for k in need)
+        each = ", ".join(f"{v:g} {k}" for k, v in need.items())
+        raise RuntimeError(
+            f"{wanted} replica(s) of tp={cfg.parallel.tp_size} need {each} each, and the "
+            f"cluster has {have} in all: it holds {fits}. Lower --replicas (or --min-replicas), "
+            "--tp or --cpus-per-shard, or add nodes/devices.")
+
+
+def _fit(cfg: EngineConfig, shard_cpus: float | None):
+    """(one replica's resources, the cluster's, how many whole replicas it holds)."""
     total = ray.cluster_resources()
     need: dict[str, float] = {}
     for bundle in replica_bundles(cfg, shard_cpus):
         for k, v in bundle.items():
             need[k] = need.get(k, 0.0) + v
-    fits = min(int(total.get(k, 0.0) // v) for k, v in need.items() if v > 0)
-    if fits < 1:
-        raise RuntimeError(f"--replicas auto: one replica needs {need}, the cluster has "
-                           f"{total}. Lower --tp, or add nodes/devices.")
-    return fits
+    return need, total, min(int(total.get(k, 0.0) // v) for k, v in need.items() if v > 0)
 
 
 def build_application(cfg: EngineConfig, spec: ReplicaSpec, server=None):
