@@ -259,6 +259,7 @@ def test_overloaded_maps_to_429(http, backend):
         r = gen(http, route, inputs="a")
         assert r.status_code == 429
         assert r.json() == {"error": "queue is full", "error_type": "overloaded"}
+        assert r.headers["retry-after"] == "1"  # RFC 9110: when a retry may pass
     assert _metric(http, "tpserve_requests_inflight") == 0  # rejected requests are released
 
 
@@ -327,7 +328,10 @@ def test_health_follows_backend_readiness(http, backend):
     r = http.get("/health")
     assert r.status_code == 503
     assert r.json()["error_type"] == "unhealthy"
-    assert gen(http, inputs="a").status_code == 503
+    refused = gen(http, inputs="a")
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+    invalid = gen(http, inputs="a", parameters={"top_k": -3})  # retrying will not help
+    assert invalid.status_code == 422 and "retry-after" not in invalid.headers
     backend.is_ready = True
     assert http.get("/health").status_code == 200
 

@@ -70,6 +70,10 @@ class Upload:
         return self.reply()
 
     def reply(self) -> tuple[int, str]:
+        return self.reply_with_head()[::2]
+
+    def reply_with_head(self) -> tuple[int, str, str]:
+        """The answer's status, its body and its head (status line and headers)."""
         data = b""
         while True:
             try:
@@ -81,7 +85,7 @@ class Upload:
             data += chunk
         self.sock.close()
         head, _, rest = data.partition(b"\r\n\r\n")
-        return int(head.split()[1]), rest.decode()
+        return int(head.split()[1]), head.decode().lower(), rest.decode()
 
 
 def held(url: str) -> float:
@@ -115,8 +119,10 @@ def test_upload_over_the_budget_is_429_while_the_others_complete(url):
     b = Upload(url, UPLOAD).send(1000)
     wait_held(url, 2 * UPLOAD)
 
-    status, text = Upload(url, UPLOAD).reply()  # a third: refused before its body is sent
+    # A third: refused before its body is sent, with when to try again (RFC 9110).
+    status, head, text = Upload(url, UPLOAD).reply_with_head()
     assert status == 429, text
+    assert "\r\nretry-after: 1\r\n" in head + "\r\n", head
     assert '"error_type": "overloaded"' in text and "--max-body-bytes-in-flight" in text
 
     def chunked():  # no Content-Length: refused as it grows past what is left
@@ -128,7 +134,7 @@ def test_upload_over_the_budget_is_429_while_the_others_complete(url):
     r = httpx.post(url + "/generate", content=chunked(), timeout=10,
                    headers={"content-type": "application/json"})
     assert r.status_code == 429, r.text
-    assert r.json()["error_type"] == "overloaded"
+    assert r.json()["error_type"] == "overloaded" and r.headers["retry-after"] == "1"
 
     # A small request still fits beside them, and the slow uploads are undisturbed.
     r = httpx.post(url + "/generate", json={"inputs": "c d", "parameters": {"max_new_tokens": 2}},

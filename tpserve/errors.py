@@ -10,6 +10,9 @@ from __future__ import annotations
 class TPServeError(Exception):
     error_type = "generation"
     status_code = 500
+    # Seconds for HTTP's Retry-After header (RFC 9110) on errors a later try may pass:
+    # proxies, load balancers and generic HTTP clients back off by it.
+    retry_after: int | None = None
 
 
 class ValidationError(TPServeError):
@@ -24,6 +27,7 @@ class OverloadedError(TPServeError):
 
     error_type = "overloaded"
     status_code = 429
+    retry_after = 1  # a slot frees as soon as any running request ends
 
 
 class GenerationError(TPServeError):
@@ -40,6 +44,7 @@ class ShardLostError(GenerationError):
 
     error_type = "shard_lost"
     status_code = 503
+    retry_after = 5  # a rebuild takes a model load: poll, do not hammer
 
 
 class NotReadyError(TPServeError):
@@ -47,6 +52,7 @@ class NotReadyError(TPServeError):
 
     error_type = "unhealthy"
     status_code = 503
+    retry_after = 5
 
 
 class RequestTimeoutError(TPServeError):

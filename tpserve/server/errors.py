@@ -94,7 +94,9 @@ def _logged_id(exc: BaseException) -> str:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status = exc.status_code if isinstance(exc, TPServeError) else 500
-    return JSONResponse(error_body(exc), status_code=status)
+    wait = exc.retry_after if isinstance(exc, TPServeError) else None
+    headers = {"Retry-After": str(wait)} if wait is not None else None
+    return JSONResponse(error_body(exc), status_code=status, headers=headers)
 
 
 def as_tpserve_error(exc: Exception) -> TPServeError:

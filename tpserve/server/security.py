@@ -14,6 +14,10 @@ import os
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tpserve.errors import OverloadedError
+
+_RETRY = [(b"retry-after", str(OverloadedError.retry_after).encode())]
+
 # Routes a load balancer or orchestrator must reach without a key.
 ALWAYS_PUBLIC = frozenset({"/health"})
 # Host names an open loopback server also answers (comma-separated; `*`: any).
@@ -145,7 +149,7 @@ class BodyLimitMiddleware:
                 await send_error(send, 413, self._too_large(), "validation")
                 return
             if not self.budget.take(declared):
-                await send_error(send, 429, self._over_budget(), "overloaded")
+                await send_error(send, 429, self._over_budget(), "overloaded", _RETRY)
                 return
             held = declared
         seen = 0
@@ -161,7 +165,8 @@ class BodyLimitMiddleware:
                     raise HTTPException(413, self._too_large())
                 if seen > held:  # a chunked body: take what it grew by
                     if not self.budget.take(seen - held):
-                        raise HTTPException(429, self._over_budget())
+                        raise HTTPException(429, self._over_budget(),
+                                            headers={"Retry-After": _RETRY[0][1].decode()})
                     held = seen
             return message
 
