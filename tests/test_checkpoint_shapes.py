@@ -22,14 +22,14 @@ from tiny_models import (
 )
 
 
-def _strip_model_prefix(src, dst):
-    """A copy of checkpoint src whose tensors are named without the leading "model."."""
+def _strip_model_prefix(src, dst, prefix: str = "model."):
+    """A copy of checkpoint src whose tensors are named without the leading prefix."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
-    assert any(n.startswith("model.") for n in tensors)
-    save_file({n.removeprefix("model."): t for n, t in tensors.items()},
+    assert any(n.startswith(prefix) for n in tensors)
+    save_file({n.removeprefix(prefix): t for n, t in tensors.items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -46,6 +46,25 @@ def test_names_without_the_model_prefix_load_the_same_weights(models_dir, tmp_pa
     got, _ = load_rank(bare, 1, 2)
     for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize(("name", "prefix"), [("gpt-neox", "gpt_neox."), ("phi", "model.")])
+def test_a_body_saved_without_its_prefix_matches_transformers(models_dir, tmp_path, name,
+                                                              prefix):
+    """GPT-NeoX ("layers.0.attention.query_key_value.weight", "embed_in.weight"; the head
+    stays "embed_out.weight") and Phi ("layers.0.self_attn.dense.weight",
+    "final_layernorm.weight") saved from their base models: transformers reads them as the
+    prefixed files; tpserve refused both as missing every weight but the head. Each rank at
+    tp = 2 gets the prefixed file's parameters, and tp = 1 continues as transformers."""
+    path = family_checkpoint(models_dir, name)
+    bare = _strip_model_prefix(path, tmp_path / f"{name}-bare", prefix)
+    want, _ = load_rank(path, 1, 2)
+    got, _ = load_rank(bare, 1, 2)
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+    ref = hf_greedy(bare, PROMPTS, 8)
+    assert ref == hf_greedy(path, PROMPTS, 8)  # transformers reads both files alike
+    _matches(bare, 1, ref, hf_last_logits(bare, PROMPTS), 8)
 
 
 def test_llama_without_the_model_prefix_matches_transformers(ray_cluster, llama_dir, tmp_path):

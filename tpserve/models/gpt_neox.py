@@ -22,7 +22,7 @@ from tpserve.layers.norm import LayerNorm
 from tpserve.layers.per_head_qkv import PerHeadQKVLinear
 from tpserve.layers.rotary import RotaryEmbedding, partial_rotary_factor, rope_parameters
 from tpserve.models.layernorm_lm import LayerNormCausalLM
-from tpserve.models.loader import load_into
+from tpserve.models.loader import load_into, with_prefix
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,11 +98,16 @@ class GPTNeoXForCausalLM(LayerNormCausalLM):
         return self.gpt_neox(ids, positions)
 
     def load_weights(self, tensors) -> None:
+        # A body saved from GPTNeoXModel names its tensors "layers.0...", "embed_in.weight":
+        # transformers adds the base model's prefix, and so does tpserve.
+        prefixed = with_prefix("gpt_neox.", keep=("embed_out.",))
+
         def rename(name: str) -> str:
             # EleutherAI's files name the head embed_out; transformers 5 calls it lm_head in
             # memory and writes that name with save_pretrained(save_original_format=False).
-            return "embed_out." + name.removeprefix("lm_head.") if name.startswith("lm_head.") \
-                else name
+            if name.startswith("lm_head."):
+                return "embed_out." + name.removeprefix("lm_head.")
+            return prefixed(name)
 
         # attention.bias / masked_bias: the causal mask buffers older files carry.
         skip = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")

@@ -21,7 +21,7 @@ from tpserve.layers.linear import row_parallel_sum
 from tpserve.layers.mlp import PlainMLP
 from tpserve.layers.norm import LayerNorm
 from tpserve.models.llama import LlamaAttention, LlamaForCausalLM
-from tpserve.models.loader import load_into
+from tpserve.models.loader import load_into, with_prefix
 
 # Checkpoint name fragment -> tpserve's (LlamaModel's) name for the same tensor.
 _RENAMES = ((".self_attn.dense.", ".self_attn.o_proj."),
@@ -86,7 +86,10 @@ class PhiForCausalLM(LlamaForCausalLM):
         return "its norms are LayerNorms: only an RMSNorm folds"
 
     def load_weights(self, tensors) -> None:
+        prefixed = with_prefix("model.")  # a body saved from PhiModel: "layers.0..."
+
         def rename(name: str) -> str:
+            name = prefixed(name)
             for old, new in _RENAMES:
                 name = name.replace(old, new)
             return name
