@@ -146,6 +146,9 @@ def test_launcher_asks_for_it_only_on_the_cluster_it_starts(monkeypatch):
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     monkeypatch.setattr(app, "run", run)
     monkeypatch.setattr(app, "shutdown", lambda: None)
+    # No cluster is started here: the fit check (tests/test_placement.py) would read
+    # whatever Ray an earlier test left connected.
+    monkeypatch.setattr(app, "check_replicas_fit", lambda *a, **kw: None)
     monkeypatch.setattr(ray, "shutdown", lambda **kw: None)
     for argv, wanted in ((["--replicas", "2"], True),
                          (["--replicas", "2", "--address", "auto"], False)):
