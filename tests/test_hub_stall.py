@@ -201,15 +201,21 @@ def test_ctrl_c_during_a_download_ends_it_at_once_in_one_line(tmp_path: Path):
     Now: the download's requests end, exit 130, one line, and what arrived whole stays."""
     import signal
 
-    files = {**_files(), "model.safetensors": WEIGHTS * 8}  # 256 KiB over about 30 s
+    # 1 MiB over about 2 minutes: the signal must land while the file arrives, also when a
+    # loaded machine (the whole suite on 2 cores) starts the launch slowly. With 256 KiB
+    # (30 s) the full suite twice sent it only after the launch had ended.
+    files = {**_files(), "model.safetensors": WEIGHTS * 32}
     with FakeHub("acme/tiny", files, pace=(4096, 0.5)) as hub:
+        began = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "launch", "--model",
                                  "acme/tiny"], env=hub_env(tmp_path, hub), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
+        deadline = began + 100
         while "model.safetensors" not in hub.downloaded() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)
+        assert proc.poll() is None, (f"the launch ended {time.monotonic() - began:.0f} s after "
+                                     f"it started, before the signal: {proc.communicate()}")
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         _, err = proc.communicate(timeout=60)
