@@ -207,9 +207,18 @@ def test_ctrl_c_during_a_download_ends_it_at_once_in_one_line(tmp_path: Path):
     files = {**_files(), "model.safetensors": WEIGHTS * 32}
     with FakeHub("acme/tiny", files, pace=(4096, 0.5)) as hub:
         began = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "tpserve.cli", "launch", "--model",
-                                 "acme/tiny"], env=hub_env(tmp_path, hub), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # As from a terminal: SIGINT neither ignored nor blocked. A child inherits both from
+        # this process, and in the full suite (not alone) the launch ignored the signal, so
+        # the launch is exec'd from a shim that resets them (parent's state in `inherited`).
+        inherited = (signal.getsignal(signal.SIGINT),
+                     signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        shim = ("import os, signal, sys; "
+                "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'tpserve.cli', 'launch', "
+                "'--model', 'acme/tiny'])")
+        proc = subprocess.Popen([sys.executable, "-c", shim], env=hub_env(tmp_path, hub),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = began + 100
         while "model.safetensors" not in hub.downloaded() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -218,7 +227,13 @@ def test_ctrl_c_during_a_download_ends_it_at_once_in_one_line(tmp_path: Path):
                                      f"it started, before the signal: {proc.communicate()}")
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"SIGINT did not end the launch in 60 s (this process's "
+                                 f"SIGINT handler and mask: {inherited}): "
+                                 f"{proc.communicate()[1]}") from None
         took = time.monotonic() - start
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "tpserve: interrupted"
