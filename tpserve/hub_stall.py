@@ -85,9 +85,12 @@ class StallGuard:
 
     def cancel(self) -> None:
         """End every request and body read of the download at once (Ctrl-C: the threads
-        that fetch the files would otherwise finish their files before the process ends)."""
-        with self._lock:
-            self.failed = self.failed or HubStalledError("", "", "", 0, cancelled=True)
+        that fetch the files would otherwise finish their files before the process ends).
+        Called from a signal handler, so it takes no lock: the main thread may hold
+        self._lock where the signal lands. One assignment is atomic; if a stall is
+        recorded at the same moment, either error ends the download."""
+        if self.failed is None:
+            self.failed = HubStalledError("", "", "", 0, cancelled=True)
 
     def on_request(self, request) -> None:
         self.check()
