@@ -123,3 +123,18 @@ def test_spread_places_shards_on_two_nodes(llama_dir, tmp_path):
             assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes
     finally:
         cluster.shutdown()
+
+
+def test_a_placement_that_waits_reports_what_it_lacks_until_it_ends(ray_cluster):
+    """What GET /health shows while a rebuild waits for resources (engine/build_wait.py):
+    the shard size, what is free, what the cluster lacks, and that the wait resumes."""
+    from tpserve.engine.build_wait import reporting_waits
+
+    seen: list = []
+    with reporting_waits(seen.append), pytest.raises(RuntimeError, match="within 3s"):
+        place_shards({"CPU": 3.0}, 2, joined_cluster=True, timeout_s=3.0)
+    assert len(seen) >= 2 and seen[-1] is None, seen
+    msg = seen[0]
+    assert msg.startswith("waiting for cluster resources: Ray cannot place 2 shard(s) of "
+                          "3 CPU each yet (free now: 4 CPU)"), msg
+    assert "--tp 2 needs 6 CPU (the cluster has 4)" in msg and "goes on by itself" in msg
