@@ -40,9 +40,10 @@ def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
 
 
 def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
-                 timeout_s: float = 120.0, placement: str = "pack") -> PlacementGroup:
+                 timeout_s: float = 120.0, placement: str = "pack",
+                 name: str | None = None) -> PlacementGroup:
     """A ready placement group of tp bundles placed as --placement says; raises with what is
-    missing."""
+    missing. `name`: what the Ray dashboard shows for it (group_name(shard names))."""
     strategy = ray_strategy(placement)
     why = ""
     try:
@@ -55,7 +56,8 @@ def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
         # A joined cluster may autoscale: wait for the placement group instead.
         why = f" {exc}"
         log.warning("%s Waiting up to %.0fs in case the cluster scales up.", exc, timeout_s)
-    pg = placement_group([bundle] * tp, strategy=strategy, name=f"tpserve-{uuid.uuid4().hex[:8]}")
+    pg = placement_group([bundle] * tp, strategy=strategy,
+                         name=name or f"tpserve-{uuid.uuid4().hex[:8]}")
     try:
         _wait_ready(pg, bundle, tp, timeout_s, why)
     except ray.exceptions.GetTimeoutError:
@@ -127,6 +129,13 @@ def shard_names(tp: int, namespace: str) -> list[str]:
     if not _name_free(f"shard-0{suffix}", namespace):
         suffix = f"-{uuid.uuid4().hex[:6]}"
     return [f"shard-{rank}{suffix}" for rank in range(tp)]
+
+
+def group_name(names: list[str]) -> str:
+    """The placement group of shards `shard-0-1a2b3c`...: `tpserve-shards-1a2b3c`, so the
+    dashboard's placement groups name the deployment whose actors they hold (they were
+    `tpserve-<random>`)."""
+    return "tpserve-shards" + names[0][len("shard-0"):]
 
 
 def driver_names() -> list[str]:
