@@ -98,11 +98,14 @@ def _placement_groups(address: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_spread_places_shards_on_two_nodes(llama_dir, tmp_path):
+@pytest.mark.parametrize(("placement", "tp", "used_nodes"),
+                         [("spread", 2, 2), ("pack", 2, 1), ("pack", 4, 2), ("spread", 4, 2)])
+def test_placement_on_two_nodes(llama_dir, tmp_path, placement, tp, used_nodes):
     from ray.cluster_utils import Cluster
     from transformers import AutoTokenizer
 
-    # Two CPUs per node: PACK would put both 1-CPU shards on one node; SPREAD must not.
+    # Two CPUs per node: PACK puts both 1-CPU shards of tp 2 on one node and spills tp 4
+    # over to the second; SPREAD uses both nodes. Either way outputs equal transformers'.
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
@@ -110,16 +113,31 @@ def test_spread_places_shards_on_two_nodes(llama_dir, tmp_path):
         cluster.wait_for_nodes()
         ref = hf_greedy(llama_dir, ["Hello world"], 12)[0]
         text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
-        with launched(["--model", str(llama_dir), "--tp", "2", "--address", cluster.address,
-                       "--placement", "spread", "--num-blocks", "128"],
+        with launched(["--model", str(llama_dir), "--tp", str(tp), "--address",
+                       cluster.address, "--placement", placement, "--num-blocks", "128"],
                       tmp_path / "server.log") as url:
             r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=12)
             assert r.generated_text == text
-            assert httpx.get(url + "/info").json()["placement"] == "spread"
+            assert httpx.get(url + "/info").json()["placement"] == placement
             groups = [g for g in _placement_groups(cluster.address)
                       if g["name"].startswith("tpserve-") and g["state"] == "CREATED"]
-            assert len(groups) == 1 and groups[0]["strategy"] == "SPREAD"
+            assert len(groups) == 1 and groups[0]["strategy"] == ray_strategy(placement)
             nodes = groups[0]["bundles_to_node_id"]
-            assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes
+            assert len(nodes) == tp and len(set(nodes.values())) == used_nodes, nodes
     finally:
         cluster.shutdown()
+
+
+def test_a_placement_that_waits_reports_what_it_lacks_until_it_ends(ray_cluster):
+    """What GET /health shows while a rebuild waits for resources (engine/build_wait.py):
+    the shard size, what is free, what the cluster lacks, and that the wait resumes."""
+    from tpserve.engine.build_wait import reporting_waits
+
+    seen: list = []
+    with reporting_waits(seen.append), pytest.raises(RuntimeError, match="within 3s"):
+        place_shards({"CPU": 3.0}, 2, joined_cluster=True, timeout_s=3.0)
+    assert len(seen) >= 2 and seen[-1] is None, seen
+    msg = seen[0]
+    assert msg.startswith("waiting for cluster resources: Ray cannot place 2 shard(s) of "
+                          "3 CPU each yet (free now: 4 CPU)"), msg
+    assert "--tp 2 needs 6 CPU (the cluster has 4)" in msg and "goes on by itself" in msg

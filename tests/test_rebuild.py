@@ -8,13 +8,17 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
+from fake_backend import serve
 
 from tpserve.engine.async_engine import AsyncEngine, NullMetrics
+from tpserve.engine.build_wait import report_wait, reporting_waits
 from tpserve.engine.rebuild import RebuildPolicy
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
 from tpserve.errors import NotReadyError, ShardLostError
 from tpserve.executor.base import ShardFailedError
+from tpserve.server.app import build_app
 
 
 def test_policy_backs_off_doubling_per_outage_and_stops_at_the_budget():
@@ -328,3 +332,53 @@ def test_stop_during_the_first_load_returns_at_once_and_wait_ready_ends():
     with pytest.raises(NotReadyError, match="stopped before the model was ready"):
         backend.wait_ready(10)
     assert built[0].killed
+
+
+def test_health_says_when_a_rebuild_waits_for_cluster_resources():
+    """A rebuild whose placement waits (the node died, no other has room) answered only
+    "rebuilding ..., retry shortly": nothing said it waited for resources, nor for which.
+    Now /health carries what the placement reported, until the wait ends."""
+    waiting, release = threading.Event(), threading.Event()
+    built: list[ScriptedEngine] = []
+
+    def build():
+        if built:  # the rebuild: its placement waits, as place_shards reports it
+            report_wait("waiting for cluster resources: Ray cannot place 2 shard(s) of 1 GPU")
+            waiting.set()
+            assert release.wait(10)
+            report_wait(None)
+        built.append(ScriptedEngine(len(built)))
+        return built[-1]
+
+    backend = AsyncEngine(build, "scripted", 8, None, RebuildPolicy(max_rebuilds=1,
+                                                                    backoff_s=0.05))
+    backend.start()
+    backend.wait_ready(10)
+    try:
+        built[0].lost.set()
+        assert waiting.wait(10)
+        with serve(build_app(backend)) as url:
+            r = httpx.get(url + "/health", timeout=5)
+            assert r.status_code == 503, r.text
+            body = r.json()
+            assert body["error_type"] == "unhealthy", body
+            assert "rebuilding the shard group (attempt 1 of 1): waiting for cluster " \
+                   "resources: Ray cannot place 2 shard(s) of 1 GPU" in body["error"], body
+            release.set()
+            _wait_for(backend.ready)
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert backend.waiting is None
+    finally:
+        release.set()
+        backend.stop()
+
+
+def test_the_wait_report_reaches_only_the_thread_that_installed_it():
+    seen: list = []
+    report_wait("nobody listens")  # outside any build: a no-op
+    with reporting_waits(seen.append):
+        report_wait("a")
+        other = threading.Thread(target=report_wait, args=("another engine's",))
+        other.start()
+        other.join()
+    assert seen == ["a", None]  # None: the build ended, whatever it last said

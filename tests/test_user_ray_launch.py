@@ -138,3 +138,48 @@ def test_replicas_a_joined_cluster_cannot_hold_warn_and_ctrl_c_stops_the_wait(ll
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         cluster.shutdown()
+
+
+# From the GCS (ray.util.state would need the cluster's dashboard, off in these tests): every
+# actor the cluster knows, dead ones included, and every placement group.
+STATE = ("import json, ray; from ray._private import state; "
+         "ray.init(address=%r, log_to_driver=False); "
+         "print(json.dumps({'actors': [[a['Name'], a['ActorClassName'], a['State']] "
+         "for a in state.actors().values()], 'groups': [[g['name'], "
+         "g['state']] for g in ray.util.placement_group_table().values()]}))")
+
+
+def cluster_state(address: str) -> dict:
+    """Actors and placement groups of the cluster, read by a second driver."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    r = subprocess.run([sys.executable, "-c", STATE % address], capture_output=True,
+                       text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_joined_cluster_keeps_running_and_holds_nothing_of_tpserve_after_it_stops(
+        llama_dir, tmp_path):
+    """`--address` on an existing cluster: its placement group is named for the shards it
+    holds (the dashboard showed `tpserve-<random>`), and once tpserve stops no actor of it is
+    alive and no placement group of it is left, while the cluster keeps running."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 4, "include_dashboard": False})
+    try:
+        args = ["--model", str(llama_dir), "--tp", "2", "--address", cluster.address,
+                "--num-blocks", "64"]
+        with launched(args, tmp_path / "launch.log") as url:
+            assert tpserve.Client(url, timeout=60).generate("Hello", max_new_tokens=2)
+            state = cluster_state(cluster.address)
+            alive = {(n, c) for n, c, s in state["actors"] if s == "ALIVE"}
+            assert {("driver", "Driver"), ("shard-0", "EngineCoreActor"),
+                    ("shard-1", "FollowerActor")} <= alive, state
+            assert ["tpserve-shards", "CREATED"] in state["groups"], state
+        state = cluster_state(cluster.address)  # the cluster still answers
+        assert not [a for a in state["actors"] if a[2] != "DEAD"], state
+        assert not [g for g in state["groups"] if g[1] != "REMOVED"], state
+    finally:
+        cluster.shutdown()

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tpserve import errors
 from tpserve.cluster.engine_core_actor import EngineCoreActor
 from tpserve.cluster.follower import FollowerActor
-from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
+from tpserve.cluster.placement import group_name, place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.core import eos_token_ids
 from tpserve.engine.engine import tokenize
@@ -146,10 +146,11 @@ class CoreClient:
 
     def _place(self, cfg: EngineConfig, namespace: str) -> None:
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
-        self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
-                               bool(cfg.parallel.ray_address), placement=cfg.parallel.placement)
-        self.owns_pg = True  # kill() removes it (a rebuild places a new one)
         self.names = shard_names(tp, namespace)
+        self.pg = place_shards(ray_bundle(device, cfg.parallel.cpus_per_shard), tp,
+                               bool(cfg.parallel.ray_address), placement=cfg.parallel.placement,
+                               name=group_name(self.names))
+        self.owns_pg = True  # kill() removes it (a rebuild places a new one)
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
 
         def opts(rank: int, concurrency: int) -> dict:

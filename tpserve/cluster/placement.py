@@ -16,12 +16,18 @@ shard's node address on a free port there, wherever that shard was placed.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from tpserve.engine.build_wait import report_wait
+
 log = logging.getLogger(__name__)
+
+# A placement not ready after this long is waiting for resources: said on GET /health.
+WAIT_NOTICE_S = 2.0
 
 
 def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
@@ -34,9 +40,10 @@ def ray_bundle(device: str, cpus_per_shard: int) -> dict[str, float]:
 
 
 def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
-                 timeout_s: float = 120.0, placement: str = "pack") -> PlacementGroup:
+                 timeout_s: float = 120.0, placement: str = "pack",
+                 name: str | None = None) -> PlacementGroup:
     """A ready placement group of tp bundles placed as --placement says; raises with what is
-    missing."""
+    missing. `name`: what the Ray dashboard shows for it (group_name(shard names))."""
     strategy = ray_strategy(placement)
     why = ""
     try:
@@ -49,9 +56,10 @@ def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
         # A joined cluster may autoscale: wait for the placement group instead.
         why = f" {exc}"
         log.warning("%s Waiting up to %.0fs in case the cluster scales up.", exc, timeout_s)
-    pg = placement_group([bundle] * tp, strategy=strategy, name=f"tpserve-{uuid.uuid4().hex[:8]}")
+    pg = placement_group([bundle] * tp, strategy=strategy,
+                         name=name or f"tpserve-{uuid.uuid4().hex[:8]}")
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
+        _wait_ready(pg, bundle, tp, timeout_s, why)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         free = ray.available_resources()
@@ -61,6 +69,29 @@ def place_shards(bundle: dict[str, float], tp: int, joined_cluster: bool,
             f"Ray could not place {tp} shard(s) of {_fmt(bundle)} each within {timeout_s:.0f}s"
             f" (free now: {_fmt({k: free.get(k, 0.0) for k in bundle})}).{hint}") from None
     return pg
+
+
+def _wait_ready(pg: PlacementGroup, bundle: dict[str, float], tp: int, timeout_s: float,
+                why: str) -> None:
+    """ray.get(pg.ready()) within timeout_s; after WAIT_NOTICE_S, say what it waits for
+    (report_wait: /health shows it while a rebuild or the first load waits)."""
+    started = time.monotonic()
+    try:
+        ray.get(pg.ready(), timeout=min(WAIT_NOTICE_S, timeout_s))
+        return
+    except ray.exceptions.GetTimeoutError:
+        if timeout_s <= WAIT_NOTICE_S:
+            raise
+    free = ray.available_resources()
+    report_wait(
+        f"waiting for cluster resources: Ray cannot place {tp} shard(s) of {_fmt(bundle)} "
+        f"each yet (free now: {_fmt({k: free.get(k, 0.0) for k in bundle})}).{why} It goes "
+        f"on by itself when they appear (a node joins or another job frees them), waiting "
+        f"up to {timeout_s:.0f}s for this attempt")
+    try:
+        ray.get(pg.ready(), timeout=max(0.0, timeout_s - (time.monotonic() - started)))
+    finally:
+        report_wait(None)
 
 
 def check_capacity(bundle: dict[str, float], tp: int, nodes: list[dict[str, float]]) -> None:
@@ -98,6 +129,13 @@ def shard_names(tp: int, namespace: str) -> list[str]:
     if not _name_free(f"shard-0{suffix}", namespace):
         suffix = f"-{uuid.uuid4().hex[:6]}"
     return [f"shard-{rank}{suffix}" for rank in range(tp)]
+
+
+def group_name(names: list[str]) -> str:
+    """The placement group of shards `shard-0-1a2b3c`...: `tpserve-shards-1a2b3c`, so the
+    dashboard's placement groups name the deployment whose actors they hold (they were
+    `tpserve-<random>`)."""
+    return "tpserve-shards" + names[0][len("shard-0"):]
 
 
 def driver_names() -> list[str]:

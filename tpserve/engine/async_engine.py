@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
+from tpserve.engine.build_wait import reporting_waits
 from tpserve.engine.heap import IdleCollector, freeze_startup_objects
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.rebuild import RebuildPolicy
@@ -265,6 +266,7 @@ class AsyncEngine:
         self.rebuild = rebuild or RebuildPolicy(max_rebuilds=0)
         self._engine_live = False  # self.engine's shards exist (not torn down)
         self._building = False  # the thread is in self._build (minutes: placement, load)
+        self.waiting: str | None = None  # what that build waits for (engine/build_wait.py)
         self._handles = count()
         self._live: dict[int, _Submit] = {}  # engine seq id -> request
         self._seq_of: dict[int, int] = {}  # handle -> engine seq id
@@ -334,15 +336,16 @@ class AsyncEngine:
         if self.draining:
             return self.draining
         if self.state == "rebuilding":
+            then = f": {self.waiting}" if self.waiting else ", retry shortly"
             return (f"{self.dead}; rebuilding the shard group (attempt "
-                    f"{self.rebuild.attempts + 1} of {self.rebuild.max_rebuilds}), retry shortly")
+                    f"{self.rebuild.attempts + 1} of {self.rebuild.max_rebuilds}){then}")
         if self.state == "failed":
             return (f"{self.dead}; the shard group was not rebuilt ("
                     f"{self.rebuild.attempts} of --max-rebuilds {self.rebuild.max_rebuilds} "
                     "attempts spent): restart tpserve launch")
         if self.error is not None:
             return f"the engine failed: {self.error}"
-        return "the model is still loading"
+        return "the model is still loading" + (f": {self.waiting}" if self.waiting else "")
 
     def ready(self) -> bool:
         return (self._ready.is_set() and self.error is None and self.state == "serving"
@@ -699,7 +702,8 @@ class AsyncEngine:
         does not wait for a build): that group is shut down here rather than left running."""
         self._building = True
         try:
-            engine = self._build()
+            with reporting_waits(self._set_waiting):
+                engine = self._build()
         finally:
             self._building = False
         if not self._stop.is_set():
@@ -709,6 +713,11 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - best effort on the way out
             log.exception("shutting down the group built after stop failed")
         return None
+
+    def _set_waiting(self, reason: str | None) -> None:
+        self.waiting = reason
+        if reason:
+            log.warning("the shard group's build is %s", reason)
 
     def _give_up(self) -> None:
         self._teardown()

@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tpserve.cluster.placement import place_shards, ray_bundle, shard_names
+from tpserve.cluster.placement import group_name, place_shards, ray_bundle, shard_names
 from tpserve.config import EngineConfig
 from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError
@@ -28,10 +28,10 @@ class RayExecutor(Executor):
         self.cfg = cfg
         tp, device = cfg.parallel.tp_size, cfg.parallel.device
         bundle = ray_bundle(device, cfg.parallel.cpus_per_shard)
-        self.pg = place_shards(bundle, tp, bool(cfg.parallel.ray_address), placement_timeout_s,
-                               cfg.parallel.placement)
         namespace = namespace or ray.get_runtime_context().namespace
         self.names = shard_names(tp, namespace)
+        self.pg = place_shards(bundle, tp, bool(cfg.parallel.ray_address), placement_timeout_s,
+                               cfg.parallel.placement, name=group_name(self.names))
         cpus = cfg.parallel.cpus_per_shard if device == "cpu" else 1
         self.actors = [
             ShardActor.options(
