@@ -431,7 +431,8 @@ def test_openai_completion_stream_matches_non_stream(http, backend):
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
     assert backend.calls[-1].params.greedy
-    plain = http.post("/v1/completions", json={**body, "stream": False}).json()
+    plain = http.post("/v1/completions", json={**body, "stream": False,
+                                                "stream_options": None}).json()
     assert plain["choices"][0]["text"] == " x y"
 
 
@@ -522,6 +523,15 @@ OPENAI_INVALID = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 4},
         "`top_logprobs` must be <= 3",
+    ),
+    "stream_options_without_stream": (
+        "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}},
+        "`stream_options` needs `stream: true`"),
+    "chat_stream_options_with_stream_false": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "stream": False,
+         "stream_options": {"include_usage": False}},
+        "`stream_options` needs `stream: true`",
     ),
     "stops": (
         "/v1/chat/completions",

@@ -24,7 +24,14 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
@@ -113,6 +120,15 @@ class _Sampling(BaseModel):
     # Structured output: json_object, json_schema (tpserve/structured.py); text or null:
     # free text.
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_checked_format)] = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _Sampling:
+        # OpenAI and vLLM refuse them too: include_usage asks for a chunk that a plain
+        # answer never sends, and a client expecting it would wait for nothing.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
+                             "answer only. Set `stream` to true or leave `stream_options` out")
+        return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
