@@ -356,6 +356,22 @@ def test_info(http):
     assert info["router"] == "tpserve"
 
 
+@pytest.mark.parametrize("path", ["/health", "/info", "/metrics", "/v1/models",
+                                  "/v1/models/fake/echo"])
+def test_head_is_answered_wherever_get_is(http, path):
+    """HTTP requires HEAD wherever GET is served (uptime probes, `curl -I`): GET's status
+    and headers, no body."""
+    got, head = http.get(path), http.head(path)
+    assert (head.status_code, got.status_code) == (200, 200)
+    assert head.headers.get("content-type") == got.headers.get("content-type")
+    assert head.content == b""
+
+
+def test_head_is_not_added_to_post_routes(http):
+    r = http.head("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
 def test_openapi_schema_renders(http):
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/generate", "/generate_stream", "/v1/chat/completions"} <= set(paths)
@@ -532,6 +548,11 @@ OPENAI_INVALID = {
         {"messages": [{"role": "user", "content": "a"}], "stream": False,
          "stream_options": {"include_usage": False}},
         "`stream_options` needs `stream: true`",
+    ),
+    "chat_best_of": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "best_of": 2, "temperature": 1},
+        "`best_of` > 1 on /v1/chat/completions",
     ),
     "stops": (
         "/v1/chat/completions",

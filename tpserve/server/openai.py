@@ -274,6 +274,11 @@ class ChatRequest(_Sampling):
         "`functions` (OpenAI's deprecated form of `tools`; send `tools`)")] = None
     function_call: Annotated[Any, unsupported(
         "`function_call` (OpenAI's deprecated form of `tool_choice`; send `tool_choice`)")] = None
+    # A completions field, which chat clients (vLLM's extra body) sometimes send: ignored,
+    # it would answer one plain sample where the client asked for the best of several.
+    best_of: Annotated[Any, unsupported(
+        "`best_of` > 1 on /v1/chat/completions (it ranks candidates on /v1/completions "
+        "only; send `n` for several choices)", allowed=1)] = None
 
     def from_tgi_client(self) -> bool:
         return TGI_CLIENT_FIELDS <= self.model_fields_set
