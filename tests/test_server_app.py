@@ -372,6 +372,20 @@ def test_head_is_not_added_to_post_routes(http):
     assert r.status_code == 405 and r.headers["allow"] == "POST"
 
 
+def test_unknown_route_and_wrong_method_say_what_to_send(http):
+    missing = http.post("/v1/embeddings", json={"input": "a"})
+    assert missing.status_code == 404 and missing.json()["error_type"] == "http"
+    assert "no route `POST /v1/embeddings`" in missing.json()["error"]
+    assert "/v1/chat/completions" in missing.json()["error"]
+    wrong = http.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json() == {"error": "`/v1/chat/completions` does not take GET: send POST",
+                            "error_type": "http"}
+    # A route's own 404 keeps its message.
+    other = http.get("/v1/models/not-this-one")
+    assert other.status_code == 404 and "not-this-one" in other.json()["error"]
+
+
 def test_openapi_schema_renders(http):
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/generate", "/generate_stream", "/v1/chat/completions"} <= set(paths)
