@@ -566,7 +566,7 @@ OPENAI_INVALID = {
     "chat_best_of": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "best_of": 2, "temperature": 1},
-        "`best_of` > 1 on /v1/chat/completions",
+        "`best_of` ranks candidates on /v1/completions only",
     ),
     "stops": (
         "/v1/chat/completions",

@@ -249,6 +249,13 @@ class ChatMessage(BaseModel):
         return msg
 
 
+def _completions_only(best_of: int) -> int:
+    if best_of > 1:
+        raise ValueError("ranks candidates on /v1/completions only: on /v1/chat/completions "
+                         "send `n` for several choices, or leave `best_of` out")
+    return best_of
+
+
 # Every field text_generation 0.7.0's ChatRequest writes: its client sends them all, nulls
 # included, and no other client does by default. Its stream parser wants `delta.tool_calls`
 # as one object (TGI 2's format), where OpenAI's clients want a list.
@@ -276,9 +283,7 @@ class ChatRequest(_Sampling):
         "`function_call` (OpenAI's deprecated form of `tool_choice`; send `tool_choice`)")] = None
     # A completions field, which chat clients (vLLM's extra body) sometimes send: ignored,
     # it would answer one plain sample where the client asked for the best of several.
-    best_of: Annotated[Any, unsupported(
-        "`best_of` > 1 on /v1/chat/completions (it ranks candidates on /v1/completions "
-        "only; send `n` for several choices)", allowed=1)] = None
+    best_of: Annotated[Int, Field(ge=1), AfterValidator(_completions_only)] | None = None
 
     def from_tgi_client(self) -> bool:
         return TGI_CLIENT_FIELDS <= self.model_fields_set
