@@ -367,6 +367,13 @@ def test_head_is_answered_wherever_get_is(http, path):
     assert head.content == b""
 
 
+def test_head_is_counted_under_its_route(http):
+    labels = '{route="/info",status="200"}'
+    before = _metric(http, "tpserve_http_requests_total", labels)
+    http.head("/info")
+    assert _metric(http, "tpserve_http_requests_total", labels) == before + 1
+
+
 def test_head_is_not_added_to_post_routes(http):
     r = http.head("/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"

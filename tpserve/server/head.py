@@ -16,6 +16,11 @@ class HeadAsGetMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        inner = {**scope, "method": "GET"}
+        try:
+            await self.app(inner, receive, send)
+        finally:  # what routing added (the matched route, which metrics label by) goes back
+            scope.update((k, v) for k, v in inner.items() if k != "method")
