@@ -153,7 +153,8 @@ def test_streamed_choices_add_up_to_the_answer(http, backend):
         # Each choice opens with a chunk naming the role, with no log-probabilities (OpenAI's).
         tokens[i] += [e["token"] for e in (choice["logprobs"] or {"content": []})["content"]]
         finishes[i] = choice["finish_reason"] or finishes[i]
-    plain = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    plain = http.post("/v1/chat/completions",
+                      json={**body, "stream": False, "stream_options": None}).json()
     assert texts == [c["message"]["content"] for c in plain["choices"]]
     assert tokens == [[e["token"] for e in c["logprobs"]["content"]] for c in plain["choices"]]
     assert finishes == ["length"] * 3

@@ -156,9 +156,10 @@ def test_chat_returns_reasoning_apart_from_content(oai):
 
 def test_chat_stream_sends_reasoning_deltas_then_content(oai):
     kw = {"model": "m", "messages": ASK, "max_tokens": 60, "seed": 1,
-          "response_format": THINKING, "stream_options": {"include_usage": True}}
+          "response_format": THINKING}
     whole = oai.chat.completions.create(**kw).choices[0].message
-    chunks = list(oai.chat.completions.create(stream=True, **kw))
+    chunks = list(oai.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     # Reasoning pieces carry both spellings; content pieces are as without the parser.
     thoughts = [getattr(d, "reasoning_content", None) for d in deltas]

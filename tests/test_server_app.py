@@ -356,6 +356,43 @@ def test_info(http):
     assert info["router"] == "tpserve"
 
 
+@pytest.mark.parametrize("path", ["/health", "/info", "/metrics", "/v1/models",
+                                  "/v1/models/fake/echo"])
+def test_head_is_answered_wherever_get_is(http, path):
+    """HTTP requires HEAD wherever GET is served (uptime probes, `curl -I`): GET's status
+    and headers, no body."""
+    got, head = http.get(path), http.head(path)
+    assert (head.status_code, got.status_code) == (200, 200)
+    assert head.headers.get("content-type") == got.headers.get("content-type")
+    assert head.content == b""
+
+
+def test_head_is_counted_under_its_route(http):
+    labels = '{route="/info",status="200"}'
+    before = _metric(http, "tpserve_http_requests_total", labels)
+    http.head("/info")
+    assert _metric(http, "tpserve_http_requests_total", labels) == before + 1
+
+
+def test_head_is_not_added_to_post_routes(http):
+    r = http.head("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_unknown_route_and_wrong_method_say_what_to_send(http):
+    missing = http.post("/v1/embeddings", json={"input": "a"})
+    assert missing.status_code == 404 and missing.json()["error_type"] == "http"
+    assert "no route `POST /v1/embeddings`" in missing.json()["error"]
+    assert "/v1/chat/completions" in missing.json()["error"]
+    wrong = http.get("/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json() == {"error": "`/v1/chat/completions` does not take GET: send POST",
+                            "error_type": "http"}
+    # A route's own 404 keeps its message.
+    other = http.get("/v1/models/not-this-one")
+    assert other.status_code == 404 and "not-this-one" in other.json()["error"]
+
+
 def test_openapi_schema_renders(http):
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/generate", "/generate_stream", "/v1/chat/completions"} <= set(paths)
@@ -431,7 +468,8 @@ def test_openai_completion_stream_matches_non_stream(http, backend):
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
     assert backend.calls[-1].params.greedy
-    plain = http.post("/v1/completions", json={**body, "stream": False}).json()
+    plain = http.post("/v1/completions", json={**body, "stream": False,
+                                                "stream_options": None}).json()
     assert plain["choices"][0]["text"] == " x y"
 
 
@@ -522,6 +560,20 @@ OPENAI_INVALID = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 4},
         "`top_logprobs` must be <= 3",
+    ),
+    "stream_options_without_stream": (
+        "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}},
+        "`stream_options` needs `stream: true`"),
+    "chat_stream_options_with_stream_false": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "stream": False,
+         "stream_options": {"include_usage": False}},
+        "`stream_options` needs `stream: true`",
+    ),
+    "chat_best_of": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "best_of": 2, "temperature": 1},
+        "`best_of` ranks candidates on /v1/completions only",
     ),
     "stops": (
         "/v1/chat/completions",

@@ -17,6 +17,7 @@ from tpserve.server.backend import EngineBackend, not_ready_message
 from tpserve.server.best_of import best_index, candidate_jobs
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.fanout import check_fanout, open_all
+from tpserve.server.head import HeadAsGetMiddleware
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
 from tpserve.server.reasoning_format import ReasoningParser
@@ -211,6 +212,7 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.state.backend = backend
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(HeadAsGetMiddleware)  # innermost: metrics and logs see HEAD
     # Added last = outermost: keys are checked first, then the body limits, then metrics.
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     budget = BodyBudget(config.body_budget_bytes)
@@ -233,8 +235,8 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     )
     app.add_api_route("/", tgi.compat, methods=["POST"])
 
-    # HEAD too: uptime monitors and load balancers probe with it (TGI answers it).
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    # HEAD too, as on every GET route (server/head.py): uptime monitors probe with it.
+    @app.get("/health")
     async def health() -> Response:
         replica_health = getattr(backend, "replica_health", None)
         if replica_health is not None:  # several replicas (tpserve/serve/): with the counts

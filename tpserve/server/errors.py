@@ -132,7 +132,21 @@ async def _on_tpserve_error(_: Request, exc: TPServeError) -> JSONResponse:
 _UNPARSEABLE = "There was an error parsing the body"
 
 
-async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+def _routing_message(request: Request, exc: HTTPException) -> str:
+    """Starlette's bare "Not Found" / "Method Not Allowed", worded to say what to do."""
+    method, path = request.method, request.url.path[:200]
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return (f"no route `{method} {path}` on this server: it serves TGI's routes "
+                "(/generate, /generate_stream, /info, /health, /metrics) and OpenAI's "
+                "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models); "
+                "GET /docs lists them all")
+    allow = (exc.headers or {}).get("Allow")
+    if exc.status_code == 405 and exc.detail == "Method Not Allowed" and allow:
+        return f"`{path}` does not take {method}: send {allow.replace(', ', ' or ')}"
+    return str(exc.detail)
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 400 and exc.detail == _UNPARSEABLE:
         return JSONResponse(
             {"error": "the request body is not valid JSON: it must be UTF-8, nested at most "
@@ -144,7 +158,7 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
     error_type = {413: "validation", 429: OverloadedError.error_type}.get(exc.status_code,
                                                                          "http")
     return JSONResponse(
-        {"error": public_message(str(exc.detail), exc.status_code >= 500),
+        {"error": public_message(_routing_message(request, exc), exc.status_code >= 500),
          "error_type": error_type},
         status_code=exc.status_code,
         headers=exc.headers,

@@ -24,7 +24,14 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from tpserve.engine.info import ModelInfo
 from tpserve.engine.request import GenerationEvent, SamplingParams, TokenInfo
@@ -113,6 +120,15 @@ class _Sampling(BaseModel):
     # Structured output: json_object, json_schema (tpserve/structured.py); text or null:
     # free text.
     response_format: Annotated[dict[str, Any] | None, AfterValidator(_checked_format)] = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _Sampling:
+        # OpenAI and vLLM refuse them too: include_usage asks for a chunk that a plain
+        # answer never sends, and a client expecting it would wait for nothing.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
+                             "answer only. Set `stream` to true or leave `stream_options` out")
+        return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -233,6 +249,13 @@ class ChatMessage(BaseModel):
         return msg
 
 
+def _completions_only(best_of: int) -> int:
+    if best_of > 1:
+        raise ValueError("ranks candidates on /v1/completions only: on /v1/chat/completions "
+                         "send `n` for several choices, or leave `best_of` out")
+    return best_of
+
+
 # Every field text_generation 0.7.0's ChatRequest writes: its client sends them all, nulls
 # included, and no other client does by default. Its stream parser wants `delta.tool_calls`
 # as one object (TGI 2's format), where OpenAI's clients want a list.
@@ -258,6 +281,9 @@ class ChatRequest(_Sampling):
         "`functions` (OpenAI's deprecated form of `tools`; send `tools`)")] = None
     function_call: Annotated[Any, unsupported(
         "`function_call` (OpenAI's deprecated form of `tool_choice`; send `tool_choice`)")] = None
+    # A completions field, which chat clients (vLLM's extra body) sometimes send: ignored,
+    # it would answer one plain sample where the client asked for the best of several.
+    best_of: Annotated[Int, Field(ge=1), AfterValidator(_completions_only)] | None = None
 
     def from_tgi_client(self) -> bool:
         return TGI_CLIENT_FIELDS <= self.model_fields_set
