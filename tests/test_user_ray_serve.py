@@ -244,7 +244,6 @@ def test_refused_second_launch_leaves_the_first_deployment_running(monkeypatch, 
 
     stopped = []
     monkeypatch.setattr(cli, "_start_ray", lambda *a, **kw: None)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     monkeypatch.setattr(app, "run", refuse)
     monkeypatch.setattr(app, "shutdown", lambda: stopped.append("serve"))
     monkeypatch.setattr(ray, "shutdown", lambda **kw: stopped.append("ray"))

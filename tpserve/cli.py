@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from tpserve import __version__, preflight
 from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
+from tpserve.stop_signals import leaves_handlers_as_found, stop_on_signals
 from tpserve.tokenizer import check_vocab, load_tokenizer, resolve_tokenizer
 from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
@@ -734,6 +734,7 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
              if ctx.dashboard_url else "")
 
 
+@leaves_handlers_as_found
 def launch(args: argparse.Namespace) -> int:
     t0, wall0 = time.perf_counter(), time.time()
     cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
@@ -769,15 +770,7 @@ def launch(args: argparse.Namespace) -> int:
             if "already taken" not in str(exc) or name == names[-1]:
                 raise
     stop, force = threading.Event(), threading.Event()
-
-    def on_signal(_signum, _frame) -> None:
-        # No logging here: a handler may interrupt a log call holding the logging lock.
-        if stop.is_set():  # a second Ctrl-C skips the drain
-            force.set()
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    stop_on_signals(stop, force)
     try:
         url = ray.get(driver.start.remote())
         log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
@@ -864,6 +857,7 @@ def _wait(ref, cancel: threading.Event):
     return None
 
 
+@leaves_handlers_as_found
 def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
     """`--replicas R|auto` / `--min-replicas` / `--max-replicas`: R replicas on Ray Serve
     behind one HTTP address (tpserve/serve/)."""
@@ -896,14 +890,7 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
         # A joined cluster may scale up; Serve waits for the replicas (Ctrl-C stops it).
         log.warning("%s Waiting for the cluster to scale up (Ctrl-C stops).", exc)
     stop, force = threading.Event(), threading.Event()
-
-    def on_signal(_signum, _frame) -> None:
-        if stop.is_set():  # a second Ctrl-C skips the drain
-            force.set()
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    stop_on_signals(stop, force)
     ours = True
     try:
         url = _until_ready(lambda: serve_app.run(cfg, spec, args.host, args.port,
