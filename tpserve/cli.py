@@ -17,7 +17,7 @@ from tpserve import __version__, preflight
 from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
-from tpserve.stop_signals import leaves_handlers_as_found, stop_on_signals
+from tpserve.stop_signals import hear_interrupts, leaves_handlers_as_found, stop_on_signals
 from tpserve.tokenizer import check_vocab, load_tokenizer, resolve_tokenizer
 from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
@@ -1052,6 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
     args = apply_preset(parser, sys.argv[1:] if argv is None else argv)
     if argv is None:  # the command line itself, not a caller in the same process
         _plain_text_when_not_a_terminal()
+        hear_interrupts()
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tpserve.errors import KernelUnavailableError, ShardingError

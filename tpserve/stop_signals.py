@@ -60,3 +60,12 @@ def stop_on_signals(stop: threading.Event, force: threading.Event) -> bool:
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     return True
+
+
+def hear_interrupts() -> None:
+    """The command line hears Ctrl-C from its start, as its server does once up (its handler
+    replaces whatever was there). A shell without job control (a script's `tpserve launch &`,
+    `bash -c '... &'`) starts a background command with SIGINT ignored, and Python keeps it
+    so: a SIGINT during the checks or a download was lost, then heard once serving."""
+    if _in_main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
