@@ -30,7 +30,21 @@ def pytest_report_header(config) -> str:
         except PackageNotFoundError:
             return "not installed"
 
-    return f"oracle: transformers {of('transformers')}, torch {of('torch')}"
+    return [f"oracle: transformers {of('transformers')}, torch {of('torch')}", *_sigint_note()]
+
+
+def _sigint_note() -> list[str]:
+    """Every child inherits an ignored or blocked SIGINT through exec: said at the top of the
+    run, so that a child that ignores Ctrl-C is not blamed on a test (2026-12-06: two full
+    runs started by `bash -c 'pytest ... &'` had it ignored; tests/test_hub_stall.py)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return ["SIGINT: ignored in this process (a shell without job control starts a "
+                "background command so); its children inherit it"]
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return ["SIGINT: blocked in this process; its children inherit it"]
+    return []
 
 
 @pytest.fixture(scope="session")

@@ -175,7 +175,8 @@ def test_an_address_without_a_ray_cluster_says_how_to_start_one(capsys, no_ray, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    err = _main(capsys, "--model", str(llama_dir), "--address", f"127.0.0.1:{port}")
+    err = _main(capsys, "--model", str(llama_dir), "--address", f"127.0.0.1:{port}",
+                "--port", "0")  # not 8080, which another server on this machine may hold
     assert f"no Ray cluster answers at 127.0.0.1:{port}" in err
     assert f"`ray start --head --port {port}`" in err and time.monotonic() - t0 < 20
     # `auto` finds no cluster: Ray's ConnectionError used to end in a traceback.
@@ -185,7 +186,7 @@ def test_an_address_without_a_ray_cluster_says_how_to_start_one(capsys, no_ray, 
         raise ConnectionError("Could not find any running Ray instance.")
 
     monkeypatch.setattr(ray, "init", none_running)
-    err = _main(capsys, "--model", str(llama_dir), "--address", "auto")
+    err = _main(capsys, "--model", str(llama_dir), "--address", "auto", "--port", "0")
     assert "could not join the Ray cluster at --address auto" in err
     assert "`ray start --head`" in err
 

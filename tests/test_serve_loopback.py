@@ -143,7 +143,6 @@ def test_launcher_asks_for_it_only_on_the_cluster_it_starts(monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(cli, "_start_ray", lambda *a, **kw: None)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     monkeypatch.setattr(app, "run", run)
     monkeypatch.setattr(app, "shutdown", lambda: None)
     # No cluster is started here: the fit check (tests/test_placement.py) would read

@@ -244,8 +244,10 @@ def test_refused_second_launch_leaves_the_first_deployment_running(monkeypatch, 
 
     stopped = []
     monkeypatch.setattr(cli, "_start_ray", lambda *a, **kw: None)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)  # keep pytest's handlers
     monkeypatch.setattr(app, "run", refuse)
+    # No cluster here: the fit check would read whatever Ray an earlier test left connected
+    # (alone, none: "Ray has not been started yet").
+    monkeypatch.setattr(app, "check_replicas_fit", lambda *a, **kw: None)
     monkeypatch.setattr(app, "shutdown", lambda: stopped.append("serve"))
     monkeypatch.setattr(ray, "shutdown", lambda **kw: stopped.append("ray"))
     args = parse("--replicas", "2", "--address", "auto")

@@ -17,7 +17,7 @@ from tpserve import __version__, preflight
 from tpserve.config import SpeculativeConfig
 from tpserve.errors import CheckpointError
 from tpserve.startup import describe, phases
-from tpserve.stop_signals import StopSignals
+from tpserve.stop_signals import StopSignals, hear_interrupts, leaves_handlers_as_found
 from tpserve.tokenizer import check_vocab, load_tokenizer, resolve_tokenizer
 from tpserve.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 
@@ -734,6 +734,7 @@ def _start_ray(args: argparse.Namespace, cfg, replicas: int = 1) -> None:
              if ctx.dashboard_url else "")
 
 
+@leaves_handlers_as_found
 def launch(args: argparse.Namespace) -> int:
     t0, wall0 = time.perf_counter(), time.time()
     cfg = engine_config(args)  # every checkpoint and config check, before Ray starts
@@ -768,57 +769,56 @@ def launch(args: argparse.Namespace) -> int:
         except ValueError as exc:
             if "already taken" not in str(exc) or name == names[-1]:
                 raise
-    # A second Ctrl-C skips the drain. Lock-free flags (tpserve/stop_signals.py says why),
-    # and the caller's own handlers back on the way out.
+    # A second Ctrl-C skips the drain. Lock-free flags: tpserve/stop_signals.py says why.
     signals = StopSignals()
     stop, force = signals.stop, signals.force
-    with signals.installed():
-        try:
-            url = ray.get(driver.start.remote())
-            log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
-            summary = _wait(driver.wait_ready.remote(), stop)
-            if summary is None:
-                log.info("stopped before the model was ready")
-                return 0
-            # The weights' load time is logged once, by the engine ("weights loaded in"); this
-            # line gives the whole start-up as a user waits for it.
-            log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, warmup %.1fs, "
-                     "ready %.1fs after launch, serving %s (placement %s)", tp, summary["backend"],
-                     summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
-                     time.perf_counter() - t0, url, cfg.parallel.placement)
-            log.info("start-up: %s", describe(
-                phases(wall0, [("checks", checked), ("ray", ray_up),
-                               ("driver", summary.get("placed_at"))])
-                + summary.get("startup", [])))
-            print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
-            while not stop.wait(1.0):
-                lost = _driver_lost(driver)
-                if lost:
-                    # The HTTP server and the engine loop went with it (and the shards, which
-                    # it owned): exit, so that a supervisor (systemd, Kubernetes) restarts us.
-                    log.error("the driver actor (HTTP server and engine loop) died: %s; "
-                              "stopping", lost)
-                    print(f"tpserve: error: the driver actor died ({lost}); restart tpserve "
-                          "launch", file=sys.stderr, flush=True)
-                    return 1
-            log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
-                     "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
-            left = _wait(driver.drain.remote(args.shutdown_timeout), force)
-            if left:
-                log.warning("%d request(s) still running after --shutdown-timeout; ending them",
-                            left)
+    signals.install()
+    try:
+        url = ray.get(driver.start.remote())
+        log.info("listening on %s (GET /health turns 200 when every shard is ready)", url)
+        summary = _wait(driver.wait_ready.remote(), stop)
+        if summary is None:
+            log.info("stopped before the model was ready")
             return 0
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if hasattr(exc, "cause") else exc
-            print(f"tpserve: error: start-up failed: {cause}", file=sys.stderr)
-            return 1
-        finally:
-            try:
-                ray.get(driver.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-            ray.kill(driver)
-            _stop_ray(args.address)
+        # The weights' load time is logged once, by the engine ("weights loaded in"); this
+        # line gives the whole start-up as a user waits for it.
+        log.info("ready: %d shard(s), backend %s, %d KV blocks per shard, warmup %.1fs, "
+                 "ready %.1fs after launch, serving %s (placement %s)", tp, summary["backend"],
+                 summary["kv_cache_blocks"], summary.get("warmup_seconds") or 0.0,
+                 time.perf_counter() - t0, url, cfg.parallel.placement)
+        log.info("start-up: %s", describe(
+            phases(wall0, [("checks", checked), ("ray", ray_up),
+                           ("driver", summary.get("placed_at"))])
+            + summary.get("startup", [])))
+        print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {device})", flush=True)
+        while not stop.wait(1.0):
+            lost = _driver_lost(driver)
+            if lost:
+                # The HTTP server and the engine loop went with it (and the shards, which
+                # it owned): exit, so that a supervisor (systemd, Kubernetes) restarts us.
+                log.error("the driver actor (HTTP server and engine loop) died: %s; "
+                          "stopping", lost)
+                print(f"tpserve: error: the driver actor died ({lost}); restart tpserve "
+                      "launch", file=sys.stderr, flush=True)
+                return 1
+        log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
+                 "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
+        left = _wait(driver.drain.remote(args.shutdown_timeout), force)
+        if left:
+            log.warning("%d request(s) still running after --shutdown-timeout; ending them",
+                        left)
+        return 0
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if hasattr(exc, "cause") else exc
+        print(f"tpserve: error: start-up failed: {cause}", file=sys.stderr)
+        return 1
+    finally:
+        try:
+            ray.get(driver.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        ray.kill(driver)
+        _stop_ray(args.address)
 
 
 def _stop_ray(address: str | None) -> None:
@@ -859,6 +859,7 @@ def _wait(ref, cancel: threading.Event):
     return None
 
 
+@leaves_handlers_as_found
 def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
     """`--replicas R|auto` / `--min-replicas` / `--max-replicas`: R replicas on Ray Serve
     behind one HTTP address (tpserve/serve/)."""
@@ -890,44 +891,43 @@ def launch_replicas(args: argparse.Namespace, cfg, server) -> int:
             raise
         # A joined cluster may scale up; Serve waits for the replicas (Ctrl-C stops it).
         log.warning("%s Waiting for the cluster to scale up (Ctrl-C stops).", exc)
-    # A second Ctrl-C skips the drain. Lock-free flags (tpserve/stop_signals.py says why),
-    # and the caller's own handlers back on the way out.
+    # A second Ctrl-C skips the drain. Lock-free flags: tpserve/stop_signals.py says why.
     signals = StopSignals()
     stop, force = signals.stop, signals.force
-    with signals.installed():
-        ours = True
-        try:
-            url = _until_ready(lambda: serve_app.run(cfg, spec, args.host, args.port,
-                                                     server=server), stop)
-            if url is None:
-                log.info("stopped before the replicas were ready")
-                return 0
-            scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
-                     if spec.autoscaling else f"replicas={count}")
-            log.info("ready: %s of tp=%d on Ray Serve, serving %s", scale, tp, url)
-            print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {scale}, {device})",
-                  flush=True)
-            while not stop.wait(1.0):
-                pass
-            log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
-                     "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
-            left = serve_app.drain(args.shutdown_timeout, force)
-            if left:
-                log.warning("%d request(s) still running after --shutdown-timeout; ending them",
-                            left)
+    signals.install()
+    ours = True
+    try:
+        url = _until_ready(lambda: serve_app.run(cfg, spec, args.host, args.port,
+                                                 server=server), stop)
+        if url is None:
+            log.info("stopped before the replicas were ready")
             return 0
-        except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
-            print(f"tpserve: error: start-up failed: {exc}", file=sys.stderr, flush=True)
-            # Another launch's application: stopping Serve would stop it too.
-            ours = not isinstance(exc, serve_app.AppExistsError)
-            return 1
-        finally:
-            if ours:
-                try:
-                    serve_app.shutdown()
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    pass
-            _stop_ray(args.address)
+        scale = (f"autoscaling {spec.min_replicas or 1}..{spec.max_replicas or count}"
+                 if spec.autoscaling else f"replicas={count}")
+        log.info("ready: %s of tp=%d on Ray Serve, serving %s", scale, tp, url)
+        print(f"tpserve: serving {cfg.model.model_id} on {url} (tp={tp}, {scale}, {device})",
+              flush=True)
+        while not stop.wait(1.0):
+            pass
+        log.info("shutting down: new requests get 503; in-flight ones have up to %.0fs "
+                 "(--shutdown-timeout; a second Ctrl-C skips this)", args.shutdown_timeout)
+        left = serve_app.drain(args.shutdown_timeout, force)
+        if left:
+            log.warning("%d request(s) still running after --shutdown-timeout; ending them",
+                        left)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - Serve reports deploy failures as plain errors
+        print(f"tpserve: error: start-up failed: {exc}", file=sys.stderr, flush=True)
+        # Another launch's application: stopping Serve would stop it too.
+        ours = not isinstance(exc, serve_app.AppExistsError)
+        return 1
+    finally:
+        if ours:
+            try:
+                serve_app.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        _stop_ray(args.address)
 
 
 def _until_ready(run, stop: threading.Event):
@@ -1056,6 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     args = apply_preset(parser, sys.argv[1:] if argv is None else argv)
     if argv is None:  # the command line itself, not a caller in the same process
         _plain_text_when_not_a_terminal()
+        hear_interrupts()
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tpserve.errors import KernelUnavailableError, ShardingError

@@ -1,23 +1,58 @@
-"""Ctrl-C and SIGTERM for `tpserve launch`: the first signal asks for a drain, a second one
-skips it.
+"""Ctrl-C and SIGTERM for `tpserve launch`, lent by the process rather than taken from it: the
+first signal asks for a drain, a second one skips it, and a program or notebook that calls
+tpserve.cli.main gets its own handlers back on return.
 
-Why not threading.Event: Event.set() takes the Event's lock, and a signal handler runs in the
-main thread between two bytecodes. When the signal lands while that thread holds the same
-lock (inside Event.wait(), re-taking it after a timeout), set() waits for a lock its own
-thread holds and the launch hangs for good, deaf to every later signal (seen on `tpserve
-launch --tp 2` on the CPU: SIGINT, then SIGTERM, left it serving). Here the handler only
-counts, and the waiting side polls.
+Why the handler only counts (no threading.Event): Event.set() takes the Event's lock, and a
+signal handler runs in the main thread between two bytecodes. When a second signal lands
+while the first handler is inside set() (Ctrl-C twice, or `timeout`/a supervisor forwarding
+a signal the terminal also sent), the nested handler waits for a lock its own thread holds
+and the launch hangs for good, deaf to every later signal (seen on `tpserve launch --tp 2` on
+the CPU: py-spy showed four nested handlers in Event.set, the launch still serving).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-POLL_S = 0.05  # how soon a wait() sees a signal; time.sleep is cut short by the handler anyway
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+POLL_S = 0.05  # how soon a wait() sees a signal; the handler cuts time.sleep short anyway
+
+
+def _in_main_thread() -> bool:
+    # Python lets only the main thread set handlers, and delivers signals only to it.
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def handlers_restored() -> Iterator[None]:
+    """SIGINT's and SIGTERM's handlers as the block found them, whoever replaced them inside
+    (tpserve's stop handlers, and ray.init, which sets a SIGTERM handler of its own)."""
+    if not _in_main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(sig, handler)
+
+
+def leaves_handlers_as_found(func: Callable[..., int]) -> Callable[..., int]:
+    """`func` runs inside handlers_restored()."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs) -> int:
+        with handlers_restored():
+            return func(*args, **kwargs)
+
+    return wrapper
 
 
 class StopSignals:
@@ -33,27 +68,19 @@ class StopSignals:
         # Nothing here may take a lock (logging included): see the module's docstring.
         self.count += 1
 
-    @contextlib.contextmanager
-    def installed(self, signums=(signal.SIGINT, signal.SIGTERM)) -> Iterator[StopSignals]:
-        """Handle `signums` inside the block and give back the handlers found on the way
-        out, so that a program or notebook calling tpserve.cli.main keeps its own Ctrl-C.
-        Outside the main thread (where Python allows no handlers) nothing is installed."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {s: signal.getsignal(s) for s in signums}
-        for s in signums:
-            signal.signal(s, self.handle)
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                # None: a handler installed outside Python; the default is the closest.
-                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    def install(self) -> bool:
+        """Handle STOP_SIGNALS from now on (leaves_handlers_as_found gives the previous ones
+        back). False, and nothing installed, off the main thread: there the launch runs
+        until its process ends."""
+        if not _in_main_thread():
+            return False
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle)
+        return True
 
 
 class SignalFlag:
-    """A lock-free stand-in for threading.Event, set when `signals` has counted `at`."""
+    """A lock-free stand-in for threading.Event, set once `signals` has counted `at`."""
 
     def __init__(self, signals: StopSignals, at: int) -> None:
         self._signals, self._at = signals, at
@@ -72,3 +99,12 @@ class SignalFlag:
                 break
             time.sleep(left)
         return self.is_set()
+
+
+def hear_interrupts() -> None:
+    """The command line hears Ctrl-C from its start, as its server does once up (its handler
+    replaces whatever was there). A shell without job control (a script's `tpserve launch &`,
+    `bash -c '... &'`) starts a background command with SIGINT ignored, and Python keeps it
+    so: a SIGINT during the checks or a download was lost, then heard once serving."""
+    if _in_main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
