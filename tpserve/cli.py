@@ -292,13 +292,59 @@ def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.N
             parser.error(f"--config {args.config} must map flag names to values "
                          "(e.g. `tp: 2`), not hold a YAML list or a single value")
         sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
-        known = {a.dest for a in sub._actions}  # noqa: SLF001
-        unknown = sorted(set(k.replace("-", "_") for k in preset) - known)
+        actions = {a.dest: a for a in sub._actions if a.option_strings}  # noqa: SLF001
+        unknown = sorted(set(k.replace("-", "_") for k in preset) - set(actions))
         if unknown:
-            parser.error(f"{args.config}: unknown keys {', '.join(unknown)}")
-        sub.set_defaults(**{k.replace("-", "_"): v for k, v in preset.items()})
+            parser.error(f"{args.config}: unknown keys {', '.join(unknown)}"
+                         f"{_did_you_mean(unknown, actions)}: a key is a flag of `tpserve "
+                         f"{args.command} --help` without its dashes (tp, max-batch-size)")
+        values = {}
+        for key, value in preset.items():
+            try:
+                values[key.replace("-", "_")] = _preset_value(actions[key.replace("-", "_")],
+                                                              value)
+            except ValueError as exc:
+                parser.error(f"{args.config}: {key}: {exc}")
+        sub.set_defaults(**values)
         args = parser.parse_args(argv)
     return args
+
+
+def _did_you_mean(unknown: list[str], actions: dict) -> str:
+    import difflib
+
+    near = [m for k in unknown for m in difflib.get_close_matches(k, actions, n=1)]
+    return f" (did you mean {', '.join(n.replace('_', '-') for n in near)}?)" if near else ""
+
+
+def _preset_value(action: argparse.Action, value):
+    """A preset's value as the flag would parse it: argparse applies a flag's type and
+    choices only to what the command line gives, so a preset's `dtype: float64` or
+    `replicas: 1` (an int where the flag yields "1") went through unchecked."""
+    if value is None or isinstance(value, list | dict):
+        return value  # lists: --lora-modules, --api-key; check_ranges names other misuse
+    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - `api-key: K`: one key
+        return [str(value)]
+    if action.nargs == 0:  # store_true flags: `prefix-caching: "no"` would read as true
+        if not isinstance(value, bool):
+            raise ValueError(f"takes true or false, not {value!r}")
+        return value
+    if action.type is not None:
+        if isinstance(value, bool):
+            raise ValueError(f"takes a value, not {value!r}")
+        try:
+            value = action.type(str(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+        except (TypeError, ValueError):
+            kind = getattr(action.type, "__name__", "value")
+            raise ValueError(f"takes {'an' if kind == 'int' else 'a'} {kind}, not {value!r}") \
+                from None
+    elif action.nargs is None:  # a string flag: `revision: 1234567` is a YAML int
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"takes one of {', '.join(map(str, action.choices))}, not {value!r}")
+    return value
 
 
 def check_checkpoint(path: Path, load_format: str = "safetensors",
