@@ -75,7 +75,13 @@ def _raise_for(resp: httpx.Response) -> None:
         payload = resp.json()
     except ValueError:
         payload = None
-    raise _error_from(resp.status_code, payload, resp.text)
+    exc = _error_from(resp.status_code, payload, resp.text)
+    # The answer's own status and Retry-After, not the class's defaults: a 413 is a
+    # ValidationError too, and a proxy in front may ask for a longer wait.
+    exc.status_code = resp.status_code
+    retry = resp.headers.get("retry-after", "").strip()
+    exc.retry_after = int(retry) if retry.isdigit() else None
+    raise exc
 
 
 class _LineSplitter:
@@ -268,7 +274,9 @@ class Client(_Base):
 
         Raises tpserve.errors.ValidationError (bad arguments, checked here first, or 422),
         OverloadedError (429), NotReadyError (503) and the others of docs/http_api.md with
-        the server's message; ServerUnreachableError / ClientTimeoutError without an answer.
+        the server's message, the answer's status (exc.status_code) and its Retry-After
+        seconds (exc.retry_after); ServerUnreachableError / ClientTimeoutError without an
+        answer.
         """
         body = _body(prompt, False, **_params(locals()))
         with _transport_errors(self.base_url, self.timeout):
