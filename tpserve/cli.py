@@ -25,6 +25,15 @@ log = logging.getLogger("tpserve")
 
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line: argparse printed the whole usage first (some fifty lines
+    for launch), which buried the line that says what was wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the "
+                     "flags)\n")
+
+
 class _OneDefaultFormatter(argparse.HelpFormatter):
     """Append "(default: X)" once, and only where the help text does not already say what the
     default is (flags whose default is computed say so in their own words)."""
@@ -256,12 +265,13 @@ def _replicas_arg(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # Raw: the version line is not wrapped at the terminal's width.
-    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="tpserve", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version_string(),
                         help="print the versions of tpserve, torch, ray and transformers")
     # metavar: a bare `tpserve` names the commands it takes, not the word "command".
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}",
+                                parser_class=_Parser)
     _launch_parser(sub)
     k = sub.add_parser("kernels", help="list attention backends and what each supports here",
                        formatter_class=_OneDefaultFormatter,
@@ -277,34 +287,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv; values from a --config YAML preset replace the defaults, flags win."""
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+    if extra:  # said by the command's parser, whose --help lists its flags
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "config", None):
         import yaml
 
         try:
             preset = yaml.safe_load(args.config.read_text()) or {}
         except OSError as exc:
-            parser.error(f"--config {args.config}: {exc.strerror or exc}")
+            sub.error(f"--config {args.config}: {exc.strerror or exc}")
         except yaml.YAMLError as exc:
-            parser.error(f"--config {args.config} is not valid YAML: "
-                         f"{' '.join(str(exc).split())}")
+            sub.error(f"--config {args.config} is not valid YAML: "
+                      f"{' '.join(str(exc).split())}")
         if not isinstance(preset, dict):
-            parser.error(f"--config {args.config} must map flag names to values "
-                         "(e.g. `tp: 2`), not hold a YAML list or a single value")
-        sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+            sub.error(f"--config {args.config} must map flag names to values "
+                      "(e.g. `tp: 2`), not hold a YAML list or a single value")
         actions = {a.dest: a for a in sub._actions if a.option_strings}  # noqa: SLF001
         unknown = sorted(set(k.replace("-", "_") for k in preset) - set(actions))
         if unknown:
-            parser.error(f"{args.config}: unknown keys {', '.join(unknown)}"
-                         f"{_did_you_mean(unknown, actions)}: a key is a flag of `tpserve "
-                         f"{args.command} --help` without its dashes (tp, max-batch-size)")
+            sub.error(f"{args.config}: unknown keys {', '.join(unknown)}"
+                      f"{_did_you_mean(unknown, actions)}: a key is a flag of `tpserve "
+                      f"{args.command} --help` without its dashes (tp, max-batch-size)")
         values = {}
         for key, value in preset.items():
             try:
                 values[key.replace("-", "_")] = _preset_value(actions[key.replace("-", "_")],
                                                               value)
             except ValueError as exc:
-                parser.error(f"{args.config}: {key}: {exc}")
+                sub.error(f"{args.config}: {key}: {exc}")
         sub.set_defaults(**values)
         args = parser.parse_args(argv)
     return args
