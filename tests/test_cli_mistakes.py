@@ -251,3 +251,12 @@ def test_a_usage_mistake_is_one_line_naming_the_help_to_read(argv, message):
     assert lines[0].startswith(message), lines[0]
     command = " ".join(["tpserve", *argv[:1]])
     assert lines[0].endswith(f"(`{command} --help` lists the flags)"), lines[0]
+
+
+@pytest.mark.parametrize("flag,known", [("--kernel", "ipex, triton, torch"),
+                                        ("--quant-kernel", "triton, torch")])
+def test_an_unknown_kernel_is_refused_before_ray_starts(capsys, no_ray, llama_dir, flag, known):
+    """It failed in every shard after Ray started: tracebacks, then exit 1."""
+    err = _main(capsys, "--model", str(llama_dir), flag, "bogus")
+    assert f"{flag} 'bogus' is not a kernel here: choose auto or one of" in err, err
+    assert known in err and "`tpserve kernels`" in err

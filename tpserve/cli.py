@@ -503,6 +503,7 @@ def engine_config(args: argparse.Namespace):
     tokenizer = _tokenizer(args, hf)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
+    _check_kernel_names(args)
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
                                or getattr(hf, "torch_dtype", None))
     log.info("dtype: %s (%s)", dtype, why)
@@ -561,6 +562,24 @@ def engine_config(args: argparse.Namespace):
     from dataclasses import replace
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+
+
+def _check_kernel_names(args: argparse.Namespace) -> None:
+    """An unknown --kernel or --quant-kernel failed in every shard, with their tracebacks,
+    after Ray started. Whether a known one runs on the device is the shards' to say. A joined
+    cluster (--address) may hold plugins this machine lacks: its shards decide."""
+    if args.address:
+        return
+    from tpserve.kernels import registry
+    from tpserve.kernels.quant import registry as quant_registry
+
+    for flag, name, known in (("--kernel", args.kernel, registry.available_names()),
+                              ("--quant-kernel", args.quant_kernel,
+                               quant_registry.available_names())):
+        if name != "auto" and name not in known:
+            raise ValueError(f"{flag} {name!r} is not a kernel here: choose auto or one of "
+                             f"{', '.join(known)} (`tpserve kernels` says which run on this "
+                             "device; a plugin is one installed under its entry point)")
 
 
 def _tokenizer(args: argparse.Namespace, hf) -> str:
