@@ -514,10 +514,11 @@ def test_a_preset_value_reads_as_the_flag_would_give_it(tmp_path):
 
     preset = tmp_path / "p.yaml"
     preset.write_text("replicas: 1\napi-key: sk-1\nrevision: 1234567\nprefix-caching: true\n"
-                      "gpu-memory-utilization: 1\n")
+                      "gpu-memory-utilization: 1\nlora-modules: a=/x\n")
     args = apply_preset(build_parser(), ["launch", "--config", str(preset)])
     assert args.replicas == "1" and not uses_serve(args)
     assert args.api_key == ["sk-1"] and args.revision == "1234567" and args.prefix_caching
+    assert args.lora_modules == ["a=/x"]
     assert args.gpu_memory_utilization == 1.0
 
 

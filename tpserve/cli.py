@@ -335,8 +335,8 @@ def _preset_value(action: argparse.Action, value):
     `replicas: 1` (an int where the flag yields "1") went through unchecked."""
     if value is None or isinstance(value, list | dict):
         return value  # lists: --lora-modules, --api-key; check_ranges names other misuse
-    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - `api-key: K`: one key
-        return [str(value)]
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):  # noqa: SLF001
+        return [str(value)]  # `api-key: K`, `lora-modules: a=/x`: one item, not its letters
     if action.nargs == 0:  # store_true flags: `prefix-caching: "no"` would read as true
         if not isinstance(value, bool):
             raise ValueError(f"takes true or false, not {value!r}")
