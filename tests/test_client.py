@@ -342,3 +342,23 @@ def test_the_servers_retry_after_reaches_the_exception(client, backend):
     with pytest.raises(OverloadedError, match="queue is full") as info:
         client.generate("a")
     assert (info.value.status_code, info.value.retry_after) == (429, 1)
+
+
+@pytest.mark.parametrize("body", [b"<html>Sign in to the proxy</html>", b'{"hello": 1}'])
+def test_an_answer_that_is_not_tpserves_is_a_tpserve_error(body):
+    """A 200 from something else at the address (a proxy's page, another server) escaped as
+    json's JSONDecodeError or pydantic's ValidationError, which no caller catching
+    TPServeError expects."""
+    srv, url = _answering(200, body, {"Content-Type": "text/html"})
+    stream_srv, stream_url = _answering(200, b"data:" + body + b"\n\n",
+                                        {"Content-Type": "text/event-stream"})
+    try:
+        for call in (lambda: Client(url).generate("a"),
+                     lambda: asyncio.run(AsyncClient(url).generate("a")),
+                     lambda: list(Client(stream_url).generate_stream("a"))):
+            with pytest.raises(GenerationError, match="not tpserve's .*check that the address"):
+                call()
+    finally:
+        for s in (srv, stream_srv):
+            s.shutdown()
+            s.server_close()
