@@ -471,3 +471,22 @@ def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
     # lines; they show at --log-level debug.
     log = (tmp_path / "server.log").read_text()
     assert "HTTP Request:" not in log, log[:2000]
+
+
+def test_a_tokenizer_hub_id_that_cannot_be_had_names_the_tokenizer_flag(tmp_path):
+    """--tokenizer ORG/NAME offline and not cached, or with no hub to reach: the message
+    called it a model and said to pass a directory to --model."""
+    import socket
+
+    code = "from tpserve.hub import ensure_model; ensure_model('acme/tok', tokenizer_only=True)"
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    online = hub_env(tmp_path, None)
+    online["HF_ENDPOINT"] = endpoint
+    for env in (hub_env(tmp_path, None, offline=True), online):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        err = out.stderr.strip().splitlines()[-1]
+        assert out.returncode != 0 and "tokenizer 'acme/tok'" in err, err
+        assert "--tokenizer" in err and "--model" not in err, err
