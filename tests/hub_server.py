@@ -34,12 +34,14 @@ class FakeHub:
     sent, then nothing until the hub closes (a hub that stops in the middle of a file);
     tokens={...}: the only tokens it accepts (another one is answered 401 "Invalid
     credentials", as the hub does); granted={...}: a gated repository, whose files only those
-    tokens may fetch (else 401 without a token, 403 with one)."""
+    tokens may fetch (else 401 without a token, 403 with one); refs=(...): branches, tags or
+    refs/pr/N that name `commit` besides main."""
 
     def __init__(self, repo_id: str, files: dict[str, bytes], commit: str = "c" * 40,
                  pace: tuple[int, float] | None = None, stall_after: int | None = None,
-                 tokens: set[str] | None = None, granted: set[str] | None = None) -> None:
-        self.repo_id, self.files, self.commit = repo_id, files, commit
+                 tokens: set[str] | None = None, granted: set[str] | None = None,
+                 refs: tuple[str, ...] = ()) -> None:
+        self.repo_id, self.files, self.commit, self.refs = repo_id, files, commit, refs
         self.pace, self.stall_after = pace, stall_after
         self.tokens, self.granted = tokens, granted
         self._closing = threading.Event()
@@ -83,7 +85,8 @@ class FakeHub:
 
     # --- routes -------------------------------------------------------------------------
     def _answer(self, h: BaseHTTPRequestHandler, body: bool) -> None:
-        path = unquote(urlsplit(h.path).path)
+        raw = urlsplit(h.path).path  # a revision with slashes (refs/pr/1) comes %-quoted
+        path = unquote(raw)
         self.requests.append(f"{h.command} {path}")
         self.auth.add(h.headers.get("Authorization"))
         auth = h.headers.get("Authorization")
@@ -98,7 +101,7 @@ class FakeHub:
         if path.startswith("/api/models/") and not path.startswith(api):
             return self._error(h, 404, "RepoNotFound", "Repository not found")
         if path.startswith(api + "revision/"):
-            if not self._known(path[len(api + "revision/"):]):
+            if not self._known(unquote(raw[len(api + "revision/"):])):
                 return self._error(h, 404, "RevisionNotFound", "Invalid rev id")
             return self._json(h, {"id": self.repo_id, "sha": self.commit, "private": False,
                                   "siblings": [{"rfilename": f} for f in self.files]})
@@ -106,7 +109,7 @@ class FakeHub:
             return self._json(h, [self._entry(name) for name in self.files])
         marker = f"/{self.repo_id}/resolve/"
         if path.startswith(marker):
-            rev, name = path[len(marker):].split("/", 1)
+            rev, name = (unquote(part) for part in raw[len(marker):].split("/", 1))
             if not self._known(rev):
                 return self._error(h, 404, "RevisionNotFound", "Invalid rev id")
             if name not in self.files:
@@ -139,7 +142,7 @@ class FakeHub:
             h.wfile.write(data)
 
     def _known(self, rev: str) -> bool:
-        return rev in ("main", self.commit)
+        return rev in ("main", self.commit, *self.refs)
 
     def _etag(self, name: str) -> str:
         data = self.files[name]

@@ -420,13 +420,12 @@ def test_kv_cache_dtype_fp8_reaches_the_cache_config(llama_dir):
     assert engine_config(args).cache.kv_cache_dtype == "auto"  # the default: model dtype
 
 
-def test_kv_cache_dtype_from_a_preset_is_checked(llama_dir, tmp_path):
-    from tpserve.cli import engine_config
-
+def test_kv_cache_dtype_from_a_preset_is_checked(llama_dir, tmp_path, capsys):
     preset = tmp_path / "p.yaml"
     preset.write_text(f"model: {llama_dir}\nkv-cache-dtype: int4\n")
-    with pytest.raises(ValueError, match="--kv-cache-dtype takes auto or fp8, not 'int4'"):
-        engine_config(apply_preset(build_parser(), ["launch", "--config", str(preset)]))
+    with pytest.raises(SystemExit):  # refused as the flag's own choices refuse it
+        apply_preset(build_parser(), ["launch", "--config", str(preset)])
+    assert "kv-cache-dtype: takes one of auto, fp8, not 'int4'" in capsys.readouterr().err
 
 
 def test_kv_cache_dtype_fp8_without_float8_in_torch_is_a_start_up_error(llama_dir, monkeypatch):
@@ -483,3 +482,50 @@ def test_tool_call_parser_reaches_the_server_config(capsys):
     with pytest.raises(SystemExit):
         _server_args("--tool-call-parser", "xml")
     assert "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,message", [
+    # each used to pass unchecked: a float64 or pt launch served the default, strict-x failed
+    # inside the driver after Ray started, log-level loud and replicas 0 were tracebacks
+    ("dtype: float64\n", "dtype: takes one of auto, float32, bfloat16, float16, not 'float64'"),
+    ("load-format: pt\n", "load-format: takes one of safetensors, dummy, not 'pt'"),
+    ("placement: strict-x\n", "placement: takes one of pack, spread"),
+    ("log-level: loud\n", "log-level: takes one of debug, info, warning, error, not 'loud'"),
+    ("replicas: 0\n", "replicas: --replicas takes a count >= 1 or auto, not '0'"),
+    ("tp: 2.5\n", "tp: takes an int, not 2.5"),
+    ("tp: true\n", "tp: takes a value, not True"),
+    ("prefix-caching: 'no'\n", "prefix-caching: takes true or false, not 'no'"),
+])
+def test_a_preset_value_is_checked_as_its_flag_would_be(tmp_path, capsys, text, message):
+    preset = tmp_path / "p.yaml"
+    preset.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        apply_preset(build_parser(), ["launch", "--config", str(preset)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{preset}: {message}" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_preset_value_reads_as_the_flag_would_give_it(tmp_path):
+    """`replicas: 1` (a YAML int) made uses_serve() true, so one replica ran on Ray Serve;
+    `api-key: K` became the list of K's letters; `revision: 1234567` reached the hub as an
+    int."""
+    from tpserve.cli import uses_serve
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("replicas: 1\napi-key: sk-1\nrevision: 1234567\nprefix-caching: true\n"
+                      "gpu-memory-utilization: 1\nlora-modules: a=/x\n")
+    args = apply_preset(build_parser(), ["launch", "--config", str(preset)])
+    assert args.replicas == "1" and not uses_serve(args)
+    assert args.api_key == ["sk-1"] and args.revision == "1234567" and args.prefix_caching
+    assert args.lora_modules == ["a=/x"]
+    assert args.gpu_memory_utilization == 1.0
+
+
+def test_an_unknown_preset_key_names_the_flag_it_is_near(tmp_path, capsys):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_batch_sise: 8\n")
+    with pytest.raises(SystemExit):
+        apply_preset(build_parser(), ["launch", "--config", str(preset)])
+    err = capsys.readouterr().err
+    assert "unknown keys max_batch_sise (did you mean max-batch-size?)" in err, err

@@ -233,3 +233,31 @@ def test_a_launch_logs_no_transformers_deprecation_notes(tmp_path):
                                                    "HOME": str(tmp_path)})
     assert r.returncode == 0 and "configured" in r.stdout, r.stderr
     assert "deprecated" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["launch", "--tp", "two"], "tpserve launch: error: argument --tp: invalid int value: 'two'"),
+    (["launch", "--dtype", "float64"], "tpserve launch: error: argument --dtype: invalid choice"),
+    (["launch", "--modle", "x"], "tpserve launch: error: unrecognized arguments: --modle x"),
+    (["kernels", "--device", "tpu"], "tpserve kernels: error: argument --device: invalid"),
+    ([], "tpserve: error: the following arguments are required: {launch,kernels}"),
+])
+def test_a_usage_mistake_is_one_line_naming_the_help_to_read(argv, message):
+    """argparse printed launch's whole usage (some fifty lines) above the line that said what
+    was wrong; an unknown flag was said by `tpserve`, whose --help lists no launch flag."""
+    r = subprocess.run([sys.executable, "-m", "tpserve.cli", *argv], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(message), lines[0]
+    command = " ".join(["tpserve", *argv[:1]])
+    assert lines[0].endswith(f"(`{command} --help` lists the flags)"), lines[0]
+
+
+@pytest.mark.parametrize("flag,known", [("--kernel", "ipex, triton, torch"),
+                                        ("--quant-kernel", "triton, torch")])
+def test_an_unknown_kernel_is_refused_before_ray_starts(capsys, no_ray, llama_dir, flag, known):
+    """It failed in every shard after Ray started: tracebacks, then exit 1."""
+    err = _main(capsys, "--model", str(llama_dir), flag, "bogus")
+    assert f"{flag} 'bogus' is not a kernel here: choose auto or one of" in err, err
+    assert known in err and "`tpserve kernels`" in err

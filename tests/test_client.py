@@ -288,3 +288,77 @@ def test_a_base_url_without_a_scheme_is_refused_at_once():
         Client("localhost:8080")
     with pytest.raises(ValueError, match="http://"):
         AsyncClient("127.0.0.1:8080")
+
+
+def _answering(status: int, body: bytes, headers: dict[str, str]):
+    """A loopback HTTP server that answers every request with `status`, `headers`, `body`:
+    what a proxy in front of tpserve (or another version of it) may send."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+@pytest.mark.parametrize("status,headers,body,cls,retry", [
+    # were the class's 1 s, and a 404 read as status 500, a 413 as 422
+    (429, {"Retry-After": "7"}, b'{"error": "busy", "error_type": "overloaded"}',
+     OverloadedError, 7),
+    (503, {"Retry-After": "30"}, b'{"error": "loading", "error_type": "unhealthy"}',
+     NotReadyError, 30),
+    (413, {}, b'{"error": "too big", "error_type": "validation"}', ValidationError, None),
+    (404, {}, b'{"error": "no such route", "error_type": "http"}', GenerationError, None),
+    (502, {}, b"<html>Bad Gateway</html>", GenerationError, None),
+])
+def test_an_error_carries_the_answers_status_and_retry_after(status, headers, body, cls, retry):
+    srv, url = _answering(status, body, headers)
+    try:
+        for call in (lambda: Client(url).generate("a"),
+                     lambda: list(Client(url).generate_stream("a")),
+                     lambda: asyncio.run(AsyncClient(url).generate("a"))):
+            with pytest.raises(cls) as info:
+                call()
+            assert (info.value.status_code, info.value.retry_after) == (status, retry)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_servers_retry_after_reaches_the_exception(client, backend):
+    backend.raise_on_generate = OverloadedError("queue is full")
+    with pytest.raises(OverloadedError, match="queue is full") as info:
+        client.generate("a")
+    assert (info.value.status_code, info.value.retry_after) == (429, 1)
+
+
+@pytest.mark.parametrize("body", [b"<html>Sign in to the proxy</html>", b'{"hello": 1}'])
+def test_an_answer_that_is_not_tpserves_is_a_tpserve_error(body):
+    """A 200 from something else at the address (a proxy's page, another server) escaped as
+    json's JSONDecodeError or pydantic's ValidationError, which no caller catching
+    TPServeError expects."""
+    srv, url = _answering(200, body, {"Content-Type": "text/html"})
+    stream_srv, stream_url = _answering(200, b"data:" + body + b"\n\n",
+                                        {"Content-Type": "text/event-stream"})
+    try:
+        for call in (lambda: Client(url).generate("a"),
+                     lambda: asyncio.run(AsyncClient(url).generate("a")),
+                     lambda: list(Client(stream_url).generate_stream("a"))):
+            with pytest.raises(GenerationError, match="not tpserve's .*check that the address"):
+                call()
+    finally:
+        for s in (srv, stream_srv):
+            s.shutdown()
+            s.server_close()

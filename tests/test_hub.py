@@ -183,6 +183,30 @@ def test_revision_and_missing_repo_errors(tmp_path, llama_dir):
         assert "HF_TOKEN" in missing.stderr
 
 
+@pytest.mark.parametrize("revision", ["v1.0", "refs/pr/1"])
+def test_a_tag_or_pull_request_revision_is_downloaded_and_then_served_offline(tmp_path,
+                                                                             llama_dir,
+                                                                             revision):
+    """--revision names a tag, or refs/pr/N (what the missing-safetensors message suggests):
+    the snapshot of the commit it names, found again offline under the same name."""
+    commit = "d" * 40
+    with FakeHub.from_dir("acme/tiny", llama_dir) as hub:
+        hub.commit, hub.refs = commit, (revision,)
+        out = resolve_in_subprocess(hub_env(tmp_path, hub), "acme/tiny", revision,
+                                    "tpserve.hub.ensure_model")
+        assert out.returncode == 0, out.stderr
+        path = Path(out.stdout.strip().splitlines()[-1])
+        assert path.name == commit and (path / "model.safetensors").is_file()
+        assert not any("/resolve/main/" in r for r in hub.requests), hub.requests
+    offline = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/tiny",
+                                    revision, "tpserve.hub.ensure_model")
+    assert offline.returncode == 0, offline.stderr
+    assert Path(offline.stdout.strip().splitlines()[-1]) == path
+    other = resolve_in_subprocess(hub_env(tmp_path, None, offline=True), "acme/tiny", "v2",
+                                  "tpserve.hub.ensure_model")
+    assert "'acme/tiny' (revision v2) is not in the hub cache" in other.stderr, other.stderr
+
+
 def test_token_errors_say_what_went_wrong_and_what_to_do(tmp_path, llama_dir):
     """A gated repository without a token, or with a token that has no access; a token the
     hub refuses (was "could not be downloaded ... Check the network"); a private or missing
@@ -447,3 +471,22 @@ def test_launch_serves_a_model_downloaded_from_the_hub(tmp_path, llama_dir):
     # lines; they show at --log-level debug.
     log = (tmp_path / "server.log").read_text()
     assert "HTTP Request:" not in log, log[:2000]
+
+
+def test_a_tokenizer_hub_id_that_cannot_be_had_names_the_tokenizer_flag(tmp_path):
+    """--tokenizer ORG/NAME offline and not cached, or with no hub to reach: the message
+    called it a model and said to pass a directory to --model."""
+    import socket
+
+    code = "from tpserve.hub import ensure_model; ensure_model('acme/tok', tokenizer_only=True)"
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    online = hub_env(tmp_path, None)
+    online["HF_ENDPOINT"] = endpoint
+    for env in (hub_env(tmp_path, None, offline=True), online):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        err = out.stderr.strip().splitlines()[-1]
+        assert out.returncode != 0 and "tokenizer 'acme/tok'" in err, err
+        assert "--tokenizer" in err and "--model" not in err, err

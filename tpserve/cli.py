@@ -25,6 +25,15 @@ log = logging.getLogger("tpserve")
 
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line: argparse printed the whole usage first (some fifty lines
+    for launch), which buried the line that says what was wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the "
+                     "flags)\n")
+
+
 class _OneDefaultFormatter(argparse.HelpFormatter):
     """Append "(default: X)" once, and only where the help text does not already say what the
     default is (flags whose default is computed say so in their own words)."""
@@ -256,12 +265,13 @@ def _replicas_arg(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # Raw: the version line is not wrapped at the terminal's width.
-    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="tpserve", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version_string(),
                         help="print the versions of tpserve, torch, ray and transformers")
     # metavar: a bare `tpserve` names the commands it takes, not the word "command".
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{launch,kernels}",
+                                parser_class=_Parser)
     _launch_parser(sub)
     k = sub.add_parser("kernels", help="list attention backends and what each supports here",
                        formatter_class=_OneDefaultFormatter,
@@ -277,28 +287,76 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_preset(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv; values from a --config YAML preset replace the defaults, flags win."""
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
+    if extra:  # said by the command's parser, whose --help lists its flags
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "config", None):
         import yaml
 
         try:
             preset = yaml.safe_load(args.config.read_text()) or {}
         except OSError as exc:
-            parser.error(f"--config {args.config}: {exc.strerror or exc}")
+            sub.error(f"--config {args.config}: {exc.strerror or exc}")
         except yaml.YAMLError as exc:
-            parser.error(f"--config {args.config} is not valid YAML: "
-                         f"{' '.join(str(exc).split())}")
+            sub.error(f"--config {args.config} is not valid YAML: "
+                      f"{' '.join(str(exc).split())}")
         if not isinstance(preset, dict):
-            parser.error(f"--config {args.config} must map flag names to values "
-                         "(e.g. `tp: 2`), not hold a YAML list or a single value")
-        sub = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001
-        known = {a.dest for a in sub._actions}  # noqa: SLF001
-        unknown = sorted(set(k.replace("-", "_") for k in preset) - known)
+            sub.error(f"--config {args.config} must map flag names to values "
+                      "(e.g. `tp: 2`), not hold a YAML list or a single value")
+        actions = {a.dest: a for a in sub._actions if a.option_strings}  # noqa: SLF001
+        unknown = sorted(set(k.replace("-", "_") for k in preset) - set(actions))
         if unknown:
-            parser.error(f"{args.config}: unknown keys {', '.join(unknown)}")
-        sub.set_defaults(**{k.replace("-", "_"): v for k, v in preset.items()})
+            sub.error(f"{args.config}: unknown keys {', '.join(unknown)}"
+                      f"{_did_you_mean(unknown, actions)}: a key is a flag of `tpserve "
+                      f"{args.command} --help` without its dashes (tp, max-batch-size)")
+        values = {}
+        for key, value in preset.items():
+            try:
+                values[key.replace("-", "_")] = _preset_value(actions[key.replace("-", "_")],
+                                                              value)
+            except ValueError as exc:
+                sub.error(f"{args.config}: {key}: {exc}")
+        sub.set_defaults(**values)
         args = parser.parse_args(argv)
     return args
+
+
+def _did_you_mean(unknown: list[str], actions: dict) -> str:
+    import difflib
+
+    near = [m for k in unknown for m in difflib.get_close_matches(k, actions, n=1)]
+    return f" (did you mean {', '.join(n.replace('_', '-') for n in near)}?)" if near else ""
+
+
+def _preset_value(action: argparse.Action, value):
+    """A preset's value as the flag would parse it: argparse applies a flag's type and
+    choices only to what the command line gives, so a preset's `dtype: float64` or
+    `replicas: 1` (an int where the flag yields "1") went through unchecked."""
+    if value is None or isinstance(value, list | dict):
+        return value  # lists: --lora-modules, --api-key; check_ranges names other misuse
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):  # noqa: SLF001
+        return [str(value)]  # `api-key: K`, `lora-modules: a=/x`: one item, not its letters
+    if action.nargs == 0:  # store_true flags: `prefix-caching: "no"` would read as true
+        if not isinstance(value, bool):
+            raise ValueError(f"takes true or false, not {value!r}")
+        return value
+    if action.type is not None:
+        if isinstance(value, bool):
+            raise ValueError(f"takes a value, not {value!r}")
+        try:
+            value = action.type(str(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+        except (TypeError, ValueError):
+            kind = getattr(action.type, "__name__", "value")
+            raise ValueError(f"takes {'an' if kind == 'int' else 'a'} {kind}, not {value!r}") \
+                from None
+    elif action.nargs is None:  # a string flag: `revision: 1234567` is a YAML int
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"takes one of {', '.join(map(str, action.choices))}, not {value!r}")
+    return value
 
 
 def check_checkpoint(path: Path, load_format: str = "safetensors",
@@ -445,6 +503,7 @@ def engine_config(args: argparse.Namespace):
     tokenizer = _tokenizer(args, hf)
     device, why = resolve_device(args.device)
     log.info("device: %s (%s)", device, why)
+    _check_kernel_names(args)
     dtype, why = resolve_dtype(args.dtype, device, getattr(hf, "dtype", None)
                                or getattr(hf, "torch_dtype", None))
     log.info("dtype: %s (%s)", dtype, why)
@@ -503,6 +562,24 @@ def engine_config(args: argparse.Namespace):
     from dataclasses import replace
 
     return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+
+
+def _check_kernel_names(args: argparse.Namespace) -> None:
+    """An unknown --kernel or --quant-kernel failed in every shard, with their tracebacks,
+    after Ray started. Whether a known one runs on the device is the shards' to say. A joined
+    cluster (--address) may hold plugins this machine lacks: its shards decide."""
+    if args.address:
+        return
+    from tpserve.kernels import registry
+    from tpserve.kernels.quant import registry as quant_registry
+
+    for flag, name, known in (("--kernel", args.kernel, registry.available_names()),
+                              ("--quant-kernel", args.quant_kernel,
+                               quant_registry.available_names())):
+        if name != "auto" and name not in known:
+            raise ValueError(f"{flag} {name!r} is not a kernel here: choose auto or one of "
+                             f"{', '.join(known)} (`tpserve kernels` says which run on this "
+                             "device; a plugin is one installed under its entry point)")
 
 
 def _tokenizer(args: argparse.Namespace, hf) -> str:

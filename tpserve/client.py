@@ -75,7 +75,13 @@ def _raise_for(resp: httpx.Response) -> None:
         payload = resp.json()
     except ValueError:
         payload = None
-    raise _error_from(resp.status_code, payload, resp.text)
+    exc = _error_from(resp.status_code, payload, resp.text)
+    # The answer's own status and Retry-After, not the class's defaults: a 413 is a
+    # ValidationError too, and a proxy in front may ask for a longer wait.
+    exc.status_code = resp.status_code
+    retry = resp.headers.get("retry-after", "").strip()
+    exc.retry_after = int(retry) if retry.isdigit() else None
+    raise exc
 
 
 class _LineSplitter:
@@ -138,10 +144,39 @@ def _parse_event(line: str) -> wire.StreamResponse | None:
     """One SSE line -> StreamResponse; raises the server's in-band error events."""
     if not line.startswith("data:"):
         return None  # blank separators, comments, other SSE fields
-    payload = json.loads(line[len("data:") :])
+    text = line[len("data:") :]
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        raise _not_ours("an event", text) from None
     if isinstance(payload, dict) and "error" in payload:
         raise _error_from(200, payload)
-    return wire.StreamResponse.model_validate(payload)
+    return _validated(wire.StreamResponse, payload, "an event", text)
+
+
+def _answer(resp: httpx.Response, model: type[pydantic.BaseModel] | None = None) -> Any:
+    """A 200 answer's JSON (as `model`). Not one of tpserve's (a proxy's or captive portal's
+    page, another server at the address) is a GenerationError, as the module promises, not
+    a JSONDecodeError or pydantic's ValidationError."""
+    _raise_for(resp)
+    try:
+        payload = resp.json()
+    except ValueError:
+        raise _not_ours("an answer", resp.text) from None
+    return payload if model is None else _validated(model, payload, "an answer", resp.text)
+
+
+def _validated(model: type[pydantic.BaseModel], payload: Any, what: str, text: str):
+    try:
+        return model.model_validate(payload)
+    except pydantic.ValidationError:
+        raise _not_ours(what, text) from None
+
+
+def _not_ours(what: str, text: str) -> GenerationError:
+    return GenerationError(f"the server sent {what} that is not tpserve's (or TGI's): "
+                           f"{' '.join(text.split())[:200]!r}; check that the address is "
+                           "tpserve's, not a proxy's or another server's")
 
 
 def _body(prompt: str, stream: bool, **params: Any) -> dict[str, Any]:
@@ -230,16 +265,14 @@ class Client(_Base):
         """GET /info: the model, its limits and the deployment (tp_size, device...)."""
         with _transport_errors(self.base_url, self.timeout):
             resp = self._http.get("/info")
-        _raise_for(resp)
-        return resp.json()
+        return _answer(resp)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[dict[str, Any]]:
         """POST /tokenize: the prompt's tokens as generation counts them, each
         {"id", "text", "start", "stop"} (character offsets into `prompt`)."""
         with _transport_errors(self.base_url, self.timeout):
             resp = self._http.post("/tokenize", json=_tokenize_body(prompt, add_special_tokens))
-        _raise_for(resp)
-        return resp.json()
+        return _answer(resp)
 
     def generate(
         self,
@@ -268,13 +301,14 @@ class Client(_Base):
 
         Raises tpserve.errors.ValidationError (bad arguments, checked here first, or 422),
         OverloadedError (429), NotReadyError (503) and the others of docs/http_api.md with
-        the server's message; ServerUnreachableError / ClientTimeoutError without an answer.
+        the server's message, the answer's status (exc.status_code) and its Retry-After
+        seconds (exc.retry_after); ServerUnreachableError / ClientTimeoutError without an
+        answer.
         """
         body = _body(prompt, False, **_params(locals()))
         with _transport_errors(self.base_url, self.timeout):
             resp = self._http.post("/generate", json=body)
-        _raise_for(resp)
-        return wire.Response.model_validate(resp.json())
+        return _answer(resp, wire.Response)
 
     def generate_stream(
         self,
@@ -336,8 +370,7 @@ class AsyncClient(_Base):
         with _transport_errors(self.base_url, self.timeout):
             async with httpx.AsyncClient(**self._client_kwargs()) as http:
                 resp = await http.get("/info")
-        _raise_for(resp)
-        return resp.json()
+        return _answer(resp)
 
     async def tokenize(self, prompt: str, add_special_tokens: bool = True
                        ) -> list[dict[str, Any]]:
@@ -347,8 +380,7 @@ class AsyncClient(_Base):
             async with httpx.AsyncClient(**self._client_kwargs()) as http:
                 resp = await http.post("/tokenize",
                                        json=_tokenize_body(prompt, add_special_tokens))
-        _raise_for(resp)
-        return resp.json()
+        return _answer(resp)
 
     async def generate(
         self,
@@ -377,8 +409,7 @@ class AsyncClient(_Base):
         with _transport_errors(self.base_url, self.timeout):
             async with httpx.AsyncClient(**self._client_kwargs()) as http:
                 resp = await http.post("/generate", json=body)
-        _raise_for(resp)
-        return wire.Response.model_validate(resp.json())
+        return _answer(resp, wire.Response)
 
     async def generate_stream(
         self,

@@ -41,7 +41,7 @@ import re
 from pathlib import Path
 
 from tpserve.errors import CheckpointError
-from tpserve.hub_errors import at, cache_unwritable, explain, no_config, redact
+from tpserve.hub_errors import at, cache_unwritable, explain, no_config, noun, redact
 from tpserve.hub_progress import DownloadProgress
 from tpserve.hub_refresh import ask_timeout, current_commit, is_commit, point_ref
 from tpserve.hub_stall import StallGuard, bound_xet, cancelled_by_interrupt, guarded
@@ -163,17 +163,18 @@ def ensure_model(model_id: str, revision: str | None = None, weights: bool = Tru
     found = _usable(cached_snapshot(model_id, revision, tokenizer_only), weights)
     if found is not None and (offline() or is_commit(_full_commit(model_id, revision))):
         return found
+    flag = "--tokenizer" if tokenizer_only else "--model"
     if offline():
         found = cached_snapshot(model_id, revision, tokenizer_only)
         where = (f"is only partly in the hub cache {cache_dir()} (its snapshot {found} lacks "
                  f"{_missing_weights(found)}: a download that stopped, or one without "
                  "weights)") if found is not None else f"is not in the hub cache {cache_dir()}"
         raise CheckpointError(
-            f"model {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve "
+            f"{noun(flag)} {model_id!r}{at(revision)} {where} and HF_HUB_OFFLINE is set, so tpserve "
             "may not download it. Unset HF_HUB_OFFLINE to download it, fetch it first with "
             f"`hf download {model_id}{' --revision ' + revision if revision else ''}` where "
             "there is a network "
-            "(HF_HUB_CACHE selects the cache), or pass a local directory to --model.")
+            f"(HF_HUB_CACHE selects the cache), or pass a local directory to {flag}.")
     seconds = download_timeout(timeout)
     commit = None
     if found is not None:
@@ -257,7 +258,8 @@ def _download(model_id: str, revision: str | None, weights: bool, timeout: float
     except Exception as exc:  # noqa: BLE001 - network, HTTP, hub and disk errors alike
         # guard.behind: whatever huggingface_hub made of a silence
         raise CheckpointError(explain(exc, model_id, revision, cache_dir(), constants.ENDPOINT,
-                                      guard.behind(exc))) from None
+                                      guard.behind(exc),
+                                      "--tokenizer" if tokenizer_only else "--model")) from None
     if weights and (path / INDEX).is_file() and not _has_weights(path):
         raise CheckpointError(
             f"{model_id}{at(revision)}: its {INDEX} names weight files the repository does "

@@ -14,9 +14,15 @@ LOGIN = "set HF_TOKEN to a token of that account (or log in once with `hf auth l
 
 
 def explain(exc: BaseException, model_id: str, revision: str | None, cache: str,
-            endpoint: str, stalled: HubStalledError | None) -> str:
-    """The message for `exc`, raised by huggingface_hub while downloading `model_id`."""
-    return redact(_explain(exc, model_id, revision, cache, endpoint, stalled))
+            endpoint: str, stalled: HubStalledError | None, flag: str = "--model") -> str:
+    """The message for `exc`, raised by huggingface_hub while downloading `model_id`, which
+    the user named with `flag` (--model, --tokenizer)."""
+    return redact(_explain(exc, model_id, revision, cache, endpoint, stalled, flag))
+
+
+def noun(flag: str) -> str:
+    """What `flag` names, in a message: "model" or "tokenizer"."""
+    return flag.removeprefix("--")
 
 
 def redact(text: str) -> str:
@@ -26,7 +32,7 @@ def redact(text: str) -> str:
 
 
 def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str,
-             endpoint: str, stalled: HubStalledError | None) -> str:
+             endpoint: str, stalled: HubStalledError | None, flag: str) -> str:
     from huggingface_hub.errors import (
         GatedRepoError,
         RepositoryNotFoundError,
@@ -36,11 +42,11 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
 
     page = f"{endpoint.rstrip('/')}/{model_id}"
     if stalled is not None:
-        return stall_message(model_id, revision, cache, stalled)
+        return stall_message(model_id, revision, cache, stalled, flag)
     if isinstance(exc, OSError) and exc.errno in CACHE_ERRNOS:
         return cache_unwritable(model_id, cache, exc)
     if isinstance(exc, HFValidationError):
-        return (f"--model {model_id!r} is neither a directory here nor a hub id "
+        return (f"{flag} {model_id!r} is neither a directory here nor a hub id "
                 f"({first_line(exc)}): a hub id looks like org/name")
     if isinstance(exc, GatedRepoError):
         if token_sent():
@@ -76,12 +82,12 @@ def _explain(exc: BaseException, model_id: str, revision: str | None, cache: str
         return (f"{endpoint} refused access to {model_id} (403): the token sent lacks the "
                 "permission to read it (a fine-grained token needs read access to this "
                 f"repository); use another token: {LOGIN}")
-    return (f"model {model_id!r}{at(revision)} is not in the hub cache {cache}"
+    return (f"{noun(flag)} {model_id!r}{at(revision)} is not in the hub cache {cache}"
             f"{_no_directory(model_id) if '/' not in model_id else ''} and could not be "
             f"downloaded from {endpoint}: "
             f"{first_line(exc).removeprefix('Got: ')}. Check the network (HF_ENDPOINT "
             f"selects a mirror), or fetch it where there is one (`hf download {model_id}`) "
-            "and copy the hub cache (HF_HUB_CACHE) or pass the directory to --model.")
+            f"and copy the hub cache (HF_HUB_CACHE) or pass the directory to {flag}.")
 
 
 # Errors of the cache's disk, not of the network: full, over quota, read-only, no access,
@@ -113,14 +119,14 @@ def no_config(model_id: str, revision: str | None, path: Path) -> str:
 
 
 def stall_message(model_id: str, revision: str | None, cache: str,
-                  stalled: HubStalledError) -> str:
-    return (f"model {model_id!r}{at(revision)} is not in the hub cache {cache} and its "
+                  stalled: HubStalledError, flag: str = "--model") -> str:
+    return (f"{noun(flag)} {model_id!r}{at(revision)} is not in the hub cache {cache} and its "
             f"download stopped: {stalled}. Check the network, any proxy (HTTPS_PROXY, "
             "HTTP_PROXY) and HF_ENDPOINT; if the hub is only slow, allow a longer silence with "
             "--download-timeout SECONDS (or HF_HUB_DOWNLOAD_TIMEOUT); or serve without the "
             f"network: fetch it where there is one (`hf download {model_id}`), then set "
-            "HF_HUB_OFFLINE=1 with that hub cache (HF_HUB_CACHE), or pass its directory to "
-            "--model")
+            f"HF_HUB_OFFLINE=1 with that hub cache (HF_HUB_CACHE), or pass its directory to "
+            f"{flag}")
 
 
 def _status(exc: BaseException | None) -> int | None:
