@@ -135,7 +135,7 @@ class CoreClient:
         self.placed_at = placed
         self.startup = shard_startup(placed, info["marks"])
         self.executor = self  # health() for the driver, as Engine.executor.health()
-        self._stats: dict[str, float] = {}
+        self._stats: dict[str, float] = info.get("stats", {})  # until the first poll
         self._settle_until = 0.0  # an abort not yet seen in the core's gauges (SETTLE_S)
         self._steps_seen, self._progress_at = -1.0, time.monotonic()  # STALL_S
         # The driver's share of serving (gauges, cumulative): seconds waiting in the poll

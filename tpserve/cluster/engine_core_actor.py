@@ -102,7 +102,9 @@ class EngineCoreActor:
         return {"num_blocks": c.num_blocks, "load_reports": c.load_reports,
                 "warmup_seconds": c.warmup_seconds, "max_input_tokens": c.max_input_tokens,
                 "max_model_len": c.max_model_len, "loops": c.executor.loops,
-                "marks": {**self.worker.marks, "loop": now()}}
+                "marks": {**self.worker.marks, "loop": now()},
+                # The idle gauges, so /metrics has them before the first poll.
+                "stats": c.stats()}
 
     # --- driver calls (other threads) ---------------------------------------------------
     def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
