@@ -62,9 +62,18 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if self._stream is not None:
             backend, stream = self._stream
-            new = stream.step(backend, token_id) or ""
-            self.text += new
-            return new
+            try:
+                new = stream.step(backend, token_id) or ""
+            except Exception:  # tokenizers raises a bare Exception
+                # DecodeStream refuses a window whose decoded start changed: byte-fallback
+                # tokens (Llama, Mistral, Gemma) that join an earlier byte into an invalid
+                # UTF-8 run decode it as U+FFFD. The windows below never raise; go on there.
+                self._stream = None
+            else:
+                if new:
+                    self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                self.text += new
+                return new
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

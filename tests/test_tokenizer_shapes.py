@@ -1,0 +1,54 @@
+"""Tokenizers as real checkpoints ship them, beside the byte-level BPE of tiny_models.py:
+SentencePiece's byte fallback (Llama, Mistral and Gemma's tokenizer.json, or a
+tokenizer.model alone), ByT5's byte tokenizer with no vocabulary file, and T5's spiece.model
+alone. Outputs are compared with transformers' (float32, CPU) under the same tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer.json: SentencePiece BPE pieces ("▁" for a space), a <0xNN>
+    token for each byte the pieces miss, and Llama's decoder (ByteFallback, then Fuse)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ("c", "H", "▁", "e", "▁H", "He"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("H", "e")], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def test_byte_fallback_run_that_is_not_utf8_streams_without_error():
+    """A byte token ("[" as <0x5B>) then bytes that make no UTF-8 with it: decoded together
+    the "[" becomes U+FFFD, and tokenizers' DecodeStream raised "Invalid prefix encountered
+    while decoding stream" out of the engine's step (any model with byte fallback, on any
+    such sampled or greedy run). The text streamed is decode()'s, character for character,
+    but where one of them holds U+FFFD (what was streamed cannot be taken back)."""
+    from tokenizers.decoders import DecodeStream
+
+    from tpserve.engine.detokenizer import IncrementalDetokenizer
+
+    tok = byte_fallback_tokenizer()
+    pieces = ["<0x1A>", "c", "<0x5B>", "<0xD3>", "<0xF6>", "<0x45>", "<0xD3>", "H", "He",
+              "<0xC3>", "<0xA9>"]
+    ids = tok.convert_tokens_to_ids(pieces)
+    assert tok.unk_token_id not in ids
+    stream = DecodeStream(skip_special_tokens=True)  # guards the case: the stream refuses it
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in ids:
+            stream.step(tok.backend_tokenizer, i)
+    d = IncrementalDetokenizer(tok, frozenset(tok.all_special_ids))
+    text = "".join(d.add(i) for i in ids) + d.flush()
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert len(text) == len(want) and text.endswith("HHeé"), (text, want)
+    assert all(a == b or "\ufffd" in (a, b) for a, b in zip(text, want, strict=True))
