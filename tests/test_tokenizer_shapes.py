@@ -52,3 +52,30 @@ def test_byte_fallback_run_that_is_not_utf8_streams_without_error():
     want = tok.decode(ids, skip_special_tokens=True)
     assert len(text) == len(want) and text.endswith("HHeé"), (text, want)
     assert all(a == b or "\ufffd" in (a, b) for a, b in zip(text, want, strict=True))
+
+
+@pytest.mark.parametrize(("file", "cls"), [("tokenizer.model", "LlamaTokenizer"),
+                                           ("spiece.model", "T5Tokenizer")])
+def test_sentencepiece_model_alone_without_the_package_names_it(tmp_path, file, cls):
+    """A Llama or Mistral repository with tokenizer.model and no tokenizer.json (T5's with
+    spiece.model) where sentencepiece is not installed (tpserve does not require it):
+    transformers said "`tiktoken` is required to read a `tiktoken` file", a package and a
+    format the checkpoint has nothing to do with. Run where sentencepiece cannot import."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / file).write_bytes(b"\n\x0b\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls}))
+    code = ("import sys; sys.modules['sentencepiece'] = None\n"
+            "from tpserve.errors import CheckpointError\n"
+            "from tpserve.tokenizer import load_tokenizer\n"
+            "try:\n"
+            f"    load_tokenizer({str(tmp_path)!r})\n"
+            "except CheckpointError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"SentencePiece model ({file})" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "pip install sentencepiece" in out.stdout and "tiktoken" not in out.stdout

@@ -49,13 +49,43 @@ def load_tokenizer(path: str | Path, model_path: str | Path | None = None):
     it, else (a tokenizer given with --tokenizer) the one beside the model at `model_path`."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        missing = sentencepiece_missing(Path(path))
+        if missing:
+            raise CheckpointError(missing) from exc
+        raise
     if not getattr(tokenizer, "chat_template", None):
         places = [Path(path)] + ([Path(model_path)] if model_path is not None else [])
         template = next(filter(None, map(chat_template_beside, places)), None)
         if template:
             tokenizer.chat_template = template
     return tokenizer
+
+
+# SentencePiece model files (Llama and Mistral, T5, XLM-R and mBART) that transformers can
+# read only through the sentencepiece package when no tokenizer.json is beside them.
+SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+
+def sentencepiece_missing(path: Path) -> str | None:
+    """What to do when `path` keeps its tokenizer only as a SentencePiece model and the
+    sentencepiece package is not installed (transformers then reports a missing `tiktoken`,
+    a format the file is not in); None otherwise."""
+    import importlib.util
+
+    if (path / "tokenizer.json").is_file() or importlib.util.find_spec("sentencepiece"):
+        return None
+    model = next((name for name in SENTENCEPIECE_FILES if (path / name).is_file()), None)
+    if model is None:
+        return None
+    return (f"the tokenizer in {path} is a SentencePiece model ({model}) without a "
+            "tokenizer.json, and reading it needs the sentencepiece package, which is not "
+            "installed: `pip install sentencepiece`, or pass --tokenizer a directory where "
+            "the tokenizer was saved with its tokenizer.json "
+            "(`AutoTokenizer.from_pretrained(ID).save_pretrained(DIR)` where sentencepiece "
+            "is installed)")
 
 
 def check_vocab(tokenizer, hf_config, tokenizer_name: str, model_name: str) -> None:
