@@ -79,3 +79,92 @@ def test_sentencepiece_model_alone_without_the_package_names_it(tmp_path, file, 
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"SentencePiece model ({file})" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "pip install sentencepiece" in out.stdout and "tiktoken" not in out.stdout
+
+
+def _without_tokenizer_files(path):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    return path
+
+
+def _serves_as_transformers(path, tp: int, new_tokens: int = 8) -> None:
+    """tpserve at tp tokenizes PROMPTS as transformers' tokenizer of `path` does and
+    continues them with transformers' greedy tokens; the oracle's continuations vary."""
+    from engine_utils import greedy, make_engine
+    from tiny_models import PROMPTS, hf_greedy
+    from transformers import AutoTokenizer
+
+    assert not (path / "tokenizer.json").exists()
+    ref = hf_greedy(path, PROMPTS, new_tokens)
+    assert sum(len(set(t)) > 3 for t in ref) >= 3, ref
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = make_engine(path, tp, local=tp == 1)
+    try:
+        assert [engine.tokenize(p) for p in PROMPTS] == [tok(p).input_ids for p in PROMPTS]
+        assert greedy(engine, PROMPTS, new_tokens) == ref
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def byt5(models_dir):
+    """A Flan-style T5 of ByT5's vocabulary (256 bytes, 3 specials, 125 sentinels) with
+    ByT5Tokenizer saved beside it: tokenizer_config.json and added_tokens.json only."""
+    from tiny_models import save_t5_model, t5_config
+    from transformers import ByT5Tokenizer
+
+    path = _without_tokenizer_files(save_t5_model(t5_config(True, vocab_size=384),
+                                                  models_dir / "byt5"))
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+# tp = 2 (~30 s with the Ray start on two cores) runs in the slow job.
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_byt5_byte_tokenizer_serves_as_transformers(request, byt5, tp):
+    from transformers import AutoTokenizer
+
+    if tp > 1:
+        request.getfixturevalue("ray_cluster")
+    assert type(AutoTokenizer.from_pretrained(byt5)).__name__ == "ByT5Tokenizer"
+    _serves_as_transformers(byt5, tp)
+
+
+def _sentencepiece_model(out) -> None:
+    """A SentencePiece BPE of 400 pieces with byte fallback, as Llama's, trained here."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    from tiny_models import CORPUS
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=buf,
+                                   vocab_size=400, model_type="bpe", byte_fallback=True,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    out.write_bytes(buf.getvalue())
+
+
+def test_llama_with_tokenizer_model_alone_serves_as_transformers(models_dir):
+    """LlamaTokenizer read from tokenizer.model (no tokenizer.json). Its random model emits
+    byte tokens that make no UTF-8 together, which the streamed text must survive."""
+    from tiny_models import llama_config, save_model
+    from transformers import LlamaTokenizer
+
+    path = _without_tokenizer_files(save_model(llama_config(vocab_size=400),
+                                               models_dir / "llama-sp", std=0.3))
+    _sentencepiece_model(path / "tokenizer.model")
+    LlamaTokenizer(vocab_file=str(path / "tokenizer.model")).save_pretrained(path)
+    (path / "tokenizer.json").unlink(missing_ok=True)
+    _serves_as_transformers(path, 1)
+
+
+def test_t5_with_spiece_model_alone_serves_as_transformers(models_dir):
+    from tiny_models import save_t5_model, t5_config
+    from transformers import T5Tokenizer
+
+    path = _without_tokenizer_files(save_t5_model(t5_config(True, vocab_size=400),
+                                                  models_dir / "t5-sp"))
+    _sentencepiece_model(path / "spiece.model")
+    T5Tokenizer(vocab_file=str(path / "spiece.model"), extra_ids=0).save_pretrained(path)
+    (path / "tokenizer.json").unlink(missing_ok=True)
+    _serves_as_transformers(path, 1)
