@@ -105,3 +105,22 @@ def test_rank_shapes_sum_to_the_checkpoint(tp):
     # Encoder layer: q k v o, wi_0 wi_1 wo, 2 norms; decoder layer: 4 more attention and
     # a norm; then 2 relative biases, shared, lm_head and 2 final norms.
     assert sum(len(v) for v in parts.values()) == 24 * 9 + 24 * 14 + 6
+
+
+@pytest.mark.parametrize("arch", ["T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel"])
+def test_an_encoder_only_checkpoint_is_refused_saying_it_has_no_decoder(tmp_path, arch):
+    """sentence-t5 and the text encoders of image models ship T5EncoderModel: no decoder
+    weights. tpserve refused it among 'unsupported model architecture' with the list of
+    every family, which never said what was wrong with a T5."""
+    import transformers
+    from engine_utils import make_engine
+    from tiny_models import build_tokenizer, t5_config
+
+    cfg = t5_config(True)
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    getattr(transformers, arch)(cfg).save_pretrained(tmp_path)  # what such a repo holds
+    build_tokenizer(cfg.vocab_size).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"{arch}: an encoder alone .* no decoder") as info:
+        make_engine(tmp_path, 1, local=True)
+    assert f"{arch.removesuffix('EncoderModel')}ForConditionalGeneration" in str(info.value)

@@ -96,6 +96,13 @@ def model_class(config):
                 arch = by_type
             module, _, attr = _MODELS[arch].partition(":")
             return getattr(importlib.import_module(module), attr)
+    encoders = [a for a in archs if a.endswith("EncoderModel")]
+    if encoders:  # T5EncoderModel, MT5EncoderModel, UMT5EncoderModel
+        raise ValueError(
+            f"config.json names {encoders[0]}: an encoder alone (it turns text into "
+            "embeddings), with no decoder to generate text. Serve a checkpoint of the whole "
+            f"model ({encoders[0].removesuffix('EncoderModel')}ForConditionalGeneration, "
+            "with decoder weights); tpserve does not serve embeddings")
     from tpserve.hf_config import text_only_architectures
 
     raise ValueError(
