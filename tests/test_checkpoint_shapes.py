@@ -280,3 +280,51 @@ def test_a_consolidated_file_beside_model_safetensors_is_not_read(llama_dir, tmp
     model, stats = load_rank(path, 0, 1)
     assert sorted(stats.full_bytes) == sorted(hf)
     torch.testing.assert_close(model.model.norm.weight.data, hf["model.norm.weight"])
+
+
+@pytest.fixture(scope="module")
+def bloom_post_ln(models_dir):
+    """Bloom whose residual stream carries the normed input
+    (apply_residual_connection_post_layernorm: true, as bigscience's early checkpoints can
+    set it), 4 heads (one per rank at tp = 4); the same weights without the flag continue
+    otherwise (checked below), so matching transformers checks the flag."""
+    from tiny_models import bloom_config, save_model
+
+    path = save_model(bloom_config(apply_residual_connection_post_layernorm=True),
+                      models_dir / "bloom-post-ln", std=0.5, vector_std=0.1)
+    return path, hf_greedy(path, PROMPTS, 16), hf_last_logits(path, PROMPTS)
+
+
+def test_bloom_post_layernorm_residual_changes_the_reference(bloom_post_ln, tmp_path):
+    import json
+
+    path, ref, _ = bloom_post_ln
+    assert sum(len(set(t)) > 3 for t in ref) >= 3
+    plain = shutil.copytree(path, tmp_path / "plain")
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["apply_residual_connection_post_layernorm"] = False
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert hf_greedy(plain, PROMPTS, 16) != ref
+
+
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_bloom_post_layernorm_residual_matches_transformers(ray_cluster, bloom_post_ln, tp):
+    path, ref, ref_logits = bloom_post_ln
+    _matches(path, tp, ref, ref_logits, 16)
+
+
+@pytest.mark.parametrize("names", [{"hidden_act": "gelu"},
+                                   {"hidden_act": "gelu", "hidden_activation": "gelu"},
+                                   {"hidden_act": "gelu_pytorch_tanh",
+                                    "hidden_activation": "gelu"}])
+def test_gemma_activation_as_released_configs_name_it(models_dir, tmp_path, names):
+    """google/gemma-* config.json files say "hidden_act": "gelu" (the first releases, which
+    mean the tanh approximation), some with a "hidden_activation" beside it; transformers'
+    GemmaMLP applies hidden_act, "gelu" read as tanh. Served at tp = 1 as transformers."""
+    import json
+
+    path = shutil.copytree(family_checkpoint(models_dir, "gemma"), tmp_path / "gemma")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("hidden_activation", None)
+    (path / "config.json").write_text(json.dumps({**cfg, **names}))
+    _matches(path, 1, hf_greedy(path, PROMPTS, 12), hf_last_logits(path, PROMPTS), 12)
