@@ -150,8 +150,9 @@ class EngineStream:
         with engine._lock:
             if engine._inflight >= engine.max_concurrent:
                 raise OverloadedError(
-                    f"Model is overloaded: {engine._inflight} requests in flight, the limit "
-                    f"is {engine.max_concurrent} (--max-concurrent-requests). Retry later.")
+                    f"Model is overloaded: {engine._inflight} sequences in flight, the limit "
+                    f"is {engine.max_concurrent} (--max-concurrent-requests; each of a "
+                    "request's n or best_of choices counts as one). Retry later.")
             engine._inflight += 1
         self._counted = True
         try:
