@@ -164,13 +164,15 @@ def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: lis
 
 def engine_matches_reference(path: Path, tp: int, ref_tokens: list[list[int]],
                              ref_logits: list[torch.Tensor], rel: float = 1e-4,
-                             local: bool = False) -> None:
+                             local: bool | None = None) -> None:
     """A tp-rank engine over path serves PROMPTS as the reference does (assert_matches_
-    reference), then shuts down whatever the outcome. local: in this process (tp = 1, no
-    Ray cluster needed)."""
+    reference), then shuts down whatever the outcome. local: in this process, no Ray
+    (tp = 1 only). None: tp = 1 runs in this process, as its model code is the same in a
+    shard actor, and a Ray actor's start (~4 s of CPU: Python, torch) made up most of each
+    tp = 1 case; test_tp_llama keeps tp = 1 through a Ray actor."""
     from tiny_models import PROMPTS
 
-    engine = make_engine(path, tp, local=local)
+    engine = make_engine(path, tp, local=tp == 1 if local is None else local)
     try:
         assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits, rel)
     finally:

@@ -1,5 +1,5 @@
 """fp8 checkpoints with block-wise scales (weight_block_size, weight_scale_inv), as the official
-FP8 releases of Qwen3 store them, served by tp = 1, 2, 4 Ray shard actors: prefill logits
+FP8 releases of Qwen3 store them, served at tp = 1 (in process) and by tp = 2, 4 Ray shard actors: prefill logits
 within 1e-4 relative and 32 greedy tokens identical to transformers (float32, CPU) running the
 same model with the dequantized weights. The checkpoints are quantized in the test
 (tests/quant_checkpoints.py) from tiny random models:

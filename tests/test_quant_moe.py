@@ -1,5 +1,5 @@
 """Quantized mixture-of-experts checkpoints (Mixtral, Qwen2-MoE with its shared expert,
-Qwen3-MoE), experts stored one by one, served by tp = 1, 2, 4 Ray shard actors: prefill logits
+Qwen3-MoE), experts stored one by one, served at tp = 1 (in process) and by tp = 2, 4 Ray shard actors: prefill logits
 within 1e-4 relative and greedy continuations identical to transformers (float32, CPU) running
 the same model with the dequantized weights. The checkpoints are quantized in the test
 (tests/quant_checkpoints.py) from tiny random models (MOE_SHAPES: experts of 128, so group

@@ -1,4 +1,4 @@
-"""GPTQ, AWQ, fp8 and compressed-tensors checkpoints served by tp = 1, 2, 4 Ray shard actors
+"""GPTQ, AWQ, fp8 and compressed-tensors checkpoints served at tp = 1 (in process) and by tp = 2, 4 Ray shard actors
 match transformers (float32, CPU) running the same model with the dequantized weights: prefill
 logits within 1e-4 relative, greedy 32-token continuations identical. The checkpoints are
 quantized in the test (tests/quant_checkpoints.py) from tiny Llama, Qwen2 and Phi-3 (q/k/v and

@@ -1,5 +1,5 @@
 """Gemma 1-3, Bloom, Qwen2, Qwen3, Phi-3, Mixtral, Granite, StarCoder2, Qwen3-MoE and Qwen2-MoE
-served by tp = 1, 2, 4 Ray shard actors
+served at tp = 1 (in process) and by tp = 2, 4 Ray shard actors
 match transformers (float32, CPU): prefill logits within 1e-4 relative, greedy 32-token
 continuations identical. The tiny configs carry what each family brings: Gemma's
 multi-query attention (one KV head, replicated at tp = 4) with head_dim != hidden / heads,

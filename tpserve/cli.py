@@ -561,7 +561,9 @@ def engine_config(args: argparse.Namespace):
     preflight.check_placement(args.placement, args.tp, args.address)
     from dataclasses import replace
 
-    return replace(cfg, model=replace(cfg.model, hf_snapshot=_quiet_snapshot(hf)))
+    from tpserve.hf_config import quiet_snapshot
+
+    return replace(cfg, model=replace(cfg.model, hf_snapshot=quiet_snapshot(hf)))
 
 
 def _check_kernel_names(args: argparse.Namespace) -> None:
@@ -629,22 +631,6 @@ def _device_count(device: str) -> int | None:
     import torch
 
     return getattr(torch, device).device_count()
-
-
-def _quiet_snapshot(hf) -> str:
-    """The config as plain data (hf_config.snapshot), without the deprecation notes that
-    transformers logs for every deprecated property the snapshot reads (`torch_dtype`,
-    `use_return_dict`): they are about the walk, not about the user's checkpoint."""
-    from transformers.utils import logging as hf_logging
-
-    from tpserve.hf_config import snapshot
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return snapshot(hf)
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _kv_cache_dtype(args: argparse.Namespace) -> str:

@@ -163,6 +163,21 @@ class ConfigData:
         return f"ConfigData({self.__dict__['_values'].get('model_type', '?')})"
 
 
+def quiet_snapshot(hf_config) -> str:
+    """snapshot(), without the deprecation notes that transformers logs for every deprecated
+    property the walk reads (`torch_dtype`, `use_return_dict`): they are about the walk, not
+    about the user's checkpoint. Only called with a transformers config in hand, so the
+    import below costs nothing new."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return snapshot(hf_config)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def rope_parameters(config) -> dict:
     """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new
     (rope_parameters) style, as one dict with at least rope_type and rope_theta."""
