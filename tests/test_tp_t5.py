@@ -1,6 +1,6 @@
-"""T5 served by tp = 1, 2, 4 Ray shard actors matches transformers (float32, CPU): a
-Flan-style model (gated-gelu, own lm_head) and an original-style one (relu, tied head with
-the d_model ** -0.5 output scaling). One engine per (model, tp) serves every test."""
+"""T5 served at tp = 1 (in process) and by tp = 2, 4 Ray shard actors matches transformers
+(float32, CPU): a Flan-style model (gated-gelu, own lm_head) and an original-style one (relu,
+tied head with the d_model ** -0.5 output scaling). One engine per (model, tp) serves every test."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def references(t5_dirs):
 def served(request, ray_cluster, t5_dirs):
     name, tp = request.param
     engine = make_engine(t5_dirs[name], tp, block_size=4, num_blocks=NUM_BLOCKS,
-                         max_model_len=128)
+                         max_model_len=128, local=tp == 1)
     try:
         yield name, engine
     finally:
