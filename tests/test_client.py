@@ -362,3 +362,32 @@ def test_an_answer_that_is_not_tpserves_is_a_tpserve_error(body):
         for s in (srv, stream_srv):
             s.shutdown()
             s.server_close()
+
+
+@pytest.mark.parametrize("offset,expected", [(120, range(118, 122)), (-60, range(0, 1))])
+def test_a_retry_after_given_as_an_http_date_is_read_as_seconds(offset, expected):
+    """Proxies and load balancers send Retry-After as an HTTP-date; it read as None."""
+    import email.utils
+    import time
+
+    date = email.utils.formatdate(time.time() + offset, usegmt=True)
+    srv, url = _answering(503, b"<html>Service Unavailable</html>", {"Retry-After": date})
+    try:
+        with pytest.raises(NotReadyError) as info:
+            Client(url).generate("a")
+        assert info.value.retry_after in expected
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_an_unreadable_retry_after_is_none():
+    srv, url = _answering(429, b'{"error": "busy", "error_type": "overloaded"}',
+                          {"Retry-After": "soon"})
+    try:
+        with pytest.raises(OverloadedError) as info:
+            Client(url).generate("a")
+        assert (info.value.status_code, info.value.retry_after) == (429, None)
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -79,9 +79,32 @@ def _raise_for(resp: httpx.Response) -> None:
     # The answer's own status and Retry-After, not the class's defaults: a 413 is a
     # ValidationError too, and a proxy in front may ask for a longer wait.
     exc.status_code = resp.status_code
-    retry = resp.headers.get("retry-after", "").strip()
-    exc.retry_after = int(retry) if retry.isdigit() else None
+    exc.retry_after = _retry_after_seconds(resp.headers.get("retry-after", ""))
     raise exc
+
+
+def _retry_after_seconds(value: str) -> int | None:
+    """Retry-After as whole seconds from now: delay-seconds, or an HTTP-date (RFC 9110
+    10.2.3; what proxies and load balancers in front of a server often send), rounded up;
+    None when absent or unreadable."""
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    if not value:
+        return None
+    import email.utils
+    import math
+    import time
+
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT
+        import datetime
+
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0, math.ceil(when.timestamp() - time.time()))
 
 
 class _LineSplitter:
