@@ -570,6 +570,10 @@ OPENAI_INVALID = {
          "stream_options": {"include_usage": False}},
         "`stream_options` needs `stream: true`",
     ),
+    "responses_stream_options_without_stream": (
+        "/v1/responses", {"input": "a", "stream_options": {"include_obfuscation": False}},
+        "`stream_options` needs `stream: true`",
+    ),
     "chat_best_of": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "best_of": 2, "temperature": 1},

@@ -161,6 +161,14 @@ class ResponsesRequest(BaseModel):
                                  "remove it")
         return data
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> ResponsesRequest:
+        # As on /v1/chat/completions: options of a stream sent without one were ignored.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
+                             "answer only. Set `stream` to true or leave `stream_options` out")
+        return self
+
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or []) or bool(self.top_logprobs)
 
