@@ -393,6 +393,18 @@ def test_unknown_route_and_wrong_method_say_what_to_send(http):
     assert other.status_code == 404 and "not-this-one" in other.json()["error"]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions/", "/v1/chat/completions//"])
+def test_a_trailing_slash_is_served_as_the_route(http, backend, route):
+    """Was a 307 with an empty body: httpx, aiohttp and curl without -L do not follow it."""
+    r = http.post(route, json={"messages": [{"role": "user", "content": "a"}],
+                               "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    assert http.get("/info/").json() == http.get("/info").json()
+    labels = '{route="/v1/chat/completions",status="200"}'
+    assert _metric(http, "tpserve_http_requests_total", labels) >= 1
+
+
 def test_openapi_schema_renders(http):
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/generate", "/generate_stream", "/v1/chat/completions"} <= set(paths)

@@ -326,3 +326,11 @@ def test_user_text_is_never_read_as_a_path(url, backend, route, content):
     r = httpx.post(url + route, content=content, headers=auth())
     assert r.status_code == 200
     assert backend.calls[-1].prompt.startswith("/etc/passwd")  # just text to the model
+
+
+def test_a_trailing_slash_asks_the_same_key_as_its_route(url, backend):
+    """The slash is stripped before the key check: neither a way around it nor a new wall."""
+    with httpx.Client(base_url=url, timeout=10) as http:
+        assert http.post("/generate/", json=BODY).status_code == 401
+        assert http.post("/generate/", json=BODY, headers=auth()).status_code == 200
+        assert http.get("/health/").status_code == http.get("/health").status_code

@@ -18,6 +18,7 @@ from tpserve.server.best_of import best_index, candidate_jobs
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.head import HeadAsGetMiddleware
+from tpserve.server.paths import TrailingSlashMiddleware
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
 from tpserve.server.reasoning_format import ReasoningParser
@@ -222,6 +223,7 @@ def build_app(backend: EngineBackend, config: ServerConfig | None = None) -> Fas
     app.add_middleware(APIKeyMiddleware, keys=config.api_keys, public=frozenset(public))
     if not config.api_keys:  # an open server: guard it against DNS rebinding
         app.add_middleware(HostCheckMiddleware.from_env)
+    app.add_middleware(TrailingSlashMiddleware)  # outermost: every check sees the routed path
 
     stream_doc = {"description": "Server-Sent Events, one StreamResponse per token"}
     app.add_api_route("/generate", tgi.generate, methods=["POST"], response_model=wire.Response)
