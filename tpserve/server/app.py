@@ -18,9 +18,9 @@ from tpserve.server.best_of import best_index, candidate_jobs
 from tpserve.server.errors import error_body, install_error_handlers
 from tpserve.server.fanout import check_fanout, open_all
 from tpserve.server.head import HeadAsGetMiddleware
-from tpserve.server.paths import TrailingSlashMiddleware
 from tpserve.server.metrics import Metrics, MetricsMiddleware, TrackedStream
 from tpserve.server.openai import openai_router
+from tpserve.server.paths import TrailingSlashMiddleware
 from tpserve.server.reasoning_format import ReasoningParser
 from tpserve.server.responses import responses_router
 from tpserve.server.responses_store import ResponseStore
