@@ -124,3 +124,26 @@ def test_an_encoder_only_checkpoint_is_refused_saying_it_has_no_decoder(tmp_path
     with pytest.raises(ValueError, match=rf"{arch}: an encoder alone .* no decoder") as info:
         make_engine(tmp_path, 1, local=True)
     assert f"{arch.removesuffix('EncoderModel')}ForConditionalGeneration" in str(info.value)
+
+
+def test_an_encoder_saved_without_architectures_is_refused_saying_it_has_no_decoder(tmp_path):
+    """Without `architectures` the config's model_type makes it a T5ForConditionalGeneration,
+    and the load listed the first 8 of the decoder's missing tensors."""
+    import json
+
+    import transformers
+    from engine_utils import make_engine
+    from tiny_models import build_tokenizer, t5_config
+
+    from tpserve.errors import CheckpointError
+
+    cfg = t5_config(True)
+    torch.manual_seed(0)
+    transformers.T5EncoderModel(cfg).save_pretrained(tmp_path)
+    build_tokenizer(cfg.vocab_size).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("architectures", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"no decoder weights .* encoder alone") as info:
+        make_engine(tmp_path, 1, local=True)
+    assert "T5ForConditionalGeneration" in str(info.value)

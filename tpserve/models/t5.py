@@ -208,6 +208,18 @@ class T5ForConditionalGeneration(nn.Module):
         # transformers ties the head to `shared` unless the checkpoint has an lm_head of its
         # own (Flan does; original T5 does not). The slices are lazy: listing reads nothing.
         tensors = list(tensors)
+        if tensors and not any("decoder." in t.name for t in tensors):
+            # An encoder's weights alone (T5EncoderModel's, saved without `architectures`,
+            # which registry.py reads to say so): the list of every missing decoder tensor
+            # that load_into would give never said what the checkpoint was.
+            from tpserve.errors import CheckpointError
+
+            raise CheckpointError(
+                "the checkpoint holds no decoder weights (no `decoder.*` tensors): it is an "
+                "encoder alone (T5EncoderModel's; it turns text into embeddings), which cannot "
+                "generate text. Serve a checkpoint of the whole model "
+                f"({type(self).__name__}, with decoder weights); tpserve does not serve "
+                "embeddings")
         if not any(t.name == "lm_head.weight" for t in tensors):
             self.lm_head.tie_to(self.shared)
         load_into(self, tensors, self.stacked_params, self.skip_tensors)
