@@ -95,6 +95,13 @@ def _checked_format(v: dict[str, Any] | None) -> dict[str, Any] | None:
     return v
 
 
+def check_stream_options(stream_options: object, stream: bool | None) -> None:
+    """ValueError (a 422) for stream options sent without a stream."""
+    if stream_options is not None and not stream:
+        raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
+                         "answer only. Set `stream` to true or leave `stream_options` out")
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints, with OpenAI's ranges."""
 
@@ -125,9 +132,7 @@ class _Sampling(BaseModel):
     def _stream_options_need_a_stream(self) -> _Sampling:
         # OpenAI and vLLM refuse them too: include_usage asks for a chunk that a plain
         # answer never sends, and a client expecting it would wait for nothing.
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
-                             "answer only. Set `stream` to true or leave `stream_options` out")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
     def stop_list(self) -> list[str]:

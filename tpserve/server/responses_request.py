@@ -37,7 +37,7 @@ from tpserve.fields import (
     TokenCount,
     unsupported,
 )
-from tpserve.server.openai import ChatMessage, ChatRequest
+from tpserve.server.openai import ChatMessage, ChatRequest, check_stream_options
 from tpserve.server.responses_items import (
     FunctionTool,
     InputItem,
@@ -164,9 +164,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> ResponsesRequest:
         # As on /v1/chat/completions: options of a stream sent without one were ignored.
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("`stream_options` needs `stream: true`: it shapes a streamed "
-                             "answer only. Set `stream` to true or leave `stream_options` out")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
     def wants_logprobs(self) -> bool:
