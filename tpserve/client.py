@@ -8,7 +8,11 @@ all as ServerUnreachableError or ClientTimeoutError below.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
+import math
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -92,17 +96,11 @@ def _retry_after_seconds(value: str) -> int | None:
         return int(value)
     if not value:
         return None
-    import email.utils
-    import math
-    import time
-
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:  # an HTTP-date is GMT
-        import datetime
-
         when = when.replace(tzinfo=datetime.timezone.utc)
     return max(0, math.ceil(when.timestamp() - time.time()))
 
