@@ -26,14 +26,15 @@ from tpserve.engine.request import SamplingParams
 
 def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 256,
                 max_model_len: int = 256, max_batch_tokens: int = 512, kernel: str = "auto",
-                local: bool = False, cpus_per_shard: int = 1,
+                local: bool = False, forked: bool = False, cpus_per_shard: int = 1,
                 prefix_caching: bool = False, quantize: str = "auto",
                 async_scheduling: bool = True, kv_cache_dtype: str = "auto",
                 lora: LoraConfig | None = None,
                 speculative: SpeculativeConfig | None = None,
                 max_num_seqs: int | None = None) -> Engine:
     """max_num_seqs: the scheduler's (its default when None); fewer sequences warm up fewer
-    decode batch sizes, which counts under Triton's interpreter."""
+    decode batch sizes, which counts under Triton's interpreter. local: tp = 1 in this
+    process; forked: the shards forked from this process (forked_shards.py), not Ray actors."""
     seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=str(path), max_model_len=max_model_len,
@@ -45,6 +46,12 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                                   async_scheduling=async_scheduling, **seqs),
         kernel=kernel, lora=lora or LoraConfig(),
         speculative=speculative or SpeculativeConfig())
+    if forked:
+        from forked_shards import ForkedShards
+
+        from tpserve.executor.factory import shard_config
+
+        return Engine(cfg, ForkedShards(shard_config(cfg)))
     from tpserve.executor.factory import build_executor
 
     return Engine(cfg, build_executor(cfg, in_process=local))
@@ -164,15 +171,16 @@ def assert_matches_reference(engine: Engine, prompts: list[str], ref_tokens: lis
 
 def engine_matches_reference(path: Path, tp: int, ref_tokens: list[list[int]],
                              ref_logits: list[torch.Tensor], rel: float = 1e-4,
-                             local: bool | None = None) -> None:
+                             ray: bool = False) -> None:
     """A tp-rank engine over path serves PROMPTS as the reference does (assert_matches_
-    reference), then shuts down whatever the outcome. local: in this process, no Ray
-    (tp = 1 only). None: tp = 1 runs in this process, as its model code is the same in a
-    shard actor, and a Ray actor's start (~4 s of CPU: Python, torch) made up most of each
-    tp = 1 case; test_tp_llama keeps tp = 1 through a Ray actor."""
+    reference), then shuts down whatever the outcome. tp = 1 runs in this process and tp > 1
+    on shards forked from it (forked_shards.py): the same Worker, model code and gloo
+    collectives a Ray actor runs, without a Ray actor's start (~4 s of CPU each: Python,
+    Ray, torch), which made up most of each case. ray: on Ray actors (a replica's own path;
+    test_tp_llama.py runs Llama's matrix so)."""
     from tiny_models import PROMPTS
 
-    engine = make_engine(path, tp, local=tp == 1 if local is None else local)
+    engine = make_engine(path, tp, local=tp == 1 and not ray, forked=tp > 1 and not ray)
     try:
         assert_matches_reference(engine, PROMPTS, ref_tokens, ref_logits, rel)
     finally:

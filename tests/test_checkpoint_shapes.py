@@ -67,13 +67,13 @@ def test_a_body_saved_without_its_prefix_matches_transformers(models_dir, tmp_pa
     _matches(bare, 1, ref, hf_last_logits(bare, PROMPTS), 8)
 
 
-def test_llama_without_the_model_prefix_matches_transformers(ray_cluster, llama_dir, tmp_path):
+def test_llama_without_the_model_prefix_matches_transformers(llama_dir, tmp_path):
     """transformers loads such a file into LlamaForCausalLM as it loads the prefixed one
     (the same continuations), and tpserve at tp = 2 continues it as transformers does."""
     bare = _strip_model_prefix(llama_dir, tmp_path / "llama-bare")
     ref = hf_greedy(bare, PROMPTS, 16)
     assert ref == hf_greedy(llama_dir, PROMPTS, 16)
-    engine = make_engine(bare, 2)
+    engine = make_engine(bare, 2, forked=True)
     try:
         assert greedy(engine, PROMPTS, 16) == ref
     finally:
@@ -126,7 +126,7 @@ def test_umt5_layers_have_biases_of_their_own(t5_variant):
 
 
 @pytest.mark.parametrize(("kind", "tp"), [("mt5", 1), ("mt5", 2), ("umt5", 1), ("umt5", 2)])
-def test_mt5_and_umt5_match_transformers(ray_cluster, t5_variant, kind, tp):
+def test_mt5_and_umt5_match_transformers(t5_variant, kind, tp):
     """The first decoder step's logits (which a decoder output scaled by d_model ** -0.5,
     as T5 but not mT5 scales it, would change without changing greedy tokens) and greedy
     continuations."""
@@ -190,8 +190,7 @@ def odd_llama(models_dir):
 
 # tp = 2 already cuts the odd vocabulary and widths unevenly; tp = 4 runs in the slow job.
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_llama_of_odd_shapes_in_bfloat16_shards_matches_transformers(ray_cluster, odd_llama,
-                                                                      tp):
+def test_llama_of_odd_shapes_in_bfloat16_shards_matches_transformers(odd_llama, tp):
     """Served in float32, as `--dtype auto` serves it on the CPU, against transformers'
     float32 model of the same bfloat16 weights."""
     from tpserve.cluster.device import resolve_dtype
@@ -241,7 +240,7 @@ def test_longrope_short_factors_change_the_reference(longrope, models_dir):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_phi3_longrope_matches_transformers(ray_cluster, longrope, tp):
+def test_phi3_longrope_matches_transformers(longrope, tp):
     """Prefill logits (which the attention factor, 1.14 here, scales) and greedy tokens."""
     path, ref, ref_logits = longrope
     _matches(path, tp, ref, ref_logits, 32)
@@ -250,7 +249,7 @@ def test_phi3_longrope_matches_transformers(ray_cluster, longrope, tp):
 def _matches(path, tp: int, ref, ref_logits, new_tokens: int, **engine) -> None:
     """tpserve at tp: prefill logits within 1e-4 relative of transformers' and the same
     greedy tokens."""
-    engine = make_engine(path, tp, local=tp == 1, **engine)
+    engine = make_engine(path, tp, local=tp == 1, forked=tp > 1, **engine)
     try:
         for got, want in zip(prefill_logits(engine, PROMPTS), ref_logits, strict=True):
             assert_close_rel(got, want, 1e-4)
@@ -308,7 +307,7 @@ def test_bloom_post_layernorm_residual_changes_the_reference(bloom_post_ln, tmp_
 
 
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_bloom_post_layernorm_residual_matches_transformers(ray_cluster, bloom_post_ln, tp):
+def test_bloom_post_layernorm_residual_matches_transformers(bloom_post_ln, tp):
     path, ref, ref_logits = bloom_post_ln
     _matches(path, tp, ref, ref_logits, 16)
 

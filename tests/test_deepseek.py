@@ -48,7 +48,7 @@ def fp8_v3(models_dir):
     _fp8.clear()
 
 
-def test_fp8_block_scaled_v3_matches_transformers_at_tp2(ray_cluster, fp8_v3):
+def test_fp8_block_scaled_v3_matches_transformers_at_tp2(fp8_v3):
     qdir, _, tokens, logits = fp8_v3
     names = load_file(str(qdir / "model.safetensors"))
     # The checkpoint is what the releases hold: every MLA and expert linear in e4m3 with

@@ -91,7 +91,7 @@ def oracle(checkpoint, name: str):
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_block_scaled_fp8_matches_transformers(ray_cluster, checkpoint, name, tp):
+def test_block_scaled_fp8_matches_transformers(checkpoint, name, tp):
     path = checkpoint(name)[1]
     ref_tokens, ref_logits = oracle(checkpoint, name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)

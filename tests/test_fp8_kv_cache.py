@@ -103,8 +103,8 @@ def test_fp8_cache_tp1_matches_transformers_within_tolerance(llama_dir, hf_model
     check_fp8_run(hf_model, runs)
 
 
-def test_fp8_cache_tp2_matches_transformers_within_tolerance(ray_cluster, llama_dir, hf_model):
-    engine = make_engine(llama_dir, 2, kv_cache_dtype="fp8")
+def test_fp8_cache_tp2_matches_transformers_within_tolerance(llama_dir, hf_model):
+    engine = make_engine(llama_dir, 2, kv_cache_dtype="fp8", forked=True)
     try:
         assert engine.load_reports[0].cache_dtype == "float8_e4m3fn"
         runs = engine_greedy(engine, PROMPTS, N_NEW)

@@ -189,7 +189,7 @@ def test_gpt_oss_rank_reads_its_slice_of_the_interleaved_experts(gpt_oss, tp):
             assert stats.fraction(f"{pre}.mlp.experts.{name}") == pytest.approx(1 / tp), name
 
 
-def test_bf16_checkpoint_in_several_files_matches_transformers_at_tp2(ray_cluster, models_dir):
+def test_bf16_checkpoint_in_several_files_matches_transformers_at_tp2(models_dir):
     """A bf16 checkpoint split into several files with an index, as the bf16 releases
     (unsloth/gpt-oss-20b-BF16) are: served at tp = 2 in float32, it gives transformers'
     logits and greedy tokens on the same file."""
@@ -285,7 +285,7 @@ def test_mxfp4_rank_dequantizes_its_own_slice(gpt_oss_mxfp4, tp):
         assert stats.fraction(f"{pre}.down_proj_blocks") == pytest.approx(groups / 2)
 
 
-def test_mxfp4_checkpoint_matches_transformers_at_tp2(ray_cluster, gpt_oss_mxfp4):
+def test_mxfp4_checkpoint_matches_transformers_at_tp2(gpt_oss_mxfp4):
     """The MXFP4 checkpoint served at tp = 2 against transformers loading the same file
     (dequantized by its own MXFP4 integration, Mxfp4Config(dequantize=True)), float32:
     prefill logits within 1e-4 relative, 32 greedy tokens identical."""

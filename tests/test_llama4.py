@@ -57,7 +57,7 @@ def family(models_dir):
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_llama4_matches_transformers(ray_cluster, family, name, tp):
+def test_llama4_matches_transformers(family, name, tp):
     path, ref_tokens, ref_logits = family(name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)
 

@@ -155,11 +155,11 @@ def test_requests_up_to_max_position_embeddings_are_served(longrope):
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_tensor_parallel_matches_transformers(ray_cluster, longrope, tp):
+def test_tensor_parallel_matches_transformers(longrope, tp):
     """Through Ray shard actors: every rank reads the long half for the same sequences (the
     flag travels in the control message) and recomputes the crossing one."""
     path, ref = longrope
-    engine = make_engine(path, tp)
+    engine = make_engine(path, tp, local=tp == 1, forked=tp > 1)
     try:
         got = greedy_ids(engine, PROMPTS, NEWS)
     finally:

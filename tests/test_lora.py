@@ -53,7 +53,7 @@ def check_mixed_batch(engine, oracle) -> None:
 
 
 def run_tp(llama_dir, adapters, oracle, tp: int, **kw) -> None:
-    engine = make_engine(llama_dir, tp, local=tp == 1, lora=lora_config(adapters, **kw))
+    engine = make_engine(llama_dir, tp, local=tp == 1, forked=tp > 1, lora=lora_config(adapters, **kw))
     try:
         check_mixed_batch(engine, oracle)
     finally:
@@ -109,12 +109,12 @@ def test_oracle_guard_rslora_scale(llama_dir, adapters, oracle, tmp_path):
 
 
 @pytest.mark.slow
-def test_mixed_batch_tp2(ray_cluster, llama_dir, adapters, oracle):
+def test_mixed_batch_tp2(llama_dir, adapters, oracle):
     run_tp(llama_dir, adapters, oracle, 2)
 
 
 @pytest.mark.slow
-def test_mixed_batch_tp4_replicated_kv_heads(ray_cluster, llama_dir, adapters, oracle):
+def test_mixed_batch_tp4_replicated_kv_heads(llama_dir, adapters, oracle):
     """4 query heads, 2 KV heads: at tp 4 each KV head (and its rows of the adapters' k and
     v B) is on two ranks."""
     run_tp(llama_dir, adapters, oracle, 4)
@@ -198,7 +198,7 @@ def one_adapter_beside_the_base(path, adapter_dir, tp: int) -> None:
     want = {n: (oracle_logits(path, adapter if n else None, PROMPTS),
                 oracle_greedy(path, adapter if n else None, PROMPTS, NEW)) for n in (None, "x")}
     assert want["x"][1] != want[None][1], "oracle guard: the adapter must change the tokens"
-    engine = make_engine(path, tp, local=tp == 1,
+    engine = make_engine(path, tp, local=tp == 1, forked=tp > 1,
                          lora=LoraConfig(adapters=(("x", str(adapter)),)))
     try:
         reqs = [(p, n) for p in PROMPTS for n in (None, "x")]
@@ -211,7 +211,7 @@ def one_adapter_beside_the_base(path, adapter_dir, tp: int) -> None:
 
 
 @pytest.mark.slow
-def test_qwen2_biased_qkv_tp2(ray_cluster, models_dir, tmp_path):
+def test_qwen2_biased_qkv_tp2(models_dir, tmp_path):
     """Another Llama-shaped family: Qwen2's q/k/v carry biases (perturbed), which the LoRA
     delta adds to; one adapter and the base model in one batch at tp 2."""
     from tiny_models import family_checkpoint

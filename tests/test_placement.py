@@ -97,35 +97,45 @@ def _placement_groups(address: str) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("placement", "tp", "used_nodes"),
-                         [("spread", 2, 2), ("pack", 2, 1), ("pack", 4, 2), ("spread", 4, 2)])
-def test_placement_on_two_nodes(llama_dir, tmp_path, placement, tp, used_nodes):
+@pytest.fixture(scope="module")
+def two_nodes():
+    """One two-node cluster (2 CPUs per node) for every placement case: each launch joins
+    it and gives its placement group back when it stops (the case checks only the group it
+    made), and starting a cluster per case took a third of each."""
     from ray.cluster_utils import Cluster
-    from transformers import AutoTokenizer
 
-    # Two CPUs per node: PACK puts both 1-CPU shards of tp 2 on one node and spills tp 4
-    # over to the second; SPREAD uses both nodes. Either way outputs equal transformers'.
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 2, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
-        ref = hf_greedy(llama_dir, ["Hello world"], 12)[0]
-        text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
-        with launched(["--model", str(llama_dir), "--tp", str(tp), "--address",
-                       cluster.address, "--placement", placement, "--num-blocks", "128"],
-                      tmp_path / "server.log") as url:
-            r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=12)
-            assert r.generated_text == text
-            assert httpx.get(url + "/info").json()["placement"] == placement
-            groups = [g for g in _placement_groups(cluster.address)
-                      if g["name"].startswith("tpserve-") and g["state"] == "CREATED"]
-            assert len(groups) == 1 and groups[0]["strategy"] == ray_strategy(placement)
-            nodes = groups[0]["bundles_to_node_id"]
-            assert len(nodes) == tp and len(set(nodes.values())) == used_nodes, nodes
+        yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("placement", "tp", "used_nodes"),
+                         [("spread", 2, 2), ("pack", 2, 1), ("pack", 4, 2), ("spread", 4, 2)])
+def test_placement_on_two_nodes(two_nodes, llama_dir, tmp_path, placement, tp, used_nodes):
+    from transformers import AutoTokenizer
+
+    # Two CPUs per node: PACK puts both 1-CPU shards of tp 2 on one node and spills tp 4
+    # over to the second; SPREAD uses both nodes. Either way outputs equal transformers'.
+    ref = hf_greedy(llama_dir, ["Hello world"], 12)[0]
+    text = AutoTokenizer.from_pretrained(llama_dir).decode(ref, skip_special_tokens=True)
+    with launched(["--model", str(llama_dir), "--tp", str(tp), "--address",
+                   two_nodes.address, "--placement", placement, "--num-blocks", "128"],
+                  tmp_path / "server.log") as url:
+        r = tpserve.Client(url, timeout=60).generate("Hello world", max_new_tokens=12)
+        assert r.generated_text == text
+        assert httpx.get(url + "/info").json()["placement"] == placement
+        groups = [g for g in _placement_groups(two_nodes.address)
+                  if g["name"].startswith("tpserve-") and g["state"] == "CREATED"]
+        # One group: an earlier case's launch gave its group back when it stopped.
+        assert len(groups) == 1 and groups[0]["strategy"] == ray_strategy(placement), groups
+        nodes = groups[0]["bundles_to_node_id"]
+        assert len(nodes) == tp and len(set(nodes.values())) == used_nodes, nodes
 
 
 def test_a_placement_that_waits_reports_what_it_lacks_until_it_ends(ray_cluster):

@@ -65,11 +65,9 @@ def quantized(models_dir):
 
 @pytest.mark.parametrize(("name", "tp"),
                          [_case(name, tp) for name in CHECKPOINTS for tp in (1, 2, 4)])
-def test_quantized_cohere_matches_transformers(request, quantized, name, tp):
+def test_quantized_cohere_matches_transformers(quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
-    if tp > 1:
-        request.getfixturevalue("ray_cluster")
-    engine_matches_reference(path, tp, ref_tokens, ref_logits, local=tp == 1)
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))

@@ -81,7 +81,7 @@ def quantized_deepseek(models_dir, name: str) -> tuple:
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_quantized_deepseek_matches_transformers(ray_cluster, models_dir, name, tp):
+def test_quantized_deepseek_matches_transformers(models_dir, name, tp):
     path, ref_tokens, ref_logits = quantized_deepseek(models_dir, name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
@@ -115,14 +115,14 @@ def write_deepseek_cast_reference(src, out, tp: int):
 @pytest.mark.parametrize(("family", "tp"), [
     ("deepseek-v2", 2), ("deepseek-v3", 2),
     pytest.param("deepseek-v3", 1, marks=pytest.mark.slow)])
-def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, family, tp):
+def test_fp8_cast_at_load_matches_transformers(models_dir, family, tp):
     src = float_deepseek(models_dir, family)
     ref = write_deepseek_cast_reference(src, models_dir / f"{family}-fp8-cast-ref-tp{tp}", tp)
     ref_logits = hf_last_logits(ref, PROMPTS)
     float_logits = hf_last_logits(src, PROMPTS)  # oracle guard: the cast is visible
     assert max((a - b).abs().max().item() / b.abs().max().item()
                for a, b in zip(ref_logits, float_logits, strict=True)) > 1e-3
-    engine = make_engine(src, tp, quantize="fp8")
+    engine = make_engine(src, tp, quantize="fp8", local=tp == 1, forked=tp > 1)
     try:
         assert_matches_reference(engine, PROMPTS, hf_greedy(ref, PROMPTS, 32), ref_logits)
     finally:

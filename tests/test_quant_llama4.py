@@ -153,7 +153,7 @@ def quantized_llama4(models_dir: Path, name: str) -> tuple:
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_fp8_llama4_matches_transformers(ray_cluster, models_dir, name, tp):
+def test_fp8_llama4_matches_transformers(models_dir, name, tp):
     path, ref_tokens, ref_logits, _ = quantized_llama4(models_dir, name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
@@ -217,7 +217,7 @@ def test_experts_stay_fp8_one_by_one_and_the_router_float(models_dir):
 
 @pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow),
                                 pytest.param(4, marks=pytest.mark.slow)])
-def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, tp):
+def test_fp8_cast_at_load_matches_transformers(models_dir, tp):
     """--quantize fp8 on the float checkpoint: attention and dense MLPs cast per channel of
     each rank's slice (after q/k's rows are reordered: the same scales, reordered); the
     experts stay float and stacked."""
@@ -227,7 +227,7 @@ def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, tp):
     assert any(".experts." in n for n in weights)  # fused experts: not cast by the writer
     ref_logits = hf_last_logits(ref, PROMPTS)
     assert _worst(ref_logits, hf_last_logits(src, PROMPTS)) > 1e-3
-    engine = make_engine(src, tp, quantize="fp8")
+    engine = make_engine(src, tp, quantize="fp8", local=tp == 1, forked=tp > 1)
     try:
         assert_matches_reference(engine, PROMPTS, hf_greedy(ref, PROMPTS, 32), ref_logits)
     finally:
@@ -359,12 +359,10 @@ def _int4_case(name: str, tp: int):
 
 
 @pytest.mark.parametrize(("name", "tp"), [_int4_case(n, tp) for n in INT4 for tp in (1, 2, 4)])
-def test_int4_llama4_matches_transformers(request, models_dir, name, tp):
+def test_int4_llama4_matches_transformers(models_dir, name, tp):
     path, ref_tokens, ref_logits = quantized_llama4_int4(models_dir, name)
     assert all(len(set(t)) > 3 for t in ref_tokens)
-    if tp > 1:
-        request.getfixturevalue("ray_cluster")
-    engine_matches_reference(path, tp, ref_tokens, ref_logits, local=tp == 1)
+    engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize(("name", "what"), [
@@ -417,12 +415,15 @@ def _size_case(name: str, tp: int, quant: str):
 
 
 @pytest.mark.parametrize(("name", "tp", "quant"), [
-    _size_case(n, tp, q) for n in ("scout", "maverick") for tp in (2, 8)
-    for q in ("gptq", "awq", "ct-w4a16")])
+    _size_case(n, 8, q) for n in ("scout", "maverick") for q in ("gptq", "awq", "ct-w4a16")
+    # compressed-tensors groups and packs each row's inputs as GPTQ does (transposed): its
+    # groups cut Maverick's slices where GPTQ's do; building 128 experts a rank took ~25 s.
+    if (n, q) != ("maverick", "ct-w4a16")])
 def test_scout_and_maverick_sizes_build_int4(name, tp, quant):
     """Scout's and Maverick's text dimensions (test_model_shapes.py's) build int4 with groups
-    of 128 at tp up to 8 (every rank's groups whole: heads, experts' and dense layers'
-    intermediate units, o_proj's input)."""
+    of 128 at tp = 8 (every rank's groups whole: heads, experts' and dense layers'
+    intermediate units, o_proj's input). A rank's slice at tp = 8 is a whole number of
+    groups only where it is at tp = 2 and 4 too (those slices are 2 and 4 of it)."""
     from test_model_shapes import LLAMA4_SIZES, engine_cfg
     from transformers import Llama4TextConfig
 

@@ -71,7 +71,7 @@ def quantized(models_dir):
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_quantized_moe_matches_transformers(ray_cluster, quantized, name, tp):
+def test_quantized_moe_matches_transformers(quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)
 

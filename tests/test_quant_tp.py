@@ -83,19 +83,19 @@ def quantized(models_dir):
 
 
 @pytest.mark.parametrize(("name", "tp"), CASES)
-def test_quantized_matches_transformers(ray_cluster, quantized, name, tp):
+def test_quantized_matches_transformers(quantized, name, tp):
     path, ref_tokens, ref_logits = quantized(name)
     engine_matches_reference(path, tp, ref_tokens, ref_logits)
 
 
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2,
                                 pytest.param(4, marks=pytest.mark.slow)])
-def test_fp8_cast_at_load_matches_transformers(ray_cluster, models_dir, tp):
+def test_fp8_cast_at_load_matches_transformers(models_dir, tp):
     """--quantize fp8 on a float checkpoint: each rank scales the channels of its own slice,
     so the oracle quantizes the same slices."""
     src = float_checkpoint(models_dir, "llama")
     ref = write_fp8_cast_reference(src, models_dir / f"llama-fp8-cast-ref-tp{tp}", tp)
-    engine = make_engine(src, tp, quantize="fp8")
+    engine = make_engine(src, tp, quantize="fp8", local=tp == 1, forked=tp > 1)
     try:
         assert_matches_reference(engine, PROMPTS, hf_greedy(ref, PROMPTS, 32),
                                  hf_last_logits(ref, PROMPTS))

@@ -98,7 +98,7 @@ def _serves_as_transformers(path, tp: int, new_tokens: int = 8) -> None:
     ref = hf_greedy(path, PROMPTS, new_tokens)
     assert sum(len(set(t)) > 3 for t in ref) >= 3, ref
     tok = AutoTokenizer.from_pretrained(path)
-    engine = make_engine(path, tp, local=tp == 1)
+    engine = make_engine(path, tp, local=tp == 1, forked=tp > 1)
     try:
         assert [engine.tokenize(p) for p in PROMPTS] == [tok(p).input_ids for p in PROMPTS]
         assert greedy(engine, PROMPTS, new_tokens) == ref
@@ -121,11 +121,9 @@ def byt5(models_dir):
 
 # tp = 2 (~30 s with the Ray start on two cores) runs in the slow job.
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_byt5_byte_tokenizer_serves_as_transformers(request, byt5, tp):
+def test_byt5_byte_tokenizer_serves_as_transformers(byt5, tp):
     from transformers import AutoTokenizer
 
-    if tp > 1:
-        request.getfixturevalue("ray_cluster")
     assert type(AutoTokenizer.from_pretrained(byt5)).__name__ == "ByT5Tokenizer"
     _serves_as_transformers(byt5, tp)
 

@@ -181,21 +181,18 @@ def _tied_copy(src, dst, keep_head: bool):
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_tied_config_over_a_stored_head_serves_the_stored_head(request, llama_dir, tmp_path,
-                                                                 tp):
+def test_a_tied_config_over_a_stored_head_serves_the_stored_head(llama_dir, tmp_path, tp):
     """config.json ties the head, the file stores one that differs from the embeddings:
     transformers serves the stored head (it ties only equal or missing tensors), and so
     does tpserve, at tp = 1 and 2. The same config without the stored head is tied, and
     its tokens differ (the guard: which head is served shows in the tokens)."""
     stored = _tied_copy(llama_dir, tmp_path / "tied-stored-head", keep_head=True)
     tied = _tied_copy(llama_dir, tmp_path / "tied", keep_head=False)
-    if tp > 1:
-        request.getfixturevalue("ray_cluster")
     want, want_tied = hf_greedy(stored, PROMPTS, 8), hf_greedy(tied, PROMPTS, 8)
     assert want == hf_greedy(llama_dir, PROMPTS, 8)  # transformers: the stored head
     assert want != want_tied
     for path, tokens in ((stored, want), (tied, want_tied)):
-        engine = make_engine(path, tp, local=tp == 1)
+        engine = make_engine(path, tp, local=tp == 1, forked=tp > 1)
         try:
             assert greedy(engine, PROMPTS, 8) == tokens, path.name
         finally:
