@@ -175,39 +175,21 @@ def actor_alive(name: str, namespace: str) -> bool:
         return False
 
 
-def test_cli_launch_with_replicas_serves_clients_unchanged(llama_dir, tmp_path):
-    """`tpserve launch --replicas 2` as a user runs it: tpserve.Client and TGI's client get
-    transformers' output through the one address, and /info lists two ready replicas."""
-    from server_process import launched
-    from text_generation import Client as TGIClient
-
-    import tpserve
-
-    tok = AutoTokenizer.from_pretrained(llama_dir)
-    want = tok.decode(hf_greedy(llama_dir, PROMPTS[:1], NEW)[0], skip_special_tokens=True)
-    with launched(["--model", str(llama_dir), "--replicas", "2", "--cpus-per-shard", "1",
-                   "--num-blocks", "256", "--no-dashboard"], tmp_path / "server.log") as url:
-        ours = tpserve.Client(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
-        tgi = TGIClient(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
-        streamed = "".join(e.token.text for e in tpserve.Client(url, timeout=60)
-                           .generate_stream(PROMPTS[0], max_new_tokens=NEW)
-                           if not e.token.special)
-        assert ours.generated_text == tgi.generated_text == streamed == want
-        listed = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(replicas(url)), 30,
-                          "two replicas listed")
-        assert all(r["state"] == "ready" for r in listed)
-
-
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
 @pytest.mark.parametrize("grpc_handles", ["0", "1"], ids=["actor-call-handles", "grpc-handles"])
 def test_replicas_listen_on_loopback_only(llama_dir, tmp_path, grpc_handles):
-    """`tpserve launch --replicas 2` on its own cluster: no process of it listens beyond
-    loopback. Each Serve replica (the ingress and both replicas) holds an inter-deployment
-    gRPC server that Ray binds to every interface; tpserve binds it to loopback there
-    (serve/loopback.py). With RAY_SERVE_USE_GRPC_BY_DEFAULT=1 the proxy's and the ingress's
-    handles reach the replicas through that server, so the answers show it still works."""
+    """`tpserve launch --replicas 2` on its own cluster, as a user runs it: tpserve.Client
+    and TGI's client (plain and streamed) get transformers' output through the one address,
+    /info lists two ready replicas, and no process of it listens beyond loopback. Each Serve
+    replica (the ingress and both replicas) holds an inter-deployment gRPC server that Ray
+    binds to every interface; tpserve binds it to loopback there (serve/loopback.py). With
+    RAY_SERVE_USE_GRPC_BY_DEFAULT=1 the proxy's and the ingress's handles reach the replicas
+    through that server, so the answers show it still works."""
     from server_process import launched_process, listening_sockets
     from test_rebuild_server import descendants
+    from text_generation import Client as TGIClient
+
+    import tpserve
 
     tok = AutoTokenizer.from_pretrained(llama_dir)
     want = tok.decode(hf_greedy(llama_dir, PROMPTS[:1], NEW)[0], skip_special_tokens=True)
@@ -218,6 +200,15 @@ def test_replicas_listen_on_loopback_only(llama_dir, tmp_path, grpc_handles):
             r = httpx.post(url + "/generate", timeout=60, json={
                 "inputs": PROMPTS[0], "parameters": {"max_new_tokens": NEW}})
             assert r.status_code == 200 and r.json()["generated_text"] == want, r.text
+        ours = tpserve.Client(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
+        tgi = TGIClient(url, timeout=60).generate(PROMPTS[0], max_new_tokens=NEW)
+        streamed = "".join(e.token.text for e in tpserve.Client(url, timeout=60)
+                           .generate_stream(PROMPTS[0], max_new_tokens=NEW)
+                           if not e.token.special)
+        assert ours.generated_text == tgi.generated_text == streamed == want
+        listed = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(replicas(url)), 30,
+                          "two replicas listed")
+        assert all(r["state"] == "ready" for r in listed)
         found = listening_sockets([proc.pid, *descendants(proc.pid)])
         titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode()
                   .replace("\0", " ").strip()[:120] for _, _, pid in found}
