@@ -188,7 +188,8 @@ def test_sampling_kernel_compiles():
 def test_int4_gemv_compiles(dtype):
     """The row-major int4 GEMV in every variant: its inline PTX (one lop3 per weight) and
     the bfloat16 input pairs are only checked by a real compile (the interpreter runs the
-    plain AND-OR and per-input loads)."""
+    plain AND-OR and per-input loads). SZ_AHEAD: scales and zeros loaded a tile ahead, or
+    where they are used."""
     from tpserve.kernels.quant import triton_jit as jit
 
     ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
@@ -206,14 +207,16 @@ def test_int4_gemv_compiles(dtype):
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
                       PACKED=packed, PDL=even, SPLIT_PAD=4 if prefetch else 0,
                       GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                      GATED=0, RMS=False, RESIDUAL=False, BLOCKED=even and not gidx))
+                      GATED=0, RMS=False, RESIDUAL=False, BLOCKED=even and not gidx,
+                      SZ_AHEAD=prefetch and not even))
         if not gidx and prefetch:  # the gated MLP's launch: silu, then the tanh GELU
             _compile(jit.int4_gemv_n_kernel, ptrs,
                      dict(HAS_GIDX=False, ROW_SCALES=row_scales, PREFETCH=prefetch,
                           K_SPAN=1024, BLOCK_K=128, BLOCK_N=16, EVEN=even, ASM=True,
                           XPAIRS=dtype == "bf16", PACKED=packed, PDL=even, SPLIT_PAD=4,
                           GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                          GATED=1 + even, RMS=False, RESIDUAL=False, BLOCKED=even))
+                          GATED=1 + even, RMS=False, RESIDUAL=False, BLOCKED=even,
+                          SZ_AHEAD=True))
             # A decoder layer's input norm (x * gamma as read, 1 / rms(x) as stored) and
             # the residual add, whole K and split.
             for rms in (True, False):
@@ -223,7 +226,7 @@ def test_int4_gemv_compiles(dtype):
                               XPAIRS=dtype == "bf16", PACKED=packed, PDL=even,
                               SPLIT_PAD=4 * rms, GROUP_LOG2=log2,
                               ZF16=packed and not row_scales, LOOP_STAGES=stages, GATED=0,
-                              RMS=rms, RESIDUAL=not rms))
+                              RMS=rms, RESIDUAL=not rms, SZ_AHEAD=True))
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

@@ -88,6 +88,9 @@ FRAG_MAX_ROWS = 64  # above: the dense path (a fragment-order weight has no GEMM
 # the row-major one. Not for serving: it holds both layouts.
 INT4_BLOCKED = os.environ.get("TPSERVE_INT4_BLOCKED", "0") == "1"
 _BLOCKED: dict[tuple, torch.Tensor] = {}
+# The one-row GEMV with a tile loaded ahead (Tile.prefetch) loads that tile's scales and zeros
+# ahead too, instead of where they are used; TPSERVE_INT4_SZ_AHEAD=0 loads them in place.
+INT4_SZ_AHEAD = os.environ.get("TPSERVE_INT4_SZ_AHEAD", "1") != "0"
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -275,7 +278,8 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          ZF16=packed and z.dtype == torch.float16,
                                          LOOP_STAGES=max(1, tile.pipeline), GATED=gated,
                                          RMS=rms is not None, RESIDUAL=residual is not None,
-                                         BLOCKED=blocked, **launch, **chain)
+                                         BLOCKED=blocked, SZ_AHEAD=INT4_SZ_AHEAD,
+                                         **launch, **chain)
             if summed or fused:
                 return y
     else:
