@@ -12,7 +12,7 @@ FLOATS = {"scale", "softcap", "eps", "offset", "v_scale", "k_inv_scale", "v_inv_
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}  # --kv-cache-dtype fp8
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict) -> None:
+def _compile(fn, pointers: dict[str, str], constexprs: dict, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -25,8 +25,25 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict) -> None:
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32))
+                            target=GPUTarget("cuda", 90, 32), options=options or None)
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+    return kernel
+
+
+def _sass(kernel) -> str:
+    """The kernel's machine code, through the nvdisasm that ships with Triton."""
+    import os
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    if not os.path.exists(nvdisasm):
+        pytest.skip("triton ships no nvdisasm here")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def _have_nvidia_backend() -> bool:
@@ -188,8 +205,7 @@ def test_sampling_kernel_compiles():
 def test_int4_gemv_compiles(dtype):
     """The row-major int4 GEMV in every variant: its inline PTX (one lop3 per weight) and
     the bfloat16 input pairs are only checked by a real compile (the interpreter runs the
-    plain AND-OR and per-input loads). SZ_AHEAD: scales and zeros loaded a tile ahead, or
-    where they are used."""
+    plain AND-OR and per-input loads)."""
     from tpserve.kernels.quant import triton_jit as jit
 
     ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
@@ -207,16 +223,14 @@ def test_int4_gemv_compiles(dtype):
                       BLOCK_K=128, BLOCK_N=64, EVEN=even, ASM=True, XPAIRS=dtype == "bf16",
                       PACKED=packed, PDL=even, SPLIT_PAD=4 if prefetch else 0,
                       GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                      GATED=0, RMS=False, RESIDUAL=False, BLOCKED=even and not gidx,
-                      SZ_AHEAD=prefetch and not even))
+                      GATED=0, RMS=False, RESIDUAL=False, BLOCKED=even and not gidx))
         if not gidx and prefetch:  # the gated MLP's launch: silu, then the tanh GELU
             _compile(jit.int4_gemv_n_kernel, ptrs,
                      dict(HAS_GIDX=False, ROW_SCALES=row_scales, PREFETCH=prefetch,
                           K_SPAN=1024, BLOCK_K=128, BLOCK_N=16, EVEN=even, ASM=True,
                           XPAIRS=dtype == "bf16", PACKED=packed, PDL=even, SPLIT_PAD=4,
                           GROUP_LOG2=log2, ZF16=packed and not row_scales, LOOP_STAGES=stages,
-                          GATED=1 + even, RMS=False, RESIDUAL=False, BLOCKED=even,
-                          SZ_AHEAD=True))
+                          GATED=1 + even, RMS=False, RESIDUAL=False, BLOCKED=even))
             # A decoder layer's input norm (x * gamma as read, 1 / rms(x) as stored) and
             # the residual add, whole K and split.
             for rms in (True, False):
@@ -226,7 +240,42 @@ def test_int4_gemv_compiles(dtype):
                               XPAIRS=dtype == "bf16", PACKED=packed, PDL=even,
                               SPLIT_PAD=4 * rms, GROUP_LOG2=log2,
                               ZF16=packed and not row_scales, LOOP_STAGES=stages, GATED=0,
-                              RMS=rms, RESIDUAL=not rms, SZ_AHEAD=True))
+                              RMS=rms, RESIDUAL=not rms))
+
+
+@pytest.mark.parametrize("mode", ["plain", "split", "gated", "residual"])
+def test_packed_int4_gemv_fits_32_registers_without_spilling(mode):
+    """quant_matmul caps the packed one-row GEMV at GEMV_MAXNREG registers (16 programs of
+    4 warps per SM instead of 12) for the tiles it caps: the cap must not make the compiler
+    spill to local memory, which would cost more than the occupancy gains. The table's
+    tile, as the launch specialises it (strides and sizes divisible by 16)."""
+    from tpserve.kernels.quant import triton_jit as jit
+    from tpserve.kernels.quant.triton_kernel import GEMV_MAXNREG
+
+    ptrs = {"qw_ptr": "*i32", "g_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
+            "cnt_ptr": "*i32", "out_ptr": "*fp32" if mode == "split" else "*bf16",
+            "*": "*bf16"}
+    constexprs = dict(HAS_GIDX=False, ROW_SCALES=False, PREFETCH=True, K_SPAN=1024,
+                      BLOCK_K=256, BLOCK_N=16, EVEN=True, ASM=True, XPAIRS=True, PACKED=True,
+                      PDL=True, SPLIT_PAD=4 if mode == "split" else 0, GROUP_LOG2=7,
+                      ZF16=True, LOOP_STAGES=1, GATED=int(mode == "gated"), RMS=False,
+                      RESIDUAL=mode == "residual", BLOCKED=False, sxk=1, son=1)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.int4_gemv_n_kernel.arg_names)
+             if name.endswith("_ptr") or name in ("N", "K", "group_size", "sos", "sqk", "ssg", "up")}
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = jit.int4_gemv_n_kernel
+    sig = {name: "constexpr" if name in constexprs else ptrs.get(name, ptrs["*"])
+           if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32"
+           for name in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, maxnreg=GEMV_MAXNREG))
+    code = _sass(kernel)
+    spills = [line for line in code.splitlines() if "STL" in line or "LDL" in line]
+    assert not spills, f"{mode}: {len(spills)} local-memory accesses at {GEMV_MAXNREG} " \
+                       f"registers, e.g. {spills[0].strip()}"
 
 
 @pytest.mark.parametrize("pdl", PDL, ids=["plain-launch", "pdl"])

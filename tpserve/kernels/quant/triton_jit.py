@@ -197,7 +197,7 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
                        GROUP_LOG2: tl.constexpr = -1, ZF16: tl.constexpr = False,
                        LOOP_STAGES: tl.constexpr = 1, GATED: tl.constexpr = 0,
                        RMS: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                       BLOCKED: tl.constexpr = False, SZ_AHEAD: tl.constexpr = True):
+                       BLOCKED: tl.constexpr = False):
     """One activation row against a row-major qweight (N contiguous: the checkpoint's order,
     which the layers keep). Program (n, s) reduces K rows [s * K_SPAN, (s + 1) * K_SPAN) of
     BLOCK_N columns into out[s, n] (the output itself when there is one split). The packed
@@ -266,13 +266,6 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
         nxt = _int4_rows_tile(ptrs, k_lo, 0, K, K_SPAN, rr, nmask, sqk, EVEN)
     if PREFETCH == 2:
         nxt2 = _int4_rows_tile(ptrs, k_lo, BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN)
-    # With PREFETCH, a tile's scales and zeros are loaded with the tile before it too: loaded
-    # where they are used, each tile waited for their memory latency (~1 us) on top of its
-    # words'.
-    SZ_NEXT: tl.constexpr = SZ_AHEAD and PREFETCH > 0 and not HAS_GIDX
-    if SZ_NEXT:
-        s_nxt, z_nxt = _int4_rows_sz(s_ptr, z_ptr, k_lo, rr, offs_n, nmask, K, group_size,
-                                     ssg, GROUP_LOG2, EVEN, ROW_SCALES)
     if PDL:
         gdc_wait()
     # Spans are whole K-blocks, so only K itself cuts a tile (the last span may run past it).
@@ -292,14 +285,8 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
         else:
             word = _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN, rr, nmask, sqk, EVEN)
         if not HAS_GIDX:
-            if SZ_NEXT:  # this tile's scales and zeros were loaded one tile ago
-                s, z = s_nxt, z_nxt
-                kn = tl.minimum(kk + BLOCK_K, K_SPAN - BLOCK_K)  # the last tile's again
-                s_nxt, z_nxt = _int4_rows_sz(s_ptr, z_ptr, k_lo + kn, rr, offs_n, nmask, K,
-                                             group_size, ssg, GROUP_LOG2, EVEN, ROW_SCALES)
-            else:
-                s, z = _int4_rows_sz(s_ptr, z_ptr, k0, rr, offs_n, nmask, K, group_size, ssg,
-                                     GROUP_LOG2, EVEN, ROW_SCALES)
+            s, z = _int4_rows_sz(s_ptr, z_ptr, k0, rr, offs_n, nmask, K, group_size, ssg,
+                                 GROUP_LOG2, EVEN, ROW_SCALES)
             s = s.to(tl.float32)
             if not ZF16 or ROW_SCALES:
                 z = z.to(tl.float32)

@@ -88,9 +88,14 @@ FRAG_MAX_ROWS = 64  # above: the dense path (a fragment-order weight has no GEMM
 # the row-major one. Not for serving: it holds both layouts.
 INT4_BLOCKED = os.environ.get("TPSERVE_INT4_BLOCKED", "0") == "1"
 _BLOCKED: dict[tuple, torch.Tensor] = {}
-# The one-row GEMV with a tile loaded ahead (Tile.prefetch) loads that tile's scales and zeros
-# ahead too, instead of where they are used; TPSERVE_INT4_SZ_AHEAD=0 loads them in place.
-INT4_SZ_AHEAD = os.environ.get("TPSERVE_INT4_SZ_AHEAD", "1") != "0"
+# Registers per thread for the packed one-row GEMV (bfloat16, no act-order, no input norm)
+# where a thread holds at most 4 packed words a tile and one tile ahead: at 32 an SM keeps
+# 16 programs of 4 warps (its 64 warps), at 33-40 only 12, and Llama-3-8B's gated gate_up
+# (1,792 programs on 132 SMs) then runs in two waves. On an H100 two registers more for
+# the same kernel took it from 28.2 to 37.8 us (docs/quantization.md). At 32 the sm_90
+# build of those variants spills nothing (tests/kernels/test_triton_compiles.py checks).
+# 0: no cap.
+GEMV_MAXNREG = int(os.environ.get("TPSERVE_INT4_GEMV_MAXNREG", "32"))
 MMA_PROGRAMS_PER_SM = 2  # K is split until the grid has this many programs per SM
 MMA_AHEAD = 2
 
@@ -264,6 +269,9 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                         _BLOCKED[key] = blocked_pack(w, tile.block_n, up)
                     blocked_w = _BLOCKED[key]
                 wq, sqk, blocked = blocked_w, tile.block_n, True
+            if (GEMV_MAXNREG and packed and rms is None and int(tile.prefetch) <= 1
+                    and tile.block_n * tile.block_k <= 4 * 8 * 32 * tile.warps):
+                launch["maxnreg"] = GEMV_MAXNREG
             jit.int4_gemv_n_kernel[grid](x, out, wq, s, z, g, y, counters, gamma, res, n, k,
                                          group_size, x.stride(1), sos, out.stride(-1),
                                          sqk, s.stride(0), up,
@@ -278,8 +286,7 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Ten
                                          ZF16=packed and z.dtype == torch.float16,
                                          LOOP_STAGES=max(1, tile.pipeline), GATED=gated,
                                          RMS=rms is not None, RESIDUAL=residual is not None,
-                                         BLOCKED=blocked, SZ_AHEAD=INT4_SZ_AHEAD,
-                                         **launch, **chain)
+                                         BLOCKED=blocked, **launch, **chain)
             if summed or fused:
                 return y
     else:
