@@ -107,6 +107,7 @@ def _dot8_bf16x2(word, p0, p1, p2, p3, zz):
     return tl.inline_asm_elementwise(
         """{
         .reg .b32 q, a, t;
+        .reg .b16 lo, hi;
         .reg .f32 f0, f1;
         lop3.b32 q, $1, 0x000F000F, 0x43004300, 0xEA;
         sub.rn.bf16x2 q, q, $6;
@@ -123,10 +124,9 @@ def _dot8_bf16x2(word, p0, p1, p2, p3, zz):
         lop3.b32 q, t, 0x000F000F, 0x43004300, 0xEA;
         sub.rn.bf16x2 q, q, $6;
         fma.rn.bf16x2 a, q, $5, a;
-        shl.b32 t, a, 16;
-        and.b32 q, a, 0xFFFF0000;
-        mov.b32 f0, t;
-        mov.b32 f1, q;
+        mov.b32 {lo, hi}, a;
+        cvt.f32.bf16 f0, lo;
+        cvt.f32.bf16 f1, hi;
         add.f32 $0, f0, f1;
         }""",
         "=r,r,r,r,r,r,r", [word, p0, p1, p2, p3, zz], dtype=tl.float32, is_pure=True, pack=1)
@@ -158,32 +158,6 @@ def _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN: tl.constexpr, rr, nmask, sqk,
         return tl.load(ptrs + (kk // 8) * sqk, mask=more, other=0)
     more = ((k_lo + kk + 8 * rr) < K) & more
     return tl.load(ptrs + (kk // 8) * sqk, mask=more[:, None] & nmask[None, :], other=0)
-
-
-@triton.jit
-def _int4_rows_sz(s_ptr, z_ptr, k0, rr, offs_n, nmask, K, group_size, ssg,
-                  GROUP_LOG2: tl.constexpr, EVEN: tl.constexpr, ROW_SCALES: tl.constexpr):
-    """The scales and zeros of the packed tile at input k0, as stored (no conversion):
-    [1, BLOCK_N] with ROW_SCALES (the tile lies in one group), else one per packed row
-    (a packed row's 8 inputs share a group: group sizes are multiples of 8)."""
-    if ROW_SCALES:
-        g = (k0 >> GROUP_LOG2) if GROUP_LOG2 >= 0 else k0 // group_size
-        at = (g * ssg + offs_n)[None, :]
-        smask = (nmask & (k0 < K))[None, :]
-    else:
-        krow = k0 + 8 * rr
-        if GROUP_LOG2 >= 0:
-            at = (krow >> GROUP_LOG2)[:, None] * ssg + offs_n[None, :]
-        else:
-            at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
-        smask = (krow < K)[:, None] & nmask[None, :]
-    if EVEN:  # whole tiles: no masks (they cost a predicate and a zeroing each)
-        s = tl.load(s_ptr + at)
-        z = tl.load(z_ptr + at)
-    else:
-        s = tl.load(s_ptr + at, mask=smask, other=0.0)
-        z = tl.load(z_ptr + at, mask=smask, other=0.0)
-    return s, z
 
 
 @triton.jit
@@ -284,11 +258,27 @@ def int4_gemv_n_kernel(x_ptr, out_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, y_ptr, cnt_p
             nxt = _int4_rows_tile(ptrs, k_lo, kk + BLOCK_K, K, K_SPAN, rr, nmask, sqk, EVEN)
         else:
             word = _int4_rows_tile(ptrs, k_lo, kk, K, K_SPAN, rr, nmask, sqk, EVEN)
-        if not HAS_GIDX:
-            s, z = _int4_rows_sz(s_ptr, z_ptr, k0, rr, offs_n, nmask, K, group_size, ssg,
-                                 GROUP_LOG2, EVEN, ROW_SCALES)
-            s = s.to(tl.float32)
-            if not ZF16 or ROW_SCALES:
+        if ROW_SCALES:
+            at = (k0 // group_size) * ssg + offs_n
+            if EVEN:
+                s = tl.load(s_ptr + at).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + at).to(tl.float32)[None, :]
+            else:
+                smask = nmask & (k0 < K)
+                s = tl.load(s_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + at, mask=smask, other=0.0).to(tl.float32)[None, :]
+        elif not HAS_GIDX:  # a packed row's 8 inputs share a group (group sizes are 8 k)
+            if GROUP_LOG2 >= 0:
+                at = (krow >> GROUP_LOG2)[:, None] * ssg + offs_n[None, :]
+            else:
+                at = (krow // group_size)[:, None] * ssg + offs_n[None, :]
+            if EVEN:  # whole tiles: no masks (they cost a predicate and a zeroing each)
+                s = tl.load(s_ptr + at).to(tl.float32)
+                z = tl.load(z_ptr + at)
+            else:
+                s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + at, mask=mask, other=0.0)
+            if not ZF16:
                 z = z.to(tl.float32)
         if PACKED:
             p0, p1, p2, p3 = _x_pairs(xw_ptr, krow, K, EVEN)
