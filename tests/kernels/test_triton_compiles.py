@@ -12,7 +12,9 @@ FLOATS = {"scale", "softcap", "eps", "offset", "v_scale", "k_inv_scale", "v_inv_
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}  # --kv-cache-dtype fp8
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, **options):
+def _compile(fn, pointers: dict[str, str], constexprs: dict, div16: tuple = (), **options):
+    """div16: integer arguments the launch would see divisible by 16 (pointers always are),
+    specialised as Triton's launcher specialises them (128-bit loads depend on it)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -24,7 +26,10 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, **options):
             sig[name] = pointers.get(name, pointers["*"])
         else:
             sig[name] = "fp32" if name in FLOATS else "i32"
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constexprs and (name.endswith("_ptr") or name in div16)}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                                      attrs=attrs if div16 else None),
                             target=GPUTarget("cuda", 90, 32), options=options or None)
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
     return kernel
@@ -260,18 +265,9 @@ def test_packed_int4_gemv_fits_32_registers_without_spilling(mode):
                       PDL=True, SPLIT_PAD=4 if mode == "split" else 0, GROUP_LOG2=7,
                       ZF16=True, LOOP_STAGES=1, GATED=int(mode == "gated"), RMS=False,
                       RESIDUAL=mode == "residual", BLOCKED=False, sxk=1, son=1)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.int4_gemv_n_kernel.arg_names)
-             if name.endswith("_ptr") or name in ("N", "K", "group_size", "sos", "sqk", "ssg", "up")}
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = jit.int4_gemv_n_kernel
-    sig = {name: "constexpr" if name in constexprs else ptrs.get(name, ptrs["*"])
-           if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32"
-           for name in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, maxnreg=GEMV_MAXNREG))
+    kernel = _compile(jit.int4_gemv_n_kernel, ptrs, constexprs,
+                      div16=("N", "K", "group_size", "sos", "sqk", "ssg", "up"),
+                      num_warps=4, maxnreg=GEMV_MAXNREG)
     code = _sass(kernel)
     spills = [line for line in code.splitlines() if "STL" in line or "LDL" in line]
     assert not spills, f"{mode}: {len(spills)} local-memory accesses at {GEMV_MAXNREG} " \
