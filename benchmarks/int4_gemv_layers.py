@@ -33,13 +33,12 @@ MAX_REL_ERR = 2e-2  # bfloat16 products and the tree's own roundings; a wrong ke
 def _reference(x, qw, s, z, mode, group, gamma, res):
     import torch
 
-    k = qw.shape[0] * 8
-    q = torch.stack([(qw >> (4 * j)) & 15 for j in range(8)], 1).reshape(k, -1).float()
-    g = torch.arange(k, device=qw.device) // group
+    from tpserve.kernels.quant.torch_ref import dequantize_int4
+
     xf = x.float()
     if mode == "rms":
         xf = xf * torch.rsqrt(xf.pow(2).mean() + 1e-5) * gamma.float()
-    y = xf @ ((q - z.float()[g]) * s.float()[g])
+    y = xf @ dequantize_int4(qw, s.float(), z.float(), group)
     if mode == "gated":
         n = y.shape[1] // 2
         y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
