@@ -47,16 +47,42 @@ def _sigint_note() -> list[str]:
     return []
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray cluster for the session: 4 logical CPUs so tp = 4 can be placed on a
-    2-core machine; shut down (no processes left) at the end."""
+RAY_ARGS = dict(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                namespace="tpserve-tests")
+
+
+def ensure_ray():
+    """The session's local Ray cluster, started if it is not running: 4 logical CPUs so
+    tp = 4 can be placed on a 2-core machine. It is started again after a test that forked
+    shards (forked_shards.py stops it first: a process connected to Ray must not fork)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             namespace="tpserve-tests")
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(**RAY_ARGS)
+    return ray
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    """Whatever Ray this session started is shut down (no processes left) at its end."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_ray_session):
+    """Ray, running, for one test (ensure_ray)."""
+    return ensure_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_for_module(_ray_session):
+    """Ray, running, for a module-scoped fixture that holds actors across its tests; such a
+    module must not fork shards (forked_shards.py would stop Ray under them)."""
+    return ensure_ray()
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,22 @@ start costs ~4 s of CPU (Python, Ray, torch) and a tp = 4 case started four of t
 cores; a forked child has torch imported already and starts in milliseconds. The Ray path
 (placement, actors, their failures) has its own tests: test_tp_llama.py, test_fault.py,
 test_e2e_families.py and the launch tests.
+
+Ray is stopped before the fork: Ray's docs call forking a process connected to it unsafe,
+and a child forked while the session's cluster ran (its core worker's and gRPC's threads
+mid-update) once aborted in its first step with "malloc(): unaligned fastbin chunk
+detected" (CI, 2026-12-07). conftest.ensure_ray starts Ray again for the next test that
+asks for it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -23,6 +32,15 @@ from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError
 
 _CALL_TIMEOUT_S = 300.0
+_FATAL = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+
+
+def _stop_ray() -> None:
+    import sys
+
+    ray = sys.modules.get("ray")  # not imported: nothing of Ray's to inherit
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _serve(cfg: EngineConfig, rank: int, conn) -> None:
@@ -32,6 +50,11 @@ def _serve(cfg: EngineConfig, rank: int, conn) -> None:
     from tpserve.distributed import reset_tp
     from tpserve.worker.worker import Worker
 
+    # The fatal-signal handlers inherited from Ray's native code print and can then hang
+    # instead of exiting; the defaults end the process, after faulthandler's Python stack.
+    for sig in _FATAL:
+        signal.signal(sig, signal.SIG_DFL)
+    faulthandler.enable(all_threads=True)
     reset_tp()  # the test process's own tp info, if it had any, is not this rank's
     torch.set_num_threads(cfg.parallel.cpus_per_shard)  # as Ray sets it for an actor
     worker = Worker(cfg, rank)
@@ -47,11 +70,22 @@ def _serve(cfg: EngineConfig, rank: int, conn) -> None:
     os._exit(0)  # no atexit handlers inherited from the test process (Ray's, pytest's)
 
 
+def _exit_reason(proc) -> str:
+    proc.join(1)
+    code = proc.exitcode
+    if code is None:
+        return "still running, its end of the pipe closed"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
 class ForkedShards(Executor):
     """Executor over tp forked processes; rank 0 runs each step and broadcasts it to ranks
     1..tp-1, whose follow() loops run it, as with Ray actors."""
 
     def __init__(self, cfg: EngineConfig) -> None:
+        _stop_ray()
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
         for rank in range(cfg.parallel.tp_size):
@@ -65,17 +99,27 @@ class ForkedShards(Executor):
         self.following = False
 
     def _send(self, rank: int, method: str, *args: Any) -> None:
-        self.conns[rank].send((method, args))
+        try:
+            self.conns[rank].send((method, args))
+        except OSError as exc:  # the rank's end is closed: it died
+            raise ShardFailedError(f"forked shard {rank} is gone "
+                                   f"({_exit_reason(self.procs[rank])})") from exc
 
     def _recv(self, rank: int, timeout_s: float = _CALL_TIMEOUT_S) -> Any:
-        conn = self.conns[rank]
-        if not conn.poll(timeout_s):
-            raise ShardFailedError(f"forked shard {rank} did not answer in {timeout_s:.0f}s")
+        conn, proc = self.conns[rank], self.procs[rank]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(1.0):  # a rank that died says so now, not at the deadline
+            if not proc.is_alive():
+                raise ShardFailedError(f"forked shard {rank} died ({_exit_reason(proc)}) "
+                                       "before answering; its stderr is above")
+            if time.monotonic() > deadline:
+                raise ShardFailedError(f"forked shard {rank} did not answer in "
+                                       f"{timeout_s:.0f}s")
         try:
             status, value = conn.recv()
-        except EOFError as exc:
+        except (EOFError, OSError) as exc:  # its end closed (a duplex pipe is a socket)
             raise ShardFailedError(f"forked shard {rank} exited "
-                                   f"(exit code {self.procs[rank].exitcode})") from exc
+                                   f"({_exit_reason(proc)})") from exc
         if status == "error":
             raise ShardFailedError(f"forked shard {rank} failed: {value}")
         return value

@@ -23,7 +23,7 @@ KEY = "k-serve-test"
 
 
 @pytest.fixture(scope="module")
-def keyed_url(ray_cluster, llama_dir):
+def keyed_url(ray_for_module, llama_dir):
     from tpserve.serve import app
 
     cfg = EngineConfig(

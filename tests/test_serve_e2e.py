@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_cluster, llama_dir):
+def serve_url(ray_for_module, llama_dir):
     from tpserve.serve import app
 
     cfg = EngineConfig(

@@ -34,7 +34,7 @@ def references(t5_dirs):
 
 @pytest.fixture(scope="module", params=[(m, tp) for m in MODELS for tp in (1, 2, 4)],
                 ids=lambda p: f"{p[0]}-tp{p[1]}")
-def served(request, ray_cluster, t5_dirs):
+def served(request, ray_for_module, t5_dirs):
     name, tp = request.param
     engine = make_engine(t5_dirs[name], tp, block_size=4, num_blocks=NUM_BLOCKS,
                          max_model_len=128, local=tp == 1)
