@@ -47,19 +47,6 @@ def _sigint_note() -> list[str]:
     return []
 
 
-RAY_FIXTURES = frozenset({"ray_cluster", "ray_for_module"})
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Modules with a test that asks for Ray run after the others, each module's tests still
-    together and in their order. Shards are forked only with Ray stopped (forked_shards.py),
-    so a Ray test after a forked one starts the cluster again (~6 s of two cores): in
-    alphabetical order the default job did so about a dozen times (17:09 -> 19:11 on this
-    2-core machine), grouped a few times."""
-    on_ray = {item.path for item in items if RAY_FIXTURES & set(item.fixturenames)}
-    items.sort(key=lambda item: item.path in on_ray)  # stable: the order within each group
-
-
 RAY_ARGS = dict(num_cpus=4, include_dashboard=False, log_to_driver=False,
                 namespace="tpserve-tests")
 
