@@ -53,8 +53,7 @@ RAY_ARGS = dict(num_cpus=4, include_dashboard=False, log_to_driver=False,
 
 def ensure_ray():
     """The session's local Ray cluster, started if it is not running: 4 logical CPUs so
-    tp = 4 can be placed on a 2-core machine. It is started again after a test that forked
-    shards (forked_shards.py stops it first: a process connected to Ray must not fork)."""
+    tp = 4 can be placed on a 2-core machine (again after a test that shut it down)."""
     import ray
 
     if not ray.is_initialized():
@@ -80,8 +79,7 @@ def ray_cluster(_ray_session):
 
 @pytest.fixture(scope="module")
 def ray_for_module(_ray_session):
-    """Ray, running, for a module-scoped fixture that holds actors across its tests; such a
-    module must not fork shards (forked_shards.py would stop Ray under them)."""
+    """Ray, running, for a module-scoped fixture that holds actors across its tests."""
     return ensure_ray()
 
 

@@ -34,7 +34,7 @@ def make_engine(path: Path, tp: int, *, block_size: int = 4, num_blocks: int = 2
                 max_num_seqs: int | None = None) -> Engine:
     """max_num_seqs: the scheduler's (its default when None); fewer sequences warm up fewer
     decode batch sizes, which counts under Triton's interpreter. local: tp = 1 in this
-    process; forked: the shards forked from this process (forked_shards.py), not Ray actors."""
+    process; forked: shards forked by a fork server (forked_shards.py), not Ray actors."""
     seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     cfg = EngineConfig(
         model=ModelConfig(path=str(path), model_id=str(path), max_model_len=max_model_len,
@@ -174,7 +174,7 @@ def engine_matches_reference(path: Path, tp: int, ref_tokens: list[list[int]],
                              ray: bool = False) -> None:
     """A tp-rank engine over path serves PROMPTS as the reference does (assert_matches_
     reference), then shuts down whatever the outcome. tp = 1 runs in this process and tp > 1
-    on shards forked from it (forked_shards.py): the same Worker, model code and gloo
+    on shards forked by a fork server (forked_shards.py): the same Worker, model code and gloo
     collectives a Ray actor runs, without a Ray actor's start (~4 s of CPU each: Python,
     Ray, torch), which made up most of each case. ray: on Ray actors (a replica's own path;
     test_tp_llama.py runs Llama's matrix so)."""

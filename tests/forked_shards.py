@@ -1,4 +1,4 @@
-"""tp shards as processes forked from the test process, for the oracle matrices.
+"""tp shards as processes forked from a clean server process, for the oracle matrices.
 
 Each rank runs the shard Worker a Ray actor runs (process group, weights, cache, steps over
 the control channel from rank 0, gloo all-reduces), so what the matrices check (each rank's
@@ -9,11 +9,13 @@ cores; a forked child has torch imported already and starts in milliseconds. The
 (placement, actors, their failures) has its own tests: test_tp_llama.py, test_fault.py,
 test_e2e_families.py and the launch tests.
 
-Ray is stopped before the fork: Ray's docs call forking a process connected to it unsafe,
-and a child forked while the session's cluster ran (its core worker's and gRPC's threads
-mid-update) once aborted in its first step with "malloc(): unaligned fastbin chunk
-detected" (CI, 2026-12-07). conftest.ensure_ray starts Ray again for the next test that
-asks for it.
+The ranks are forked by multiprocessing's fork server, a process started once per test
+session that imports torch and the worker and does nothing else, not by the test process:
+that one has run Ray, transformers, tqdm's monitor and engine threads by the time it forks,
+and ranks forked from it twice died in their first call with glibc's "unaligned fastbin
+chunk detected" (CI, 2026-12-07: once with Ray running, once after it had been stopped).
+The server holds no rank's pipe, so a rank whose test process is killed reads EOF and
+exits, where a rank forked from the test process also held the earlier ranks' ends.
 """
 
 from __future__ import annotations
@@ -32,42 +34,38 @@ from tpserve.engine.step import StepBatch, StepOutput
 from tpserve.executor.base import Executor, ShardFailedError
 
 _CALL_TIMEOUT_S = 300.0
-_FATAL = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
-
-
-def _stop_ray() -> None:
-    import sys
-
-    ray = sys.modules.get("ray")  # not imported: nothing of Ray's to inherit
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+# What the fork server imports once, so that a rank starts without importing torch.
+_PRELOAD = ["forked_shards", "tpserve.worker.worker"]
 
 
 def _serve(cfg: EngineConfig, rank: int, conn) -> None:
     """A rank's process: answer (method, args) calls on its Worker until "exit"."""
     import torch
 
-    from tpserve.distributed import reset_tp
     from tpserve.worker.worker import Worker
 
-    # The fatal-signal handlers inherited from Ray's native code print and can then hang
-    # instead of exiting; the defaults end the process, after faulthandler's Python stack.
-    for sig in _FATAL:
-        signal.signal(sig, signal.SIG_DFL)
-    faulthandler.enable(all_threads=True)
-    reset_tp()  # the test process's own tp info, if it had any, is not this rank's
+    faulthandler.enable(all_threads=True)  # a crash prints the rank's Python stack
     torch.set_num_threads(cfg.parallel.cpus_per_shard)  # as Ray sets it for an actor
     worker = Worker(cfg, rank)
     while True:
-        method, args = conn.recv()
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the test process is gone (killed): no one to answer
+            break
         if method == "exit":
             break
+        if method == "abort":  # as glibc aborts a process on a corrupt heap (the tests')
+            os.abort()
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
+            reply = ("ok", getattr(worker, method)(*args))
         except BaseException as exc:  # noqa: BLE001 - sent to the test process, raised there
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        try:
+            conn.send(reply)
+        except OSError:  # as above: its end of the pipe is closed
+            break
     conn.close()
-    os._exit(0)  # no atexit handlers inherited from the test process (Ray's, pytest's)
+    os._exit(0)  # no atexit handlers (the fork server's)
 
 
 def _exit_reason(proc) -> str:
@@ -85,8 +83,8 @@ class ForkedShards(Executor):
     1..tp-1, whose follow() loops run it, as with Ray actors."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        _stop_ray()
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first use)
         self.conns, self.procs = [], []
         for rank in range(cfg.parallel.tp_size):
             parent, child = ctx.Pipe()
